@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The test command: installs what is missing into the active Python environment, then runs
+# ruff (format check + lint) and the whole test suite on CPU.
+#   bash scripts/test.sh            # everything
+#   bash scripts/test.sh tests/core # pytest arguments pass through
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+# torch: exactly 2.13.0 when absent (a CPU wheel here; an open range would pull GBs of CUDA wheels).
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install -q "torch==2.13.0"
+fi
+# the package itself (editable, so megalite.kernels maps onto kernels/) and the test extras,
+# installed only when something is missing so a warm machine starts the suite at once.
+if ! "$PY" - <<'PY' 2>/dev/null; then
+import importlib, megalite, megalite.kernels  # noqa
+for m in ("numpy", "sentencepiece", "tensorboard", "pytest", "ruff", "transformers", "safetensors", "triton"):
+    importlib.import_module(m)
+PY
+  "$PY" -m pip install -q -e ".[test,triton]"
+fi
+
+echo "== ruff"
+"$PY" -m ruff format --check .
+"$PY" -m ruff check .
+
+echo "== pytest"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+"$PY" -m pytest -q "$@"

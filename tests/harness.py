@@ -1,0 +1,181 @@
+"""Run a function on N CPU ranks with gloo, cheaply, for tests.
+
+    results = run_distributed(case_fn, 4, arg1, key=value)   # one result per rank, rank order
+
+``case_fn`` must be importable (defined at module level of a test module); it runs on every rank of a
+``world_size``-process gloo world and reads its rank with ``torch.distributed.get_rank()``.
+
+Cost: starting a process and importing torch takes about a second, so workers are pooled. A pool of
+``world_size`` processes is spawned once, joins one gloo world through a ``file://`` rendezvous (no
+port races between parallel test runs), and then serves case after case; process groups a case made
+are destroyed after it. ``tools/bench/bench_harness.py`` measures a case with and without the pool.
+
+Failures: an exception on any rank fails the test with that rank's number and traceback; a rank that
+does not answer within ``timeout`` seconds (default 120) fails it too. Either way the pool is killed,
+since the other ranks may be blocked in a collective, and the next case starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+DEFAULT_TIMEOUT = 120.0
+MAX_POOLS = 3  # world sizes kept warm at once (about 0.3 GB per worker)
+
+
+class DistributedCaseError(AssertionError):
+    pass
+
+
+def _worker(rank: int, world_size: int, init_file: str, tasks, results, timeout: float) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout),
+    )
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            out = fn(*args, **kwargs)
+            results.put(("ok", rank, out))
+        except BaseException:  # noqa: BLE001 - reported to the parent with the rank
+            results.put(("error", rank, traceback.format_exc()))
+        finally:
+            _destroy_subgroups(dist)
+    dist.destroy_process_group()
+
+
+def _destroy_subgroups(dist) -> None:
+    """Destroy every process group but the world one, so cases do not accumulate gloo contexts."""
+    world = dist.group.WORLD
+    for pg in list(dist.distributed_c10d._world.pg_map.keys()):
+        if pg is not world:
+            dist.destroy_process_group(pg)
+
+
+class WorkerPool:
+    def __init__(self, world_size: int, timeout: float = DEFAULT_TIMEOUT):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self._tmp = tempfile.mkdtemp(prefix="megalite-harness-")
+        init_file = os.path.join(self._tmp, "rendezvous")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, init_file, self._tasks[r], self._results, timeout),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn, args, kwargs, timeout: float) -> list:
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        outs: dict[int, object] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while len(outs) + len(errors) < self.world_size:
+            if errors:  # give the other ranks a moment to report theirs, then stop waiting
+                deadline = min(deadline, time.monotonic() + 2.0)
+            try:
+                kind, rank, payload = self._results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead and not errors:
+                    self.close(kill=True)
+                    raise DistributedCaseError(
+                        f"{fn.__name__}: rank(s) {dead} died (exit codes "
+                        f"{[self._procs[r].exitcode for r in dead]})"
+                    ) from None
+                if time.monotonic() > deadline:
+                    break
+                continue
+            (outs if kind == "ok" else errors)[rank] = payload
+        if errors or len(outs) < self.world_size:
+            self.close(kill=True)
+            if errors:
+                first = min(errors)
+                others = sorted(set(errors) - {first})
+                raise DistributedCaseError(
+                    f"{fn.__name__} failed on rank {first} of {self.world_size}"
+                    + (f" (also on ranks {others})" if others else "")
+                    + f":\n{errors[first]}"
+                )
+            silent = sorted(set(range(self.world_size)) - set(outs))
+            raise DistributedCaseError(
+                f"{fn.__name__}: rank(s) {silent} of {self.world_size} did not finish within "
+                f"{timeout:.0f} s (blocked in a collective?)"
+            )
+        return [outs[r] for r in range(self.world_size)]
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
+
+    def close(self, kill: bool = False) -> None:
+        if not kill:
+            for q in self._tasks:
+                q.put(None)
+            for p in self._procs:
+                p.join(timeout=10)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+_POOLS: dict[int, WorkerPool] = {}
+
+
+def _pool(world_size: int) -> WorkerPool:
+    pool = _POOLS.get(world_size)
+    if pool is not None and not pool.alive():
+        pool.close(kill=True)
+        pool = None
+    if pool is None:
+        while len(_POOLS) >= MAX_POOLS:
+            _POOLS.pop(next(iter(_POOLS))).close()
+        pool = _POOLS[world_size] = WorkerPool(world_size)
+    else:  # most recently used last
+        _POOLS[world_size] = _POOLS.pop(world_size)
+    return pool
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results."""
+    pool = _pool(world_size)
+    try:
+        return pool.run(fn, args, kwargs, timeout)
+    except DistributedCaseError:
+        _POOLS.pop(world_size, None)
+        raise
+
+
+def shutdown_pools() -> None:
+    while _POOLS:
+        _POOLS.popitem()[1].close()
+
+
+atexit.register(shutdown_pools)

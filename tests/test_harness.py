@@ -1,0 +1,48 @@
+"""The harness itself: results in rank order, a failing rank named, a blocked rank bounded."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import DistributedCaseError, run_distributed
+
+
+def _sum_of_ranks(offset):
+    t = torch.tensor([float(dist.get_rank() + offset)])
+    dist.all_reduce(t)
+    return dist.get_rank(), t.item()
+
+
+def _fail_on_rank_one():
+    if dist.get_rank() == 1:
+        raise ValueError("boom on purpose")
+    dist.barrier()
+
+
+def _block_on_rank_zero():
+    if dist.get_rank() == 0:
+        t = torch.zeros(1)
+        dist.recv(t, src=1)  # rank 1 never sends
+
+
+def test_results_come_back_in_rank_order():
+    out = run_distributed(_sum_of_ranks, 4, 10)
+    assert out == [(r, 4 * 10 + 0 + 1 + 2 + 3) for r in range(4)]
+
+
+def test_exception_names_rank_and_traceback():
+    with pytest.raises(DistributedCaseError, match=r"rank 1 of 2(.|\n)*boom on purpose"):
+        run_distributed(_fail_on_rank_one, 2)
+    # the pool was replaced: the next case runs
+    assert run_distributed(_sum_of_ranks, 2, 0) == [(0, 1.0), (1, 1.0)]
+
+
+def test_blocked_rank_fails_within_timeout():
+    start = time.monotonic()
+    with pytest.raises(DistributedCaseError, match=r"rank\(s\) \[0\] of 2 did not finish"):
+        run_distributed(_block_on_rank_zero, 2, timeout=3)
+    assert time.monotonic() - start < 30
