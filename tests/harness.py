@@ -2,7 +2,8 @@
 
     results = run_distributed(case_fn, 4, arg1, key=value)   # one result per rank, rank order
 
-``case_fn`` must be importable (defined at module level of a test module); it runs on every rank of a
+``case_fn`` must be importable (defined at module level of a test module); it runs on every rank of
+a
 ``world_size``-process gloo world and reads its rank with ``torch.distributed.get_rank()``.
 
 Cost: starting a process and importing torch takes about a second, so workers are pooled. A pool of
@@ -11,7 +12,8 @@ port races between parallel test runs), and then serves case after case; process
 are destroyed after it. ``tools/bench/bench_harness.py`` measures a case with and without the pool.
 
 Failures: an exception on any rank fails the test with that rank's number and traceback; a rank that
-does not answer within ``timeout`` seconds (default 120) fails it too. Either way the pool is killed,
+does not answer within ``timeout`` seconds (default 120) fails it too. Either way the pool is
+killed,
 since the other ranks may be blocked in a collective, and the next case starts a fresh one.
 """
 
@@ -91,6 +93,7 @@ class WorkerPool:
             p.start()
 
     def run(self, fn, args, kwargs, timeout: float) -> list:
+        __tracebackhide__ = True
         for q in self._tasks:
             q.put((fn, args, kwargs))
         outs: dict[int, object] = {}
@@ -165,6 +168,7 @@ def _pool(world_size: int) -> WorkerPool:
 
 def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results."""
+    __tracebackhide__ = True
     pool = _pool(world_size)
     try:
         return pool.run(fn, args, kwargs, timeout)

@@ -2,14 +2,57 @@
 
 Every function here has the same signature whichever implementation serves it. ``use_fused=False``
 forces the reference (``--no-fused-kernels``, ``--no-masked-softmax-fusion``,
-``--no-persist-layer-norm``). The fused path is taken only for CUDA tensors when triton imports;
+``--no-persist-layer-norm``). The fused path is taken when ``use_fused``, x's dtype is fp16, bf16
+or fp32, triton (>= 3.4) imports, and x is on CUDA, or ``TRITON_INTERPRET=1`` is set, which runs the
+same kernels on CPU tensors through triton's interpreter (that is how the tests exercise them).
 triton is imported lazily, never when megalite is imported.
+
+NVIDIA apex's fused LayerNorm serves only when the caller asks (``use_apex=True``), x is on CUDA
+and ``import apex.normalization`` succeeds; megalite never installs apex.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+from megalite.kernels import runtime
+
+logger = logging.getLogger(__name__)
+
+
+def _use_triton(x: torch.Tensor, use_fused: bool) -> bool:
+    return (
+        use_fused
+        and x.dtype in runtime.KERNEL_DTYPES
+        and runtime.kernel_device_ok(x)
+        and runtime.kernels_ready()
+    )
+
+
+@functools.cache
+def _apex_layer_norm() -> Callable | None:
+    """apex's functional fused LayerNorm, or None (looked up once per process)."""
+    try:
+        import apex.normalization  # noqa: F401
+        from apex.normalization.fused_layer_norm import fused_layer_norm_affine
+    except ImportError:
+        logger.warning(
+            "use_apex=True but apex.normalization does not import: megalite's own LayerNorm "
+            "serves (NVIDIA apex is built from github.com/NVIDIA/apex; PyPI's 'apex' is unrelated)"
+        )
+        return None
+    return fused_layer_norm_affine
+
+
+def _reference_layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
 def layer_norm(
@@ -19,33 +62,47 @@ def layer_norm(
     eps: float,
     *,
     use_fused: bool = True,
+    use_apex: bool = False,
 ) -> torch.Tensor:
-    """LayerNorm over the last dim; statistics in fp32, output in x's dtype."""
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    """LayerNorm over the last dim; statistics in fp32, output in x's dtype.
+
+    x: # [..., h]; weight, bias: # [h]. ``use_apex`` asks for apex's fused LayerNorm (CUDA only,
+    when apex is installed; otherwise the usual choice below serves).
+    """
+    if use_apex and use_fused and x.is_cuda and bias is not None:
+        apex_fn = _apex_layer_norm()
+        if apex_fn is not None:
+            return apex_fn(x, weight, bias, (x.shape[-1],), eps)
+    if _use_triton(x, use_fused):
+        from megalite.kernels.functions import fused_layer_norm
+
+        return fused_layer_norm(x, weight, bias, eps)
+    return _reference_layer_norm(x, weight, bias, eps)
 
 
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, use_fused: bool = True
-) -> torch.Tensor:
-    """RMSNorm as HF Llama computes it: normalise in fp32, cast back, then scale by weight."""
+def _reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * y.to(x.dtype)
 
 
-def scale_mask_softmax(
-    x: torch.Tensor,
-    *,
-    scale: float,
-    causal: bool,
-    mask: torch.Tensor | None = None,
-    use_fused: bool = True,
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, use_fused: bool = True
 ) -> torch.Tensor:
-    """softmax(scale * x + mask) over the last dim of [b, heads, sq, sk] scores.
+    """RMSNorm as HF Llama computes it: normalise in fp32, cast back, then scale by weight.
 
-    ``causal`` masks key j > query i + (sk - sq) (upper triangle); ``mask`` is boolean, True where
-    masked out, broadcastable to x. A fully masked row gives zeros, never NaN. Statistics in fp32.
+    x: # [..., h]; weight: # [h]; output dtype is promote(weight, x) as in HF.
     """
+    if _use_triton(x, use_fused) and weight.dtype in runtime.KERNEL_DTYPES:
+        from megalite.kernels.functions import fused_rms_norm
+
+        return fused_rms_norm(x, weight, eps)
+    return _reference_rms_norm(x, weight, eps)
+
+
+def _reference_scale_mask_softmax(
+    x: torch.Tensor, *, scale: float, causal: bool, mask: torch.Tensor | None
+) -> torch.Tensor:
     scores = x.float() * scale
     masked = None
     if causal:
@@ -60,3 +117,28 @@ def scale_mask_softmax(
     denom = e.sum(-1, keepdim=True)
     y = torch.where(denom > 0, e / denom.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
     return y.to(x.dtype)
+
+
+def scale_mask_softmax(
+    x: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    mask: torch.Tensor | None = None,
+    use_fused: bool = True,
+) -> torch.Tensor:
+    """softmax(scale * x + mask) over the last dim of [b, heads, sq, sk] scores.
+
+    ``causal`` masks key j > query i + (sk - sq) (upper triangle); ``mask`` is boolean, True where
+    masked out, broadcastable to x. A fully masked row gives zeros, never NaN. Statistics in fp32.
+    The fused kernel serves 4-dim scores with a bool (or no) mask; anything else the reference.
+    """
+    if (
+        _use_triton(x, use_fused)
+        and x.dim() == 4
+        and (mask is None or (mask.dtype == torch.bool and mask.dim() <= 4))
+    ):
+        from megalite.kernels.functions import fused_scale_mask_softmax
+
+        return fused_scale_mask_softmax(x, mask, scale, causal)
+    return _reference_scale_mask_softmax(x, scale=scale, causal=causal, mask=mask)

@@ -1,0 +1,275 @@
+"""Tensor-parallel layers: column- and row-parallel linear, vocab-parallel embedding.
+
+Activations are ``[s, b, h]`` (sequence first). With ``sequence_parallel`` the activations outside
+TP
+regions are ``[s/tp, b, h]``: a column-parallel layer all-gathers them on the way in and a
+row-parallel
+layer reduce-scatters on the way out, instead of the identity / all-reduce pair.
+
+Each parameter carries attributes the rest of megalite reads:
+``tensor_model_parallel`` (True if sharded over TP), ``partition_dim`` (the dim it is sharded
+along),
+and ``sequence_parallel`` (True for replicated parameters that see only a sequence shard; their
+grads must be all-reduced over TP).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.core.tensor_parallel.init import InitMethod, default_init
+from megalite.core.tensor_parallel.mappings import (
+    copy_to_tp_region,
+    gather_from_sp_region,
+    gather_from_tp_region,
+    group_rank,
+    group_size,
+    reduce_from_tp_region,
+    reduce_scatter_to_sp_region,
+    scatter_to_tp_region,
+)
+
+
+def divide(numerator: int, denominator: int, *, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(
+            f"{what} {numerator} is not divisible by the tensor-parallel size {denominator}"
+        )
+    return numerator // denominator
+
+
+def set_tp_attributes(param: torch.Tensor, *, partition_dim: int | None) -> None:
+    param.tensor_model_parallel = partition_dim is not None
+    param.partition_dim = partition_dim
+
+
+def _sharded_parameter(
+    shape: tuple[int, ...],
+    *,
+    partition_dim: int,
+    tp_group,
+    init_method: InitMethod,
+    params_dtype: torch.dtype,
+    device: torch.device | None,
+    init_rows: int | None = None,
+    stride: int = 1,
+) -> nn.Parameter:
+    """Initialise the full ``shape`` on CPU in fp32 (only the first ``init_rows`` rows when given;
+    the rest stay zero), keep this rank's chunk along ``partition_dim``.
+
+    ``stride`` > 1: the full tensor is ``stride`` blocks stacked along ``partition_dim`` (SwiGLU's
+    ``[gate; up]``) and each rank keeps its chunk of every block, so a local ``chunk(stride)`` gives
+    this rank's gate and up.
+    """
+    full = torch.zeros(shape, dtype=torch.float32)
+    init_method(full if init_rows is None else full[:init_rows])
+    tp, rank = group_size(tp_group), group_rank(tp_group)
+    blocks = full.chunk(stride, dim=partition_dim)
+    shard = torch.cat([b.chunk(tp, dim=partition_dim)[rank] for b in blocks], dim=partition_dim)
+    param = nn.Parameter(shard.to(device=device, dtype=params_dtype).contiguous())
+    set_tp_attributes(param, partition_dim=partition_dim)
+    param.partition_stride = stride
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = X A^T + b`` with A split by output rows: rank r holds ``A[r*o/tp:(r+1)*o/tp, :]``.
+
+    Input ``[s, b, h_in]`` (``[s/tp, b, h_in]`` under sequence parallel); output ``[s, b,
+    h_out/tp]``,
+    or ``[s, b, h_out]`` with ``gather_output``. Returns ``(output, bias)``: bias is None unless
+    ``skip_bias_add``, in which case it is returned (this rank's slice) for the caller to fuse.
+    ``stride`` > 1 shards each of ``stride`` stacked output blocks separately (see
+    ``_sharded_parameter``); the bias follows the same layout.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        tp_group,
+        bias: bool = True,
+        gather_output: bool = False,
+        skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
+        init_method: InitMethod = default_init,
+        stride: int = 1,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+    ):
+        super().__init__()
+        if sequence_parallel and gather_output:
+            raise ValueError(
+                "ColumnParallelLinear: gather_output is not allowed with sequence_parallel"
+            )
+        tp = group_size(tp_group)
+        self.input_size, self.output_size = input_size, output_size
+        self.output_size_per_partition = (
+            divide(output_size, tp * stride, what="output size") * stride
+        )
+        self.tp_group, self.gather_output = tp_group, gather_output
+        self.skip_bias_add, self.sequence_parallel = skip_bias_add, sequence_parallel
+        self.weight = _sharded_parameter(
+            (output_size, input_size),
+            partition_dim=0,
+            tp_group=tp_group,
+            init_method=init_method,
+            params_dtype=params_dtype,
+            device=device,
+            stride=stride,
+        )
+        if bias:
+            self.bias = nn.Parameter(
+                torch.zeros(self.output_size_per_partition, dtype=params_dtype, device=device)
+            )
+            set_tp_attributes(self.bias, partition_dim=0)
+            self.bias.partition_stride = stride
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(
+        self, x: torch.Tensor, weight: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``weight`` overrides the layer's own (the output layer tied to the word embedding)."""
+        weight = self.weight if weight is None else weight
+        if self.sequence_parallel:
+            x = gather_from_sp_region(x, self.tp_group)  # [s/tp, b, h] -> [s, b, h]
+        else:
+            x = copy_to_tp_region(x, self.tp_group)
+        bias = None if self.skip_bias_add else self.bias
+        y = F.linear(x, weight, bias)  # [s, b, h_out/tp]
+        if self.gather_output:
+            y = gather_from_tp_region(y, self.tp_group)
+        return y, (self.bias if self.skip_bias_add else None)
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X A^T + b`` with A split by input columns: rank r holds ``A[:, r*i/tp:(r+1)*i/tp]``.
+
+    Input ``[s, b, h_in/tp]`` (``input_is_parallel``) or ``[s, b, h_in]`` (then split here). The
+    partial products are all-reduced (``[s, b, h_out]``) or, under sequence parallel,
+    reduce-scattered
+    (``[s/tp, b, h_out]``). The bias is replicated and added after the reduction.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        tp_group,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
+        init_method: InitMethod = default_init,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+    ):
+        super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
+        tp = group_size(tp_group)
+        self.input_size, self.output_size = input_size, output_size
+        self.input_size_per_partition = divide(input_size, tp, what="input size")
+        self.tp_group, self.input_is_parallel = tp_group, input_is_parallel
+        self.skip_bias_add, self.sequence_parallel = skip_bias_add, sequence_parallel
+        self.weight = _sharded_parameter(
+            (output_size, input_size),
+            partition_dim=1,
+            tp_group=tp_group,
+            init_method=init_method,
+            params_dtype=params_dtype,
+            device=device,
+        )
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
+            set_tp_attributes(self.bias, partition_dim=None)
+            self.bias.sequence_parallel = sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.tp_group)
+        if group_size(self.tp_group) == 1 and not self.skip_bias_add:
+            return F.linear(x, self.weight, self.bias), None  # nothing to reduce: fuse the bias
+        partial = F.linear(x, self.weight)  # [s, b, h_out], a partial sum on each TP rank
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sp_region(partial, self.tp_group)  # [s/tp, b, h_out]
+        else:
+            y = reduce_from_tp_region(partial, self.tp_group)
+        if self.skip_bias_add or self.bias is None:
+            return y, self.bias
+        return y + self.bias, None
+
+
+def padded_vocab_size(vocab_size: int, *, make_vocab_size_divisible_by: int, tp_size: int) -> int:
+    """Round the vocabulary up to a multiple of ``make_vocab_size_divisible_by * tp_size``."""
+    if vocab_size < 1:
+        raise ValueError(f"vocabulary size must be >= 1, got {vocab_size}")
+    if make_vocab_size_divisible_by < 1:
+        raise ValueError(
+            f"--make-vocab-size-divisible-by must be >= 1, got {make_vocab_size_divisible_by}"
+        )
+    multiple = make_vocab_size_divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose (padded) vocabulary is split over TP: rank r holds rows
+    ``[r * V_pad/tp, (r+1) * V_pad/tp)``. Only the ``num_embeddings`` real rows are initialised from
+    ``init_method``; padding rows are zero and no token id reaches them.
+
+    Input ids of any shape; output ``[*ids.shape, h]`` all-reduced over TP, or with
+    ``reduce_scatter_embeddings`` (sequence parallel; ids ``[s, b]``) reduce-scattered to ``[s/tp,
+    b, h]``.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        tp_group,
+        make_vocab_size_divisible_by: int = 128,
+        reduce_scatter_embeddings: bool = False,
+        init_method: InitMethod = default_init,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+    ):
+        super().__init__()
+        tp = group_size(tp_group)
+        self.num_embeddings = num_embeddings
+        self.padded_num_embeddings = padded_vocab_size(
+            num_embeddings, make_vocab_size_divisible_by=make_vocab_size_divisible_by, tp_size=tp
+        )
+        self.num_embeddings_per_partition = self.padded_num_embeddings // tp
+        self.vocab_start = group_rank(tp_group) * self.num_embeddings_per_partition
+        self.tp_group, self.reduce_scatter_embeddings = tp_group, reduce_scatter_embeddings
+        self.weight = _sharded_parameter(
+            (self.padded_num_embeddings, embedding_dim),
+            partition_dim=0,
+            tp_group=tp_group,
+            init_method=init_method,
+            params_dtype=params_dtype,
+            device=device,
+            init_rows=num_embeddings,
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        tp = group_size(self.tp_group)
+        if tp > 1:
+            outside = (ids < self.vocab_start) | (
+                ids >= self.vocab_start + self.num_embeddings_per_partition
+            )
+            local = (ids - self.vocab_start).masked_fill(outside, 0)
+            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        else:
+            out = F.embedding(ids, self.weight)
+        if self.reduce_scatter_embeddings:
+            return reduce_scatter_to_sp_region(out, self.tp_group)  # [s/tp, b, h]
+        return reduce_from_tp_region(out, self.tp_group)
