@@ -121,10 +121,16 @@ class WorkerPool:
             if errors:
                 first = min(errors)
                 others = sorted(set(errors) - {first})
+                # the lowest rank's traceback, and every failing rank's last line: the root cause
+                # is often on another rank than the first to report (a peer sees a closed socket)
+                summary = "".join(
+                    f"\n  rank {r}: {errors[r].strip().splitlines()[-1][:300]}"
+                    for r in sorted(errors)
+                )
                 raise DistributedCaseError(
                     f"{fn.__name__} failed on rank {first} of {self.world_size}"
                     + (f" (also on ranks {others})" if others else "")
-                    + f":\n{errors[first]}"
+                    + f":{summary}\n\nrank {first}:\n{errors[first]}"
                 )
             silent = sorted(set(range(self.world_size)) - set(outs))
             raise DistributedCaseError(

@@ -90,7 +90,7 @@ class ParallelState:
     pp_group: object
     dp_group: object
     mp_group: object
-    embedding_group: object
+    embedding_group: object  # None on middle pipeline stages, which hold no embedding
     pp_ranks: list[int]  # global ranks of this rank's pipeline, stage order
     embedding_ranks: list[int]
     device: torch.device
@@ -193,7 +193,8 @@ def initialize_model_parallel(
     groups = {axis: _new_groups(ranks[axis], rank, backend, timeout) for axis in ranks}
     tp_rank, dp_rank, pp_rank = rank_to_coords(rank, tp_size=tp_size, dp_size=dp_size)
     pp_ranks = next(g for g in ranks["pp"] if rank in g)
-    embedding_ranks = next(g for g in ranks["embedding"] if rank in g)
+    # the first and last stage of this rank's pipeline (middle stages are not members)
+    embedding_ranks = sorted({pp_ranks[0], pp_ranks[-1]})
     return ParallelState(
         world_size=world_size,
         rank=rank,

@@ -115,6 +115,22 @@ def test_groups_built_on_8_ranks_match_the_table():
         assert s["tp_sum"] == 2.0
 
 
+def _pp4_state():
+    ps = initialize_model_parallel(1, 4)
+    emb = sorted(dist.get_process_group_ranks(ps.embedding_group)) if ps.embedding_group else None
+    return ps.pp_rank, ps.is_in_embedding_group, ps.embedding_ranks, emb, ps.prev_rank, ps.next_rank
+
+
+def test_pp4_middle_stages_are_outside_the_embedding_group():
+    states = run_distributed(_pp4_state, 4)
+    assert states == [
+        (0, True, [0, 3], [0, 3], None, 1),
+        (1, False, [0, 3], None, 0, 2),
+        (2, False, [0, 3], None, 1, 3),
+        (3, True, [0, 3], [0, 3], 2, None),
+    ]
+
+
 def _refuse_bad_world():
     initialize_model_parallel(3, 1)
 

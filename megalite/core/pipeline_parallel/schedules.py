@@ -9,8 +9,10 @@ All schedules share one contract, so the training loop calls whichever the layou
 micro-batch; on the last stage ``loss_func(output) -> (loss, {name: detached value})`` reduces the
 per-token output to a scalar. The schedule divides each micro-batch's loss by ``num_microbatches``
 before backward, so the grads accumulated over a step are those of the mean loss. It returns the
-list
-of per-micro-batch ``{name: value}`` dicts on the last stage (empty elsewhere).
+list of per-micro-batch ``{name: value}`` dicts on the last stage (empty elsewhere).
+
+Pipeline schedules also take a ``P2PCommunicator`` and the model's ``set_input_tensor``: a non-first
+stage's input is the received activation, set on the model before ``forward_step_func`` runs.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
+from torch.autograd import Variable
+
+from megalite.core.pipeline_parallel.p2p import P2PCommunicator
+from megalite.core.pipeline_parallel.timeline import Timeline
 
 
 def forward_backward_no_pipelining(
@@ -48,3 +54,189 @@ def forward_backward_no_pipelining(
                 loss = grad_scale_func(loss)
             loss.backward()
     return losses
+
+
+class _Stage:
+    """What one pipeline stage does to one micro-batch: forward, backward, with the bookkeeping."""
+
+    def __init__(
+        self, *, forward_step_func, data_iterator, model, num_microbatches, is_last_stage,
+        forward_only, grad_scale_func, timeline,
+    ):  # fmt: skip
+        self.forward_step_func, self.data_iterator, self.model = (
+            forward_step_func,
+            data_iterator,
+            model,
+        )
+        self.num_microbatches, self.is_last_stage = num_microbatches, is_last_stage
+        self.forward_only, self.grad_scale_func = forward_only, grad_scale_func
+        self.timeline = timeline or Timeline()
+        self.losses: list[dict] = []
+
+    def forward(self, input_tensor: torch.Tensor | None) -> torch.Tensor:
+        """Run one micro-batch; return the activation to send (scaled loss on the last stage)."""
+        if input_tensor is not None and not self.forward_only:
+            input_tensor.requires_grad_()
+        grad_ctx = torch.no_grad() if self.forward_only else contextlib.nullcontext()
+        with self.timeline.span("forward"), grad_ctx:
+            _unwrap(self.model).set_input_tensor(input_tensor)
+            output, loss_func = self.forward_step_func(self.data_iterator, self.model)
+            if not self.is_last_stage:
+                return output
+            loss, reported = loss_func(output)
+            self.losses.append(reported)
+            return loss / self.num_microbatches
+
+    def backward(
+        self,
+        input_tensor: torch.Tensor | None,
+        output_tensor: torch.Tensor,
+        output_grad: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """Backpropagate one micro-batch; return the grad of its input (None on the first stage)."""
+        with self.timeline.span("backward"):
+            if output_grad is None:  # last stage: the output is the loss
+                if self.grad_scale_func is not None:
+                    output_tensor = self.grad_scale_func(output_tensor)
+                output_tensor.backward()
+            else:
+                _backward_freed_output(output_tensor, output_grad)
+        return None if input_tensor is None else input_tensor.grad
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while not hasattr(model, "set_input_tensor") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def free_output_storage(output: torch.Tensor | None) -> None:
+    """After an activation is sent, keep its autograd node but drop its data: the next stage has a
+    copy, and backward needs only the node. Saves one ``[s, b, h]`` per in-flight micro-batch."""
+    if output is not None and output.grad_fn is not None:
+        output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
+
+
+def _backward_freed_output(output: torch.Tensor, grad: torch.Tensor) -> None:
+    """``output.backward(grad)`` for an output whose storage was freed (autograd's Python entry
+    point would reject the shape mismatch; the engine itself only needs the node)."""
+    Variable._execution_engine.run_backward(
+        tensors=(output,),
+        grad_tensors=(grad,),
+        keep_graph=False,
+        create_graph=False,
+        inputs=tuple(),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
+
+
+def forward_backward_pipelining_1f1b(
+    *,
+    forward_step_func: Callable,
+    data_iterator: Iterator | None,
+    model: torch.nn.Module,
+    num_microbatches: int,
+    p2p: P2PCommunicator,
+    pp_rank: int,
+    pp_size: int,
+    forward_only: bool = False,
+    grad_scale_func: Callable | None = None,
+    timeline: Timeline | None = None,
+    **_unused,
+) -> list[dict]:
+    """1F1B without interleaving (PipeDream-Flush): after a warmup of forwards, each stage
+    alternates
+    one forward and one backward, so it holds at most ``pp_size - pp_rank`` micro-batches of
+    activations instead of all of them. Works for any ``num_microbatches >= 1`` (with fewer
+    micro-batches than stages the warmup simply covers all of them)."""
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    stage = _Stage(
+        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+        num_microbatches=num_microbatches, is_last_stage=pp_rank == pp_size - 1,
+        forward_only=forward_only, grad_scale_func=grad_scale_func, timeline=timeline,
+    )  # fmt: skip
+    # warmup: stage r runs forwards until the first backward can reach it
+    num_warmup = min(pp_size - pp_rank - 1, num_microbatches)
+    num_steady = num_microbatches - num_warmup
+    inputs: list[torch.Tensor | None] = []  # FIFO of in-flight micro-batches
+    outputs: list[torch.Tensor] = []
+
+    for _ in range(num_warmup):
+        input_tensor = p2p.recv_forward()
+        output = stage.forward(input_tensor)
+        p2p.send_forward(None if stage.is_last_stage else output)
+        if not forward_only:
+            inputs.append(input_tensor)
+            outputs.append(output)
+            if not stage.is_last_stage:
+                free_output_storage(output)
+
+    # steady state: one forward, one backward
+    input_tensor = p2p.recv_forward() if num_steady > 0 else None
+    for i in range(num_steady):
+        last = i == num_steady - 1
+        output = stage.forward(input_tensor)
+        send = None if stage.is_last_stage else output
+        if forward_only:
+            p2p.send_forward(send)
+            input_tensor = None if last else p2p.recv_forward()
+            continue
+        output_grad = p2p.send_forward_recv_backward(send)
+        inputs.append(input_tensor)
+        outputs.append(output)
+        if not stage.is_last_stage:
+            free_output_storage(output)
+        input_tensor = stage.backward(inputs.pop(0), outputs.pop(0), output_grad)
+        if last:
+            p2p.send_backward(input_tensor)
+            input_tensor = None
+        else:
+            input_tensor = p2p.send_backward_recv_forward(input_tensor)
+
+    # cooldown: drain the backwards of the warmup micro-batches
+    if not forward_only:
+        for _ in range(num_warmup):
+            output_grad = p2p.recv_backward()
+            p2p.send_backward(stage.backward(inputs.pop(0), outputs.pop(0), output_grad))
+    return stage.losses
+
+
+def forward_backward_pipelining_gpipe(
+    *,
+    forward_step_func: Callable,
+    data_iterator: Iterator | None,
+    model: torch.nn.Module,
+    num_microbatches: int,
+    p2p: P2PCommunicator,
+    pp_rank: int,
+    pp_size: int,
+    forward_only: bool = False,
+    grad_scale_func: Callable | None = None,
+    timeline: Timeline | None = None,
+    **_unused,
+) -> list[dict]:
+    """GPipe: all forwards, then all backwards (in reverse). Holds every micro-batch's activations;
+    kept beside 1F1B for comparison (``--pipeline-schedule gpipe``)."""
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    stage = _Stage(
+        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+        num_microbatches=num_microbatches, is_last_stage=pp_rank == pp_size - 1,
+        forward_only=forward_only, grad_scale_func=grad_scale_func, timeline=timeline,
+    )  # fmt: skip
+    inputs, outputs = [], []
+    for _ in range(num_microbatches):
+        input_tensor = p2p.recv_forward()
+        output = stage.forward(input_tensor)
+        p2p.send_forward(None if stage.is_last_stage else output)
+        inputs.append(input_tensor)
+        outputs.append(output)
+        if not stage.is_last_stage:
+            free_output_storage(output)
+    if not forward_only:
+        for _ in range(num_microbatches):
+            output_grad = p2p.recv_backward()
+            p2p.send_backward(stage.backward(inputs.pop(), outputs.pop(), output_grad))
+    return stage.losses
