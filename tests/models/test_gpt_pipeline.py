@@ -1,0 +1,135 @@
+"""The GPT model split into pipeline stages equals the single-process model.
+
+For PP in {2, 4} and num_microbatches in {pp, 2*pp + 1}, tied and untied embeddings, both families:
+every micro-batch's loss (on the last stage) and every parameter's grad (on the stage that holds it)
+equal one GPTModel built with ``ParallelState.single()`` in the same process from the same seed, run
+over the same micro-batches with no pipelining. The tied word embedding's two copies (first and last
+stage) both equal the oracle's grad after ``all_reduce_embedding_grads``. fp32, rtol 1e-5 / atol
+1e-6:
+only the order in which micro-batch grads are summed differs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megalite.core.distributed.embedding_grads import all_reduce_embedding_grads
+from megalite.core.parallel_state import ParallelState, initialize_model_parallel
+from megalite.core.pipeline_parallel.p2p import P2PCommunicator
+from megalite.core.pipeline_parallel.schedules import (
+    forward_backward_no_pipelining,
+    forward_backward_pipelining_1f1b,
+    forward_backward_pipelining_gpipe,
+)
+from megalite.core.pipeline_parallel.stages import stage_layer_ranges
+from megalite.models import GPTModel
+from tests.models.helpers import make_batch, make_config
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+SCHEDULES = {"1f1b": forward_backward_pipelining_1f1b, "gpipe": forward_backward_pipelining_gpipe}
+
+
+def _forward_step(data_iterator, model):
+    tokens, labels, weights = next(data_iterator)
+    out = model(tokens, None, labels)
+
+    def loss_func(per_token):
+        loss = (per_token * weights).sum() / weights.sum()
+        return loss, {"lm loss": loss.detach()}
+
+    return out, loss_func
+
+
+def _microbatches(config, m):
+    return [make_batch(config, seed=100 + i) for i in range(m)]
+
+
+def _global_name(name: str, offset: int) -> str:
+    """Stage-local ``decoder.layers.{i}`` -> the oracle's global layer number."""
+    if name.startswith("decoder.layers."):
+        _, _, i, rest = name.split(".", 3)
+        return f"decoder.layers.{int(i) + offset}.{rest}"
+    return name
+
+
+def _stage_case(pp, cases):
+    from tests.harness import run_distributed  # noqa: F401 (documentation: runs under it)
+
+    ps = initialize_model_parallel(1, pp)
+    for family, tied, m, schedule, first_last in cases:
+        overrides = {"num_layers": 4 if first_last is None else 5}
+        overrides["untie_embeddings_and_output_weights"] = not tied
+        config = make_config(family, **overrides)
+        first, last = first_last or (None, None)
+        ranges = stage_layer_ranges(
+            config.num_layers, pp, first_stage_layers=first, last_stage_layers=last
+        )
+        model = GPTModel(
+            config, ps, pre_process=ps.is_first_stage, post_process=ps.is_last_stage,
+            layer_range=ranges[ps.pp_rank],
+        )  # fmt: skip
+        p2p = P2PCommunicator(
+            prev_rank=ps.prev_rank, next_rank=ps.next_rank,
+            tensor_shape=(config.seq_length, 2, config.hidden_size), dtype=torch.float32,
+            device=torch.device("cpu"), group=ps.pp_group,
+        )  # fmt: skip
+        losses = SCHEDULES[schedule](
+            forward_step_func=_forward_step, data_iterator=iter(_microbatches(config, m)),
+            model=model, num_microbatches=m, p2p=p2p, pp_rank=ps.pp_rank, pp_size=pp,
+        )  # fmt: skip
+        all_reduce_embedding_grads(model.shared_embedding_or_output_weight(), ps.embedding_group)
+
+        oracle = GPTModel(config, ParallelState.single())
+        want = forward_backward_no_pipelining(
+            forward_step_func=_forward_step, data_iterator=iter(_microbatches(config, m)),
+            model=oracle, num_microbatches=m,
+        )  # fmt: skip
+        label = (family, tied, m, schedule, first_last, ps.pp_rank)
+        if ps.is_last_stage:
+            assert len(losses) == m, label
+            for got, w in zip(losses, want):
+                torch.testing.assert_close(got["lm loss"], w["lm loss"], **TOL)
+        oracle_params = dict(oracle.named_parameters())
+        offset = ranges[ps.pp_rank][0]
+        checked = 0
+        for name, p in model.named_parameters():
+            ref_name = _global_name(name, offset)
+            if name == "output_layer.weight" and tied:  # the last stage's copy of the embedding
+                ref_name = "embedding.word_embeddings.weight"
+            ref = oracle_params[ref_name]
+            torch.testing.assert_close(p.detach(), ref.detach(), **TOL, msg=f"{label} {name}")
+            torch.testing.assert_close(p.grad, ref.grad, **TOL, msg=f"{label} {name} grad")
+            checked += 1
+        assert checked > 0
+    return True
+
+
+def _cases(pp):
+    cases = []
+    for family in ("gpt2", "llama"):
+        for tied in (True, False):
+            for m in (pp, 2 * pp + 1):
+                cases.append((family, tied, m, "1f1b", None))
+    cases.append(("gpt2", True, pp + 1, "gpipe", None))
+    # TODO(uneven): cases.append(("llama", True, 3, "1f1b", (2, None) if pp == 2 else (2, 1)))
+    return cases
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_gpt_pipeline_equals_single_process(pp):
+    from tests.harness import run_distributed
+
+    assert run_distributed(_stage_case, pp, pp, _cases(pp), timeout=300) == [True] * pp
+
+
+def test_stage_layer_ranges():
+    assert stage_layer_ranges(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert stage_layer_ranges(5, 2, first_stage_layers=2) == [(0, 2), (2, 5)]
+    assert stage_layer_ranges(10, 4, first_stage_layers=1, last_stage_layers=3) == [
+        (0, 1), (1, 4), (4, 7), (7, 10),
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match=r"--num-layers 7 minus .* leaves 7, .* 2 pipeline"):
+        stage_layer_ranges(7, 2)
+    with pytest.raises(ValueError, match=r"needs --pipeline-model-parallel-size > 1"):
+        stage_layer_ranges(4, 1, first_stage_layers=2)

@@ -1,0 +1,229 @@
+"""Pipeline schedule benchmark on CPU/gloo: megalite's 1F1B and GPipe vs
+torch.distributed.pipelining.
+
+    python tools/bench/bench_pipeline.py [--steps 7] [--timeline-dir DIR]
+
+One process per stage (2 stages by default, one core each), the same compute-bound stack of residual
+MLP blocks on every side, the same micro-batches. Prints per-step medians and the ratio megalite /
+torch (target <= 1.0 for 1F1B), then the measured bubble fraction of megalite's 1F1B beside the
+theory
+``(pp - 1) / (m + pp - 1)`` for several m. With ``--timeline-dir`` it writes the per-stage spans of
+one 1F1B and one GPipe step as JSON and SVG (see tools/pipeline_timeline.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from megalite.core.pipeline_parallel.p2p import P2PCommunicator  # noqa: E402
+from megalite.core.pipeline_parallel.schedules import (  # noqa: E402
+    forward_backward_pipelining_1f1b,
+    forward_backward_pipelining_gpipe,
+)
+from megalite.core.pipeline_parallel.timeline import Timeline  # noqa: E402
+
+HIDDEN, BLOCKS_PER_STAGE, MICRO_BATCH = 512, 4, 64
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(HIDDEN, 4 * HIDDEN), nn.Linear(4 * HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class Stack(nn.Module):
+    """The stage's layers; ``set_input_tensor`` for megalite's schedules."""
+
+    def __init__(self, is_first):
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block() for _ in range(BLOCKS_PER_STAGE)])
+        self.is_first, self.input_tensor = is_first, None
+
+    def set_input_tensor(self, t):
+        self.input_tensor = t
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
+def _data(m):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(m * MICRO_BATCH, HIDDEN, generator=g),
+            torch.randn(m * MICRO_BATCH, HIDDEN, generator=g))  # fmt: skip
+
+
+_COMMUNICATORS: dict = {}
+
+
+def _communicator(rank, pp, timeline):
+    """One communicator per run, as in training (its neighbour check runs once)."""
+    if rank not in _COMMUNICATORS:
+        _COMMUNICATORS[rank] = P2PCommunicator(
+            prev_rank=rank - 1 if rank > 0 else None,
+            next_rank=rank + 1 if rank < pp - 1 else None,
+            tensor_shape=(MICRO_BATCH, HIDDEN), dtype=torch.float32, device=torch.device("cpu"),
+        )  # fmt: skip
+    p2p = _COMMUNICATORS[rank]
+    p2p.timeline = timeline
+    return p2p
+
+
+def _megalite_step(stack, schedule, m, rank, pp, timeline=None):
+    x, y = _data(m)
+    xs, ys = x.chunk(m), y.chunk(m)
+    batches = iter(range(m))
+
+    def forward_step(it, model):
+        i = next(it)
+        out = model(xs[i] if model.is_first else model.input_tensor)
+        return out, lambda o: (torch.nn.functional.mse_loss(o, ys[i]), {})
+
+    p2p = _communicator(rank, pp, timeline)
+    fn = (
+        forward_backward_pipelining_1f1b
+        if schedule == "1f1b"
+        else forward_backward_pipelining_gpipe
+    )
+    fn(forward_step_func=forward_step, data_iterator=batches, model=stack, num_microbatches=m,
+       p2p=p2p, pp_rank=rank, pp_size=pp, timeline=timeline)  # fmt: skip
+
+
+def _torch_schedule(stack, schedule, m, rank, pp):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    stage = PipelineStage(stack.blocks, rank, pp, torch.device("cpu"))
+    cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+    sched = cls(stage, n_microbatches=m, loss_fn=torch.nn.functional.mse_loss)
+    x, y = _data(m)
+
+    def step():
+        if rank == 0:
+            sched.step(x)
+        elif rank == pp - 1:
+            sched.step(target=y, losses=[])
+        else:
+            sched.step()
+
+    return step
+
+
+def _timed(step, steps, stack):
+    samples = []
+    for i in range(steps + 1):
+        stack.zero_grad(set_to_none=True)
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        dist.barrier()
+        if i:  # the first step warms up (shape inference, allocations)
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def _worker(rank, pp, init_file, args, results):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=pp)
+    torch.manual_seed(rank)
+    stack = Stack(is_first=rank == 0)
+    out = {}
+    for m in args.microbatches:
+        for schedule in ("1f1b", "gpipe"):
+            ours = _timed(
+                lambda s=schedule, n=m: _megalite_step(stack, s, n, rank, pp), args.steps, stack
+            )
+            theirs = _timed(_torch_schedule(stack, schedule, m, rank, pp), args.steps, stack)
+            out[(m, schedule)] = (ours, theirs)
+        # bubble: idle share of the step on each stage, from recorded spans
+        tl = Timeline()
+        dist.barrier()
+        t0 = time.perf_counter()
+        _megalite_step(stack, "1f1b", m, rank, pp, timeline=tl)
+        dist.barrier()
+        step_time = time.perf_counter() - t0
+        busy = torch.tensor([tl.busy_seconds() / step_time])
+        dist.all_reduce(busy)
+        out[(m, "bubble")] = 1 - busy.item() / pp
+    if args.timeline_dir:
+        for schedule in ("1f1b", "gpipe"):
+            tl = Timeline()
+            dist.barrier()
+            base = time.perf_counter()
+            _megalite_step(stack, schedule, 8, rank, pp, timeline=tl)
+            spans = [[label, s - base, e - base] for label, s, e in tl.spans]
+            gathered = [None] * pp
+            dist.all_gather_object(gathered, spans)
+            if rank == 0:
+                os.makedirs(args.timeline_dir, exist_ok=True)
+                path = os.path.join(args.timeline_dir, f"timeline_{schedule}.json")
+                with open(path, "w") as f:
+                    json.dump({"stages": gathered}, f)
+    if rank == 0:
+        results.put(out)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[8, 1, 2, 4, 16])
+    parser.add_argument("--timeline-dir", default=None)
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    init_file = os.path.join(tempfile.mkdtemp(), "rdzv")
+    procs = [
+        ctx.Process(target=_worker, args=(r, args.pp, init_file, args, q)) for r in range(args.pp)
+    ]
+    for p in procs:
+        p.start()
+    out = q.get(timeout=1800)
+    for p in procs:
+        p.join()
+    pp = args.pp
+    print(
+        f"pp={pp}, {BLOCKS_PER_STAGE} MLP blocks of h={HIDDEN} per stage, micro-batch {MICRO_BATCH}"
+    )
+    for m in args.microbatches:
+        for schedule in ("1f1b", "gpipe"):
+            ours, theirs = out[(m, schedule)]
+            print(
+                f"  m={m:2d} {schedule:5s}: megalite {ours * 1e3:7.1f} ms, torch.distributed."
+                f"pipelining {theirs * 1e3:7.1f} ms, ratio {ours / theirs:.3f}x"
+            )
+        ours_1f1b, ours_gpipe = out[(m, "1f1b")][0], out[(m, "gpipe")][0]
+        print(f"         megalite 1F1B / megalite GPipe: {ours_1f1b / ours_gpipe:.3f}x")
+    print("bubble fraction of megalite 1F1B (idle share of the step, mean over stages):")
+    for m in sorted(args.microbatches):
+        theory = (pp - 1) / (m + pp - 1)
+        print(f"  m={m:2d}: measured {out[(m, 'bubble')]:.3f}, theory {theory:.3f}")
+    if args.timeline_dir:
+        from tools.pipeline_timeline import render_svg
+
+        for schedule in ("1f1b", "gpipe"):
+            base = os.path.join(args.timeline_dir, f"timeline_{schedule}")
+            with open(base + ".json") as f:
+                stages = json.load(f)["stages"]
+            with open(base + ".svg", "w") as f:
+                f.write(render_svg(stages, f"megalite {schedule.upper()}, pp={pp}, m=8"))
+            print(f"wrote {base}.svg")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Draw one pipeline step as an SVG timeline: a row per stage, forward / backward / send / recv
+spans,
+idle time left blank.
+
+    python tools/pipeline_timeline.py TIMELINE.json OUT.svg [--title "1F1B, pp=2, m=8"]
+
+TIMELINE.json holds ``{"stages": [[[label, start_s, end_s], ...], ...]}`` -- one list of spans per
+stage, as recorded by ``megalite.core.pipeline_parallel.timeline.Timeline`` (``tools/bench/
+bench_pipeline.py --timeline-dir`` writes them). Start times are aligned per stage to the step
+start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from html import escape
+
+COLOURS = {"forward": "#4c78a8", "backward": "#f58518", "send": "#54a24b", "recv": "#b279a2"}
+ROW, GAP, LEFT, WIDTH = 28, 8, 70, 1000
+
+
+def _colour(label: str) -> str:
+    return COLOURS.get(label.split("+")[0].split()[0], "#9d9d9d")
+
+
+def render_svg(stages: list[list[tuple[str, float, float]]], title: str = "") -> str:
+    """SVG text for per-stage spans (seconds)."""
+    t0 = min(s for spans in stages for _, s, _ in spans)
+    t1 = max(e for spans in stages for _, _, e in spans)
+    scale = WIDTH / max(t1 - t0, 1e-9)
+    height = 40 + len(stages) * (ROW + GAP) + 40
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{LEFT + WIDTH + 20}" height="{height}" '
+        'font-family="sans-serif" font-size="12">',
+        f'<text x="{LEFT}" y="20" font-size="14">{escape(title)} ({(t1 - t0) * 1e3:.1f} ms)</text>',
+    ]
+    for i, spans in enumerate(stages):
+        y = 32 + i * (ROW + GAP)
+        out.append(f'<text x="4" y="{y + ROW * 0.65}">stage {i}</text>')
+        out.append(
+            f'<rect x="{LEFT}" y="{y}" width="{WIDTH}" height="{ROW}" fill="#f2f2f2"/>'
+        )  # idle background
+        for label, s, e in spans:
+            x, w = LEFT + (s - t0) * scale, max((e - s) * scale, 0.5)
+            out.append(
+                f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{ROW}" '
+                f'fill="{_colour(label)}"><title>{escape(label)} '
+                f"{(e - s) * 1e3:.2f} ms</title></rect>"
+            )
+    y = 32 + len(stages) * (ROW + GAP) + 10
+    for j, (name, colour) in enumerate([*COLOURS.items(), ("idle", "#f2f2f2")]):
+        x = LEFT + j * 110
+        out.append(f'<rect x="{x}" y="{y}" width="14" height="14" fill="{colour}" stroke="#999"/>')
+        out.append(f'<text x="{x + 18}" y="{y + 12}">{name}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("timeline")
+    parser.add_argument("out")
+    parser.add_argument("--title", default="")
+    args = parser.parse_args()
+    with open(args.timeline) as f:
+        stages = json.load(f)["stages"]
+    with open(args.out, "w") as f:
+        f.write(render_svg(stages, args.title))
+
+
+if __name__ == "__main__":
+    main()
