@@ -16,12 +16,18 @@ import argparse
 import json
 from html import escape
 
-COLOURS = {"forward": "#4c78a8", "backward": "#f58518", "send": "#54a24b", "recv": "#b279a2"}
+COLOURS = {
+    "forward": "#4c78a8",
+    "backward": "#f58518",
+    "send": "#54a24b",
+    "recv": "#b279a2",
+    "send+recv": "#72b7b2",  # a paired exchange; includes waiting for the neighbour
+}
 ROW, GAP, LEFT, WIDTH = 28, 8, 70, 1000
 
 
 def _colour(label: str) -> str:
-    return COLOURS.get(label.split("+")[0].split()[0], "#9d9d9d")
+    return COLOURS.get(label, COLOURS.get(label.split()[0], "#9d9d9d"))
 
 
 def render_svg(stages: list[list[tuple[str, float, float]]], title: str = "") -> str:
