@@ -3,9 +3,10 @@
 Every function here has the same signature whichever implementation serves it. ``use_fused=False``
 forces the reference (``--no-fused-kernels``, ``--no-masked-softmax-fusion``,
 ``--no-persist-layer-norm``). The fused path is taken when ``use_fused``, x's dtype is fp16, bf16
-or fp32, triton (>= 3.4) imports, and x is on CUDA, or ``TRITON_INTERPRET=1`` is set, which runs the
-same kernels on CPU tensors through triton's interpreter (that is how the tests exercise them).
-triton is imported lazily, never when megalite is imported.
+or fp32, triton (>= 3.0) imports, and x is on CUDA, or ``TRITON_INTERPRET=1`` is set, which runs the
+same kernels on CPU tensors through triton's interpreter (that is how the tests exercise them;
+triton must then have been imported with the variable set, see tests/kernels/interpreter.py, else
+the reference serves and a warning says why). triton is imported lazily, never when megalite is.
 
 NVIDIA apex's fused LayerNorm serves only when the caller asks (``use_apex=True``), x is on CUDA
 and ``import apex.normalization`` succeeds; megalite never installs apex.

@@ -81,6 +81,7 @@ def _count_bytes(rank: int, world: int, init_file: str, results) -> None:
     names = (
         "all_reduce",
         "all_gather_into_tensor",
+        "all_gather_single",
         "reduce_scatter_single",
         "reduce_scatter_tensor",
     )

@@ -19,11 +19,15 @@ def sequence_parallel_params(params: Iterable[torch.nn.Parameter]) -> list[torch
     return [p for p in params if getattr(p, "sequence_parallel", False)]
 
 
-def all_reduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], tp_group) -> None:
-    """Sum ``p.grad`` over ``tp_group`` for every parameter marked ``sequence_parallel``."""
+def all_reduce_sequence_parallel_grads(
+    params: Iterable[torch.nn.Parameter], tp_group, *, attr: str = "grad"
+) -> None:
+    """Sum ``p.<attr>`` (``grad``, or ``main_grad`` with a grad buffer) over ``tp_group`` for every
+    parameter marked ``sequence_parallel``."""
     if group_size(tp_group) == 1:
         return
-    grads = [p.grad for p in sequence_parallel_params(params) if p.grad is not None]
+    grads = [getattr(p, attr, None) for p in sequence_parallel_params(params)]
+    grads = [g for g in grads if g is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

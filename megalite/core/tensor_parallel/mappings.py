@@ -34,6 +34,12 @@ def group_rank(group) -> int:
     return dist.get_rank(group)
 
 
+def all_gather_tensor(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """``dist.all_gather_single`` where torch has it (2.13 deprecates the older name), else
+    ``dist.all_gather_into_tensor``: concatenate every rank's ``x`` along dim 0 into ``out``."""
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, x, group=group)
+
+
 def reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group) -> None:
     """``dist.reduce_scatter_single`` where torch has it (2.13 deprecates the older name), else
     ``dist.reduce_scatter_tensor``: sum ``x`` over the group, keep this rank's chunk of dim 0."""
@@ -75,7 +81,7 @@ def _gather_first(x: torch.Tensor, group) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
+    all_gather_tensor(out, x, group)
     return out
 
 

@@ -1,0 +1,188 @@
+"""Triton source of fused LayerNorm / RMSNorm (layer_norm.py has the contract and launchers).
+
+Imported only by layer_norm.py, inside a function: importing this module imports triton.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from megalite.kernels._common import round_to
+
+
+@triton.jit
+def norm_fwd(
+    X,
+    W,
+    B,
+    Y,
+    SHIFT,
+    RSTD,
+    n,
+    eps,
+    IS_RMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NUM_BLOCKS: tl.constexpr,
+):
+    # LayerNorm centres in two steps: shift = fp32 mean (off by its summation error), then
+    # x - shift (exact for x near the mean) loses its small residual mean ``corr``. The variance
+    # is taken about the corrected mean, so a row at offset 1e4 with spread 1 keeps full fp32
+    # accuracy; shift is saved and the backward recomputes corr the same way.
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * n
+    y_row = Y + row * n
+    cols = tl.arange(0, BLOCK)
+    if NUM_BLOCKS == 1:
+        live = cols < n
+        x = tl.load(x_row + cols, mask=live, other=0.0).to(tl.float32)
+        if IS_RMS:
+            shift = 0.0
+            xc = x
+        else:
+            shift = tl.sum(x, 0) / n
+            xc = tl.where(live, x - shift, 0.0)
+            xc = tl.where(live, xc - tl.sum(xc, 0) / n, 0.0)
+        rstd = tl.rsqrt(tl.sum(xc * xc, 0) / n + eps)
+        xhat = xc * rstd
+        if IS_RMS:
+            xhat = round_to(xhat, X.dtype.element_ty).to(tl.float32)  # HF: cast back, then weight
+        y = xhat * tl.load(W + cols, mask=live, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y += tl.load(B + cols, mask=live, other=0.0).to(tl.float32)
+        tl.store(y_row + cols, round_to(y, Y.dtype.element_ty), mask=live)
+    else:
+        shift = 0.0
+        if not IS_RMS:
+            acc = tl.zeros([BLOCK], tl.float32)
+            for start in range(0, n, BLOCK):
+                live = start + cols < n
+                acc += tl.load(x_row + start + cols, mask=live, other=0.0).to(tl.float32)
+            shift = tl.sum(acc, 0) / n
+        acc_s = tl.zeros([BLOCK], tl.float32)
+        acc_q = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, n, BLOCK):
+            live = start + cols < n
+            x = tl.load(x_row + start + cols, mask=live, other=0.0).to(tl.float32)
+            xc = tl.where(live, x - shift, 0.0)
+            acc_s += xc
+            acc_q += xc * xc
+        if IS_RMS:
+            corr = 0.0
+            var = tl.sum(acc_q, 0) / n
+        else:
+            corr = tl.sum(acc_s, 0) / n
+            var = tl.maximum(tl.sum(acc_q, 0) / n - corr * corr, 0.0)
+        rstd = tl.rsqrt(var + eps)
+        for start in range(0, n, BLOCK):
+            live = start + cols < n
+            x = tl.load(x_row + start + cols, mask=live, other=0.0).to(tl.float32)
+            xhat = (x - shift - corr) * rstd
+            if IS_RMS:
+                xhat = round_to(xhat, X.dtype.element_ty).to(tl.float32)
+            y = xhat * tl.load(W + start + cols, mask=live, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                y += tl.load(B + start + cols, mask=live, other=0.0).to(tl.float32)
+            tl.store(y_row + start + cols, round_to(y, Y.dtype.element_ty), mask=live)
+    if not IS_RMS:
+        tl.store(SHIFT + row, shift)
+    tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def norm_bwd(
+    X,
+    W,
+    DY,
+    DX,
+    SHIFT,
+    RSTD,
+    DW_PART,
+    DB_PART,
+    m,
+    n,
+    IS_RMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NUM_BLOCKS: tl.constexpr,
+):
+    # dx = rstd * (w*dy - xhat * mean(xhat * w*dy) - mean(w*dy))   (RMS: no last term)
+    # dweight = sum over rows of dy * xhat, dbias = sum of dy: this program's rows only
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK)
+    dw_part = DW_PART + tl.cast(pid, tl.int64) * n
+    db_part = DB_PART + tl.cast(pid, tl.int64) * n
+    if NUM_BLOCKS == 1:
+        live = cols < n
+        w = tl.load(W + cols, mask=live, other=0.0).to(tl.float32)
+        acc_dw = tl.zeros([BLOCK], tl.float32)
+        acc_db = tl.zeros([BLOCK], tl.float32)
+        for row in range(pid, m, programs):
+            offs = tl.cast(row, tl.int64) * n + cols
+            x = tl.load(X + offs, mask=live, other=0.0).to(tl.float32)
+            dy = tl.load(DY + offs, mask=live, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + row)
+            if IS_RMS:
+                xhat = x * rstd
+            else:
+                xc = tl.where(live, x - tl.load(SHIFT + row), 0.0)
+                xhat = tl.where(live, (xc - tl.sum(xc, 0) / n) * rstd, 0.0)
+            wdy = w * dy
+            c1 = tl.sum(xhat * wdy, 0) / n
+            if IS_RMS:
+                dx = (wdy - xhat * c1) * rstd
+                acc_dw += dy * round_to(xhat, X.dtype.element_ty).to(tl.float32)
+            else:
+                c2 = tl.sum(wdy, 0) / n
+                dx = (wdy - (xhat * c1 + c2)) * rstd
+                acc_dw += dy * xhat
+            if HAS_BIAS:
+                acc_db += dy
+            tl.store(DX + offs, round_to(dx, DX.dtype.element_ty), mask=live)
+        tl.store(dw_part + cols, acc_dw, mask=live)
+        if HAS_BIAS:
+            tl.store(db_part + cols, acc_db, mask=live)
+    else:
+        # partial rows start zeroed; this program alone owns row pid of them
+        for row in range(pid, m, programs):
+            base = tl.cast(row, tl.int64) * n
+            rstd = tl.load(RSTD + row)
+            shift = 0.0
+            if not IS_RMS:
+                shift = tl.load(SHIFT + row)
+            acc_xw = tl.zeros([BLOCK], tl.float32)
+            acc_w = tl.zeros([BLOCK], tl.float32)
+            acc_x = tl.zeros([BLOCK], tl.float32)
+            for start in range(0, n, BLOCK):
+                live = start + cols < n
+                x = tl.load(X + base + start + cols, mask=live, other=0.0).to(tl.float32)
+                dy = tl.load(DY + base + start + cols, mask=live, other=0.0).to(tl.float32)
+                w = tl.load(W + start + cols, mask=live, other=0.0).to(tl.float32)
+                xc = tl.where(live, x - shift, 0.0)
+                acc_xw += xc * w * dy
+                acc_w += w * dy
+                acc_x += xc
+            corr = 0.0
+            if not IS_RMS:
+                corr = tl.sum(acc_x, 0) / n
+            c2 = tl.sum(acc_w, 0) / n
+            c1 = rstd * (tl.sum(acc_xw, 0) / n - corr * c2)  # mean(xhat * w*dy)
+            for start in range(0, n, BLOCK):
+                live = start + cols < n
+                x = tl.load(X + base + start + cols, mask=live, other=0.0).to(tl.float32)
+                dy = tl.load(DY + base + start + cols, mask=live, other=0.0).to(tl.float32)
+                w = tl.load(W + start + cols, mask=live, other=0.0).to(tl.float32)
+                xhat = (x - shift - corr) * rstd
+                if IS_RMS:
+                    dx = (w * dy - xhat * c1) * rstd
+                    xhat = round_to(xhat, X.dtype.element_ty).to(tl.float32)
+                else:
+                    dx = (w * dy - (xhat * c1 + c2)) * rstd
+                tl.store(DX + base + start + cols, round_to(dx, DX.dtype.element_ty), mask=live)
+                part = tl.load(dw_part + start + cols, mask=live, other=0.0)
+                tl.store(dw_part + start + cols, part + dy * xhat, mask=live)
+                if HAS_BIAS:
+                    part = tl.load(db_part + start + cols, mask=live, other=0.0)
+                    tl.store(db_part + start + cols, part + dy, mask=live)

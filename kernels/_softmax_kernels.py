@@ -1,0 +1,135 @@
+"""Triton source of the fused scale-mask-softmax (see softmax.py for the contract and launchers).
+
+Imported only by softmax.py, inside a function: importing this module imports triton.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from megalite.kernels._common import round_to
+
+
+@triton.jit
+def softmax_fwd(
+    X,
+    MASK,
+    Y,
+    scale,
+    sq,
+    sk,
+    heads,
+    stride_mb,
+    stride_mh,
+    stride_mq,
+    stride_mk,
+    CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NUM_BLOCKS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # over b * heads * sq
+    q = row % sq
+    bh = row // sq
+    x_row = X + row * sk
+    y_row = Y + row * sk
+    m_row = MASK + (bh // heads) * stride_mb + (bh % heads) * stride_mh + q * stride_mq
+    last_key = q + (sk - sq)  # causal: keys 0..last_key are visible
+    cols = tl.arange(0, BLOCK)
+    if NUM_BLOCKS == 1:
+        in_row = cols < sk
+        keep = in_row
+        if CAUSAL:
+            keep = keep & (cols <= last_key)
+        if HAS_MASK:
+            hidden = tl.load(m_row + cols * stride_mk, mask=in_row, other=1)
+            keep = keep & (hidden == 0)
+        s = tl.load(x_row + cols, mask=keep, other=0.0).to(tl.float32) * scale
+        s = tl.where(keep, s, float("-inf"))
+        row_max = tl.max(s, 0)
+        row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # fully masked row
+        e = tl.exp(s - row_max)  # exp(-inf) = 0 at masked keys
+        denom = tl.sum(e, 0)
+        inv = tl.where(denom > 0.0, 1.0 / tl.where(denom > 0.0, denom, 1.0), 0.0)
+        tl.store(y_row + cols, round_to(e * inv, Y.dtype.element_ty), mask=in_row)
+    else:
+        # pass 1: per-lane running max and rescaled sum (online softmax), merged at the end
+        lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
+        lane_sum = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, sk, BLOCK):
+            c = start + cols
+            keep = c < sk
+            if CAUSAL:
+                keep = keep & (c <= last_key)
+            if HAS_MASK:
+                hidden = tl.load(m_row + c * stride_mk, mask=c < sk, other=1)
+                keep = keep & (hidden == 0)
+            s = tl.load(x_row + c, mask=keep, other=0.0).to(tl.float32) * scale
+            s = tl.where(keep, s, float("-inf"))
+            new_max = tl.maximum(lane_max, s)
+            safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+            lane_sum = lane_sum * tl.exp(lane_max - safe) + tl.exp(s - safe)
+            lane_max = new_max
+        row_max = tl.max(lane_max, 0)
+        row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+        denom = tl.sum(lane_sum * tl.exp(lane_max - row_max), 0)
+        inv = tl.where(denom > 0.0, 1.0 / tl.where(denom > 0.0, denom, 1.0), 0.0)
+        # pass 2: normalise and write
+        for start in range(0, sk, BLOCK):
+            c = start + cols
+            keep = c < sk
+            if CAUSAL:
+                keep = keep & (c <= last_key)
+            if HAS_MASK:
+                hidden = tl.load(m_row + c * stride_mk, mask=c < sk, other=1)
+                keep = keep & (hidden == 0)
+            s = tl.load(x_row + c, mask=keep, other=0.0).to(tl.float32) * scale
+            y = tl.where(keep, tl.exp(s - row_max) * inv, 0.0)
+            tl.store(y_row + c, round_to(y, Y.dtype.element_ty), mask=c < sk)
+
+
+@triton.jit
+def softmax_bwd(
+    Y,
+    DY,
+    DX,
+    scale,
+    sq,
+    sk,
+    CAUSAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NUM_BLOCKS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    # y = 0 at masked keys, so dx = 0 there; causal rows skip reading past the diagonal
+    n_read = sk
+    if CAUSAL:
+        n_read = tl.minimum(tl.maximum(row % sq + (sk - sq) + 1, 0), sk)
+    y_row = Y + row * sk
+    dy_row = DY + row * sk
+    dx_row = DX + row * sk
+    cols = tl.arange(0, BLOCK)
+    if NUM_BLOCKS == 1:
+        live = cols < n_read
+        y = tl.load(y_row + cols, mask=live, other=0.0).to(tl.float32)
+        dy = tl.load(dy_row + cols, mask=live, other=0.0).to(tl.float32)
+        dot = tl.sum(y * dy, 0)
+        dx = scale * y * (dy - dot)
+        tl.store(dx_row + cols, round_to(dx, DX.dtype.element_ty), mask=cols < sk)
+    else:
+        acc = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, sk, BLOCK):
+            live = (start + cols) < n_read
+            y = tl.load(y_row + start + cols, mask=live, other=0.0).to(tl.float32)
+            dy = tl.load(dy_row + start + cols, mask=live, other=0.0).to(tl.float32)
+            acc += y * dy
+        dot = tl.sum(acc, 0)
+        for start in range(0, sk, BLOCK):
+            live = (start + cols) < n_read
+            y = tl.load(y_row + start + cols, mask=live, other=0.0).to(tl.float32)
+            dy = tl.load(dy_row + start + cols, mask=live, other=0.0).to(tl.float32)
+            dx = scale * y * (dy - dot)
+            tl.store(
+                dx_row + start + cols, round_to(dx, DX.dtype.element_ty), mask=(start + cols) < sk
+            )

@@ -1,0 +1,72 @@
+"""Build the AdamW optimizer with Megatron's parameter groups.
+
+Weight decay applies to matrices (linear weights, embeddings) only: biases and norm weights (every
+1-D parameter, and anything named ``*.bias``) form a group with ``weight_decay = 0``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from megalite.core.optimizer.loss_scaler import LossScaler
+from megalite.core.optimizer.mixed_precision import MixedPrecisionOptimizer
+
+
+def is_no_weight_decay(name: str, param: torch.Tensor) -> bool:
+    return name.endswith(".bias") or name == "bias" or param.ndim == 1
+
+
+def get_param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
+    """``[{"params": decayed, "weight_decay": wd}, {"params": rest, "weight_decay": 0.0}]`` over
+    the trainable parameters of ``model`` (each once, tied parameters included once); empty groups
+    are dropped."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if is_no_weight_decay(name, param) else decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(
+    model: nn.Module,
+    *,
+    lr: float,
+    weight_decay: float,
+    adam_beta1: float = 0.9,
+    adam_beta2: float = 0.999,
+    adam_eps: float = 1e-8,
+    clip_grad: float = 1.0,
+    mp_group=None,
+    tp_rank: int = 0,
+    duplicates: Iterable[torch.Tensor] = (),
+    loss_scaler: LossScaler | None = None,
+    count_zeros: bool = False,
+) -> MixedPrecisionOptimizer:
+    """AdamW over fp32 masters of ``model``'s parameters (see ``MixedPrecisionOptimizer``).
+
+    ``lr`` is the initial learning rate; the scheduler overwrites it every step.
+    """
+
+    def build_inner(groups: list[dict]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            groups, lr=lr, betas=(adam_beta1, adam_beta2), eps=adam_eps, weight_decay=weight_decay
+        )
+
+    return MixedPrecisionOptimizer(
+        get_param_groups(model, weight_decay=weight_decay),
+        build_inner,
+        clip_grad=clip_grad,
+        mp_group=mp_group,
+        tp_rank=tp_rank,
+        duplicates=duplicates,
+        loss_scaler=loss_scaler,
+        count_zeros=count_zeros,
+    )

@@ -1,0 +1,112 @@
+"""Build the model stage, its data-parallel wrapper, the optimizer and the LR schedule from a
+``PretrainConfig`` and a ``ParallelState``.
+
+Works unchanged with ``ParallelState.single()`` (every group None): that is how the tests build the
+single-process oracle next to the sharded run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megalite.core.distributed.data_parallel import DistributedDataParallel
+from megalite.core.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
+from megalite.core.optimizer.mixed_precision import MixedPrecisionOptimizer
+from megalite.core.optimizer.optimizer import build_optimizer
+from megalite.core.parallel_state import ParallelState
+from megalite.core.tensor_parallel.random import RNGStatesTracker
+from megalite.models.gpt import GPTModel
+from megalite.training.config import OptimizerConfig, PretrainConfig
+from megalite.training.lr_schedule import LRScheduler
+
+
+def build_loss_scaler(opt: OptimizerConfig, *, device: torch.device) -> LossScaler | None:
+    """fp16 only: ``--loss-scale S`` constant, else dynamic. None for bf16 and fp32."""
+    if not opt.fp16:
+        return None
+    if opt.loss_scale is not None:
+        return ConstantLossScaler(opt.loss_scale, device=device)
+    return DynamicLossScaler(
+        opt.initial_loss_scale,
+        min_scale=opt.min_loss_scale,
+        window=opt.loss_scale_window,
+        hysteresis=opt.hysteresis,
+        device=device,
+    )
+
+
+def build_model(
+    cfg: PretrainConfig,
+    ps: ParallelState,
+    *,
+    device: torch.device,
+    rng_tracker: RNGStatesTracker | None,
+) -> GPTModel:
+    """This rank's pipeline stage of the GPT model (the whole model when PP = 1)."""
+    return GPTModel(
+        cfg.model,
+        ps,
+        pre_process=ps.is_first_stage,
+        post_process=ps.is_last_stage,
+        rng_tracker=rng_tracker,
+        device=device,
+    )
+
+
+def tied_embedding_params(model: GPTModel, ps: ParallelState) -> tuple[list, list]:
+    """(params whose grads are summed over the embedding group, params not counted in the grad
+    norm): with PP > 1 and tied embeddings, the first and last stage each hold the word embedding;
+    the last stage's copy is the duplicate. Both empty when PP = 1 (one shared Parameter)."""
+    shared = model.shared_embedding_or_output_weight()
+    if shared is None or ps.pp_size == 1:
+        return [], []
+    duplicates = [shared] if not ps.is_first_stage else []
+    return [shared], duplicates
+
+
+def setup_model_and_optimizer(
+    cfg: PretrainConfig,
+    ps: ParallelState,
+    *,
+    device: torch.device,
+    rng_tracker: RNGStatesTracker | None = None,
+) -> tuple[DistributedDataParallel, MixedPrecisionOptimizer, LRScheduler]:
+    """Model stage in ``cfg.model.params_dtype`` wrapped for DP grad sync, AdamW over fp32 masters
+    (loss scaler under fp16), and the LR schedule (already applied to the optimizer)."""
+    module = build_model(cfg, ps, device=device, rng_tracker=rng_tracker)
+    shared, duplicates = tied_embedding_params(module, ps)
+    par, opt = cfg.parallel, cfg.optimizer
+    model = DistributedDataParallel(
+        module,
+        dp_group=ps.dp_group,
+        tp_group=ps.tp_group,
+        embedding_group=ps.embedding_group,
+        shared_params=shared,
+        accumulate_allreduce_grads_in_fp32=par.accumulate_allreduce_grads_in_fp32,
+        bucket_size=par.bucket_size(),
+    )
+    optimizer = build_optimizer(
+        model,
+        lr=opt.lr,
+        weight_decay=opt.weight_decay,
+        adam_beta1=opt.adam_beta1,
+        adam_beta2=opt.adam_beta2,
+        adam_eps=opt.adam_eps,
+        clip_grad=opt.clip_grad,
+        mp_group=ps.mp_group,
+        tp_rank=ps.tp_rank,
+        duplicates=duplicates,
+        loss_scaler=build_loss_scaler(opt, device=device),
+        count_zeros=cfg.logging.log_num_zeros_in_grad,
+    )
+    decay_iters = opt.lr_decay_iters or cfg.training.train_iters
+    scheduler = LRScheduler(
+        optimizer,
+        max_lr=opt.lr,
+        min_lr=opt.min_lr,
+        warmup_iters=opt.warmup_iters(decay_iters),
+        decay_iters=decay_iters,
+        decay_style=opt.lr_decay_style,
+        warmup_init=opt.lr_warmup_init,
+    )
+    return model, optimizer, scheduler

@@ -1,0 +1,84 @@
+"""One training iteration: forward-backward over the micro-batches, grad sync, optimizer step.
+
+    result = train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ps=ps,
+                        num_microbatches=n, forward_backward_func=get_forward_backward_func(ps))
+
+Global batch = ``micro_batch_size x num_microbatches x dp_size``. The reported losses are the mean
+over this rank's micro-batches, averaged over the DP group: equal to the mean over all micro-batches
+of the global batch (last stage; empty elsewhere). The LR schedule advances only when the optimizer
+actually stepped (an fp16 overflow skips both).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megalite.core.distributed.data_parallel import DistributedDataParallel
+from megalite.core.optimizer.mixed_precision import MixedPrecisionOptimizer
+from megalite.core.parallel_state import ParallelState
+from megalite.core.tensor_parallel.mappings import group_size
+from megalite.training.lr_schedule import LRScheduler
+
+
+@dataclass
+class StepResult:
+    losses: dict[str, torch.Tensor]  # name -> 0-d fp32 tensor (DP-averaged); empty off last stage
+    update_successful: bool
+    grad_norm: torch.Tensor | None  # None when the step was skipped
+    num_zeros_in_grad: int | None
+    learning_rate: float  # the rate this step used
+
+
+def average_losses_across_dp(
+    reported: list[dict[str, torch.Tensor]], dp_group
+) -> dict[str, torch.Tensor]:
+    """Mean over micro-batches of each name, then the mean over the DP group (one all-reduce)."""
+    if not reported:
+        return {}
+    names = list(reported[0])
+    stacked = torch.stack(
+        [torch.stack([r[n].float().reshape(()) for r in reported]).mean() for n in names]
+    )  # [num_names]
+    dp = group_size(dp_group)
+    if dp > 1:
+        dist.all_reduce(stacked, group=dp_group)
+        stacked = stacked / dp
+    return dict(zip(names, stacked.unbind(0)))
+
+
+def train_step(
+    forward_step_func: Callable,
+    data_iterator: Iterator | None,
+    model: DistributedDataParallel,
+    optimizer: MixedPrecisionOptimizer,
+    scheduler: LRScheduler,
+    *,
+    ps: ParallelState,
+    num_microbatches: int,
+    forward_backward_func: Callable[..., list[dict]],
+    seq_length: int | None = None,
+    micro_batch_size: int | None = None,
+) -> StepResult:
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    reported = forward_backward_func(
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=num_microbatches,
+        forward_only=False,
+        grad_scale_func=optimizer.scale_loss if optimizer.loss_scaler is not None else None,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+    )
+    model.finish_grad_sync()
+    learning_rate = optimizer.param_groups[0]["lr"]
+    update_successful, grad_norm, num_zeros = optimizer.step()
+    if update_successful:
+        scheduler.step()
+    losses = average_losses_across_dp(reported, ps.dp_group) if ps.is_last_stage else {}
+    return StepResult(losses, update_successful, grad_norm, num_zeros, learning_rate)

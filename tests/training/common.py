@@ -1,0 +1,99 @@
+"""Shared pieces of the training tests: tiny model flags, and running N steps of the real loop."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import torch
+
+from megalite.core.parallel_state import ParallelState
+from megalite.core.tensor_parallel.random import model_parallel_seed
+from megalite.data.builders import build_data_loaders
+from megalite.training.arguments import parse_args
+from megalite.training.config import PretrainConfig
+from megalite.training.forward_step import make_forward_step
+from megalite.training.pretrain import Trainer, TrainResult
+
+# h=32, 2 layers, seq 16, vocab 127 + eod = 128 ids: tiny, but every code path of both families.
+BASE = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+    "--micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
+    "--train-iters 5 --mock-data --tokenizer-type NullTokenizer --vocab-size 127 "
+    "--hidden-dropout 0 --attention-dropout 0 --log-interval 1000 --eval-iters 0 --seed 7"
+).split()
+FAMILIES = {
+    "gpt2": [],
+    "llama": (
+        "--position-embedding-type rope --normalization RMSNorm --swiglu --ffn-hidden-size 64 "
+        "--group-query-attention --num-query-groups 2 --disable-bias-linear "
+        "--untie-embeddings-and-output-weights --norm-epsilon 1e-6"
+    ).split(),
+}
+
+
+def config(*extra: str, world_size: int = 1, rank: int = 0) -> PretrainConfig:
+    """The tiny model's config as the launcher of a ``world_size``-rank job would see it."""
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world_size)} if world_size > 1 else {}
+    return parse_args([*BASE, *extra], env=env)
+
+
+def trainer_and_data(
+    cfg: PretrainConfig, ps: ParallelState, *, dropout_seeded: bool = False
+) -> tuple[Trainer, Iterator]:
+    """A Trainer for ``cfg`` on CPU and this DP rank's mock-data train iterator."""
+    device = torch.device("cpu")
+    tracker = None
+    if dropout_seeded:
+        tracker = model_parallel_seed(cfg.training.seed, tp_rank=ps.tp_rank, pp_rank=ps.pp_rank)
+    trainer = Trainer(cfg, ps, device=device, tracker=tracker)
+    t = cfg.training
+    train_iter, _, _ = build_data_loaders(
+        cfg.data,
+        tokenizer=cfg.tokenizer,
+        micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size,
+        dp_rank=ps.dp_rank,
+        dp_size=ps.dp_size,
+        train_samples=t.train_iters * t.global_batch_size,
+        valid_samples=0,
+        test_samples=0,
+    )
+    return trainer, train_iter
+
+
+def train_losses(
+    cfg: PretrainConfig, ps: ParallelState, *, dropout_seeded: bool = False
+) -> TrainResult:
+    """Run ``cfg.training.train_iters`` iterations of the real loop on mock data (this DP rank's
+    share of every global batch); the result holds the losses (every rank of the last stage)."""
+    trainer, train_iter = trainer_and_data(cfg, ps, dropout_seeded=dropout_seeded)
+    return trainer.train(make_forward_step(torch.device("cpu")), train_iter)
+
+
+def assert_close_rel(actual: list[float], expected: list[float], rel: float, what: str) -> None:
+    assert len(actual) == len(expected), (what, actual, expected)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert abs(a - e) <= rel * abs(e), f"{what}: step {i + 1}: {a!r} vs {e!r} (rel {rel})"
+
+
+class LogCapture(logging.Handler):
+    """Collect the INFO+ messages of the ``megalite`` loggers while installed (``with`` block)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def __enter__(self) -> LogCapture:
+        self._logger = logging.getLogger("megalite")
+        self._level = self._logger.level
+        self._logger.addHandler(self)
+        self._logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._logger.removeHandler(self)
+        self._logger.setLevel(self._level)
