@@ -15,6 +15,7 @@ import logging
 from collections.abc import Mapping, Sequence
 
 from megalite.core.parallel_state import validate_parallel_sizes
+from megalite.core.pipeline_parallel.stages import stage_layer_ranges
 from megalite.data.config import DataConfig
 from megalite.data.tokenizers import build_tokenizer
 from megalite.models.config import GPTConfig
@@ -84,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     par = p.add_argument_group("parallelism")
     par.add_argument("--tensor-model-parallel-size", type=int, default=1)
     par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    par.add_argument("--decoder-first-pipeline-num-layers", type=int)
+    par.add_argument("--decoder-last-pipeline-num-layers", type=int)
+    par.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe"], default="1f1b")
     par.add_argument("--sequence-parallel", action="store_true")
     par.add_argument("--use-distributed-optimizer", action="store_true")
     par.add_argument("--overlap-grad-reduce", action="store_true")
@@ -283,16 +287,16 @@ def build_config(a: argparse.Namespace, *, world_size: int, rank: int = 0) -> Pr
         dp = validate_parallel_sizes(world_size, tp, pp)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if a.num_layers >= 1 and pp >= 1 and a.num_layers % pp:
-        _fail(
-            f"--num-layers {a.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
-            "each stage must hold the same number of layers"
-        )
-    if pp > 1:
-        _fail(
-            f"--pipeline-model-parallel-size {pp}: pipeline parallelism lands in issue 4; "
-            "use 1 for now"
-        )
+    if a.num_layers >= 1:
+        try:  # every stage must get a whole, positive number of layers
+            stage_layer_ranges(
+                a.num_layers,
+                pp,
+                first_stage_layers=a.decoder_first_pipeline_num_layers,
+                last_stage_layers=a.decoder_last_pipeline_num_layers,
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     _check_unimplemented(a)
     gbs, train_iters = _check_training(a, dp)
     _check_optimizer(a, train_iters, warn=rank == 0)
@@ -386,6 +390,9 @@ def build_config(a: argparse.Namespace, *, world_size: int, rank: int = 0) -> Pr
         parallel=ParallelConfig(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
+            decoder_first_pipeline_num_layers=a.decoder_first_pipeline_num_layers,
+            decoder_last_pipeline_num_layers=a.decoder_last_pipeline_num_layers,
+            pipeline_schedule=a.pipeline_schedule,
             sequence_parallel=sequence_parallel,
             use_distributed_optimizer=a.use_distributed_optimizer,
             ddp_bucket_size=a.ddp_bucket_size,

@@ -26,6 +26,9 @@ class ConfigError(ValueError):
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    decoder_first_pipeline_num_layers: int | None = None  # uneven first stage
+    decoder_last_pipeline_num_layers: int | None = None  # uneven last stage
+    pipeline_schedule: str = "1f1b"  # or "gpipe"
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     ddp_bucket_size: int | None = None  # elements; None: max(40M, 1M x dp)

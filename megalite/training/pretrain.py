@@ -101,7 +101,15 @@ class Trainer:
         self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(
             cfg, ps, device=device, rng_tracker=tracker
         )
-        self.forward_backward_func = get_forward_backward_func(ps)
+        self.forward_backward_func = get_forward_backward_func(
+            ps,
+            pipeline_schedule=cfg.parallel.pipeline_schedule,
+            seq_length=cfg.model.seq_length,
+            micro_batch_size=cfg.training.micro_batch_size,
+            hidden_size=cfg.model.hidden_size,
+            sequence_parallel=cfg.model.sequence_parallel,
+            dtype=cfg.model.params_dtype,
+        )
         self.num_microbatches = cfg.num_microbatches
         self.result = TrainResult()
         self.is_log_rank = ps.rank == ps.world_size - 1  # on the last stage

@@ -9,16 +9,55 @@ per-micro-batch loss dicts on the last stage), so ``pretrain`` never branches on
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
+
+import torch
 
 from megalite.core.parallel_state import ParallelState
-from megalite.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+from megalite.core.pipeline_parallel.p2p import P2PCommunicator
+from megalite.core.pipeline_parallel.schedules import (
+    forward_backward_no_pipelining,
+    forward_backward_pipelining_1f1b,
+    forward_backward_pipelining_gpipe,
+)
+
+PIPELINE_SCHEDULES = {
+    "1f1b": forward_backward_pipelining_1f1b,
+    "gpipe": forward_backward_pipelining_gpipe,
+}
 
 
-def get_forward_backward_func(ps: ParallelState, **_options) -> Callable[..., list[dict]]:
-    """The schedule for this layout: no pipelining on one stage; pipeline schedules (1F1B,
-    interleaved) are chosen here once they exist."""
+def get_forward_backward_func(
+    ps: ParallelState,
+    *,
+    pipeline_schedule: str = "1f1b",
+    seq_length: int | None = None,
+    micro_batch_size: int | None = None,
+    hidden_size: int | None = None,
+    sequence_parallel: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> Callable[..., list[dict]]:
+    """The schedule for this layout: no pipelining on one stage; 1F1B (or GPipe) otherwise, with
+    one ``P2PCommunicator`` for the run. Activations between stages are ``[s, b, h]``, or
+    ``[s/tp, b, h]`` under sequence parallel, in the model's dtype."""
     if ps.pp_size == 1:
         return forward_backward_no_pipelining
-    raise NotImplementedError(
-        f"pipeline-model-parallel size {ps.pp_size}: pipeline parallelism lands in issue 4"
+    if pipeline_schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(
+            f"--pipeline-schedule must be one of {sorted(PIPELINE_SCHEDULES)}, "
+            f"got {pipeline_schedule!r}"
+        )
+    if None in (seq_length, micro_batch_size, hidden_size):
+        raise ValueError("a pipeline schedule needs seq_length, micro_batch_size and hidden_size")
+    s = seq_length // ps.tp_size if sequence_parallel else seq_length
+    p2p = P2PCommunicator(
+        prev_rank=ps.prev_rank,
+        next_rank=ps.next_rank,
+        tensor_shape=(s, micro_batch_size, hidden_size),
+        dtype=dtype,
+        device=ps.device,
+        group=ps.pp_group,
+    )
+    return partial(
+        PIPELINE_SCHEDULES[pipeline_schedule], p2p=p2p, pp_rank=ps.pp_rank, pp_size=ps.pp_size
     )
