@@ -14,7 +14,6 @@ from megalite.core.optimizer.loss_scaler import ConstantLossScaler, DynamicLossS
 from megalite.core.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.core.optimizer.optimizer import build_optimizer
 from megalite.core.parallel_state import ParallelState
-from megalite.core.pipeline_parallel.stages import stage_layer_ranges
 from megalite.core.tensor_parallel.random import RNGStatesTracker
 from megalite.models.gpt import GPTModel
 from megalite.training.config import OptimizerConfig, PretrainConfig
@@ -44,18 +43,11 @@ def build_model(
     rng_tracker: RNGStatesTracker | None,
 ) -> GPTModel:
     """This rank's pipeline stage of the GPT model (the whole model when PP = 1)."""
-    ranges = stage_layer_ranges(
-        cfg.model.num_layers,
-        ps.pp_size,
-        first_stage_layers=cfg.parallel.decoder_first_pipeline_num_layers,
-        last_stage_layers=cfg.parallel.decoder_last_pipeline_num_layers,
-    )
     return GPTModel(
         cfg.model,
         ps,
         pre_process=ps.is_first_stage,
         post_process=ps.is_last_stage,
-        layer_range=ranges[ps.pp_rank],
         rng_tracker=rng_tracker,
         device=device,
     )

@@ -26,8 +26,6 @@ class ConfigError(ValueError):
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
-    decoder_first_pipeline_num_layers: int | None = None  # uneven first stage
-    decoder_last_pipeline_num_layers: int | None = None  # uneven last stage
     pipeline_schedule: str = "1f1b"  # or "gpipe"
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
@@ -105,6 +103,14 @@ class TrainingConfig:
     save: str | None = None
     load: str | None = None
     save_interval: int | None = None
+    # checkpointing (megalite.training.checkpointing)
+    ckpt_step: int | None = None  # load this iteration instead of the tracker's
+    no_save_optim: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False  # weights only; iteration and data position start at 0
+    exit_duration_in_mins: float | None = None
+    keep_last_n_checkpoints: int | None = None
 
     def num_microbatches(self, dp_size: int) -> int:
         return self.global_batch_size // (self.micro_batch_size * dp_size)

@@ -58,13 +58,15 @@ def _stage_case(pp, cases):
 
     ps = initialize_model_parallel(1, pp)
     for family, tied, m, schedule, first_last in cases:
-        overrides = {"num_layers": 4 if first_last is None else 5}
-        overrides["untie_embeddings_and_output_weights"] = not tied
-        config = make_config(family, **overrides)
         first, last = first_last or (None, None)
-        ranges = stage_layer_ranges(
-            config.num_layers, pp, first_stage_layers=first, last_stage_layers=last
+        config = make_config(
+            family,
+            num_layers=4 if first_last is None else 5,
+            untie_embeddings_and_output_weights=not tied,
+            decoder_first_pipeline_num_layers=first,
+            decoder_last_pipeline_num_layers=last,
         )
+        ranges = config.stage_layer_ranges(pp)
         model = GPTModel(
             config, ps, pre_process=ps.is_first_stage, post_process=ps.is_last_stage,
             layer_range=ranges[ps.pp_rank],
@@ -112,7 +114,7 @@ def _cases(pp):
             for m in (pp, 2 * pp + 1):
                 cases.append((family, tied, m, "1f1b", None))
     cases.append(("gpt2", True, pp + 1, "gpipe", None))
-    # TODO(uneven): cases.append(("llama", True, 3, "1f1b", (2, None) if pp == 2 else (2, 1)))
+    cases.append(("llama", True, 3, "1f1b", (2, None) if pp == 2 else (2, 1)))
     return cases
 
 
@@ -129,7 +131,9 @@ def test_stage_layer_ranges():
     assert stage_layer_ranges(10, 4, first_stage_layers=1, last_stage_layers=3) == [
         (0, 1), (1, 4), (4, 7), (7, 10),
     ]  # fmt: skip
-    with pytest.raises(ValueError, match=r"--num-layers 7 minus .* leaves 7, .* 2 pipeline"):
+    with pytest.raises(ValueError, match=r"--num-layers 7 is not divisible by .*-size 2"):
         stage_layer_ranges(7, 2)
+    with pytest.raises(ValueError, match=r"--num-layers 7 minus .* \(2\) leaves 5, .* 2 pipeline"):
+        stage_layer_ranges(7, 3, first_stage_layers=2)
     with pytest.raises(ValueError, match=r"needs --pipeline-model-parallel-size > 1"):
         stage_layer_ranges(4, 1, first_stage_layers=2)

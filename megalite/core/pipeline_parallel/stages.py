@@ -35,6 +35,12 @@ def stage_layer_ranges(
     free = [i for i, c in enumerate(counts) if c is None]
     rest = num_layers - fixed
     if free:
+        if fixed == 0 and num_layers % pp_size:
+            raise ValueError(
+                f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size "
+                f"{pp_size}; each stage must hold the same number of layers (or set "
+                "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers)"
+            )
         if rest < len(free) or rest % len(free):
             raise ValueError(
                 f"--num-layers {num_layers} minus the first/last stage layers ({fixed}) leaves "

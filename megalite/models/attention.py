@@ -1,0 +1,130 @@
+"""Causal self-attention with heads and query groups split over tensor parallelism.
+
+The fused QKV projection is one ColumnParallelLinear whose output rows are laid out per query group:
+for each of the G groups ``[q_1 .. q_k, k, v]`` (k = heads / G query heads, each ``head_dim`` rows),
+groups concatenated. A column split therefore gives TP rank r the whole groups
+``[r * G/tp, (r+1) * G/tp)`` and their query heads, so attention needs no communication; the output
+projection (RowParallelLinear) sums the ranks' partial products.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.core import fusions
+from megalite.core.parallel_state import ParallelState
+from megalite.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalite.core.tensor_parallel.random import RNGStatesTracker, checkpoint
+from megalite.models.common import tp_rng_region, weight_init
+from megalite.models.config import GPTConfig
+from megalite.models.rotary import apply_rotary
+
+
+class CoreAttention(nn.Module):
+    """``softmax(q k^T / sqrt(d) + causal mask) v``, with dropout on the probabilities.
+
+    q, k, v: # [b, n/tp, s, d] (k and v already expanded from query groups to heads); returns the
+    context # [b, n/tp, s, d]. ``sdpa``: torch's scaled_dot_product_attention. ``unfused``: explicit
+    scores, then ``fusions.scale_mask_softmax`` (the fused kernel or its reference), dropout, and
+    the product with v. Dropout draws from the tracker's tensor-parallel state (heads are sharded).
+    """
+
+    def __init__(self, config: GPTConfig, *, rng_tracker: RNGStatesTracker | None):
+        super().__init__()
+        self.backend = config.attention_backend
+        self.scale = config.kv_channels**-0.5
+        self.use_fused = config.use_fused_kernels
+        self.rng_tracker = rng_tracker
+        self.attention_dropout = nn.Dropout(config.attention_dropout)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        p = self.attention_dropout.p if self.training else 0.0
+        if self.backend == "sdpa":
+            with tp_rng_region(self.rng_tracker, p > 0):
+                return F.scaled_dot_product_attention(
+                    q, k, v, dropout_p=p, is_causal=True, scale=self.scale
+                )
+        b, n, s, d = q.shape
+        # the scale is applied inside the GEMM (fp32 accumulate), so fp16 scores do not overflow
+        scores = torch.baddbmm(
+            torch.empty(b * n, s, s, dtype=q.dtype, device=q.device),
+            q.reshape(b * n, s, d),
+            k.reshape(b * n, s, d).transpose(1, 2),
+            beta=0.0,
+            alpha=self.scale,
+        ).view(b, n, s, s)
+        probs = fusions.scale_mask_softmax(scores, scale=1.0, causal=True, use_fused=self.use_fused)
+        with tp_rng_region(self.rng_tracker, p > 0):
+            probs = self.attention_dropout(probs)
+        return torch.matmul(probs, v)
+
+
+class SelfAttention(nn.Module):
+    """Input # [s, b, h] ([s/tp, b, h] under sequence parallel); output the same shape.
+
+    ``layer_number`` is the GLOBAL 0-based layer index (it names the init keys).
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        ps: ParallelState,
+        *,
+        layer_number: int,
+        rng_tracker: RNGStatesTracker | None,
+        device: torch.device | None = None,
+    ):
+        super().__init__()
+        prefix = f"decoder.layers.{layer_number}.self_attention"
+        d, n, g = config.kv_channels, config.num_attention_heads, config.num_query_groups
+        self.head_dim, self.heads_per_group = d, n // g
+        self.local_groups = g // ps.tp_size
+        self.selective_recompute = config.recompute_granularity == "selective"
+        self.rng_tracker = rng_tracker
+        common = dict(
+            tp_group=ps.tp_group,
+            bias=config.add_bias_linear,
+            sequence_parallel=config.sequence_parallel,
+            params_dtype=config.params_dtype,
+            device=device,
+        )
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size,
+            (n + 2 * g) * d,
+            init_method=weight_init(config, f"{prefix}.linear_qkv.weight"),
+            **common,
+        )
+        self.core_attention = CoreAttention(config, rng_tracker=rng_tracker)
+        self.linear_proj = RowParallelLinear(
+            n * d,
+            config.hidden_size,
+            input_is_parallel=True,
+            init_method=weight_init(config, f"{prefix}.linear_proj.weight", scaled=True),
+            **common,
+        )
+
+    def forward(
+        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        qkv, _ = self.linear_qkv(x)  # [s, b, G/tp * (k + 2) * d]
+        s, b = qkv.shape[:2]
+        k, d, groups = self.heads_per_group, self.head_dim, self.local_groups
+        qkv = qkv.view(s, b, groups, k + 2, d)
+        query = qkv[:, :, :, :k].reshape(s, b, groups * k, d)  # [s, b, n/tp, d]
+        key, value = qkv[:, :, :, k], qkv[:, :, :, k + 1]  # [s, b, G/tp, d]
+        if rotary is not None:
+            query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
+        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, ., s, d]
+        if k > 1:  # query head j of a group reads the group's key/value: heads j*k .. j*k+k-1
+            key, value = key.repeat_interleave(k, dim=1), value.repeat_interleave(k, dim=1)
+        if self.selective_recompute and self.training and torch.is_grad_enabled():
+            context = checkpoint(
+                self.core_attention, query, key, value, tracker=self.rng_tracker, device=x.device
+            )
+        else:
+            context = self.core_attention(query, key, value)  # [b, n/tp, s, d]
+        context = context.permute(2, 0, 1, 3).reshape(s, b, groups * k * d)  # [s, b, n/tp * d]
+        out, _ = self.linear_proj(context)  # [s(/tp), b, h]
+        return out

@@ -1,0 +1,178 @@
+"""GPTModel: one pipeline stage of a decoder-only transformer (GPT-2 or Llama style).
+
+A stage holds the embedding (``pre_process``, the first stage), the layers ``layer_range``
+(global ``[start, end)``), and the final norm, output layer and loss (``post_process``, the last
+stage). With one stage it is the whole model. Activations between stages are ``[s, b, h]``
+(``[s/tp, b, h]`` under sequence parallel).
+
+Output layer: a ColumnParallelLinear over the padded vocabulary, ``[s, b, V_pad/tp]`` logits, whose
+weight is the word embedding's when they are tied (the default). On a last stage without the
+embedding (pipeline parallel) the tied weight is a copy initialised from the embedding's init key;
+``shared_embedding_or_output_weight()`` returns the weight whose grad the training loop all-reduces
+over the embedding group to keep the copies equal.
+
+Vocabulary padding: only the real ``vocab_size`` rows of the word embedding and the output layer are
+initialised (padding rows are zero) and the loss masks the padding columns, so any padding (any TP
+size) computes the same function as the unpadded model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megalite.core.parallel_state import ParallelState
+from megalite.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.core.tensor_parallel.layers import ColumnParallelLinear
+from megalite.core.tensor_parallel.random import RNGStatesTracker
+from megalite.models.common import first_rows, weight_init
+from megalite.models.config import GPTConfig
+from megalite.models.embedding import Embedding
+from megalite.models.rotary import rotary_cos_sin
+from megalite.models.transformer import TransformerBlock
+
+WORD_EMBEDDING_KEY = "embedding.word_embeddings.weight"
+
+
+def _no_init(weight: torch.Tensor) -> None:
+    """For the tied output layer's placeholder weight, which is dropped at once."""
+
+
+class GPTModel(nn.Module):
+    """One pipeline stage of the GPT model (the whole model when pre- and post-process).
+
+    ``rng_tracker`` (from ``model_parallel_seed``) is needed only when dropout is on and acts on
+    tensor- or sequence-parallel activations; with dropout 0 it may be None.
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        ps: ParallelState,
+        *,
+        pre_process: bool = True,
+        post_process: bool = True,
+        layer_range: tuple[int, int] | None = None,
+        rng_tracker: RNGStatesTracker | None = None,
+        device: torch.device | None = None,
+    ):
+        super().__init__()
+        config.validate(tp_size=ps.tp_size, pp_size=ps.pp_size)
+        if layer_range is None:
+            layer_range = config.stage_layer_ranges(ps.pp_size)[ps.pp_rank]
+        start, end = layer_range
+        if not 0 <= start <= end <= config.num_layers:
+            raise ValueError(
+                f"layer_range {layer_range} is not within [0, --num-layers {config.num_layers}]"
+            )
+        self.config, self.tp_group = config, ps.tp_group
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_range = (start, end)
+        self.tied = not config.untie_embeddings_and_output_weights
+        self.padded_vocab_size = config.padded_vocab_size(ps.tp_size)
+        self.sequence_parallel_factor = ps.tp_size if config.sequence_parallel else 1
+        self.input_tensor: torch.Tensor | None = None
+
+        self.embedding = (
+            Embedding(config, ps, rng_tracker=rng_tracker, device=device) if pre_process else None
+        )
+        self.decoder = TransformerBlock(
+            config,
+            ps,
+            layer_range=self.layer_range,
+            post_process=post_process,
+            rng_tracker=rng_tracker,
+            device=device,
+        )
+        self.output_layer = self._build_output_layer(ps, device) if post_process else None
+        shared = self.shared_embedding_or_output_weight()
+        if shared is not None:
+            shared.shared_embedding = True
+
+    def _build_output_layer(
+        self, ps: ParallelState, device: torch.device | None
+    ) -> ColumnParallelLinear:
+        c = self.config
+        borrowed = self.tied and self.pre_process  # uses the word embedding's weight
+        key = WORD_EMBEDDING_KEY if self.tied else "output_layer.weight"
+        layer = ColumnParallelLinear(
+            c.hidden_size,
+            self.padded_vocab_size,
+            tp_group=ps.tp_group,
+            bias=False,
+            sequence_parallel=c.sequence_parallel,
+            init_method=_no_init if borrowed else first_rows(weight_init(c, key), c.vocab_size),
+            params_dtype=c.params_dtype,
+            device=device,
+        )
+        if borrowed:
+            layer.weight = None  # forward receives the embedding's weight
+        return layer
+
+    def set_input_tensor(self, t: torch.Tensor | None) -> None:
+        """Non-first stages: the hidden states received from the previous stage,
+        # [s, b, h] ([s/tp, b, h] under sequence parallel)."""
+        self.input_tensor = t
+
+    def shared_embedding_or_output_weight(self) -> nn.Parameter | None:
+        """The tied word-embedding / output weight this stage holds (None if untied or neither)."""
+        if not self.tied:
+            return None
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.post_process:
+            return self.output_layer.weight
+        return None
+
+    def forward(
+        self,
+        tokens: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """tokens, position_ids, labels: # [b, s] int64 (tokens read on the first stage only;
+        position_ids None means 0..s-1).
+
+        Returns, on the last stage with labels: the per-token loss # [b, s] fp32 (padding vocabulary
+        excluded); on the last stage without labels: logits # [b, s, V_pad/tp] (columns at or past
+        ``vocab_size`` are padding); on other stages: hidden states # [s, b, h] ([s/tp, b, h] under
+        sequence parallel).
+        """
+        if self.pre_process:
+            seq_length, device = tokens.shape[1], tokens.device
+        else:
+            if self.input_tensor is None:
+                raise RuntimeError("a non-first stage needs set_input_tensor() before forward")
+            seq_length = self.input_tensor.shape[0] * self.sequence_parallel_factor
+            device = self.input_tensor.device
+        if position_ids is None:
+            position_ids = torch.arange(seq_length, device=device).unsqueeze(0)  # [1, s]
+
+        if self.pre_process:
+            hidden = self.embedding(tokens, position_ids)  # [s(/tp), b, h]
+        else:
+            hidden = self.input_tensor
+        rotary = None
+        if self.config.position_embedding_type == "rope":
+            rotary = rotary_cos_sin(
+                position_ids,
+                head_dim=self.config.kv_channels,
+                base=self.config.rotary_base,
+                dtype=hidden.dtype,
+            )
+        hidden = self.decoder(hidden, rotary)
+        if not self.post_process:
+            return hidden
+
+        weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
+        logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, V_pad/tp]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        loss = vocab_parallel_cross_entropy(
+            logits,
+            labels.t(),
+            tp_group=self.tp_group,
+            vocab_size=self.config.vocab_size,
+            label_smoothing=self.config.label_smoothing,
+        )  # [s, b] fp32
+        return loss.t().contiguous()
