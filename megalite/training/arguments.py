@@ -29,6 +29,7 @@ from megalite.training.config import (
 )
 from megalite.training.launch import detect_launch
 from megalite.training.lr_schedule import DECAY_STYLES
+from megalite.training.signals import parse_signal
 
 logger = logging.getLogger(__name__)
 
@@ -130,9 +131,22 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--check-for-nan-in-loss-and-grad", default=True,
                    action=argparse.BooleanOptionalAction)  # fmt: skip
     t.add_argument("--exit-interval", type=int)
-    t.add_argument("--save")
-    t.add_argument("--load")
+    t.add_argument("--exit-signal-handler", action="store_true",
+                   help="on --exit-signal: finish the iteration, save, exit 0")  # fmt: skip
+    t.add_argument("--exit-signal", default="SIGTERM",
+                   help="the signal it catches (SIGTERM, SIGUSR1 ...)")  # fmt: skip
+    t.add_argument("--save", help="checkpoint directory to save to")
+    t.add_argument("--load", help="checkpoint directory to resume from (any TP/PP/DP layout)")
     t.add_argument("--save-interval", type=int)
+    t.add_argument("--ckpt-step", type=int, help="load this iteration instead of the latest")
+    t.add_argument("--no-save-optim", action="store_true")
+    t.add_argument("--no-load-optim", action="store_true")
+    t.add_argument("--no-load-rng", action="store_true")
+    t.add_argument("--finetune", action="store_true",
+                   help="load the weights only; iteration and data start at 0")  # fmt: skip
+    t.add_argument("--exit-duration-in-mins", type=float)
+    t.add_argument("--keep-last-n-checkpoints", type=int,
+                   help="megalite's own: delete older iter_* folders after each save")  # fmt: skip
 
     d = p.add_argument_group("data")
     d.add_argument("--data-path", nargs="*")
@@ -198,13 +212,29 @@ def _check_unimplemented(a: argparse.Namespace) -> None:
         _fail("--use-distributed-optimizer (ZeRO-1) is not implemented yet: it lands in issue 5")
     if a.overlap_grad_reduce:
         _fail("--overlap-grad-reduce is not implemented yet; drop it (grads sync after backward)")
-    for flag, value in (
-        ("--save", a.save),
-        ("--load", a.load),
-        ("--save-interval", a.save_interval),
+    _check_checkpointing(a)
+
+
+def _check_checkpointing(a: argparse.Namespace) -> None:
+    for flag, value, low in (
+        ("--save-interval", a.save_interval, 1),
+        ("--keep-last-n-checkpoints", a.keep_last_n_checkpoints, 1),
+        ("--exit-interval", a.exit_interval, 1),
+        ("--ckpt-step", a.ckpt_step, 0),
     ):
-        if value is not None:
-            _fail(f"{flag} is not implemented yet: checkpointing lands in issue 7; drop {flag}")
+        if value is not None and value < low:
+            _fail(f"{flag} must be >= {low}, got {value}")
+    if a.exit_duration_in_mins is not None and a.exit_duration_in_mins <= 0:
+        _fail(f"--exit-duration-in-mins must be > 0, got {a.exit_duration_in_mins}")
+    for flag, value in (("--save-interval", a.save_interval),
+                        ("--keep-last-n-checkpoints", a.keep_last_n_checkpoints)):  # fmt: skip
+        if value is not None and a.save is None:
+            _fail(f"{flag} {value} needs --save DIR (where to write checkpoints)")
+    for flag, value in (("--ckpt-step", a.ckpt_step), ("--finetune", a.finetune or None),
+                        ("--no-load-optim", a.no_load_optim or None),
+                        ("--no-load-rng", a.no_load_rng or None)):  # fmt: skip
+        if value is not None and a.load is None:
+            _fail(f"{flag} needs --load DIR (the checkpoint to load)")
 
 
 def _check_training(a: argparse.Namespace, dp: int) -> tuple[int, int]:
@@ -277,6 +307,18 @@ def _check_optimizer(a: argparse.Namespace, train_iters: int, *, warn: bool) -> 
         )
     if warn and not a.fp16 and a.loss_scale is not None:
         logger.warning("--loss-scale applies to --fp16 only; it is ignored in this run")
+
+
+def _with_exit_signal(a: argparse.Namespace, training: TrainingConfig) -> TrainingConfig:
+    """Attach ``exit_signal_handler`` / ``exit_signal`` (megalite.training.signals) to ``training``;
+    the signal name is checked here, before any process starts."""
+    try:
+        signum = parse_signal(a.exit_signal)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    training.exit_signal_handler = a.exit_signal_handler
+    training.exit_signal = signum.name
+    return training
 
 
 def build_config(a: argparse.Namespace, *, world_size: int, rank: int = 0) -> PretrainConfig:
@@ -378,6 +420,8 @@ def build_config(a: argparse.Namespace, *, world_size: int, rank: int = 0) -> Pr
             attention_backend=ATTENTION_BACKEND_ALIASES[a.attention_backend],
             recompute_granularity=granularity, recompute_method=a.recompute_method,
             recompute_num_layers=a.recompute_num_layers, sequence_parallel=sequence_parallel,
+            decoder_first_pipeline_num_layers=a.decoder_first_pipeline_num_layers,
+            decoder_last_pipeline_num_layers=a.decoder_last_pipeline_num_layers,
             use_fused_kernels=not a.no_fused_kernels, label_smoothing=a.label_smoothing,
             params_dtype=optimizer.params_dtype, seed=a.seed,
         )  # fmt: skip
@@ -390,8 +434,6 @@ def build_config(a: argparse.Namespace, *, world_size: int, rank: int = 0) -> Pr
         parallel=ParallelConfig(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
-            decoder_first_pipeline_num_layers=a.decoder_first_pipeline_num_layers,
-            decoder_last_pipeline_num_layers=a.decoder_last_pipeline_num_layers,
             pipeline_schedule=a.pipeline_schedule,
             sequence_parallel=sequence_parallel,
             use_distributed_optimizer=a.use_distributed_optimizer,
@@ -404,15 +446,28 @@ def build_config(a: argparse.Namespace, *, world_size: int, rank: int = 0) -> Pr
         ),
         optimizer=optimizer,
         data=data,
-        training=TrainingConfig(
-            micro_batch_size=a.micro_batch_size,
-            global_batch_size=gbs,
-            train_iters=train_iters,
-            seed=a.seed,
-            eval_interval=a.eval_interval,
-            eval_iters=a.eval_iters,
-            check_for_nan_in_loss_and_grad=a.check_for_nan_in_loss_and_grad,
-            exit_interval=a.exit_interval,
+        training=_with_exit_signal(
+            a,
+            TrainingConfig(
+                micro_batch_size=a.micro_batch_size,
+                global_batch_size=gbs,
+                train_iters=train_iters,
+                seed=a.seed,
+                eval_interval=a.eval_interval,
+                eval_iters=a.eval_iters,
+                check_for_nan_in_loss_and_grad=a.check_for_nan_in_loss_and_grad,
+                exit_interval=a.exit_interval,
+                save=a.save,
+                load=a.load,
+                save_interval=a.save_interval,
+                ckpt_step=a.ckpt_step,
+                no_save_optim=a.no_save_optim,
+                no_load_optim=a.no_load_optim,
+                no_load_rng=a.no_load_rng,
+                finetune=a.finetune,
+                exit_duration_in_mins=a.exit_duration_in_mins,
+                keep_last_n_checkpoints=a.keep_last_n_checkpoints,
+            ),
         ),
         logging=LoggingConfig(
             log_interval=a.log_interval,
