@@ -27,29 +27,37 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, group, vocab_size, label_smoothing):
         local_v = logits.shape[-1]
         start = group_rank(group) * local_v
-        x = logits.float()
-        col = torch.arange(start, start + local_v, device=logits.device)
-        valid = col < vocab_size  # [V_pad/tp]
-        if not bool(valid.all()):
-            x = x.masked_fill(~valid, float("-inf"))
-        row_max = _all_reduce(x.amax(dim=-1), group, dist.ReduceOp.MAX)  # [...]
-        x = x - row_max.unsqueeze(-1)
-        exp = x.exp()
-        sum_exp = _all_reduce(exp.sum(dim=-1), group)  # [...]
+        # the real vocabulary is a prefix of every rank's slice: columns [0, n) here, padding after
+        n = max(0, min(local_v, vocab_size - start))
+        x = logits.float()  # [..., V_pad/tp]; no copy when already fp32 (it is never written)
+        if n > 0:
+            local_max = x[..., :n].amax(dim=-1)
+        else:  # a rank holding only padding
+            local_max = torch.full(x.shape[:-1], float("-inf"), device=x.device)
+        row_max = _all_reduce(local_max, group, dist.ReduceOp.MAX)  # [...]
 
         in_range = (target >= start) & (target < start + local_v)
         local_target = (target - start).masked_fill(~in_range, 0)
-        target_logit = x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        target_logit = x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) - row_max
         target_logit = _all_reduce(target_logit.masked_fill(~in_range, 0.0), group)
+        logit_sum = None
+        if label_smoothing > 0:  # sum over the real vocabulary of (x - max)
+            logit_sum = _all_reduce(x[..., :n].sum(dim=-1) - n * row_max, group)
+
+        # the one logits-sized buffer this function allocates: exp(x - max), then the softmax
+        probs = x - row_max.unsqueeze(-1)
+        probs.exp_()
+        probs[..., n:] = 0.0  # padding takes no probability mass
+        sum_exp = _all_reduce(probs.sum(dim=-1), group)  # [...]
 
         log_z = sum_exp.log()
         loss = log_z - target_logit
         if label_smoothing > 0:
-            logit_sum = _all_reduce(x.masked_fill(~valid, 0.0).sum(dim=-1), group)
             smooth = log_z - logit_sum / vocab_size  # mean over the real vocabulary of -log p
             loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
 
-        softmax = exp.div_(sum_exp.unsqueeze(-1))  # reuse the buffer: [..., V_pad/tp]
+        softmax = probs.div_(sum_exp.unsqueeze(-1))  # [..., V_pad/tp]
+        valid = torch.arange(local_v, device=logits.device) < n  # [V_pad/tp]
         ctx.save_for_backward(softmax, local_target, in_range, valid)
         ctx.label_smoothing, ctx.vocab_size, ctx.dtype = label_smoothing, vocab_size, logits.dtype
         return loss
