@@ -1,1 +1,8 @@
+"""Data: tokenizers, Megatron's indexed datasets, the GPT dataset, blending, DP-aware loaders.
 
+Entry points: ``config.DataConfig`` (the data flags), ``tokenizers.build_tokenizer`` and
+``builders.build_data_loaders``. Files: ``indexed_dataset`` (.bin/.idx), ``gpt_dataset`` (+
+``index_builders``, ``index_cache``), ``blended_dataset``, ``mock_dataset``, ``samplers``;
+``preprocess`` and ``tokenizer_training`` do the work of tools/preprocess_data.py and
+tools/train_tokenizer.py.
+"""

@@ -1,0 +1,211 @@
+"""From a DataConfig to the train/valid/test datasets and this DP rank's loaders.
+
+Datasets: ``--mock-data`` gives MockGPTDataset; ``--data-path P`` gives one GPTDataset per split;
+``--data-path w1 P1 w2 P2 ...`` (or several prefixes without weights, weighed by their token counts)
+gives a BlendedDataset per split over each prefix's split; ``--train-data-path`` etc. use whole
+datasets for one split each. Caching: ranks with ``build_cache`` build (or verify) every index
+cache first, then all ranks meet at ``barrier``, then the other ranks load. Pass build_cache=True on
+one rank per node when ``--data-cache-path`` is node-local (or not given and the data folder is
+node-local), on global rank 0 alone when it is shared.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+
+from megalite.data.blended_dataset import BlendedDataset, default_blend_cache_dir
+from megalite.data.config import DataConfig, parse_blend, parse_split
+from megalite.data.gpt_dataset import SPLIT_NAMES, GPTDataset
+from megalite.data.index_builders import compute_split_ranges
+from megalite.data.indexed_dataset import IndexedDataset
+from megalite.data.mock_dataset import MockGPTDataset
+from megalite.data.samplers import MicroBatchSampler, make_loader
+
+logger = logging.getLogger(__name__)
+
+
+def train_valid_test_num_samples(
+    *, train_iters: int, global_batch_size: int, eval_interval: int, eval_iters: int
+) -> tuple[int, int, int]:
+    """Megatron's sample counts: train = iters x gbs; valid = (iters // eval_interval + 1) x
+    eval_iters x gbs (every evaluation plus the final one); test = eval_iters x gbs."""
+    evals = train_iters // eval_interval + 1 if eval_interval > 0 else 1
+    return (
+        train_iters * global_batch_size,
+        evals * eval_iters * global_batch_size,
+        eval_iters * global_batch_size,
+    )
+
+
+def build_datasets(
+    cfg: DataConfig,
+    *,
+    tokenizer,
+    train_samples: int,
+    valid_samples: int,
+    test_samples: int,
+    write_cache: bool = True,
+) -> tuple:
+    """(train, valid, test) datasets (None where a split is empty or asks for 0 samples)."""
+    cfg.validate()
+    wanted = (train_samples, valid_samples, test_samples)
+    if cfg.mock_data:
+        return tuple(
+            MockGPTDataset(
+                num_samples=n,
+                seq_length=cfg.seq_length,
+                vocab_size=tokenizer.vocab_size,
+                eod=tokenizer.eod,
+                seed=cfg.seed,
+                split_name=name,
+            )
+            if n > 0
+            else None
+            for name, n in zip(SPLIT_NAMES, wanted)
+        )
+    common = {"cfg": cfg, "write_cache": write_cache}
+    if cfg.data_path:
+        split = parse_split(cfg.split)
+        prefixes, weights = parse_blend(cfg.data_path, flag="--data-path")
+        return tuple(
+            _build_split(prefixes, weights, split_index=i, split=split, num_samples=n, **common)
+            if n > 0 and split[i] > 0
+            else None
+            for i, n in enumerate(wanted)
+        )
+    out = []
+    flags = ("--train-data-path", "--valid-data-path", "--test-data-path")
+    paths = (cfg.train_data_path, cfg.valid_data_path, cfg.test_data_path)
+    for i, (flag, p, n) in enumerate(zip(flags, paths, wanted)):
+        if not p or n <= 0:
+            out.append(None)
+            continue
+        prefixes, weights = parse_blend(p, flag=flag)
+        whole = tuple(1.0 if j == i else 0.0 for j in range(3))
+        out.append(
+            _build_split(prefixes, weights, split_index=i, split=whole, num_samples=n, **common)
+        )
+    return tuple(out)
+
+
+def _build_split(
+    prefixes: list[str],
+    weights: list[float] | None,
+    *,
+    split_index: int,
+    split: tuple[float, float, float],
+    num_samples: int,
+    cfg: DataConfig,
+    write_cache: bool,
+):
+    name = SPLIT_NAMES[split_index]
+    indexed = [IndexedDataset(p) for p in prefixes]
+    if weights is None:
+        weights = [float(ds.num_tokens) for ds in indexed]
+    total_w = sum(weights)
+    parts = []
+    for ds, w in zip(indexed, weights):
+        lo, hi = compute_split_ranges(len(ds), split)[split_index]
+        if hi <= lo:
+            if len(indexed) == 1:
+                logger.warning(
+                    "--split %s gives the %s split of %s no documents (of %d); no %s data",
+                    cfg.split,
+                    name,
+                    ds.prefix,
+                    len(ds),
+                    name,
+                )
+                return None
+            raise ValueError(
+                f"--split {cfg.split} gives the {name} split of {ds.prefix} no documents (of "
+                f"{len(ds)}); blend only datasets large enough for every split, or change --split"
+            )
+        n = num_samples if len(indexed) == 1 else math.ceil(w / total_w * num_samples) + 1
+        parts.append(
+            GPTDataset(
+                ds,
+                (lo, hi),
+                num_samples=n,
+                seq_length=cfg.seq_length,
+                seed=cfg.seed,
+                split_name=name,
+                cache_dir=cfg.data_cache_path,
+                write_cache=write_cache,
+            )
+        )
+    if len(parts) == 1:
+        return parts[0]
+    cache_dir = cfg.data_cache_path or default_blend_cache_dir(prefixes[0])
+    return BlendedDataset(parts, weights, num_samples, cache_dir=cache_dir, write_cache=write_cache)
+
+
+def build_data_loaders(
+    cfg: DataConfig,
+    *,
+    tokenizer,
+    micro_batch_size: int,
+    global_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    train_samples: int,
+    valid_samples: int,
+    test_samples: int,
+    consumed_train_samples: int = 0,
+    consumed_valid_samples: int = 0,
+    device: torch.device | None = None,
+    build_cache: bool = True,
+    barrier: Callable[[], None] | None = None,
+) -> tuple[Iterator | None, Iterator | None, Iterator | None]:
+    """This DP rank's (train, valid, test) micro-batch iterators (None for an empty split).
+
+    Each yields dicts of ``tokens``/``labels``/``position_ids`` int64 and ``loss_mask`` float32,
+    all ``[micro_batch_size, seq_length]``, on CPU (pinned when ``device`` is CUDA). Train runs once
+    over ``train_samples`` from ``consumed_train_samples``; valid and test cycle over theirs (valid
+    from ``consumed_valid_samples``). ``barrier`` (if given) is called exactly once on every rank,
+    between the cache builders' and the other ranks' dataset construction.
+    """
+    datasets = None
+    kwargs = dict(
+        tokenizer=tokenizer,
+        train_samples=train_samples,
+        valid_samples=valid_samples,
+        test_samples=test_samples,
+    )
+    if build_cache:
+        datasets = build_datasets(cfg, write_cache=True, **kwargs)
+    if barrier is not None:
+        barrier()
+    if not build_cache:
+        datasets = build_datasets(cfg, write_cache=False, **kwargs)
+    consumed = (consumed_train_samples, consumed_valid_samples, 0)
+    wanted = (train_samples, valid_samples, test_samples)
+    loaders = []
+    for i, ds in enumerate(datasets):
+        if ds is None:
+            loaders.append(None)
+            continue
+        sampler = MicroBatchSampler(
+            total_samples=min(wanted[i], len(ds)),
+            consumed_samples=consumed[i],
+            micro_batch_size=micro_batch_size,
+            global_batch_size=global_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            cyclic=i > 0,
+        )
+        loaders.append(
+            make_loader(
+                ds,
+                sampler,
+                eod=tokenizer.eod,
+                eod_mask_loss=cfg.eod_mask_loss,
+                num_workers=cfg.num_workers,
+                device=device,
+            )
+        )
+    return tuple(loaders)

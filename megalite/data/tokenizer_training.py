@@ -1,0 +1,88 @@
+"""Train a SentencePiece model from jsonl, the work behind ``tools/train_tokenizer.py``.
+
+Input is streamed: documents are read line by line from ``.jsonl`` / ``.jsonl.gz`` files and each
+non-empty line of each document's text is handed to the SentencePiece trainer as one sentence
+(SentencePiece drops sentences longer than ``max_sentence_length`` bytes, so whole documents would
+be lost). The trainer samples at most ``input_sentence_size`` sentences (0: all) to bound memory.
+Special ids: unk 0, bos 1, eos 2 (the eod), pad 3 (or -1 for none).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+from collections.abc import Iterator
+
+logger = logging.getLogger(__name__)
+
+
+def iter_jsonl_texts(paths: list[str], json_keys: list[str]) -> Iterator[str]:
+    """Each non-empty line of each ``json_keys`` string of each JSON line; bad lines are skipped
+    with a warning (the tokenizer only needs representative text)."""
+    for path in paths:
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rb") as f:
+            for number, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue
+                try:
+                    doc = json.loads(raw)
+                except ValueError as e:
+                    logger.warning("skipping %s:%d: malformed JSON (%s)", path, number, e)
+                    continue
+                for key in json_keys:
+                    text = doc.get(key) if isinstance(doc, dict) else None
+                    if isinstance(text, str):
+                        for line in text.split("\n"):
+                            if line.strip():
+                                yield line
+
+
+def train_sentencepiece(
+    inputs: list[str],
+    model_prefix: str,
+    *,
+    vocab_size: int,
+    model_type: str = "bpe",
+    json_keys: list[str] | tuple[str, ...] = ("text",),
+    character_coverage: float = 0.9995,
+    byte_fallback: bool = True,
+    input_sentence_size: int = 10_000_000,
+    max_sentence_length: int = 16384,
+    pad_id: int = 3,
+    num_threads: int = 1,
+    seed_sentencepiece_size: int = 1_000_000,
+) -> str:
+    """Train and write ``{model_prefix}.model`` / ``.vocab``; returns the ``.model`` path."""
+    import sentencepiece as spm
+
+    if model_type not in ("bpe", "unigram"):
+        raise ValueError(f"--model-type {model_type!r}: use bpe or unigram")
+    for path in inputs:
+        if not os.path.isfile(path):
+            raise ValueError(f"--input {path}: no such file")
+    if vocab_size < 8:
+        raise ValueError(f"--vocab-size {vocab_size} is too small; use at least 8")
+    folder = os.path.dirname(os.path.abspath(model_prefix))
+    os.makedirs(folder, exist_ok=True)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter_jsonl_texts(list(inputs), list(json_keys)),
+        model_prefix=model_prefix,
+        model_type=model_type,
+        vocab_size=vocab_size,
+        character_coverage=character_coverage,
+        byte_fallback=byte_fallback,
+        input_sentence_size=input_sentence_size,
+        shuffle_input_sentence=True,
+        max_sentence_length=max_sentence_length,
+        seed_sentencepiece_size=seed_sentencepiece_size,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=pad_id,
+        num_threads=num_threads,
+        minloglevel=2,
+    )
+    return model_prefix + ".model"

@@ -1,0 +1,80 @@
+r"""Build the dataset index caches ahead of a big job, offline, on one machine.
+
+Usage (the same data flags as pretrain_gpt.py; other training flags are ignored with a note):
+    python tools/build_data_cache.py --data-path 0.3 data/a_text_document 0.7 data/b_text_document \
+        --split 969,30,1 --seq-length 2048 --seed 1234 --data-cache-path /shared/cache \
+        --train-iters 100000 --global-batch-size 512 --eval-interval 1000 --eval-iters 10
+
+Sample counts follow Megatron (and megalite.data.builders.train_valid_test_num_samples):
+train = iters x gbs, valid = (iters // eval-interval + 1) x eval-iters x gbs, test = eval-iters x
+gbs; --train-samples replaces iters x gbs. The job then finds every cache valid and only loads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from megalite.data.builders import build_datasets, train_valid_test_num_samples
+from megalite.data.config import DataConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--data-path", nargs="+", default=None)
+    p.add_argument("--split", default="969,30,1")
+    p.add_argument("--train-data-path", nargs="+", default=None)
+    p.add_argument("--valid-data-path", nargs="+", default=None)
+    p.add_argument("--test-data-path", nargs="+", default=None)
+    p.add_argument("--data-cache-path", default=None)
+    p.add_argument("--seq-length", type=int, required=True)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--train-iters", type=int, default=None)
+    p.add_argument("--train-samples", type=int, default=None)
+    p.add_argument("--global-batch-size", type=int, required=True)
+    p.add_argument("--eval-interval", type=int, default=1000)
+    p.add_argument("--eval-iters", type=int, default=100)
+    args, ignored = p.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    if ignored:
+        logging.info("ignoring flags that do not change the data caches: %s", " ".join(ignored))
+    if (args.train_iters is None) == (args.train_samples is None):
+        print("error: give exactly one of --train-iters and --train-samples", file=sys.stderr)
+        return 1
+    iters = args.train_iters
+    if iters is None:
+        iters = -(-args.train_samples // args.global_batch_size)
+    train, valid, test = train_valid_test_num_samples(
+        train_iters=iters,
+        global_batch_size=args.global_batch_size,
+        eval_interval=args.eval_interval,
+        eval_iters=args.eval_iters,
+    )
+    if args.train_samples is not None:
+        train = args.train_samples
+    cfg = DataConfig(
+        data_path=args.data_path,
+        split=args.split,
+        train_data_path=args.train_data_path,
+        valid_data_path=args.valid_data_path,
+        test_data_path=args.test_data_path,
+        data_cache_path=args.data_cache_path,
+        vocab_size=1,  # the caches do not depend on the tokenizer
+        seq_length=args.seq_length,
+        seed=args.seed,
+    )
+    try:
+        datasets = build_datasets(
+            cfg, tokenizer=None, train_samples=train, valid_samples=valid, test_samples=test
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for name, ds in zip(("train", "valid", "test"), datasets):
+        logging.info("%s: %s", name, "none" if ds is None else f"{len(ds)} samples cached")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
