@@ -208,10 +208,11 @@ def _fail(message: str) -> None:
 
 
 def _check_unimplemented(a: argparse.Namespace) -> None:
-    if a.use_distributed_optimizer:
-        _fail("--use-distributed-optimizer (ZeRO-1) is not implemented yet: it lands in issue 5")
-    if a.overlap_grad_reduce:
-        _fail("--overlap-grad-reduce is not implemented yet; drop it (grads sync after backward)")
+    if a.overlap_grad_reduce and not a.use_distributed_optimizer:
+        _fail(
+            "--overlap-grad-reduce is implemented for --use-distributed-optimizer only; add it, "
+            "or drop --overlap-grad-reduce (the all-reduce then runs after backward)"
+        )
     _check_checkpointing(a)
 
 

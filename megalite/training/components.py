@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 
 from megalite.core.distributed.data_parallel import DistributedDataParallel
+from megalite.core.distributed.zero_grad_sync import ShardedDataParallel
+from megalite.core.optimizer.distributed_optimizer import build_distributed_optimizer
 from megalite.core.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
 from megalite.core.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.core.optimizer.optimizer import build_optimizer
@@ -76,7 +78,15 @@ def setup_model_and_optimizer(
     module = build_model(cfg, ps, device=device, rng_tracker=rng_tracker)
     shared, duplicates = tied_embedding_params(module, ps)
     par, opt = cfg.parallel, cfg.optimizer
-    model = DistributedDataParallel(
+    # ZeRO-1 (--use-distributed-optimizer): grads reduce-scattered, optimizer state sharded over DP
+    zero = par.use_distributed_optimizer
+    zero_options = {}
+    if zero:  # the grad hooks start a bucket's reduce-scatter after its last micro-batch
+        zero_options = {
+            "overlap_grad_reduce": par.overlap_grad_reduce,
+            "num_microbatches": cfg.num_microbatches,
+        }
+    model = (ShardedDataParallel if zero else DistributedDataParallel)(
         module,
         dp_group=ps.dp_group,
         tp_group=ps.tp_group,
@@ -84,8 +94,9 @@ def setup_model_and_optimizer(
         shared_params=shared,
         accumulate_allreduce_grads_in_fp32=par.accumulate_allreduce_grads_in_fp32,
         bucket_size=par.bucket_size(),
+        **zero_options,
     )
-    optimizer = build_optimizer(
+    optimizer = (build_distributed_optimizer if zero else build_optimizer)(
         model,
         lr=opt.lr,
         weight_decay=opt.weight_decay,
@@ -99,6 +110,8 @@ def setup_model_and_optimizer(
         loss_scaler=build_loss_scaler(opt, device=device),
         count_zeros=cfg.logging.log_num_zeros_in_grad,
     )
+    if not zero:  # full_state_dict keys by parameter name (the ZeRO-1 optimizer reads the model)
+        optimizer.name_params(model)
     decay_iters = opt.lr_decay_iters or cfg.training.train_iters
     scheduler = LRScheduler(
         optimizer,

@@ -27,10 +27,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megalite.core.optimizer.memory_report import log_model_state_memory
 from megalite.core.parallel_state import ParallelState, initialize_model_parallel
 from megalite.core.tensor_parallel.mappings import group_size
 from megalite.core.tensor_parallel.random import model_parallel_seed
 from megalite.data.builders import build_data_loaders, train_valid_test_num_samples
+from megalite.training import checkpointing
+from megalite.training.checkpointing import exit_duration_reached
 from megalite.training.components import setup_model_and_optimizer
 from megalite.training.config import PretrainConfig
 from megalite.training.evaluate import evaluate_and_log
@@ -39,6 +42,7 @@ from megalite.training.forward_step import make_forward_step
 from megalite.training.launch import detect_launch, init_distributed, select_device
 from megalite.training.logging import IntervalStats, configure_logging, format_iteration_line
 from megalite.training.schedules import get_forward_backward_func
+from megalite.training.signals import ExitSignalHandler, any_rank_signalled, parse_signal
 from megalite.training.tensorboard import TensorBoardLogger
 from megalite.training.train_step import StepResult, train_step
 
@@ -53,12 +57,14 @@ class TrainingError(RuntimeError):
 class TrainResult:
     iteration: int = 0
     consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
     losses: list[float] = field(default_factory=list)  # lm loss per iteration (last stage)
     grad_norms: list[float] = field(default_factory=list)  # per iteration; NaN when skipped
     skipped_iterations: int = 0
     nan_iterations: int = 0
     validation: dict[str, float] = field(default_factory=dict)  # the last evaluation
     test: dict[str, float] = field(default_factory=dict)
+    exited_on_signal: bool = False  # --exit-signal-handler: stopped early, checkpoint saved
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -98,6 +104,9 @@ class Trainer:
 
     def __init__(self, cfg: PretrainConfig, ps: ParallelState, *, device: torch.device, tracker):
         self.cfg, self.ps, self.device = cfg, ps, device
+        self.rng_tracker = tracker  # saved and restored by checkpoints
+        self.start_time = time.time()  # for --exit-duration-in-mins
+        self.last_saved_iteration: int | None = None  # set by save/load_checkpoint
         self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(
             cfg, ps, device=device, rng_tracker=tracker
         )
@@ -112,6 +121,7 @@ class Trainer:
         )
         self.num_microbatches = cfg.num_microbatches
         self.result = TrainResult()
+        self.exit_signal: ExitSignalHandler | None = None  # --exit-signal-handler, set by pretrain
         self.is_log_rank = ps.rank == ps.world_size - 1  # on the last stage
         self.tensorboard = TensorBoardLogger(
             cfg.logging.tensorboard_dir,
@@ -209,13 +219,51 @@ class Trainer:
                 r.validation = self.evaluate(
                     forward_step_func, valid_iter, f"iteration {r.iteration}"
                 )
+                r.consumed_valid_samples += t.eval_iters * t.global_batch_size
                 interval.start += time.perf_counter() - started  # not training time
+            if t.save and t.save_interval and r.iteration % t.save_interval == 0:
+                self.save_checkpoint()
+            if self.exit_signal is not None and self._exit_on_signal(r.iteration):
+                r.exited_on_signal = True
+                break
             if t.exit_interval and r.iteration % t.exit_interval == 0:
                 logger.info("exiting program at iteration %d (--exit-interval)", r.iteration)
                 break
+            if exit_duration_reached(self, self.start_time):
+                logger.info(
+                    "exiting program at iteration %d (--exit-duration-in-mins %s)",
+                    r.iteration, t.exit_duration_in_mins,
+                )  # fmt: skip
+                break
+        self.save_checkpoint()  # the last iteration, unless saved already (Megatron does too)
         r.losses = [float(v) for v in r.losses]
         r.grad_norms = [float(v) for v in r.grad_norms]
         return r
+
+    def _exit_on_signal(self, iteration: int) -> bool:
+        """At the iteration boundary: whether any rank got the exit signal (one all-reduce over the
+        world, so every rank answers the same); if so, save a checkpoint here on every rank."""
+        if not any_rank_signalled(self.exit_signal.received, device=self.device):
+            return False
+        logger.info(
+            "exiting program at iteration %d: %s received (--exit-signal-handler); saving",
+            iteration, self.exit_signal.signum.name,
+        )  # fmt: skip
+        self.save_on_exit()
+        return True
+
+    def save_on_exit(self) -> None:
+        """Save this iteration's checkpoint (``--save``) before an early exit."""
+        if self.cfg.training.save is None:
+            logger.warning("--exit-signal-handler: no --save directory, so nothing is saved")
+            return
+        self.save_checkpoint()
+
+    def save_checkpoint(self) -> None:
+        """Save the current iteration to ``--save`` unless there is none or it is saved already.
+        Every rank calls it at the same iteration boundary (collective)."""
+        if self.cfg.training.save and self.last_saved_iteration != self.result.iteration:
+            checkpointing.save_checkpoint(self)
 
     def evaluate(self, forward_step_func: Callable, data_iter: Iterator, prefix: str) -> dict:
         return evaluate_and_log(
@@ -287,6 +335,16 @@ class Trainer:
         )
 
 
+def _exit_signal_handler(cfg: PretrainConfig) -> ExitSignalHandler | None:
+    """The installed handler when ``--exit-signal-handler`` is on, else None."""
+    t = cfg.training
+    if not getattr(t, "exit_signal_handler", False):
+        return None
+    handler = ExitSignalHandler(parse_signal(getattr(t, "exit_signal", "SIGTERM"))).install()
+    logger.info("--exit-signal-handler: %s saves a checkpoint and exits", handler.signum.name)
+    return handler
+
+
 def pretrain(
     cfg: PretrainConfig, *, forward_step_func: Callable | None = None, env=None
 ) -> TrainResult:
@@ -303,6 +361,7 @@ def pretrain(
     )
     configure_logging(rank=ps.rank, log_rank=ps.world_size - 1)
     trainer = None
+    exit_signal = _exit_signal_handler(cfg)
     try:
         logger.info(
             "megalite: world %d = TP %d x PP %d x DP %d on %s (%s), %d micro-batches of %d per "
@@ -314,9 +373,15 @@ def pretrain(
             cfg.training.seed, tp_rank=ps.tp_rank, pp_rank=ps.pp_rank, device=device
         )
         trainer = Trainer(cfg, ps, device=device, tracker=tracker)
+        trainer.exit_signal = exit_signal
         n_params = sum(p.numel() for p in trainer.model.parameters())
         logger.info("parameters on the last rank: %d", n_params)
+        log_model_state_memory(trainer.model, trainer.optimizer, ps)
         t = cfg.training
+        try:
+            loaded = checkpointing.load_checkpoint(trainer) if t.load else None
+        except checkpointing.CheckpointError as e:  # one line for pretrain_gpt.py to print
+            raise TrainingError(str(e)) from None
         samples = train_valid_test_num_samples(
             train_iters=t.train_iters,
             global_batch_size=t.global_batch_size,
@@ -333,13 +398,17 @@ def pretrain(
             train_samples=samples[0],
             valid_samples=samples[1],
             test_samples=samples[2],
+            consumed_train_samples=trainer.result.consumed_train_samples,
+            consumed_valid_samples=trainer.result.consumed_valid_samples,
             device=device,
             build_cache=launch.local_rank == 0,
             barrier=dist.barrier,
         )
+        if loaded is not None:  # last: building the loaders may draw from the generators
+            loaded.restore_rng(trainer)
         forward_step = forward_step_func or make_forward_step(device)
         result = trainer.train(forward_step, train_iter, valid_iter if t.eval_iters else None)
-        if t.eval_iters > 0:
+        if t.eval_iters > 0 and not result.exited_on_signal:
             prefix = f"iteration {result.iteration}"
             if valid_iter is not None:
                 result.validation = trainer.evaluate(
@@ -350,6 +419,8 @@ def pretrain(
         logger.info("training done: %d iterations", result.iteration)
         return result
     finally:
+        if exit_signal is not None:
+            exit_signal.restore()
         if trainer is not None:
             trainer.tensorboard.close()
         ps.destroy()

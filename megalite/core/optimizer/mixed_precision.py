@@ -29,6 +29,12 @@ import torch
 import torch.distributed as dist
 
 from megalite.core.optimizer.clip_grads import clip_grad_norm
+from megalite.core.optimizer.full_state import (
+    ADAM_KEYS,
+    adam_state_of,
+    check_full_state,
+    param_names,
+)
 from megalite.core.optimizer.loss_scaler import LossScaler
 from megalite.core.tensor_parallel.mappings import group_size
 
@@ -192,3 +198,44 @@ class MixedPrecisionOptimizer:
         self._copy_master_to_model_params()
         if self.loss_scaler is not None and "loss_scaler" in state:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
+
+    # --- layout-independent state (megalite.core.optimizer.full_state), as ZeRO-1's ------------
+
+    def name_params(self, model: torch.nn.Module) -> None:
+        """Key ``full_state_dict`` by ``model``'s parameter names (``module.`` stripped)."""
+        names = param_names(model)
+        self.param_names = [names[p] for p in self.model_params]
+
+    def full_state_dict(self) -> dict:
+        """``{"params": {name: {"master", "exp_avg", "exp_avg_sq"}}, "step", "scaler"}`` (copies;
+        zeros before the first step). Needs ``name_params`` first."""
+        names = self._names()
+        params = {}
+        for name, master in zip(names, self.master_params):
+            state = adam_state_of(self.optimizer, master)
+            entry = {"master": master.detach().float().clone()}
+            params[name] = {**entry, **{k: state[k].detach().clone() for k in ADAM_KEYS}}
+        step = max((int(self.optimizer.state[m]["step"]) for m in self.master_params), default=0)
+        scaler = None if self.loss_scaler is None else self.loss_scaler.state_dict()
+        return {"params": params, "step": step, "scaler": scaler}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, sd: dict) -> None:
+        """Inverse of ``full_state_dict`` (from this optimizer or ZeRO-1's, any DP size)."""
+        names = self._names()
+        check_full_state(sd, {n: p.shape for n, p in zip(names, self.model_params)})
+        for name, master in zip(names, self.master_params):
+            entry, state = sd["params"][name], adam_state_of(self.optimizer, master)
+            master.copy_(entry["master"])
+            for key in ADAM_KEYS:
+                state[key].copy_(entry[key])
+            state["step"].fill_(float(sd["step"]))
+        self._copy_master_to_model_params()
+        if self.loss_scaler is not None and sd.get("scaler") is not None:
+            self.loss_scaler.load_state_dict(sd["scaler"])
+
+    def _names(self) -> list[str]:
+        names = getattr(self, "param_names", None)
+        if names is None:
+            raise RuntimeError("call optimizer.name_params(model) before the full state dict")
+        return names

@@ -1,0 +1,177 @@
+"""megalite <-> HuggingFace ``LlamaForCausalLM``: names, layouts and the config.
+
+Llama keeps q/k/v and gate/up as separate ``[out, in]`` linears. megalite's fused QKV rows are, for
+each of the G query groups, ``[q_1 .. q_k, k, v]`` (k = heads / G query heads of ``head_dim`` rows
+each), and HF's query head ``j`` belongs to group ``j // k``, so the translation is a reshape. RoPE
+uses the same rotate-half convention and inverse frequencies in both. SwiGLU's fc1 is
+``[gate; up]``.
+
+    layer i (megalite ``decoder.layers.i.``)      HF ``model.layers.i.``
+    input_layernorm / pre_mlp_layernorm           input_layernorm / post_attention_layernorm
+    self_attention.linear_qkv                     self_attn.q_proj, k_proj, v_proj
+    self_attention.linear_proj                    self_attn.o_proj
+    mlp.linear_fc1 = [gate; up], linear_fc2       mlp.gate_proj, up_proj, down_proj
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megalite.conversion.errors import ConversionError
+from megalite.models.config import GPTConfig
+
+
+def check(config: GPTConfig) -> None:
+    """One-line ConversionError for a model LlamaForCausalLM cannot express."""
+    needs = (
+        ("--position-embedding-type rope", config.position_embedding_type == "rope"),
+        ("--normalization RMSNorm", config.normalization == "RMSNorm"),
+        ("--swiglu", config.swiglu),
+        ("--disable-bias-linear", not config.add_bias_linear),
+    )
+    for what, ok in needs:
+        if not ok:
+            raise ConversionError(f"LlamaForCausalLM needs {what}; this model differs")
+
+
+def hf_config(config: GPTConfig, *, bos_token_id: int | None, eos_token_id: int | None):
+    import transformers
+
+    check(config)
+    return transformers.LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.ffn_hidden_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_query_groups,
+        head_dim=config.kv_channels,
+        max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.norm_epsilon,
+        rope_theta=float(config.rotary_base),
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        attention_dropout=config.attention_dropout,
+        initializer_range=config.init_method_std,
+        tie_word_embeddings=not config.untie_embeddings_and_output_weights,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+def to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Logical megalite tensors (global names, unpadded vocabulary) -> LlamaForCausalLM's."""
+    check(config)
+    g, k, d, h = (
+        config.num_query_groups,
+        config.heads_per_group,
+        config.kv_channels,
+        config.hidden_size,
+    )
+    out = {
+        "model.embed_tokens.weight": state["embedding.word_embeddings.weight"],
+        "model.norm.weight": state["decoder.final_layernorm.weight"],
+    }
+    if config.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = state["output_layer.weight"]
+    for i in range(config.num_layers):
+        m, t = f"decoder.layers.{i}.", f"model.layers.{i}."
+        qkv = state[m + "self_attention.linear_qkv.weight"].reshape(g, k + 2, d, h)
+        gate, up = state[m + "mlp.linear_fc1.weight"].chunk(2)
+        out.update({
+            t + "input_layernorm.weight": state[m + "input_layernorm.weight"],
+            t + "post_attention_layernorm.weight": state[m + "pre_mlp_layernorm.weight"],
+            t + "self_attn.q_proj.weight": qkv[:, :k].reshape(g * k * d, h),
+            t + "self_attn.k_proj.weight": qkv[:, k].reshape(g * d, h),
+            t + "self_attn.v_proj.weight": qkv[:, k + 1].reshape(g * d, h),
+            t + "self_attn.o_proj.weight": state[m + "self_attention.linear_proj.weight"],
+            t + "mlp.gate_proj.weight": gate,
+            t + "mlp.up_proj.weight": up,
+            t + "mlp.down_proj.weight": state[m + "mlp.linear_fc2.weight"],
+        })  # fmt: skip
+    return {k_: v.contiguous() for k_, v in out.items()}
+
+
+def _rope_theta(hf) -> float:
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in (None, "default"):
+        raise ConversionError(
+            f"Llama rope_type {kind!r} (RoPE scaling) has no megalite equivalent; only the default"
+        )
+    theta = params.get("rope_theta", getattr(hf, "rope_theta", None))
+    return float(10000.0 if theta is None else theta)
+
+
+def config_from_hf(hf) -> GPTConfig:
+    """A ``transformers.LlamaConfig`` -> the GPTConfig of the same model."""
+    if hf.hidden_act != "silu":
+        raise ConversionError(f"Llama hidden_act {hf.hidden_act!r}: megalite's SwiGLU is silu")
+    if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False):
+        raise ConversionError("Llama attention_bias / mlp_bias: megalite's Llama has no biases")
+    theta = _rope_theta(hf)
+    if theta != int(theta):
+        raise ConversionError(f"Llama rope_theta {theta} is not an integer (--rotary-base)")
+    heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    return GPTConfig(
+        num_layers=hf.num_hidden_layers,
+        hidden_size=hf.hidden_size,
+        num_attention_heads=heads,
+        num_query_groups=hf.num_key_value_heads or heads,
+        kv_channels=head_dim,
+        ffn_hidden_size=hf.intermediate_size,
+        vocab_size=hf.vocab_size,
+        seq_length=hf.max_position_embeddings,
+        max_position_embeddings=hf.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(theta),
+        normalization="RMSNorm",
+        norm_epsilon=hf.rms_norm_eps,
+        swiglu=True,
+        add_bias_linear=False,
+        untie_embeddings_and_output_weights=not getattr(hf, "tie_word_embeddings", False),
+        init_method_std=hf.initializer_range,
+    )
+
+
+def from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """LlamaForCausalLM's tensors -> logical megalite tensors."""
+    s = hf_state
+    g, k, d, h = (
+        config.num_query_groups,
+        config.heads_per_group,
+        config.kv_channels,
+        config.hidden_size,
+    )
+    for name in ("model.embed_tokens.weight", "model.norm.weight"):
+        if name not in s:
+            raise ConversionError(f"the Llama weights have no {name!r}; is this a Llama model?")
+    out = {
+        "embedding.word_embeddings.weight": s["model.embed_tokens.weight"],
+        "decoder.final_layernorm.weight": s["model.norm.weight"],
+    }
+    if config.untie_embeddings_and_output_weights:
+        if "lm_head.weight" not in s:
+            raise ConversionError(
+                "an untied Llama (tie_word_embeddings=False) needs lm_head.weight"
+            )
+        out["output_layer.weight"] = s["lm_head.weight"]
+    for i in range(config.num_layers):
+        m, t = f"decoder.layers.{i}.", f"model.layers.{i}."
+        q = s[t + "self_attn.q_proj.weight"].reshape(g, k, d, h)
+        kk = s[t + "self_attn.k_proj.weight"].reshape(g, 1, d, h)
+        v = s[t + "self_attn.v_proj.weight"].reshape(g, 1, d, h)
+        out.update({
+            m + "input_layernorm.weight": s[t + "input_layernorm.weight"],
+            m + "pre_mlp_layernorm.weight": s[t + "post_attention_layernorm.weight"],
+            m + "self_attention.linear_qkv.weight": torch.cat([q, kk, v], 1).reshape(-1, h),
+            m + "self_attention.linear_proj.weight": s[t + "self_attn.o_proj.weight"],
+            m + "mlp.linear_fc1.weight": torch.cat(
+                [s[t + "mlp.gate_proj.weight"], s[t + "mlp.up_proj.weight"]]
+            ),
+            m + "mlp.linear_fc2.weight": s[t + "mlp.down_proj.weight"],
+        })  # fmt: skip
+    return {k_: v_.contiguous() for k_, v_ in out.items()}

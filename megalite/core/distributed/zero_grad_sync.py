@@ -1,0 +1,259 @@
+"""ZeRO-1 data parallelism: grads are reduce-scattered, parameters live in contiguous buffers.
+
+    model = ShardedDataParallel(module, dp_group=ps.dp_group, tp_group=ps.tp_group, ...)
+    model.zero_grad_buffer()
+    forward_backward(...)           # grads accumulate into the grad buffer, as with all-reduce
+    model.finish_grad_sync()        # each DP rank: its shard of every bucket holds the DP mean
+    optimizer.step()                # DistributedOptimizer: update own shard, then gather_params()
+
+Layout. As in ``DistributedDataParallel``, each param dtype has one ``GradBuffer`` cut into buckets;
+here every bucket is padded to a multiple of ``dp_size`` and split into ``dp_size`` equal,
+contiguous shards: DP rank ``r`` owns elements ``[offset + r n/dp, offset + (r+1) n/dp)`` of a
+bucket of ``n`` (padded) elements. The parameters themselves are moved into a *parameter buffer*
+of the param dtype with exactly the grad buffer's layout (``param.data`` becomes a view of it), so
+the updated shards are gathered with one collective per bucket and no copies::
+
+    grad_buffers[i].data    [numel]  grad dtype (fp32 with accumulate_allreduce_grads_in_fp32)
+    param_buffers[i]        [numel]  param dtype; param.data = param_buffers[i][lo:hi].view(shape)
+
+``finish_grad_sync``, in this order:
+1. sum over the embedding group the grads of ``shared_params`` (whole tensors: the shared
+   embedding sits at different offsets on the first and the last stage, so this sum must come
+   before the grads are sharded);
+2. for each bucket: reduce-scatter (sum) over the DP group, then divide this rank's shard by
+   ``dp_size`` (fp16 buffers: the whole bucket before the sum, for range); ``data[shard]`` then
+   holds the DP mean, the rest of the bucket is undefined;
+3. sum over the TP group the shard's part of the ``sequence_parallel`` params' grads (TP peers
+   have the same layout and DP rank, hence the same shard; checked at construction).
+Sums are linear, so the result equals the all-reduce path's up to rounding.
+
+Overlap (both off by default):
+- ``overlap_grad_reduce``: a bucket's reduce-scatter starts from the grad hook as soon as every
+  parameter in it has received its grad from all ``num_microbatches`` micro-batches of the step
+  (the bucket's count is reset by ``zero_grad_buffer``); buckets holding ``shared_params`` wait for
+  step 1. ``finish_grad_sync`` starts the rest and waits for all.
+- ``overlap_param_gather``: ``gather_params`` only starts the all-gathers (in forward order); a
+  forward pre-hook on each module that owns parameters waits for their buckets, so the gather of
+  later layers overlaps the forward of earlier ones. Contract: a parameter is read only in the
+  forward of a module that owns it or after it (true of GPTModel, including tied embeddings);
+  ``state_dict()`` and ``finish_grad_sync`` wait for everything still in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalite.core.distributed.data_parallel import DistributedDataParallel, all_reduce_flat
+from megalite.core.distributed.grad_buffer import Bucket, GradBuffer
+from megalite.core.distributed.shard_collectives import (
+    PendingReduceScatter,
+    ScratchBuffers,
+    all_gather_shard,
+    reduce_scatter_shard,
+    shard_bounds,
+    start_reduce_scatter_shard,
+)
+from megalite.core.tensor_parallel.mappings import group_rank, group_size
+
+BucketKey = tuple[int, int]  # (buffer index, bucket index)
+
+
+class ShardedDataParallel(DistributedDataParallel):
+    """``DistributedDataParallel`` whose grad sync is a reduce-scatter (ZeRO-1); pair it with
+    ``megalite.core.optimizer.distributed_optimizer.DistributedOptimizer``. Arguments as the base
+    class (without ``pad_multiple``: always ``dp_size``), plus the overlap options above."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        dp_group,
+        tp_group=None,
+        embedding_group=None,
+        shared_params: Iterable[nn.Parameter] = (),
+        accumulate_allreduce_grads_in_fp32: bool = False,
+        bucket_size: int | None = None,
+        overlap_grad_reduce: bool = False,
+        overlap_param_gather: bool = False,
+        num_microbatches: int = 1,
+    ):
+        super().__init__(
+            module,
+            dp_group=dp_group,
+            tp_group=tp_group,
+            embedding_group=embedding_group,
+            shared_params=shared_params,
+            accumulate_allreduce_grads_in_fp32=accumulate_allreduce_grads_in_fp32,
+            bucket_size=bucket_size,
+            pad_multiple=group_size(dp_group),
+        )
+        if num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+        self.dp_rank = group_rank(dp_group)
+        self.overlap_grad_reduce, self.overlap_param_gather = (
+            overlap_grad_reduce,
+            overlap_param_gather,
+        )
+        self._scratch = ScratchBuffers()
+        self.param_buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._bucket_key: dict[nn.Parameter, BucketKey] = {}
+        for i, (dtype, buffer) in enumerate(self.buffers_by_dtype.items()):
+            data = torch.zeros(buffer.numel, dtype=dtype, device=buffer.data.device)
+            for param, (lo, hi, k) in buffer.param_ranges.items():
+                data[lo:hi].copy_(param.detach().reshape(-1))
+                param.data = data[lo:hi].view(param.shape)
+                self._bucket_key[param] = (i, k)
+            self.param_buffers[dtype] = data
+        self._buckets = {
+            (i, b.index): b for i, buf in enumerate(self.grad_buffers) for b in buf.buckets
+        }
+        # overlap_grad_reduce: grads still expected per bucket this step, and what is in flight
+        self._expected = {key: len(b.params) * num_microbatches for key, b in self._buckets.items()}
+        self._remaining = dict(self._expected)
+        self._deferred = {self._bucket_key[p] for p in self.shared_params}
+        self._reducing: dict[BucketKey, PendingReduceScatter] = {}
+        # overlap_param_gather: works in flight per bucket, and the pre-hooks that wait for them
+        self._gathering: dict[BucketKey, list] = {}
+        if overlap_param_gather:
+            for sub in module.modules():
+                keys = sorted({self._bucket_key[p] for p in sub.parameters(recurse=False)
+                               if p in self._bucket_key})  # fmt: skip
+                if keys:
+                    sub.register_forward_pre_hook(self._make_wait_hook(keys))
+            module.register_state_dict_pre_hook(lambda *_: self.finish_param_sync())
+        self._check_tp_layout()
+
+    def _check_tp_layout(self) -> None:
+        """Step 3 sums shard slices over TP: every TP peer must have this rank's layout."""
+        if group_size(self.tp_group) == 1 or not self._sp_params:
+            return
+        layout = [b.data.numel() for buf in self.grad_buffers for b in buf.buckets]
+        layout += [x for p in self._sp_params for x in self._buffer_of(p).param_ranges[p]]
+        signature = torch.tensor([hash(tuple(layout)) % (1 << 62)], dtype=torch.int64)
+        signature = signature.to(self.grad_buffers[0].data.device)
+        low, high = signature.clone(), signature.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.tp_group)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.tp_group)
+        if low.item() != high.item():
+            raise ValueError("ZeRO-1 needs the same grad-buffer layout on every TP rank")
+
+    # --- layout -----------------------------------------------------------------------------------
+
+    def shard_range(self, bucket: Bucket) -> tuple[int, int]:
+        """``[lo, hi)`` in buffer elements of this DP rank's shard of ``bucket``."""
+        lo, hi = shard_bounds(bucket.data.numel(), self.dp_size, self.dp_rank)
+        return bucket.offset + lo, bucket.offset + hi
+
+    def buffer_pairs(self) -> list[tuple[torch.Tensor, GradBuffer]]:
+        """``(param_buffer, grad_buffer)`` per param dtype, in a fixed order."""
+        return [(self.param_buffers[d], g) for d, g in self.buffers_by_dtype.items()]
+
+    # --- grads ------------------------------------------------------------------------------------
+
+    def zero_grad_buffer(self) -> None:
+        super().zero_grad_buffer()
+        self._remaining = dict(self._expected)
+        self._reducing.clear()
+
+    def _accumulate(self, param: nn.Parameter) -> None:
+        had_grad = param.grad is not None
+        super()._accumulate(param)
+        if not (self.overlap_grad_reduce and had_grad and self.dp_size > 1):
+            return
+        key = self._bucket_key[param]
+        if key in self._reducing:
+            raise RuntimeError(
+                f"a grad arrived for bucket {key} after its reduce-scatter started: more "
+                "micro-batches ran than the num_microbatches the model was built with"
+            )
+        self._remaining[key] -= 1
+        if self._remaining[key] == 0 and key not in self._deferred:
+            self._start_reduce(key)
+
+    def _start_reduce(self, key: BucketKey) -> None:
+        bucket = self._buckets[key]
+        if bucket.data.dtype == torch.float16:  # fp16 range: divide before summing
+            bucket.data.div_(self.dp_size)
+        self._reducing[key] = start_reduce_scatter_shard(bucket.data, self.dp_group)
+
+    def _shard_mean(self, bucket: Bucket) -> None:
+        if bucket.data.dtype != torch.float16:  # else divided before the sum
+            lo, hi = self.shard_range(bucket)
+            bucket.data[lo - bucket.offset : hi - bucket.offset].div_(self.dp_size)
+
+    def _reduce_bucket(self, bucket: Bucket) -> None:
+        """This rank's shard of ``bucket.data`` <- its mean over the DP group (blocking)."""
+        if bucket.data.dtype == torch.float16:
+            bucket.data.div_(self.dp_size)
+        reduce_scatter_shard(bucket.data, self.dp_group, scratch=self._scratch)
+        self._shard_mean(bucket)
+
+    def finish_grad_sync(self) -> None:
+        self.finish_param_sync()
+        all_reduce_flat([p.main_grad for p in self.shared_params], self.embedding_group)
+        if self.dp_size > 1:
+            if self.overlap_grad_reduce:
+                for key in self._buckets:
+                    if key not in self._reducing:
+                        self._start_reduce(key)
+                for key, pending in self._reducing.items():
+                    pending.wait()
+                    self._shard_mean(self._buckets[key])
+                self._reducing.clear()
+            else:
+                for bucket in self._buckets.values():
+                    self._reduce_bucket(bucket)
+        self._all_reduce_sp_shards()
+
+    def _all_reduce_sp_shards(self) -> None:
+        """Step 3: the shard's slices of sequence-parallel grads, summed over TP."""
+        if group_size(self.tp_group) == 1 or not self._sp_params:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self._sp_params:
+            buffer = self._buffer_of(p)
+            p_lo, p_hi, k = buffer.param_ranges[p]
+            s_lo, s_hi = self.shard_range(buffer.buckets[k])
+            lo, hi = max(p_lo, s_lo), min(p_hi, s_hi)
+            if lo < hi:
+                by_dtype.setdefault(buffer.grad_dtype, []).append(buffer.data[lo:hi])
+        for grads in by_dtype.values():
+            all_reduce_flat(grads, self.tp_group)
+
+    # --- params -----------------------------------------------------------------------------------
+
+    def gather_params(self) -> None:
+        """Every rank's updated shard of every parameter bucket -> all DP ranks (with
+        ``overlap_param_gather``: started in forward order, waited for by the forward)."""
+        if self.dp_size == 1:
+            return
+        self.finish_param_sync()
+        for key in reversed(list(self._buckets)):  # buckets are in reverse forward order
+            bucket, param_data = self._buckets[key], self.param_buffers[self._dtype_of(key)]
+            view = param_data[bucket.offset : bucket.offset + bucket.data.numel()]
+            if self.overlap_param_gather:
+                self._gathering[key] = all_gather_shard(view, self.dp_group, async_op=True)
+            else:
+                all_gather_shard(view, self.dp_group)
+
+    def _dtype_of(self, key: BucketKey) -> torch.dtype:
+        return list(self.buffers_by_dtype)[key[0]]
+
+    def _make_wait_hook(self, keys: list[BucketKey]):
+        def wait_for_params(module, args):
+            for key in keys:
+                for work in self._gathering.pop(key, ()):
+                    work.wait()
+
+        return wait_for_params
+
+    def finish_param_sync(self) -> None:
+        """Wait for every parameter all-gather still in flight."""
+        for works in self._gathering.values():
+            for work in works:
+                work.wait()
+        self._gathering.clear()

@@ -1,0 +1,167 @@
+"""Checkpoint files on disk: Megatron's directory layout, crash-safe writes, the tracker file.
+
+    SAVE/latest_checkpointed_iteration.txt               the last complete iteration, or "release"
+    SAVE/iter_0000500/mp_rank_{tp:02d}/model_optim_rng.pt           (PP = 1)
+    SAVE/iter_0000500/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt  (PP > 1)
+    SAVE/iter_0000500/mp_rank_.../distrib_optim_{dp:03d}.pt         (ZeRO-1: one per DP rank)
+    SAVE/release/...                                     (converted: no optimizer, no RNG state)
+
+Crash safety: every file is written to ``NAME.tmp``, flushed, fsynced and renamed over ``NAME``; the
+tracker is replaced the same way (then its directory is fsynced) and only after every rank has
+written and fsynced its files. A crash at any moment leaves the tracker naming the previous
+complete checkpoint, whatever half-written ``iter_*`` directory lies beside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import zipfile
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+MODEL_FILE = "model_optim_rng.pt"
+RELEASE = "release"
+_ITER_DIR = re.compile(r"^iter_(\d{7,})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded; the message is one line naming the file or flag."""
+
+
+def iteration_dir(save_dir: str, iteration: int | str) -> str:
+    """``SAVE/iter_0000500`` (or ``SAVE/release``)."""
+    name = RELEASE if iteration == RELEASE else f"iter_{int(iteration):07d}"
+    return os.path.join(save_dir, name)
+
+
+def shard_dir(iter_dir: str, *, tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    """``mp_rank_{tp:02d}`` when PP = 1, else ``mp_rank_{tp:02d}_{pp:03d}`` (Megatron's names)."""
+    name = f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return os.path.join(iter_dir, name)
+
+
+def distrib_optim_file(dp_rank: int) -> str:
+    """The ZeRO-1 state of one DP rank's range, beside ``model_optim_rng.pt``."""
+    return f"distrib_optim_{dp_rank:03d}.pt"
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_file(obj: object, path: str) -> int:
+    """``torch.save`` to ``path.tmp``, fsync, rename over ``path``; returns the bytes written.
+
+    The caller fsyncs the directory once all of its files are renamed."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+        size = f.tell()
+    os.replace(tmp, path)
+    return size
+
+
+def load_file(path: str, *, hint: str = "") -> dict:
+    """``torch.load`` (memory-mapped, weights only, on CPU) with a one-line error for a missing,
+    truncated or corrupt file."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file {path} does not exist{hint}")
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:
+        text = str(e).strip()
+        first = text.splitlines()[0].split(". ")[0] if text else type(e).__name__
+        raise CheckpointError(
+            f"checkpoint file {path} ({os.path.getsize(path)} bytes) is truncated or corrupt "
+            f"({first[:160]}); load another iteration (--ckpt-step N) or save it again"
+        ) from None
+
+
+def read_tracker(save_dir: str) -> int | str | None:
+    """The iteration ``SAVE/latest_checkpointed_iteration.txt`` names (int or "release"); None
+    when there is no tracker file."""
+    path = os.path.join(save_dir, TRACKER_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        text = f.read().strip()
+    if text == RELEASE:
+        return RELEASE
+    try:
+        value = int(text)
+    except ValueError:
+        raise CheckpointError(
+            f"{path} holds {text[:40]!r}, not an iteration number or 'release'; fix or delete it"
+        ) from None
+    if value < 0:
+        raise CheckpointError(f"{path} holds the negative iteration {value}; fix or delete it")
+    return value
+
+
+def write_tracker(save_dir: str, iteration: int | str) -> None:
+    """Atomically replace the tracker file: write a temp file, fsync, rename, fsync the folder."""
+    path = os.path.join(save_dir, TRACKER_FILE)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(f"{iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(save_dir)
+
+
+def saved_iterations(save_dir: str) -> list[int]:
+    """The ``iter_*`` directories present, sorted (complete or not)."""
+    if not os.path.isdir(save_dir):
+        return []
+    found = []
+    for name in os.listdir(save_dir):
+        m = _ITER_DIR.match(name)
+        if m and os.path.isdir(os.path.join(save_dir, name)):
+            found.append(int(m.group(1)))
+    return sorted(found)
+
+
+def remove_old_checkpoints(save_dir: str, *, keep: int, latest: int) -> list[int]:
+    """``--keep-last-n-checkpoints``: delete the ``iter_*`` directories older than ``latest`` except
+    the newest ``keep - 1`` of them (``latest`` itself is always kept). Returns the deleted ones."""
+    older = [i for i in saved_iterations(save_dir) if i < latest]
+    doomed = older[: max(0, len(older) - (keep - 1))]
+    for it in doomed:
+        shutil.rmtree(iteration_dir(save_dir, it), ignore_errors=True)
+    if doomed:
+        logger.info("removed checkpoint(s) %s (--keep-last-n-checkpoints %d)", doomed, keep)
+    return doomed
+
+
+def pause_for_test(iteration: int) -> None:
+    """Test hook: with ``MEGALITE_TEST_PAUSE_IN_SAVE=SECONDS`` (or ``SECONDS@ITERATION``) the save
+    sleeps after this rank's files are written, before the tracker is replaced, so that a test
+    can kill a rank in the middle of a save."""
+    value = os.environ.get("MEGALITE_TEST_PAUSE_IN_SAVE")
+    if not value:
+        return
+    seconds, _, at = value.partition("@")
+    if at and int(at) != iteration:
+        return
+    import time
+
+    logger.warning(
+        "MEGALITE_TEST_PAUSE_IN_SAVE: pausing %s s in the save of iteration %d (pid %d)",
+        seconds,
+        iteration,
+        os.getpid(),
+    )
+    time.sleep(float(seconds))

@@ -1,0 +1,205 @@
+"""What a checkpoint records besides tensors: RNG states, the run's flags, and the optimizer in its
+"full over DP" per-parameter form.
+
+- RNG: torch's default CPU generator, the CUDA generator of this device, the TP tracker's states,
+  and python's and numpy's global generators (cheap, and a user's forward step may use them).
+- Flags: the ``PretrainConfig`` as plain data (dtypes as strings), so that a load can name the
+  setting in which the checkpoint's model differs from this run's.
+- Optimizer: ``{"params": {param_name: {"master", "exp_avg", "exp_avg_sq"}}, "step", "scaler"}``
+  (``megalite.core.optimizer.full_state``), which the plain and the ZeRO-1 optimizer both offer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+
+import numpy as np
+import torch
+
+from megalite.models.config import GPTConfig
+from megalite.training.checkpoint_files import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+# GPTConfig fields that fix a parameter's shape -> the flag that sets them
+SHAPE_FLAGS = {  # the family-defining settings first: they explain the size differences
+    "position_embedding_type": "--position-embedding-type",
+    "normalization": "--normalization",
+    "swiglu": "--swiglu",
+    "add_bias_linear": "--disable-bias-linear (off = biases)",
+    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+    "num_layers": "--num-layers",
+    "hidden_size": "--hidden-size",
+    "num_attention_heads": "--num-attention-heads",
+    "num_query_groups": "--num-query-groups",
+    "kv_channels": "--kv-channels",
+    "ffn_hidden_size": "--ffn-hidden-size",
+    "vocab_size": "--vocab-size (the tokenizer's vocabulary)",
+}
+# fields that change the function but not the shapes: a difference is logged
+FUNCTION_FLAGS = {
+    "openai_gelu": "--openai-gelu",
+    "rotary_base": "--rotary-base",
+    "norm_epsilon": "--norm-epsilon",
+}
+
+
+# --- RNG -----------------------------------------------------------------------------------------
+
+
+def capture_rng_state(tracker, device: torch.device) -> dict:
+    """Every RNG state of this rank (``tracker``: the TP RNGStatesTracker or None)."""
+    np_state = np.random.get_state()
+    return {
+        "torch_cpu": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        "tracker": tracker.get_states() if tracker is not None else None,
+        "python": random.getstate(),
+        "numpy": {
+            "kind": np_state[0],
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+    }
+
+
+def restore_rng_state(state: dict, tracker, device: torch.device) -> None:
+    torch.set_rng_state(state["torch_cpu"])
+    if device.type == "cuda" and state.get("cuda") is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+    if tracker is not None and state.get("tracker") is not None:
+        tracker.set_states(state["tracker"])
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    keys = n["keys"].numpy().astype(np.uint32)
+    np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
+
+
+# --- flags ---------------------------------------------------------------------------------------
+
+
+def plain_data(value):
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: plain_data(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_data(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+def config_record(cfg) -> dict:
+    """The run's ``PretrainConfig`` (or any dataclass of dataclasses) as plain data, plus the
+    tokenizer's vocabulary size and special ids under ``"tokenizer"``."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out[f.name] = plain_data(dataclasses.asdict(value))
+    tokenizer = getattr(cfg, "tokenizer", None)
+    if tokenizer is not None:
+        eod = int(tokenizer.eod)
+        bos = getattr(tokenizer, "bos", None)
+        out["tokenizer"] = {
+            "class": type(tokenizer).__name__,
+            "vocab_size": int(tokenizer.vocab_size),
+            "eod": eod,
+            "bos": eod if bos is None else int(bos),
+        }
+    return out
+
+
+def gpt_config_from_record(record: dict, **overrides) -> GPTConfig:
+    """Rebuild the ``GPTConfig`` a checkpoint recorded (``record = meta["config"]["model"]``)."""
+    names = {f.name for f in dataclasses.fields(GPTConfig)}
+    kwargs = {k: v for k, v in record.items() if k in names}
+    dtype = kwargs.get("params_dtype")
+    if isinstance(dtype, str):
+        kwargs["params_dtype"] = getattr(torch, dtype.removeprefix("torch."))
+    kwargs.update(overrides)
+    return GPTConfig(**kwargs)
+
+
+def _show(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+def check_model_compatible(saved: dict, current: GPTConfig, *, where: str) -> None:
+    """Raise a one-line CheckpointError naming the first shape setting in which the checkpoint's
+    model (``saved``, its recorded GPTConfig) differs from this run's; log function settings
+    that differ."""
+    now = dataclasses.asdict(current)
+    fields = dict(SHAPE_FLAGS)
+    if current.position_embedding_type == "learned_absolute":
+        fields["max_position_embeddings"] = "--max-position-embeddings"
+    for key, flag in fields.items():
+        if key in saved and saved[key] != now[key]:
+            raise CheckpointError(
+                f"checkpoint {where} has a model of another shape: {flag} is "
+                f"{_show(saved[key])} in the checkpoint but {_show(now[key])} in this run; use "
+                "the checkpoint's value (or another --load)"
+            )
+    for key, flag in FUNCTION_FLAGS.items():
+        if key in saved and saved[key] != now[key]:
+            logger.warning(
+                "checkpoint %s was trained with %s %s, this run uses %s",
+                where,
+                flag,
+                _show(saved[key]),
+                _show(now[key]),
+            )
+
+
+# --- optimizer -----------------------------------------------------------------------------------
+
+
+def optimizer_full_state(optimizer, *, model_state: dict | None = None) -> dict:
+    """The optimizer's state, full over DP, keyed by parameter name (collective over DP for
+    ZeRO-1): ``megalite.core.optimizer.full_state``'s form, which both optimizers produce.
+
+    For saving: the plain mixed-precision optimizer's state is read as views (no copy of the
+    optimizer state in memory), and with ``model_state`` (the model's state dict) an fp32 master
+    that is the parameter itself is given as the parameter's tensor, so ``torch.save`` stores
+    those bytes once. Save the result before the next step changes it."""
+    views = _plain_optimizer_views(optimizer, model_state or {})
+    return views if views is not None else optimizer.full_state_dict()
+
+
+def _plain_optimizer_views(optimizer, model_state: dict) -> dict | None:
+    """``full_state_dict()`` of a MixedPrecisionOptimizer without copies; None for any other."""
+    names = getattr(optimizer, "param_names", None)
+    inner = getattr(optimizer, "optimizer", None)
+    models = getattr(optimizer, "model_params", None)
+    masters = getattr(optimizer, "master_params", None)
+    if names is None or models is None or not isinstance(inner, torch.optim.Optimizer):
+        return None
+    params, step = {}, 0
+    for name, model_param, master in zip(names, models, list(masters)):
+        st = inner.state.get(master, {})
+        if "step" in st:
+            step = max(step, int(st["step"]))
+        own = master is model_param and name in model_state
+        entry = {"master": model_state[name] if own else master.detach()}
+        for key in ("exp_avg", "exp_avg_sq"):
+            entry[key] = st[key].detach() if key in st else torch.zeros_like(master.detach())
+        params[name] = entry
+    scaler = optimizer.loss_scaler.state_dict() if optimizer.loss_scaler is not None else None
+    return {"params": params, "step": step, "scaler": scaler}
+
+
+def load_optimizer_full_state(optimizer, state: dict) -> None:
+    """Inverse of ``optimizer_full_state`` (each ZeRO-1 rank keeps its range); a state that does
+    not fit this rank's parameters is refused with a one-line CheckpointError."""
+    try:
+        optimizer.load_full_state_dict(state)
+    except ValueError as e:
+        raise CheckpointError(f"{str(e).splitlines()[0]}; or pass --no-load-optim") from None

@@ -1,0 +1,311 @@
+"""The layout-independent form of a checkpoint, and the way back to any (TP, PP, DP) layout.
+
+Logical form: full tensors keyed by GLOBAL name (``decoder.layers.{i}`` with the model's layer
+number ``i``, whatever stage holds it), the vocabulary unpadded (``vocab_size`` rows), the fused QKV
+and SwiGLU fc1 in their full documented order (DESIGN §5). Optimizer state (fp32 master, exp_avg,
+exp_avg_sq) has the same form as its parameter. Any layout is a pure function of it:
+
+- TP: a parameter is split along ``dim`` into ``tp_size`` equal chunks, each of ``stride`` stacked
+  blocks separately (SwiGLU's ``[gate; up]``); vocabulary rows are zero-padded to the run's padded
+  size first. Replicated parameters (norms, positions, row-parallel biases) are copied.
+- PP: stage ``p`` holds the layers ``stage_layer_ranges(...)[p]``, numbered from 0 locally; the
+  first stage the embedding, the last the final norm and output layer. With tied embeddings and
+  PP > 1 the last stage's ``output_layer.weight`` is the word embedding (the logical form keeps only
+  ``embedding.word_embeddings.weight``).
+- DP: the model and the plain optimizer are replicated; ZeRO-1 ranges are cut by the optimizer.
+
+``CheckpointReader`` serves a saved iteration of any layout in this form, reading each shard file
+once, memory-mapped, and only the stages a caller asks about.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from megalite.training.checkpoint_files import (
+    MODEL_FILE,
+    CheckpointError,
+    distrib_optim_file,
+    load_file,
+    shard_dir,
+)
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT_LAYER = "output_layer.weight"
+OPTIMIZER_KEYS = ("master", "exp_avg", "exp_avg_sq")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class TPSplit:
+    """How one parameter is split over TP: along ``dim`` (None: replicated) in ``stride`` blocks;
+    ``vocab``: its rows are the padded vocabulary."""
+
+    dim: int | None
+    stride: int = 1
+    vocab: bool = False
+
+
+def tp_split(name: str, *, swiglu: bool) -> TPSplit:
+    """The documented split of parameter ``name`` (local or global). The layers' own attributes
+    (``partition_dim``, ``partition_stride``) agree; tests/training/test_checkpoint_reshard.py
+    checks it."""
+    if name.endswith(WORD_EMBEDDING) or name == OUTPUT_LAYER:
+        return TPSplit(0, vocab=True)
+    module, kind = name.split(".")[-2:]
+    if module == "linear_qkv":  # whole query groups per rank: a plain row split
+        return TPSplit(0)
+    if module == "linear_fc1":
+        return TPSplit(0, stride=2 if swiglu else 1)
+    if module in ("linear_proj", "linear_fc2") and kind == "weight":
+        return TPSplit(1)
+    return TPSplit(None)
+
+
+def merge_tp(shards: list[torch.Tensor], split: TPSplit, *, vocab_size: int) -> torch.Tensor:
+    """TP shards (rank order) -> the full logical tensor."""
+    if split.dim is None or len(shards) == 1:
+        full = shards[0]
+        return full.narrow(0, 0, vocab_size) if split.vocab else full
+    d = split.dim
+    if split.stride == 1:
+        full = torch.cat(shards, dim=d)
+    else:
+        blocks = [s.chunk(split.stride, dim=d) for s in shards]
+        full = torch.cat([b[j] for j in range(split.stride) for b in blocks], dim=d)
+    return full.narrow(0, 0, vocab_size) if split.vocab else full
+
+
+def split_tp(
+    full: torch.Tensor, split: TPSplit, *, tp_size: int, tp_rank: int, padded_vocab_size: int
+) -> torch.Tensor:
+    """The full logical tensor -> TP rank ``tp_rank``'s shard (contiguous)."""
+    if split.dim is None:
+        return full
+    if split.vocab:
+        if full.shape[0] > padded_vocab_size:
+            raise CheckpointError(
+                f"a vocabulary of {full.shape[0]} rows does not fit the padded vocabulary "
+                f"{padded_vocab_size} of this run; check --vocab-size / the tokenizer"
+            )
+        padded = full.new_zeros(padded_vocab_size, *full.shape[1:])
+        padded[: full.shape[0]] = full
+        full = padded
+    if tp_size == 1:
+        return full.contiguous()
+    d = split.dim
+    blocks = full.chunk(split.stride, dim=d)
+    return torch.cat([b.chunk(tp_size, dim=d)[tp_rank] for b in blocks], dim=d).contiguous()
+
+
+def global_name(local: str, layer_offset: int) -> str:
+    m = _LAYER.match(local)
+    return local if m is None else f"decoder.layers.{int(m.group(1)) + layer_offset}.{m.group(2)}"
+
+
+def local_name(name: str, layer_offset: int) -> str:
+    m = _LAYER.match(name)
+    return name if m is None else f"decoder.layers.{int(m.group(1)) - layer_offset}.{m.group(2)}"
+
+
+def logical_name(name: str, *, tied: bool) -> str:
+    """The name under which the logical form keeps ``name`` (the tied output layer is the word
+    embedding)."""
+    return WORD_EMBEDDING if tied and name == OUTPUT_LAYER else name
+
+
+def stage_of(name: str, layer_ranges: list[tuple[int, int]]) -> int:
+    """The pipeline stage that holds the global ``name`` (a logical name: the tied output layer is
+    looked up as the word embedding, on stage 0)."""
+    m = _LAYER.match(name)
+    if m is not None:
+        layer = int(m.group(1))
+        for p, (start, end) in enumerate(layer_ranges):
+            if start <= layer < end:
+                return p
+        raise CheckpointError(f"layer {layer} of {name} is outside the checkpoint's layers")
+    return 0 if name.startswith("embedding.") else len(layer_ranges) - 1
+
+
+class CheckpointReader:
+    """One saved iteration (``SAVE/iter_0000500``) of any layout, as logical tensors.
+
+    ``meta``: the first shard's header (config, layout, iteration, counters, scheduler). Model and
+    optimizer tensors are read lazily from the stage that holds them; ``full_distributed`` turns
+    the ZeRO-1 files of one (tp, pp) shard into the per-parameter form of the plain optimizer.
+    """
+
+    def __init__(
+        self,
+        iter_dir: str,
+        *,
+        full_distributed: Callable[[list[dict], dict], dict] | None = None,
+    ):
+        self.iter_dir = iter_dir
+        if not os.path.isdir(iter_dir):
+            raise CheckpointError(f"checkpoint directory {iter_dir} does not exist")
+        first = self._find_first_shard()
+        self.meta = load_file(first)
+        if not isinstance(self.meta, dict) or "layout" not in self.meta:
+            raise CheckpointError(f"{first} is not a megalite checkpoint shard (no 'layout')")
+        lay = self.meta["layout"]
+        self.tp_size, self.pp_size = int(lay["tp_size"]), int(lay["pp_size"])
+        self.dp_size = int(lay["dp_size"])
+        self.layer_ranges = [tuple(r) for r in lay["layer_ranges"]]
+        self.distributed_optimizer = bool(lay.get("distributed_optimizer", False))
+        self.model_config = self.meta["config"]["model"]
+        self.vocab_size = int(self.model_config["vocab_size"])
+        self.swiglu = bool(self.model_config["swiglu"])
+        self.tied = not self.model_config["untie_embeddings_and_output_weights"]
+        self._full_distributed = full_distributed
+        self._shards: dict[tuple[int, int], dict] = {(0, 0): self.meta}
+        self._optim: dict[tuple[int, int], dict] = {}
+        missing = [
+            p
+            for t in range(self.tp_size)
+            for p in range(self.pp_size)
+            if not os.path.isfile(self.path(t, p))
+        ]
+        if missing:
+            raise CheckpointError(
+                f"checkpoint {iter_dir} is incomplete: {len(missing)} shard file(s) missing, e.g. "
+                f"{missing[0]}; it was not saved completely: load another iteration"
+            )
+
+    def _find_first_shard(self) -> str:
+        for pp_size in (1, 2):  # mp_rank_00 (PP = 1) or mp_rank_00_000 (PP > 1)
+            path = shard_dir(self.iter_dir, tp_rank=0, pp_rank=0, pp_size=pp_size)
+            if os.path.isdir(path):
+                return os.path.join(path, MODEL_FILE)
+        raise CheckpointError(
+            f"checkpoint {self.iter_dir} holds no mp_rank_00 or mp_rank_00_000 folder; it is not a "
+            "complete megalite checkpoint"
+        )
+
+    def path(self, tp_rank: int, pp_rank: int, name: str = MODEL_FILE) -> str:
+        folder = shard_dir(self.iter_dir, tp_rank=tp_rank, pp_rank=pp_rank, pp_size=self.pp_size)
+        return os.path.join(folder, name)
+
+    def shard(self, tp_rank: int, pp_rank: int) -> dict:
+        key = (tp_rank, pp_rank)
+        if key not in self._shards:
+            self._shards[key] = load_file(self.path(tp_rank, pp_rank))
+        return self._shards[key]
+
+    def distributed_optimizer_files(self, tp_rank: int, pp_rank: int) -> list[dict]:
+        """Every DP rank's ``distrib_optim_{dp}.pt`` of one (tp, pp) shard, DP order."""
+        return [
+            load_file(self.path(tp_rank, pp_rank, distrib_optim_file(d)))
+            for d in range(self.dp_size)
+        ]
+
+    # --- the logical form ---------------------------------------------------------------------
+
+    def _locate(self, name: str) -> tuple[int, str]:
+        name = logical_name(name, tied=self.tied)
+        p = stage_of(name, self.layer_ranges)
+        return p, local_name(name, self.layer_ranges[p][0])
+
+    def model_tensor(self, name: str) -> torch.Tensor:
+        """The full logical tensor of the global ``name``."""
+        p, local = self._locate(name)
+        shards = []
+        for t in range(self.tp_size):
+            model = self.shard(t, p)["model"]
+            if local not in model:
+                raise CheckpointError(
+                    f"{self.path(t, p)} holds no {local!r}; the checkpoint is of another model "
+                    "(compare its flags with this run's)"
+                )
+            shards.append(model[local])
+        return merge_tp(shards, tp_split(name, swiglu=self.swiglu), vocab_size=self.vocab_size)
+
+    def has_optimizer(self) -> bool:
+        return self.meta.get("optimizer") is not None
+
+    def optimizer_state(self, tp_rank: int, pp_rank: int) -> dict:
+        """The optimizer state of one saved (tp, pp) shard in the per-parameter form:
+        ``{"params": {local_name: {"master", "exp_avg", "exp_avg_sq"}}, "step", "scaler"}``."""
+        key = (tp_rank, pp_rank)
+        if key not in self._optim:
+            state = self.shard(tp_rank, pp_rank).get("optimizer")
+            if state is None:
+                raise CheckpointError(
+                    f"{self.path(tp_rank, pp_rank)} holds no optimizer state (saved with "
+                    "--no-save-optim, or converted); pass --no-load-optim or --finetune"
+                )
+            if state.get("distributed"):
+                if self._full_distributed is None:
+                    raise CheckpointError("reading ZeRO-1 optimizer files needs full_distributed")
+                files = self.distributed_optimizer_files(tp_rank, pp_rank)
+                state = self._full_distributed(files, self.shard(tp_rank, pp_rank))
+            self._optim[key] = state
+        return self._optim[key]
+
+    def optimizer_tensors(self, name: str) -> dict[str, torch.Tensor]:
+        """``{"master", "exp_avg", "exp_avg_sq"}`` of the global ``name``, full and logical."""
+        p, local = self._locate(name)
+        split = tp_split(name, swiglu=self.swiglu)
+        per_rank = [self.optimizer_state(t, p)["params"][local] for t in range(self.tp_size)]
+        return {
+            key: merge_tp([r[key] for r in per_rank], split, vocab_size=self.vocab_size)
+            for key in OPTIMIZER_KEYS
+        }
+
+    def optimizer_header(self) -> dict:
+        """``{"step": int, "scaler": dict | None}`` of the saved optimizer."""
+        state = self.optimizer_state(0, 0)
+        return {"step": int(state.get("step", 0)), "scaler": state.get("scaler")}
+
+
+def reshard_model(
+    reader: CheckpointReader,
+    local_names: Iterable[str],
+    *,
+    layer_offset: int,
+    tp_size: int,
+    tp_rank: int,
+    padded_vocab_size: int,
+) -> dict[str, torch.Tensor]:
+    """The stage-local state dict of a stage whose parameters are ``local_names``."""
+    out = {}
+    for local in local_names:
+        name = global_name(local, layer_offset)
+        split = tp_split(name, swiglu=reader.swiglu)
+        out[local] = split_tp(
+            reader.model_tensor(name),
+            split,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            padded_vocab_size=padded_vocab_size,
+        )
+    return out
+
+
+def reshard_optimizer(
+    reader: CheckpointReader,
+    local_names: Iterable[str],
+    *,
+    layer_offset: int,
+    tp_size: int,
+    tp_rank: int,
+    padded_vocab_size: int,
+) -> dict:
+    """The optimizer state of one stage in the "full over DP" form that ``load_full_state_dict``
+    takes: ``{"params": {local: {"master", "exp_avg", "exp_avg_sq"}}, "step", "scaler"}``."""
+    params = {}
+    for local in local_names:
+        name = global_name(local, layer_offset)
+        split = tp_split(name, swiglu=reader.swiglu)
+        params[local] = {
+            key: split_tp(
+                full, split, tp_size=tp_size, tp_rank=tp_rank, padded_vocab_size=padded_vocab_size
+            )
+            for key, full in reader.optimizer_tensors(name).items()
+        }
+    return {"params": params, **reader.optimizer_header()}

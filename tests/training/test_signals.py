@@ -1,0 +1,185 @@
+"""``--exit-signal-handler`` and rank death, under torchrun on CPU (gloo).
+
+Unit level: signal names parse (and uncatchable ones are refused), the handler only sets a flag and
+restores the old action, and ``any_rank_signalled`` is True on every rank when one rank alone got
+the signal (either one of two: a local read would disagree across ranks).
+
+End to end (``torchrun --nproc-per-node 2 pretrain_gpt.py``, PP 2, so the two ranks hold different
+stages): SIGTERM sent by pid to rank 0 only (the logging rank is rank 1) stops the run at an
+iteration boundary: exit 0, one "exiting program at iteration k" line, the tracker names k and the
+folder of k holds both stages' shards (so both ranks saved at the same k), and no iteration after
+k was logged. A rank SIGKILLed in the middle of a save (the checkpoint files of iteration 10
+written, the tracker not yet replaced; ``MEGALITE_TEST_PAUSE_IN_SAVE``) ends the job promptly with
+a non-zero status, and the tracker still names the previous checkpoint (5).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from megalite.training.config import ConfigError
+from megalite.training.signals import ExitSignalHandler, any_rank_signalled, parse_signal
+from tests.harness import run_distributed
+from tests.training.common import BASE, config
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def test_parse_signal_names_numbers_and_errors():
+    assert parse_signal("SIGUSR1") is signal.SIGUSR1
+    assert parse_signal("usr2") is signal.SIGUSR2
+    assert parse_signal(str(int(signal.SIGTERM))) is signal.SIGTERM
+    with pytest.raises(ValueError, match="cannot be caught"):
+        parse_signal("KILL")
+    with pytest.raises(ValueError, match="'SIGNOPE' is not a signal"):
+        parse_signal("SIGNOPE")
+    cfg = config("--exit-signal-handler", "--exit-signal", "USR1")
+    assert cfg.training.exit_signal_handler and cfg.training.exit_signal == "SIGUSR1"
+    assert not config().training.exit_signal_handler  # off unless asked
+    with pytest.raises(ConfigError, match="--exit-signal 'bogus' is not a signal"):
+        config("--exit-signal-handler", "--exit-signal", "bogus")
+
+
+def test_handler_sets_a_flag_and_restores_the_previous_action():
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda *_: seen.append(1))
+    try:
+        with ExitSignalHandler(signal.SIGUSR1) as handler:
+            assert not handler.received
+            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), signal.SIGUSR1)  # a second one (a forwarding launcher) is fine
+            assert handler.received and seen == []
+        os.kill(os.getpid(), signal.SIGUSR1)  # the old handler is back
+        assert seen == [1]
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def _agree(flagged: int | None) -> bool:
+    import torch
+
+    return any_rank_signalled(dist.get_rank() == flagged, device=torch.device("cpu"))
+
+
+def test_any_rank_signalled_agrees_across_ranks():
+    assert run_distributed(_agree, 2, 0) == [True, True]
+    assert run_distributed(_agree, 2, 1) == [True, True]
+    assert run_distributed(_agree, 2, None) == [False, False]
+
+
+# -- end to end under torchrun -------------------------------------------------------------------
+FLAGS = [
+    *BASE, "--pipeline-model-parallel-size", "2", "--train-iters", "100000", "--log-interval", "1",
+    "--exit-signal-handler", "--distributed-timeout-minutes", "1",
+]  # fmt: skip
+ITERATION = re.compile(r" iteration +(\d+)/ *100000 \|")
+
+
+def _start(tmp_path: Path, *extra: str, env_extra: dict | None = None):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env_extra or {}))
+    log = tmp_path / "log.txt"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    save = ["--save", str(tmp_path / "ckpt")]
+    cmd = [*launcher, "2", str(ROOT / "pretrain_gpt.py"), *FLAGS, *save, *extra]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    return proc, log
+
+
+def _wait_for(proc: subprocess.Popen, log: Path, pattern: str, timeout: float = 90.0) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = re.search(pattern, log.read_text(errors="replace"))
+        if m:
+            return m
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    raise AssertionError(
+        f"no {pattern!r} in the log (rc {proc.poll()}):\n{log.read_text()[-3000:]}"
+    )
+
+
+def _worker_pids(launcher_pid: int) -> dict[int, int]:
+    """rank -> pid of torchrun's workers (its children), from /proc."""
+    kids = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
+    ranks = {}
+    for pid in map(int, kids):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        rank = [e for e in environ if e.startswith(b"RANK=")]
+        if rank:
+            ranks[int(rank[0][5:])] = pid
+    return ranks
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return -999
+    finally:
+        if proc.poll() is None:  # never leave the launcher (it ends its workers) behind
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_stops_every_rank_at_one_iteration_saved(tmp_path):
+    proc, log = _start(tmp_path)
+    try:
+        _wait_for(proc, log, r" iteration +3/")
+        pids = _worker_pids(proc.pid)
+        assert sorted(pids) == [0, 1], pids
+        os.kill(pids[0], signal.SIGTERM)  # rank 0 only: rank 1 logs and must follow
+        signalled = time.monotonic()
+        rc = _finish(proc, timeout=60)
+    finally:
+        _finish(proc, timeout=0)
+    out = log.read_text()
+    assert rc == 0, out[-3000:]
+    assert time.monotonic() - signalled < 30, "took too long to stop"
+    (k,) = map(int, re.findall(r"exiting program at iteration (\d+): SIGTERM received", out))
+    logged = sorted(int(i) for i in ITERATION.findall(out))
+    assert logged[-1] == k and logged == list(range(1, k + 1)), (k, logged[-5:])
+    ckpt = tmp_path / "ckpt"
+    assert (ckpt / TRACKER).read_text().strip() == str(k)
+    shards = sorted(p.name for p in (ckpt / f"iter_{k:07d}").iterdir())
+    assert shards == ["mp_rank_00_000", "mp_rank_00_001"], shards  # both stages saved at k
+    for shard in shards:
+        assert (ckpt / f"iter_{k:07d}" / shard / "model_optim_rng.pt").stat().st_size > 0
+    assert "validation loss" not in out  # no final evaluation after the signal
+
+
+@pytest.mark.slow
+def test_rank_killed_in_a_save_ends_the_job_and_keeps_the_previous_checkpoint(tmp_path):
+    proc, log = _start(
+        tmp_path, "--save-interval", "5", env_extra={"MEGALITE_TEST_PAUSE_IN_SAVE": "3@10"}
+    )
+    try:
+        # both ranks have written their files of iteration 10 and sleep before the tracker
+        _wait_for(proc, log, r"pausing 3 s in the save of iteration 10")
+        assert (tmp_path / "ckpt" / TRACKER).read_text().strip() == "5"
+        pids = _worker_pids(proc.pid)
+        os.kill(pids[1], signal.SIGKILL)  # rank 1 dies; rank 0 (writes the tracker) lives on
+        killed = time.monotonic()
+        rc = _finish(proc, timeout=60)
+        ended = time.monotonic() - killed
+    finally:
+        _finish(proc, timeout=0)
+    out = log.read_text()
+    assert rc not in (0, -999), out[-3000:]
+    assert ended < 20, f"the job took {ended:.0f} s to end after a rank died"
+    assert (tmp_path / "ckpt" / TRACKER).read_text().strip() == "5"
+    assert (tmp_path / "ckpt" / "iter_0000010").is_dir()  # written, but never named latest
+    assert "saved checkpoint at iteration 10" not in out

@@ -1,0 +1,190 @@
+"""Checkpoint save / load time of a ~125M-parameter GPT-2 vs plain PyTorch, and conversion time.
+
+    python tools/bench/bench_checkpoint.py [--rounds 3] [--bf16] [--dir /tmp/megalite-bench-ckpt]
+                                           [--drop-caches]
+
+The model is GPT-2 small (12 layers, h 768, 12 heads, vocabulary 50257, 1024 positions: 124.4M
+parameters) built by megalite's Trainer in one process, after one training step so that AdamW's
+moments exist. Each round, in one process and on the same disk:
+
+- save: ``megalite.training.checkpointing.save_checkpoint`` (model, fp32 masters when they are
+  not the parameters themselves, Adam moments, scheduler, RNG, flags; fsync; atomic tracker)
+  against the baseline a plain PyTorch user writes: ``torch.save({"model": module.state_dict(),
+  "optimizer": adamw.state_dict()})`` + fsync, and against ``torch.distributed.checkpoint.save``
+  of the same two state dicts (the PyTorch-native sharded format);
+- load: ``load_checkpoint`` into the trainer (same layout) against ``torch.load`` +
+  ``load_state_dict`` of both, and ``torch.distributed.checkpoint.load``;
+- ``megalite.load_model`` (the logical, layout-free path every reshard takes);
+- conversion: ``export_to_hf`` (megalite -> HF safetensors) and ``import_from_hf`` back.
+
+Medians over ``--rounds``; MB/s = bytes on disk / seconds. Loads read from the page cache unless
+``--drop-caches`` (root; it slows every process on the machine for a moment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from megalite.conversion import export_to_hf, import_from_hf  # noqa: E402
+from megalite.core.parallel_state import ParallelState  # noqa: E402
+from megalite.inference import load_model  # noqa: E402
+from megalite.training.arguments import parse_args  # noqa: E402
+from megalite.training.checkpointing import load_checkpoint, save_checkpoint  # noqa: E402
+from megalite.training.forward_step import make_forward_step  # noqa: E402
+from tests.training.common import trainer_and_data  # noqa: E402
+
+GPT2_SMALL = (
+    "--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 128 "
+    "--max-position-embeddings 1024 --micro-batch-size 1 --global-batch-size 1 --lr 1e-4 "
+    "--train-iters 1 --mock-data --tokenizer-type NullTokenizer --vocab-size 50256 "
+    "--hidden-dropout 0 --attention-dropout 0 --eval-iters 0 --log-interval 1000"
+).split()
+
+
+def _dir_bytes(path: str) -> int:
+    total = 0
+    for folder, _, files in os.walk(path):
+        total += sum(os.path.getsize(os.path.join(folder, f)) for f in files)
+    return total
+
+
+def _drop_caches(enabled: bool) -> None:
+    if enabled:
+        subprocess.run("sync; echo 3 > /proc/sys/vm/drop_caches", shell=True, check=True)
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def _torch_save(trainer, path: str) -> None:
+    state = {
+        "model": trainer.model.module.state_dict(),
+        "optimizer": trainer.optimizer.optimizer.state_dict(),
+    }
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _torch_load(trainer, path: str) -> None:
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    trainer.model.module.load_state_dict(state["model"])
+    trainer.optimizer.optimizer.load_state_dict(state["optimizer"])
+
+
+def _dcp_state(trainer) -> dict:
+    return {
+        "model": trainer.model.module.state_dict(),
+        "optimizer": trainer.optimizer.optimizer.state_dict(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--dir", default="/tmp/megalite-bench-ckpt")
+    p.add_argument("--drop-caches", action="store_true")
+    args = p.parse_args(argv)
+    import torch.distributed.checkpoint as dcp
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    shutil.rmtree(args.dir, ignore_errors=True)
+    os.makedirs(args.dir)
+    flags = [*GPT2_SMALL, *(["--bf16"] if args.bf16 else [])]
+    cfg = parse_args([*flags, "--save", os.path.join(args.dir, "megalite")], env={})
+    trainer, data = trainer_and_data(cfg, ParallelState.single())
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    started = time.perf_counter()
+    trainer.step(make_forward_step(torch.device("cpu")), data)  # Adam moments exist
+    trainer.result.iteration = 1
+    print(f"GPT-2 small: {n_params / 1e6:.1f}M parameters, {'bf16' if args.bf16 else 'fp32'}, "
+          f"one training step {time.perf_counter() - started:.1f} s")  # fmt: skip
+
+    times: dict[str, list[float]] = {}
+    sizes: dict[str, int] = {}
+    megalite_dir = os.path.join(args.dir, "megalite")
+    torch_file = os.path.join(args.dir, "torch.pt")
+    dcp_dir = os.path.join(args.dir, "dcp")
+    hf_dir, back = os.path.join(args.dir, "hf"), os.path.join(args.dir, "from_hf")
+    for k in range(args.rounds):
+        it = k + 1
+        trainer.result.iteration = it
+        times.setdefault("save megalite", []).append(_timed(lambda: save_checkpoint(trainer)))
+        sizes["megalite"] = _dir_bytes(os.path.join(megalite_dir, f"iter_{it:07d}"))
+        times.setdefault("save torch.save", []).append(
+            _timed(lambda: _torch_save(trainer, torch_file))
+        )
+        sizes["torch"] = os.path.getsize(torch_file)
+        shutil.rmtree(dcp_dir, ignore_errors=True)
+        times.setdefault("save dcp", []).append(
+            _timed(lambda: dcp.save(_dcp_state(trainer), checkpoint_id=dcp_dir, no_dist=True))
+        )
+        sizes["dcp"] = _dir_bytes(dcp_dir)
+
+        _drop_caches(args.drop_caches)
+        times.setdefault("load megalite", []).append(
+            _timed(lambda: load_checkpoint(trainer, load_dir=megalite_dir))
+        )
+        _drop_caches(args.drop_caches)
+        times.setdefault("load torch.load", []).append(
+            _timed(lambda: _torch_load(trainer, torch_file))
+        )
+        _drop_caches(args.drop_caches)
+
+        def dcp_load() -> None:
+            state = _dcp_state(trainer)
+            dcp.load(state, checkpoint_id=dcp_dir, no_dist=True)
+            trainer.model.module.load_state_dict(state["model"])
+            trainer.optimizer.optimizer.load_state_dict(state["optimizer"])
+
+        times.setdefault("load dcp", []).append(_timed(dcp_load))
+        _drop_caches(args.drop_caches)
+        times.setdefault("load_model (logical)", []).append(
+            _timed(lambda: load_model(megalite_dir))
+        )
+        times.setdefault("convert megalite -> HF", []).append(
+            _timed(lambda: export_to_hf(megalite_dir, hf_dir))
+        )
+        sizes["HF safetensors"] = _dir_bytes(hf_dir)
+        shutil.rmtree(back, ignore_errors=True)
+        times.setdefault("convert HF -> megalite", []).append(
+            _timed(lambda: import_from_hf(hf_dir, back))
+        )
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    cache = "cold page cache" if args.drop_caches else "warm page cache"
+    print(f"medians of {args.rounds} rounds ({cache}):")
+    for op, seconds in med.items():
+        fmt = {"megalite": "megalite", "torch.save": "torch", "torch.load": "torch", "dcp": "dcp"}
+        kind = fmt.get(op.split()[-1]) if op.startswith(("save", "load ")) else None
+        size = sizes.get(kind) if kind else None
+        rate = f"{size / 1e6 / seconds:6.0f} MB/s of {size / 1e6:5.0f} MB" if size else ""
+        print(f"  {op:26s} {seconds:7.2f} s  {rate}")
+    print(f"  (HF safetensors written: {sizes['HF safetensors'] / 1e6:.0f} MB)")
+    print(
+        f"ratios: save megalite / torch.save = {med['save megalite'] / med['save torch.save']:.2f}"
+        f", / dcp = {med['save megalite'] / med['save dcp']:.2f}; load megalite / torch.load = "
+        f"{med['load megalite'] / med['load torch.load']:.2f}, / dcp = "
+        f"{med['load megalite'] / med['load dcp']:.2f}"
+    )
+    shutil.rmtree(args.dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
