@@ -44,6 +44,7 @@ step "1/5 corpus: the standard library's .py files, one document each"
 step "2/5 tokenizer: SentencePiece BPE, 4096 pieces"
 "$PY" tools/train_tokenizer.py --input "$OUT/data/stdlib.jsonl" --model-prefix \
   "$OUT/tokenizer/stdlib" --vocab-size 4096 --input-sentence-size 200000 --num-threads 2 \
+  --keep-whitespace \
   2>&1 | tail -n 1
 
 step "3/5 preprocessing into .bin/.idx"

@@ -29,6 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json-keys", nargs="+", default=["text"])
     p.add_argument("--character-coverage", type=float, default=0.9995)
     p.add_argument("--no-byte-fallback", dest="byte_fallback", action="store_false")
+    p.add_argument(
+        "--keep-whitespace",
+        action="store_true",
+        help="no normalisation; keep newlines and runs of spaces (code corpora)",
+    )
     p.add_argument("--input-sentence-size", type=int, default=10_000_000, help="0: every sentence")
     p.add_argument("--max-sentence-length", type=int, default=16384, help="bytes; longer skipped")
     p.add_argument("--pad-id", type=int, default=3, help="-1 for no pad piece")
@@ -44,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             json_keys=args.json_keys,
             character_coverage=args.character_coverage,
             byte_fallback=args.byte_fallback,
+            keep_whitespace=args.keep_whitespace,
             input_sentence_size=args.input_sentence_size,
             max_sentence_length=args.max_sentence_length,
             pad_id=args.pad_id,

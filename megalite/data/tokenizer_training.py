@@ -49,6 +49,7 @@ def train_sentencepiece(
     json_keys: list[str] | tuple[str, ...] = ("text",),
     character_coverage: float = 0.9995,
     byte_fallback: bool = True,
+    keep_whitespace: bool = False,
     input_sentence_size: int = 10_000_000,
     max_sentence_length: int = 16384,
     pad_id: int = 3,
@@ -74,6 +75,11 @@ def train_sentencepiece(
         vocab_size=vocab_size,
         character_coverage=character_coverage,
         byte_fallback=byte_fallback,
+        # code and other whitespace-structured text: no NFKC, keep runs of spaces and newlines
+        # (newlines then come back through byte fallback, indentation as whitespace pieces)
+        normalization_rule_name="identity" if keep_whitespace else "nmt_nfkc",
+        remove_extra_whitespaces=not keep_whitespace,
+        allow_whitespace_only_pieces=keep_whitespace,
         input_sentence_size=input_sentence_size,
         shuffle_input_sentence=True,
         max_sentence_length=max_sentence_length,

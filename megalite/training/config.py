@@ -111,6 +111,8 @@ class TrainingConfig:
     finetune: bool = False  # weights only; iteration and data position start at 0
     exit_duration_in_mins: float | None = None
     keep_last_n_checkpoints: int | None = None
+    exit_signal_handler: bool = False  # --exit-signal-handler: save and exit 0 on the signal
+    exit_signal: str = "SIGTERM"  # --exit-signal
 
     def num_microbatches(self, dp_size: int) -> int:
         return self.global_batch_size // (self.micro_batch_size * dp_size)

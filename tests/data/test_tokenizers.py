@@ -111,3 +111,26 @@ def test_parse_split_and_blend(tmp_path):
 def test_config_validation_messages(kwargs, message):
     with pytest.raises(ValueError, match=message):
         DataConfig(**kwargs).validate()
+
+
+def test_keep_whitespace_round_trips_code(tmp_path):
+    """``--keep-whitespace``: newlines and indentation survive encode -> decode (the default
+    normalisation folds them into single spaces, which ruins code)."""
+    import json
+
+    from megalite.data.tokenizer_training import train_sentencepiece
+
+    code = "def f(x):\n    if x:\n        return x  + 1\n    return None\n"
+    path = tmp_path / "code.jsonl"
+    with open(path, "w") as f:
+        for i in range(200):
+            f.write(json.dumps({"text": code.replace("x", f"v{i % 17}")}) + "\n")
+    kept = SentencePieceTokenizer(
+        train_sentencepiece([str(path)], model_prefix=str(tmp_path / "k"), vocab_size=300,
+                            keep_whitespace=True)
+    )  # fmt: skip
+    folded = SentencePieceTokenizer(
+        train_sentencepiece([str(path)], model_prefix=str(tmp_path / "f"), vocab_size=300)
+    )
+    assert kept.detokenize(kept.tokenize(code)) == code
+    assert folded.detokenize(folded.tokenize(code)) != code
