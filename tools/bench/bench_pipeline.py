@@ -147,7 +147,9 @@ def _worker(rank, pp, init_file, args, results):
             ours = _timed(
                 lambda s=schedule, n=m: _megalite_step(stack, s, n, rank, pp), args.steps, stack
             )
-            theirs = _timed(_torch_schedule(stack, schedule, m, rank, pp), args.steps, stack)
+            theirs = None  # torch's schedules refuse fewer micro-batches than stages
+            if m >= pp:
+                theirs = _timed(_torch_schedule(stack, schedule, m, rank, pp), args.steps, stack)
             out[(m, schedule)] = (ours, theirs)
         # bubble: idle share of the step on each stage, from recorded spans
         tl = Timeline()
@@ -193,7 +195,16 @@ def main() -> None:
     ]
     for p in procs:
         p.start()
-    out = q.get(timeout=1800)
+    while True:  # wait for rank 0's results, but notice a worker that died
+        try:
+            out = q.get(timeout=5)
+            break
+        except Exception:  # noqa: BLE001 - queue.Empty
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"a benchmark worker failed (exit codes {dead})") from None
     for p in procs:
         p.join()
     pp = args.pp
@@ -203,6 +214,12 @@ def main() -> None:
     for m in args.microbatches:
         for schedule in ("1f1b", "gpipe"):
             ours, theirs = out[(m, schedule)]
+            if theirs is None:
+                print(
+                    f"  m={m:2d} {schedule:5s}: megalite {ours * 1e3:7.1f} ms, torch.distributed."
+                    f"pipelining refuses m < pp"
+                )
+                continue
             print(
                 f"  m={m:2d} {schedule:5s}: megalite {ours * 1e3:7.1f} ms, torch.distributed."
                 f"pipelining {theirs * 1e3:7.1f} ms, ratio {ours / theirs:.3f}x"
