@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--sequence-parallel", action="store_true")
     par.add_argument("--use-distributed-optimizer", action="store_true")
     par.add_argument("--overlap-grad-reduce", action="store_true")
+    par.add_argument("--overlap-param-gather", action="store_true")
     par.add_argument("--ddp-bucket-size", type=int)
     par.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
     par.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
@@ -208,6 +209,11 @@ def _fail(message: str) -> None:
 
 
 def _check_unimplemented(a: argparse.Namespace) -> None:
+    if a.overlap_param_gather and not a.use_distributed_optimizer:
+        _fail(
+            "--overlap-param-gather needs --use-distributed-optimizer (it overlaps ZeRO-1's "
+            "parameter all-gather with the next forward); add it or drop the flag"
+        )
     if a.overlap_grad_reduce and not a.use_distributed_optimizer:
         _fail(
             "--overlap-grad-reduce is implemented for --use-distributed-optimizer only; add it, "
@@ -441,6 +447,7 @@ def build_config(a: argparse.Namespace, *, world_size: int, rank: int = 0) -> Pr
             ddp_bucket_size=a.ddp_bucket_size,
             accumulate_allreduce_grads_in_fp32=a.accumulate_allreduce_grads_in_fp32,
             overlap_grad_reduce=a.overlap_grad_reduce,
+            overlap_param_gather=a.overlap_param_gather,
             distributed_timeout_minutes=a.distributed_timeout_minutes,
             device=a.device,
             world_size=world_size,

@@ -84,6 +84,7 @@ def setup_model_and_optimizer(
     if zero:  # the grad hooks start a bucket's reduce-scatter after its last micro-batch
         zero_options = {
             "overlap_grad_reduce": par.overlap_grad_reduce,
+            "overlap_param_gather": par.overlap_param_gather,
             "num_microbatches": cfg.num_microbatches,
         }
     model = (ShardedDataParallel if zero else DistributedDataParallel)(

@@ -32,6 +32,7 @@ class ParallelConfig:
     ddp_bucket_size: int | None = None  # elements; None: max(40M, 1M x dp)
     accumulate_allreduce_grads_in_fp32: bool = False
     overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False  # ZeRO-1: all-gather a bucket before its first use
     distributed_timeout_minutes: float = 10.0
     device: str = "auto"  # auto | cpu | cuda
     world_size: int = 1  # from the launcher's environment

@@ -20,6 +20,8 @@ batch; the references see the whole batch in one process. All cases of one world
   an element another rank owns: every rank skips that step and halves the scale, like
   ``MixedPrecisionOptimizer`` in one process with the same inf; the other steps and the clipped
   norms agree (masters 1e-6).
+- a parameter without a grad in a step (the LayerNorm, unused on odd steps) is updated with a zero
+  grad, as by the plain optimizer, although ZeRO-1 does not clear the buffer between steps.
 - checkpoints: sharded save -> load -> 2 more steps is bitwise the uninterrupted run; the full
   state loaded into another bucket layout, into the plain optimizer in one process, and from the
   plain optimizer into ZeRO-1, continue to the same params (1e-6); ``full_state_from_shards`` of
@@ -49,17 +51,22 @@ REL = 1e-6
 # --- the cases (run on every rank) ---------------------------------------------------------------
 
 
-def _run(model, opt, steps: range, *, micro: int = 1, inject=None) -> list:
+def _run(model, opt, steps: range, *, micro: int = 1, inject=None, before=None) -> list:
     """Train ``steps``; this rank's share of each global batch as ``micro`` micro-batches.
     Returns per step (update_successful, grad norm, reductions in flight before
     ``finish_grad_sync``, gathers in flight after ``step``)."""
     rank, dp = zc.dp_info()
-    return [_step(model, opt, step, rank=rank, dp=dp, micro=micro, inject=inject) for step in steps]
+    return [
+        _step(model, opt, step, rank=rank, dp=dp, micro=micro, inject=inject, before=before)
+        for step in steps
+    ]
 
 
-def _step(model, opt, step, *, rank, dp, micro, inject):
+def _step(model, opt, step, *, rank, dp, micro, inject, before=None):
     model.zero_grad_buffer()
     opt.zero_grad()
+    if before is not None:
+        before(model, step)
     batches = zc.micro_batches(step, dp * micro)[rank * micro : (rank + 1) * micro]
     for tokens, targets in batches:
         opt.scale_loss(zc.loss_of(model, tokens, targets) / micro).backward()
@@ -112,6 +119,10 @@ def dp_cases() -> dict:
     model, opt = zc.zero_setup(torch.float16, fp16_scale=1024.0)
     steps = _run(model, opt, range(5), inject=_fp16_inject)
     out["fp16"] = (steps, _masters(opt), float(opt.get_loss_scale()))
+
+    model, opt = zc.zero_setup()
+    _run(model, opt, range(4), before=zc.skip_norm_on_odd_steps)
+    out["unused"] = zc.params_of(model)
 
     out["ckpt"] = _checkpoint_case()
     return out
@@ -232,7 +243,9 @@ def bf16_reference(dp: int, steps: int) -> tuple[list[torch.Tensor], list[torch.
     return [m.detach() for m in masters], [p.detach().clone() for p in params]
 
 
-def plain_run(dtype, steps: range, *, dp: int, fp16_scale=None, full=None, inject=None):
+def plain_run(
+    dtype, steps: range, *, dp: int, fp16_scale=None, full=None, inject=None, before=None
+):
     """The non-distributed MixedPrecisionOptimizer, every rank's chunk as a micro-batch."""
     model, opt = zc.plain_setup(dtype, fp16_scale=fp16_scale)
     opt.name_params(model)
@@ -240,7 +253,7 @@ def plain_run(dtype, steps: range, *, dp: int, fp16_scale=None, full=None, injec
         opt.load_full_state_dict(full)
     out = []
     for step in steps:
-        out.append(zc.train_step(model, opt, step, parts=dp, inject=inject))
+        out.append(zc.train_step(model, opt, step, parts=dp, inject=inject, before=before))
     return model, opt, out
 
 
@@ -327,6 +340,16 @@ def test_fp16_overflow_skips_the_same_step_as_the_plain_optimizer(dp_results):
 def _plain_to_model_order(plain) -> list[int]:
     """Indices into ``plain.master_params`` (param-group order) in named_parameters order."""
     return [plain.param_names.index(n) for n in _names()]
+
+
+def test_unused_parameter_gets_a_zero_grad_like_the_plain_optimizer(dp_results):
+    """The buffer is not cleared between steps: a parameter without a grad must still see 0."""
+    dp, results = dp_results
+    model, _, _ = plain_run(torch.float32, range(4), dp=dp, before=zc.skip_norm_on_odd_steps)
+    ref = zc.params_of(model)
+    for r in results:
+        for name, got, want in zip(_names(), r["unused"], ref):
+            assert zc.rel_err(got, want) <= REL, (dp, name, zc.rel_err(got, want))
 
 
 def test_checkpoint_round_trips_continue_like_the_uninterrupted_run(dp_results):

@@ -33,8 +33,11 @@ class Tiny(nn.Module):
         self.norm = nn.LayerNorm(13)
         self.fc2 = nn.Linear(13, VOCAB)
 
+    skip_norm = False  # the LayerNorm's params get no grad while set (an unused parameter)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # [b, s] -> [b, s, vocab]
-        return self.fc2(self.norm(torch.tanh(self.fc1(self.emb(tokens)))))
+        h = torch.tanh(self.fc1(self.emb(tokens)))
+        return self.fc2(h if self.skip_norm else self.norm(h))
 
 
 def tiny(dtype: torch.dtype = torch.float32) -> Tiny:
@@ -102,11 +105,20 @@ def plain_setup(dtype: torch.dtype = torch.float32, *, fp16_scale: float | None 
     return model, opt
 
 
-def train_step(model, opt, step: int, *, parts: int, index: int | None = None, inject=None):
+def skip_norm_on_odd_steps(model, step: int) -> None:
+    """A ``before`` callback of ``train_step``: the LayerNorm is unused on odd steps."""
+    model.module.skip_norm = step % 2 == 1
+
+
+def train_step(
+    model, opt, step: int, *, parts: int, index: int | None = None, inject=None, before=None
+):
     """One step on micro-batches: this DP rank's share of the global batch (``index`` of ``parts``
     rows-chunks), or every chunk accumulated (``index`` None, the single-process reference)."""
     model.zero_grad_buffer()
     opt.zero_grad()
+    if before is not None:
+        before(model, step)
     batches = micro_batches(step, parts)
     chosen = batches if index is None else [batches[index]]
     for tokens, targets in chosen:

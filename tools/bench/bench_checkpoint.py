@@ -7,18 +7,20 @@ The model is GPT-2 small (12 layers, h 768, 12 heads, vocabulary 50257, 1024 pos
 parameters) built by megalite's Trainer in one process, after one training step so that AdamW's
 moments exist. Each round, in one process and on the same disk:
 
-- save: ``megalite.training.checkpointing.save_checkpoint`` (model, fp32 masters when they are
+- save (each round in a rotated order, each into a fresh file or folder):
+  ``megalite.training.checkpointing.save_checkpoint`` (model, fp32 masters when they are
   not the parameters themselves, Adam moments, scheduler, RNG, flags; fsync; atomic tracker)
   against the baseline a plain PyTorch user writes: ``torch.save({"model": module.state_dict(),
-  "optimizer": adamw.state_dict()})`` + fsync, and against ``torch.distributed.checkpoint.save``
-  of the same two state dicts (the PyTorch-native sharded format);
+  "optimizer": adamw.state_dict(), "masters": [fp32 masters, bf16 only]})`` + fsync, and against
+  ``torch.distributed.checkpoint.save`` of the same (the PyTorch-native sharded format);
 - load: ``load_checkpoint`` into the trainer (same layout) against ``torch.load`` +
   ``load_state_dict`` of both, and ``torch.distributed.checkpoint.load``;
 - ``megalite.load_model`` (the logical, layout-free path every reshard takes);
 - conversion: ``export_to_hf`` (megalite -> HF safetensors) and ``import_from_hf`` back.
 
-Medians over ``--rounds``; MB/s = bytes on disk / seconds. Loads read from the page cache unless
-``--drop-caches`` (root; it slows every process on the machine for a moment).
+Medians over ``--rounds``; MB/s = bytes on disk / seconds. Before each timed operation the dirty
+pages of the earlier ones are written back (``os.sync``, not timed). Loads read from the page
+cache unless ``--drop-caches`` (root; it slows every process on the machine for a moment).
 """
 
 from __future__ import annotations
@@ -64,16 +66,25 @@ def _drop_caches(enabled: bool) -> None:
 
 
 def _timed(fn) -> float:
+    os.sync()  # earlier writes' writeback must not slow this one down (not timed)
     started = time.perf_counter()
     fn()
     return time.perf_counter() - started
 
 
-def _torch_save(trainer, path: str) -> None:
-    state = {
+def _torch_state(trainer) -> dict:
+    """Model + AdamW state + the fp32 masters when they are copies (bf16): what resuming needs."""
+    opt = trainer.optimizer
+    masters = [m for p, m in zip(opt.model_params, opt.master_params) if m is not p]
+    return {
         "model": trainer.model.module.state_dict(),
-        "optimizer": trainer.optimizer.optimizer.state_dict(),
+        "optimizer": opt.optimizer.state_dict(),
+        "masters": masters,
     }
+
+
+def _torch_save(trainer, path: str) -> None:
+    state = _torch_state(trainer)
     with open(path, "wb") as f:
         torch.save(state, f)
         f.flush()
@@ -82,15 +93,17 @@ def _torch_save(trainer, path: str) -> None:
 
 def _torch_load(trainer, path: str) -> None:
     state = torch.load(path, map_location="cpu", weights_only=True)
+    _apply(trainer, state)
+
+
+def _apply(trainer, state: dict) -> None:
     trainer.model.module.load_state_dict(state["model"])
-    trainer.optimizer.optimizer.load_state_dict(state["optimizer"])
-
-
-def _dcp_state(trainer) -> dict:
-    return {
-        "model": trainer.model.module.state_dict(),
-        "optimizer": trainer.optimizer.optimizer.state_dict(),
-    }
+    opt = trainer.optimizer
+    opt.optimizer.load_state_dict(state["optimizer"])
+    masters = [m for p, m in zip(opt.model_params, opt.master_params) if m is not p]
+    with torch.no_grad():
+        for m, saved in zip(masters, state["masters"]):
+            m.copy_(saved)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,19 +134,22 @@ def main(argv: list[str] | None = None) -> int:
     torch_file = os.path.join(args.dir, "torch.pt")
     dcp_dir = os.path.join(args.dir, "dcp")
     hf_dir, back = os.path.join(args.dir, "hf"), os.path.join(args.dir, "from_hf")
+    savers = [
+        ("megalite", lambda: save_checkpoint(trainer), megalite_dir),
+        ("torch.save", lambda: _torch_save(trainer, torch_file), torch_file),
+        ("dcp", lambda: dcp.save(_torch_state(trainer), checkpoint_id=dcp_dir, no_dist=True),
+         dcp_dir),
+    ]  # fmt: skip
     for k in range(args.rounds):
-        it = k + 1
-        trainer.result.iteration = it
-        times.setdefault("save megalite", []).append(_timed(lambda: save_checkpoint(trainer)))
-        sizes["megalite"] = _dir_bytes(os.path.join(megalite_dir, f"iter_{it:07d}"))
-        times.setdefault("save torch.save", []).append(
-            _timed(lambda: _torch_save(trainer, torch_file))
-        )
+        trainer.result.iteration = k + 1
+        for name, save, path in savers[k % 3 :] + savers[: k % 3]:  # rotated: no order bias
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.isfile(path):
+                os.remove(path)
+            times.setdefault(f"save {name}", []).append(_timed(save))
+        sizes["megalite"] = _dir_bytes(megalite_dir)
         sizes["torch"] = os.path.getsize(torch_file)
-        shutil.rmtree(dcp_dir, ignore_errors=True)
-        times.setdefault("save dcp", []).append(
-            _timed(lambda: dcp.save(_dcp_state(trainer), checkpoint_id=dcp_dir, no_dist=True))
-        )
         sizes["dcp"] = _dir_bytes(dcp_dir)
 
         _drop_caches(args.drop_caches)
@@ -147,10 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         _drop_caches(args.drop_caches)
 
         def dcp_load() -> None:
-            state = _dcp_state(trainer)
+            state = _torch_state(trainer)
             dcp.load(state, checkpoint_id=dcp_dir, no_dist=True)
-            trainer.model.module.load_state_dict(state["model"])
-            trainer.optimizer.optimizer.load_state_dict(state["optimizer"])
+            _apply(trainer, state)
 
         times.setdefault("load dcp", []).append(_timed(dcp_load))
         _drop_caches(args.drop_caches)

@@ -10,17 +10,17 @@ after ``all_gather_shard`` every rank holds every owner's shard. On a group of o
 once.
 
 Backends. On NCCL they are ``reduce_scatter_tensor`` / ``all_gather_tensor`` (in place is allowed:
-the output is this rank's shard of the input). Gloo's own reduce-scatter and all-gather are 2-3x
-slower than its all-reduce on the same bytes (``tools/bench/bench_zero.py --collectives``), which
-would make ZeRO-1 slower than plain data parallelism on CPU, so on gloo:
+the output is this rank's shard of the input). On gloo those two take 2.0x and 1.5x the time of an
+all-reduce of the same buffer (``tools/bench/bench_zero.py --collectives``, DP 2, 20M fp32), which
+would make ZeRO-1 slower than plain data parallelism on CPU, so on gloo both are direct exchanges
+over point-to-point sends (0.66x and 0.46x of the all-reduce):
 
-- the reduce-scatter is a direct exchange: each rank sends shard ``j`` of its data to rank ``j`` and
-  adds what the others send for its own shard (each rank sends ``(dp-1)/dp`` of the buffer, the
-  bytes of a ring reduce-scatter), in pieces of ``PIECE`` elements, double-buffered so one piece is
-  in flight while the previous is summed (the scratch memory stays at ``2 (dp-1) PIECE``);
-- the all-gather is a direct exchange too: each rank sends its shard to every other rank and
-  receives theirs in place (both directions of every link busy at once; 15% faster than one
-  broadcast per owner, 2.6x faster than gloo's all_gather_into_tensor).
+- reduce-scatter: each rank sends shard ``j`` of its data to rank ``j`` and adds what the others
+  send for its own shard (each rank sends ``(dp-1)/dp`` of the buffer, the bytes of a ring
+  reduce-scatter), in pieces of ``PIECE`` elements, double-buffered so one piece is in flight
+  while the previous is summed (scratch memory ``2 (dp-1) PIECE``);
+- all-gather: each rank sends its shard to every other rank and receives theirs in place (both
+  directions of every link busy at once).
 
 The owner sums its shard in rank order (its own contribution first, then the others ascending), and
 only the owner sums it, so every rank ends with the same bits.
