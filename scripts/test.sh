@@ -14,7 +14,10 @@ fi
 # the package itself (editable, so megalite.kernels maps onto kernels/) and the test extras,
 # installed only when something is missing so a warm machine starts the suite at once.
 if ! "$PY" - <<'PY' 2>/dev/null; then
-import importlib, megalite, megalite.kernels  # noqa
+import importlib, os, megalite.kernels
+# megalite must be installed from THIS checkout (an editable install of another clone would serve
+# megalite.kernels from there)
+assert os.path.samefile(os.path.dirname(megalite.kernels.__file__), "kernels")
 for m in ("numpy", "sentencepiece", "tensorboard", "pytest", "ruff", "transformers", "safetensors", "triton"):
     importlib.import_module(m)
 PY

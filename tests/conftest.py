@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import logging
 import os
+
+import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -16,3 +19,16 @@ def pytest_sessionfinish(session, exitstatus):
     from tests.harness import shutdown_pools
 
     shutdown_pools()
+
+
+@pytest.fixture(autouse=True)
+def _restore_megalite_logger():
+    """``pretrain()`` run in-process installs its stdout handler on the ``megalite`` logger and
+    stops propagation (right for a real run); put the logger back after each test so later tests'
+    ``caplog`` sees megalite's records whatever the order."""
+    logger = logging.getLogger("megalite")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    yield
+    logger.handlers[:] = saved[0]
+    logger.setLevel(saved[1])
+    logger.propagate = saved[2]
