@@ -25,7 +25,7 @@ from megalite.core.optimizer import zero_state
 from megalite.core.optimizer.clip_grads import clip_grads_by_norm, param_is_counted
 from megalite.core.optimizer.full_state import param_names
 from megalite.core.optimizer.loss_scaler import LossScaler
-from megalite.core.optimizer.optimizer import get_param_groups
+from megalite.core.optimizer.optimizer import adamw_factory, get_param_groups
 from megalite.core.tensor_parallel.mappings import group_size
 
 full_state_from_shards = zero_state.full_state_from_shards  # offline: DP files -> full state
@@ -337,11 +337,10 @@ def build_distributed_optimizer(
 ) -> DistributedOptimizer:
     """``build_optimizer``'s AdamW and weight-decay groups, sharded (ZeRO-1)."""
 
-    def build_inner(groups: list[dict]) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(
-            groups, lr=lr, betas=(adam_beta1, adam_beta2), eps=adam_eps, weight_decay=weight_decay
-        )
-
+    build_inner = adamw_factory(
+        lr=lr, weight_decay=weight_decay, adam_beta1=adam_beta1, adam_beta2=adam_beta2,
+        adam_eps=adam_eps,
+    )  # fmt: skip
     return DistributedOptimizer(
         get_param_groups(model, weight_decay=weight_decay),
         build_inner,

@@ -6,7 +6,7 @@ Weight decay applies to matrices (linear weights, embeddings) only: biases and n
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -35,6 +35,19 @@ def get_param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
+def adamw_factory(
+    *, lr: float, weight_decay: float, adam_beta1: float, adam_beta2: float, adam_eps: float
+) -> Callable[[list[dict]], torch.optim.Optimizer]:
+    """The inner AdamW both optimizers (plain and ZeRO-1) build over their fp32 param groups."""
+
+    def build_inner(groups: list[dict]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            groups, lr=lr, betas=(adam_beta1, adam_beta2), eps=adam_eps, weight_decay=weight_decay
+        )
+
+    return build_inner
+
+
 def build_optimizer(
     model: nn.Module,
     *,
@@ -55,11 +68,10 @@ def build_optimizer(
     ``lr`` is the initial learning rate; the scheduler overwrites it every step.
     """
 
-    def build_inner(groups: list[dict]) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(
-            groups, lr=lr, betas=(adam_beta1, adam_beta2), eps=adam_eps, weight_decay=weight_decay
-        )
-
+    build_inner = adamw_factory(
+        lr=lr, weight_decay=weight_decay, adam_beta1=adam_beta1, adam_beta2=adam_beta2,
+        adam_eps=adam_eps,
+    )  # fmt: skip
     return MixedPrecisionOptimizer(
         get_param_groups(model, weight_decay=weight_decay),
         build_inner,
