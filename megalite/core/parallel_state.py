@@ -79,7 +79,7 @@ class ParallelState:
     """
 
     world_size: int
-    rank: int
+    global_rank: int
     tp_size: int
     pp_size: int
     dp_size: int
@@ -95,6 +95,32 @@ class ParallelState:
     embedding_ranks: list[int]
     device: torch.device
     backend: str
+    world_group: object = None  # every rank, always passed explicitly (None in a world of one)
+
+    # Named axes (issue 12, in progress): cp = ep = 1 for now, so ("dp", "cp") is the DP group.
+    def group(self, *axes: str) -> object:
+        """The process group over ``axes`` holding this rank; no axes: the world group."""
+        return self._axes_entry(axes)[0]
+
+    def size(self, *axes: str) -> int:
+        """Ranks in ``group(*axes)``; no axes: the world size."""
+        return self._axes_entry(axes)[1]
+
+    def rank(self, *axes: str) -> int:
+        """This rank's index in ``group(*axes)``; no axes: the global rank."""
+        return self._axes_entry(axes)[2]
+
+    def _axes_entry(self, axes: tuple[str, ...]) -> tuple[object, int, int]:
+        key = frozenset(a for a in axes if a not in ("cp", "ep"))
+        table = {
+            frozenset(): (self.world_group, self.world_size, self.global_rank),
+            frozenset({"tp"}): (self.tp_group, self.tp_size, self.tp_rank),
+            frozenset({"dp"}): (self.dp_group, self.dp_size, self.dp_rank),
+            frozenset({"pp"}): (self.pp_group, self.pp_size, self.pp_rank),
+        }
+        if key not in table:
+            raise ValueError(f"no process group for axes {axes}")
+        return table[key]
 
     @property
     def is_first_stage(self) -> bool:
@@ -116,7 +142,7 @@ class ParallelState:
 
     @property
     def is_in_embedding_group(self) -> bool:
-        return self.rank in self.embedding_ranks
+        return self.global_rank in self.embedding_ranks
 
     @classmethod
     def single(cls, device: torch.device | None = None) -> ParallelState:
@@ -124,7 +150,7 @@ class ParallelState:
         also inside a multi-rank test."""
         device = device or torch.device("cpu")
         return cls(
-            world_size=1, rank=0, tp_size=1, pp_size=1, dp_size=1, tp_rank=0, pp_rank=0,
+            world_size=1, global_rank=0, tp_size=1, pp_size=1, dp_size=1, tp_rank=0, pp_rank=0,
             dp_rank=0, tp_group=None, pp_group=None, dp_group=None, mp_group=None,
             embedding_group=None, pp_ranks=[0], embedding_ranks=[0], device=device,
             backend=default_backend(device),
@@ -197,7 +223,8 @@ def initialize_model_parallel(
     embedding_ranks = sorted({pp_ranks[0], pp_ranks[-1]})
     return ParallelState(
         world_size=world_size,
-        rank=rank,
+        global_rank=rank,
+        world_group=dist.group.WORLD if world_size > 1 else None,
         tp_size=tp_size,
         pp_size=pp_size,
         dp_size=dp_size,

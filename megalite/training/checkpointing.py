@@ -126,7 +126,7 @@ def save_checkpoint(trainer, iteration: int | None = None, *, save_dir: str | No
     iteration = r.iteration if iteration is None else int(iteration)
     started = time.perf_counter()
     iter_dir = iteration_dir(save_dir, iteration)
-    if ps.rank == 0 and os.path.isdir(iter_dir) and read_tracker(save_dir) != iteration:
+    if ps.rank() == 0 and os.path.isdir(iter_dir) and read_tracker(save_dir) != iteration:
         shutil.rmtree(iter_dir)  # an uncommitted save of this iteration (a crash): start clean
     _world_sum(0.0, ps)
     folder = shard_dir(iter_dir, tp_rank=ps.tp_rank, pp_rank=ps.pp_rank, pp_size=ps.pp_size)
@@ -164,7 +164,7 @@ def save_checkpoint(trainer, iteration: int | None = None, *, save_dir: str | No
         fsync_dir(iter_dir)
     pause_for_test(iteration)
     total = _world_sum(written, ps)  # every rank has written and fsynced its files
-    if ps.rank == 0:
+    if ps.rank() == 0:
         write_tracker(save_dir, iteration)
         keep = getattr(t, "keep_last_n_checkpoints", None)
         if keep:

@@ -122,7 +122,7 @@ class Trainer:
         self.num_microbatches = cfg.num_microbatches
         self.result = TrainResult()
         self.exit_signal: ExitSignalHandler | None = None  # --exit-signal-handler, set by pretrain
-        self.is_log_rank = ps.rank == ps.world_size - 1  # on the last stage
+        self.is_log_rank = ps.rank() == ps.world_size - 1  # on the last stage
         self.tensorboard = TensorBoardLogger(
             cfg.logging.tensorboard_dir,
             enabled=self.is_log_rank,
@@ -359,7 +359,7 @@ def pretrain(
         device=device,
         timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
     )
-    configure_logging(rank=ps.rank, log_rank=ps.world_size - 1)
+    configure_logging(rank=ps.rank(), log_rank=ps.world_size - 1)
     trainer = None
     exit_signal = _exit_signal_handler(cfg)
     try:

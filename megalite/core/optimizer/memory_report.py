@@ -117,7 +117,7 @@ def log_model_state_memory(model: nn.Module, optimizer, ps) -> list[ModelStateBy
     """Measure every rank (a collective over the model-parallel and DP groups) and log one line
     per rank on the logging rank. Returns the per-rank numbers, global-rank order."""
     mine = model_state_bytes(model, optimizer, dp_size=ps.dp_size)
-    row = torch.tensor([ps.rank, *astuple(mine)], dtype=torch.float64, device=ps.device)
+    row = torch.tensor([ps.rank(), *astuple(mine)], dtype=torch.float64, device=ps.device)
     rows = _gather_rows(row, (ps.mp_group, ps.dp_group)).cpu()
     rows = rows[rows[:, 0].argsort()]
     zero = hasattr(optimizer, "sharded_state_dict")
