@@ -162,38 +162,11 @@ def check_model_compatible(saved: dict, current: GPTConfig, *, where: str) -> No
 # --- optimizer -----------------------------------------------------------------------------------
 
 
-def optimizer_full_state(optimizer, *, model_state: dict | None = None) -> dict:
+def optimizer_full_state(optimizer) -> dict:
     """The optimizer's state, full over DP, keyed by parameter name (collective over DP for
-    ZeRO-1): ``megalite.core.optimizer.full_state``'s form, which both optimizers produce.
-
-    For saving: the plain mixed-precision optimizer's state is read as views (no copy of the
-    optimizer state in memory), and with ``model_state`` (the model's state dict) an fp32 master
-    that is the parameter itself is given as the parameter's tensor, so ``torch.save`` stores
-    those bytes once. Save the result before the next step changes it."""
-    views = _plain_optimizer_views(optimizer, model_state or {})
-    return views if views is not None else optimizer.full_state_dict()
-
-
-def _plain_optimizer_views(optimizer, model_state: dict) -> dict | None:
-    """``full_state_dict()`` of a MixedPrecisionOptimizer without copies; None for any other."""
-    names = getattr(optimizer, "param_names", None)
-    inner = getattr(optimizer, "optimizer", None)
-    models = getattr(optimizer, "model_params", None)
-    masters = getattr(optimizer, "master_params", None)
-    if names is None or models is None or not isinstance(inner, torch.optim.Optimizer):
-        return None
-    params, step = {}, 0
-    for name, model_param, master in zip(names, models, list(masters)):
-        st = inner.state.get(master, {})
-        if "step" in st:
-            step = max(step, int(st["step"]))
-        own = master is model_param and name in model_state
-        entry = {"master": model_state[name] if own else master.detach()}
-        for key in ("exp_avg", "exp_avg_sq"):
-            entry[key] = st[key].detach() if key in st else torch.zeros_like(master.detach())
-        params[name] = entry
-    scaler = optimizer.loss_scaler.state_dict() if optimizer.loss_scaler is not None else None
-    return {"params": params, "step": step, "scaler": scaler}
+    ZeRO-1): ``megalite.core.optimizer.full_state``'s form, which both optimizers produce. The
+    plain optimizer's is given as views (no copy in memory): save it before the next step."""
+    return optimizer.full_state_dict(copy=False)
 
 
 def load_optimizer_full_state(optimizer, state: dict) -> None:

@@ -76,7 +76,7 @@ __all__ = [
 
 
 def _is_distributed(optimizer) -> bool:
-    return hasattr(optimizer, "sharded_state_dict")
+    return optimizer.is_sharded
 
 
 def _world_sum(value: float, ps) -> float:
@@ -145,7 +145,7 @@ def save_checkpoint(trainer, iteration: int | None = None, *, save_dir: str | No
         elif _is_distributed(optimizer):
             optim_state = {"distributed": True}
         else:
-            optim_state = optimizer_full_state(optimizer, model_state=model_state)
+            optim_state = optimizer_full_state(optimizer)
         header = {
             "megalite_checkpoint": FORMAT_VERSION,
             "iteration": iteration,

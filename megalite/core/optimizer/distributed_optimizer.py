@@ -117,6 +117,8 @@ class DistributedOptimizer:
     all-gather. ``build_inner(groups)`` must return ``torch.optim.Adam`` or ``AdamW``.
     """
 
+    is_sharded = True  # each DP rank holds its shard: checkpoints write distrib_optim files
+
     def __init__(
         self,
         param_groups: list[dict],
@@ -295,7 +297,7 @@ class DistributedOptimizer:
         then rebuilt from the masters (an all-gather: every DP rank calls it)."""
         zero_state.load_sharded_state_dict(self, sd)
 
-    def full_state_dict(self) -> dict:
+    def full_state_dict(self, *, copy: bool = True) -> dict:
         """Layout-independent state (``megalite.core.optimizer.full_state``), gathered over DP:
         a collective, every DP rank calls it and gets the same dict."""
         return zero_state.full_state_dict(self)

@@ -53,6 +53,8 @@ class MixedPrecisionOptimizer:
     ``mp_group`` / ``tp_rank`` / ``duplicates``: see ``clip_grads``. ``loss_scaler``: fp16 only.
     """
 
+    is_sharded = False  # the optimizer state is whole on every DP rank
+
     def __init__(
         self,
         param_groups: list[dict],
@@ -206,15 +208,17 @@ class MixedPrecisionOptimizer:
         names = param_names(model)
         self.param_names = [names[p] for p in self.model_params]
 
-    def full_state_dict(self) -> dict:
-        """``{"params": {name: {"master", "exp_avg", "exp_avg_sq"}}, "step", "scaler"}`` (copies;
-        zeros before the first step). Needs ``name_params`` first."""
+    def full_state_dict(self, *, copy: bool = True) -> dict:
+        """``{"params": {name: {"master", "exp_avg", "exp_avg_sq"}}, "step", "scaler"}`` (zeros
+        before the first step). ``copy=False``: views of the live tensors, no copies (for saving:
+        an fp32 master that is the parameter itself shares its storage, so ``torch.save`` writes
+        those bytes once; save before the next step changes them). Needs ``name_params`` first."""
         names = self._names()
         params = {}
         for name, master in zip(names, self.master_params):
             state = adam_state_of(self.optimizer, master)
-            entry = {"master": master.detach().float().clone()}
-            params[name] = {**entry, **{k: state[k].detach().clone() for k in ADAM_KEYS}}
+            entry = {"master": master.detach(), **{k: state[k].detach() for k in ADAM_KEYS}}
+            params[name] = {k: v.float().clone() if copy else v for k, v in entry.items()}
         step = max((int(self.optimizer.state[m]["step"]) for m in self.master_params), default=0)
         scaler = None if self.loss_scaler is None else self.loss_scaler.state_dict()
         return {"params": params, "step": step, "scaler": scaler}
