@@ -1,126 +1,118 @@
-"""The process-group mesh: tensor-, pipeline- and data-parallel groups over one world.
+"""The process-group mesh: named axes over one world, and the groups each rank communicates over.
 
-Ranks are laid out with TP fastest, then DP, then PP::
+    ps = initialize_model_parallel(2, 2, context_parallel_size=1, device=device)
+    ps.group("tp"), ps.size("dp", "cp"), ps.rank("pp")      # any combination built here
+    ps.group()                                              # the world, always passed explicitly
 
-    rank = pp_rank * (dp_size * tp_size) + dp_rank * tp_size + tp_rank
+The layout (which ranks form a group) is ``megalite.core.mesh_layout``: axes ``tp, cp, ep, dp, pp``,
+Megatron's order ``tp-cp-ep-dp-pp`` by default (TP fastest)::
 
-so a TP group is ``tp_size`` consecutive ranks (one node in practice, its traffic on NVLink) and PP
-is
-the slowest axis (it crosses nodes). ``initialize_model_parallel`` builds every group once and
-returns
-a ``ParallelState``; core modules take the group they communicate over as an argument, never a
-global.
+    rank = tp_rank + TP * (cp_rank + CP * (dp_rank + DP * pp_rank))          (dense view, EP = 1)
+
+and an expert view ``etp x ep x edp x pp`` of the same world that shares the pipeline groups.
+``initialize_model_parallel`` creates every group once (a collective over the world, in the same
+order on every rank) and returns a ``ParallelState``; core modules take the group they communicate
+over as an argument, never a global, and never the implicit world group.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from megalite.core.mesh_layout import (
+    DEFAULT_ORDER,
+    MeshSizes,
+    dense_or_expert,
+    mesh_sizes,
+    rank_coords,
+    rank_groups,
+)
 
-def coords_to_rank(tp_rank: int, dp_rank: int, pp_rank: int, *, tp_size: int, dp_size: int) -> int:
-    return pp_rank * (dp_size * tp_size) + dp_rank * tp_size + tp_rank
-
-
-def rank_to_coords(rank: int, *, tp_size: int, dp_size: int) -> tuple[int, int, int]:
-    """The (tp_rank, dp_rank, pp_rank) of a global rank."""
-    return rank % tp_size, (rank // tp_size) % dp_size, rank // (tp_size * dp_size)
-
-
-def validate_parallel_sizes(world_size: int, tp_size: int, pp_size: int) -> int:
-    """Check the mesh factors the world and return dp_size; one-line ValueError otherwise."""
-    for flag, value in (
-        ("--tensor-model-parallel-size", tp_size),
-        ("--pipeline-model-parallel-size", pp_size),
-    ):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
-    if world_size < 1:
-        raise ValueError(f"world size must be >= 1, got {world_size}")
-    if world_size % (tp_size * pp_size) != 0:
-        raise ValueError(
-            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp_size} "
-            f"x --pipeline-model-parallel-size {pp_size} = {tp_size * pp_size}; launch a multiple "
-            f"of {tp_size * pp_size} processes or change the sizes"
-        )
-    return world_size // (tp_size * pp_size)
+# The axis combinations built at start-up (new_group is a collective, so groups cannot be made on
+# demand). Dense: grad sync over ("dp", "cp"), the grad norm over ("tp", "pp"), ... Expert: the
+# expert-parallel groups of MoE layers. Identical partitions share one process group.
+DENSE_GROUPS = (
+    ("tp",), ("cp",), ("dp",), ("pp",),
+    ("tp", "cp"), ("dp", "cp"), ("tp", "pp"), ("tp", "dp", "cp"),
+)  # fmt: skip
+EXPERT_GROUPS = (("etp",), ("ep",), ("edp",), ("etp", "ep"), ("etp", "ep", "pp"))
 
 
-def mesh_group_ranks(world_size: int, tp_size: int, pp_size: int) -> dict[str, list[list[int]]]:
-    """Every group of every axis as lists of global ranks, in a fixed order (pure; no collectives).
-
-    Keys: ``tp``, ``dp``, ``pp``, ``mp`` (TP x PP: all ranks holding one model replica) and
-    ``embedding`` (first and last PP stage of each (tp, dp) coordinate; one rank when pp_size == 1).
-    """
-    dp_size = validate_parallel_sizes(world_size, tp_size, pp_size)
-
-    def rank(t: int, d: int, p: int) -> int:
-        return coords_to_rank(t, d, p, tp_size=tp_size, dp_size=dp_size)
-
-    tp = [[rank(t, d, p) for t in range(tp_size)] for p in range(pp_size) for d in range(dp_size)]
-    dp = [[rank(t, d, p) for d in range(dp_size)] for p in range(pp_size) for t in range(tp_size)]
-    pp = [[rank(t, d, p) for p in range(pp_size)] for d in range(dp_size) for t in range(tp_size)]
-    mp = [[rank(t, d, p) for p in range(pp_size) for t in range(tp_size)] for d in range(dp_size)]
-    embedding = [sorted({g[0], g[-1]}) for g in pp]
-    return {"tp": tp, "dp": dp, "pp": pp, "mp": mp, "embedding": embedding}
-
-
-@dataclass
 class ParallelState:
-    """Sizes, ranks and groups of this process in the TP x DP x PP mesh.
+    """Sizes, ranks and groups of this process in the mesh; see the module docstring.
 
-    Groups are ``torch.distributed`` process groups (or None when ``world_size == 1`` and no process
-    group was initialised; every collective in megalite returns at once on a group of one).
+    ``group(*axes)`` / ``size(*axes)`` / ``rank(*axes)``: the group over a combination of axes
+    (order of the arguments does not matter), its size, and this rank's index in it; no axes =
+    the world. Groups are ``torch.distributed`` process groups, or None in ``single()`` (every
+    collective in megalite returns at once on a group of one). The shorthands ``tp_group``,
+    ``dp_size``, ``pp_rank``, ... are ``group("tp")``, ``size("dp")``, ``rank("pp")``, ...
     """
 
-    world_size: int
-    global_rank: int
-    tp_size: int
-    pp_size: int
-    dp_size: int
-    tp_rank: int
-    pp_rank: int
-    dp_rank: int
-    tp_group: object
-    pp_group: object
-    dp_group: object
-    mp_group: object
-    embedding_group: object  # None on middle pipeline stages, which hold no embedding
-    pp_ranks: list[int]  # global ranks of this rank's pipeline, stage order
-    embedding_ranks: list[int]
-    device: torch.device
-    backend: str
-    world_group: object = None  # every rank, always passed explicitly (None in a world of one)
+    def __init__(
+        self,
+        *,
+        sizes: MeshSizes,
+        global_rank: int,
+        groups: dict[frozenset, tuple[object, list[int]]],
+        embedding: tuple[object, list[int]],
+        device: torch.device,
+        backend: str,
+        world_group: object,
+    ):
+        self.sizes, self.global_rank = sizes, global_rank
+        self.world_size, self.order = sizes.world_size, sizes.order
+        self._groups = groups  # frozenset(axes) -> (process group, its ranks in group order)
+        self.embedding_group, self.embedding_ranks = embedding  # group None on middle stages
+        self.device, self.backend, self.world_group = device, backend, world_group
 
-    # Named axes (issue 12, in progress): cp = ep = 1 for now, so ("dp", "cp") is the DP group.
+    # --- any combination of axes ----------------------------------------------------------------
+
+    def _entry(self, axes: tuple[str, ...]) -> tuple[object, list[int]]:
+        if not axes:
+            return self.world_group, list(range(self.world_size))
+        key = frozenset(axes)
+        if key not in self._groups:
+            built = sorted("(" + ", ".join(sorted(k)) + ")" for k in self._groups)
+            raise ValueError(f"no process group over axes {tuple(axes)}; built: {', '.join(built)}")
+        return self._groups[key]
+
     def group(self, *axes: str) -> object:
-        """The process group over ``axes`` holding this rank; no axes: the world group."""
-        return self._axes_entry(axes)[0]
+        """The process group over ``axes`` that holds this rank; no axes: the world group."""
+        return self._entry(axes)[0]
 
     def size(self, *axes: str) -> int:
         """Ranks in ``group(*axes)``; no axes: the world size."""
-        return self._axes_entry(axes)[1]
+        return len(self._entry(axes)[1])
 
     def rank(self, *axes: str) -> int:
         """This rank's index in ``group(*axes)``; no axes: the global rank."""
-        return self._axes_entry(axes)[2]
+        return self._entry(axes)[1].index(self.global_rank)
 
-    def _axes_entry(self, axes: tuple[str, ...]) -> tuple[object, int, int]:
-        key = frozenset(a for a in axes if a not in ("cp", "ep"))
-        table = {
-            frozenset(): (self.world_group, self.world_size, self.global_rank),
-            frozenset({"tp"}): (self.tp_group, self.tp_size, self.tp_rank),
-            frozenset({"dp"}): (self.dp_group, self.dp_size, self.dp_rank),
-            frozenset({"pp"}): (self.pp_group, self.pp_size, self.pp_rank),
-        }
-        if key not in table:
-            raise ValueError(f"no process group for axes {axes}")
-        return table[key]
+    def ranks(self, *axes: str) -> list[int]:
+        """The global ranks of ``group(*axes)``, in group order."""
+        return list(self._entry(axes)[1])
+
+    # --- shorthands (the names the rest of megalite reads) ----------------------------------------
+
+    tp_size = property(lambda self: self.size("tp"))
+    cp_size = property(lambda self: self.size("cp"))
+    dp_size = property(lambda self: self.size("dp"))
+    pp_size = property(lambda self: self.size("pp"))
+    tp_rank = property(lambda self: self.rank("tp"))
+    cp_rank = property(lambda self: self.rank("cp"))
+    dp_rank = property(lambda self: self.rank("dp"))
+    pp_rank = property(lambda self: self.rank("pp"))
+    tp_group = property(lambda self: self.group("tp"))
+    cp_group = property(lambda self: self.group("cp"))
+    dp_group = property(lambda self: self.group("dp"))
+    pp_group = property(lambda self: self.group("pp"))
+    mp_group = property(lambda self: self.group("tp", "pp"))  # one model replica's ranks
+    pp_ranks = property(lambda self: self.ranks("pp"))  # this rank's pipeline, stage order
 
     @property
     def is_first_stage(self) -> bool:
@@ -144,22 +136,33 @@ class ParallelState:
     def is_in_embedding_group(self) -> bool:
         return self.global_rank in self.embedding_ranks
 
+    def __repr__(self) -> str:
+        s = self.sizes
+        return (
+            f"ParallelState(rank {self.global_rank} of {self.world_size}: tp {s.tp} cp {s.cp} "
+            f"dp {s.dp} pp {s.pp} | etp {s.etp} ep {s.ep} edp {s.edp}, order {s.order})"
+        )
+
     @classmethod
     def single(cls, device: torch.device | None = None) -> ParallelState:
         """A mesh of one whose groups are None (no communication): for single-process oracles,
         also inside a multi-rank test."""
         device = device or torch.device("cpu")
+        keys = [frozenset(a) for a in DENSE_GROUPS + EXPERT_GROUPS]
         return cls(
-            world_size=1, global_rank=0, tp_size=1, pp_size=1, dp_size=1, tp_rank=0, pp_rank=0,
-            dp_rank=0, tp_group=None, pp_group=None, dp_group=None, mp_group=None,
-            embedding_group=None, pp_ranks=[0], embedding_ranks=[0], device=device,
+            sizes=MeshSizes(1),
+            global_rank=0,
+            groups={k: (None, [0]) for k in keys},
+            embedding=(None, [0]),
+            device=device,
             backend=default_backend(device),
-        )  # fmt: skip
+            world_group=None,
+        )
 
     def destroy(self) -> None:
         """Destroy the groups this state created (the world group stays)."""
         seen = set()
-        for g in (self.tp_group, self.pp_group, self.dp_group, self.mp_group, self.embedding_group):
+        for g in [g for g, _ in self._groups.values()] + [self.embedding_group]:
             if g is not None and id(g) not in seen and g is not dist.group.WORLD:
                 seen.add(id(g))
                 dist.destroy_process_group(g)
@@ -178,29 +181,47 @@ def init_single_process(device: torch.device | None = None) -> None:
     )
 
 
-def _new_groups(
-    ranks_list: list[list[int]], rank: int, backend: str, timeout: timedelta | None
-) -> object:
-    """Create every group of one axis (a collective over the world); return this rank's."""
-    mine = None
-    for ranks in ranks_list:
-        group = dist.new_group(ranks, backend=backend, timeout=timeout)
-        if rank in ranks:
-            mine = group
-    return mine
+def all_group_ranks(sizes: MeshSizes) -> dict[frozenset, list[list[int]]]:
+    """Every built axis combination -> its groups (pure; the plan ``initialize_model_parallel``
+    creates). Expert combinations are keyed by their expert names (``etp``, ``ep``, ``edp``)."""
+    out = {}
+    for axes in DENSE_GROUPS + EXPERT_GROUPS:
+        view, digits = dense_or_expert(axes)
+        view_sizes = sizes.dense() if view == "dense" else sizes.expert()
+        out[frozenset(axes)] = rank_groups(sizes.world_size, view_sizes, sizes.order, digits)
+    return out
+
+
+def embedding_group_ranks(pp_groups: list[list[int]]) -> list[list[int]]:
+    """First and last stage of each pipeline (one rank when PP = 1)."""
+    return [sorted({g[0], g[-1]}) for g in pp_groups]
+
+
+def validate_parallel_sizes(world_size: int, tp_size: int, pp_size: int, **more: int) -> int:
+    """Check the mesh factors the world (before any process group); return the DP size.
+    ``more``: ``context_parallel_size``, ``expert_model_parallel_size``, ... as in
+    ``mesh_sizes``."""
+    return mesh_sizes(
+        world_size, tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size, **more
+    ).dp
 
 
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     *,
+    context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
+    order: str = DEFAULT_ORDER,
     device: torch.device | None = None,
     timeout: timedelta | None = None,
 ) -> ParallelState:
-    """Build the TP, PP, DP, model-parallel and embedding groups on an initialised world.
+    """Build every group of both views (and the embedding groups) on an initialised world.
 
     If no process group is initialised, a world of one is created (plain single-process run). All
     ranks must call this with the same sizes; groups are created in the same order everywhere.
+    Sizes that do not factor the world are refused (one line, the numbers) before any group.
     """
     if not dist.is_initialized():
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -211,33 +232,50 @@ def initialize_model_parallel(
             )
         init_single_process(device)
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    tp_size, pp_size = tensor_model_parallel_size, pipeline_model_parallel_size
-    ranks = mesh_group_ranks(world_size, tp_size, pp_size)
-    dp_size = world_size // (tp_size * pp_size)
-    device = device or torch.device("cpu")
-    backend = dist.get_backend()
-    groups = {axis: _new_groups(ranks[axis], rank, backend, timeout) for axis in ranks}
-    tp_rank, dp_rank, pp_rank = rank_to_coords(rank, tp_size=tp_size, dp_size=dp_size)
-    pp_ranks = next(g for g in ranks["pp"] if rank in g)
-    # the first and last stage of this rank's pipeline (middle stages are not members)
-    embedding_ranks = sorted({pp_ranks[0], pp_ranks[-1]})
-    return ParallelState(
-        world_size=world_size,
-        global_rank=rank,
-        world_group=dist.group.WORLD if world_size > 1 else None,
-        tp_size=tp_size,
-        pp_size=pp_size,
-        dp_size=dp_size,
-        tp_rank=tp_rank,
-        pp_rank=pp_rank,
-        dp_rank=dp_rank,
-        tp_group=groups["tp"],
-        pp_group=groups["pp"],
-        dp_group=groups["dp"],
-        mp_group=groups["mp"],
-        embedding_group=groups["embedding"],
-        pp_ranks=pp_ranks,
-        embedding_ranks=embedding_ranks,
-        device=device,
-        backend=backend,
+    sizes = mesh_sizes(
+        world_size,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        context_parallel_size=context_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
+        order=order,
     )
+    backend = dist.get_backend()
+    made: dict[tuple, dict[tuple, object]] = {}  # one process group per distinct partition
+
+    def create(partition: list[list[int]]) -> tuple[object, list[int]]:
+        key = tuple(sorted(tuple(sorted(g)) for g in partition))
+        if key not in made:  # every rank calls new_group for every group, in the same order
+            made[key] = {
+                tuple(sorted(g)): dist.new_group(g, backend=backend, timeout=timeout)
+                for g in partition
+            }
+        (mine,) = [g for g in partition if rank in g]
+        return made[key][tuple(sorted(mine))], mine
+
+    groups = {axes: create(partition) for axes, partition in all_group_ranks(sizes).items()}
+    # the embedding groups: first and last stage of each pipeline; middle stages are in none
+    embedding = embedding_group_ranks(rank_groups(world_size, sizes.dense(), order, ["pp"]))
+    emb_groups = [dist.new_group(g, backend=backend, timeout=timeout) for g in embedding]
+    mine = [emb_groups[i] for i, g in enumerate(embedding) if rank in g]
+    pp_ranks = groups[frozenset({"pp"})][1]
+    return ParallelState(
+        sizes=sizes,
+        global_rank=rank,
+        groups=groups,
+        embedding=(mine[0] if mine else None, sorted({pp_ranks[0], pp_ranks[-1]})),
+        device=device or torch.device("cpu"),
+        backend=backend,
+        world_group=dist.group.WORLD,
+    )
+
+
+__all__ = [
+    "ParallelState",
+    "default_backend",
+    "init_single_process",
+    "initialize_model_parallel",
+    "rank_coords",
+    "validate_parallel_sizes",
+]

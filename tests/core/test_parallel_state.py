@@ -1,4 +1,6 @@
-"""The mesh: membership by hand for one layout, the rank-order equation for all, bad inputs."""
+"""The mesh on ranks: membership by hand for one layout, the rank-order equation for all TP x PP x
+DP, the named-axes API (any combination, both views) on real process groups, bad inputs.
+The pure layout (every size combination, Megatron's generator) is tests/core/test_mesh_layout.py."""
 
 from __future__ import annotations
 
@@ -7,12 +9,11 @@ import itertools
 import pytest
 import torch.distributed as dist
 
+from megalite.core.mesh_layout import mesh_sizes, rank_coords
 from megalite.core.parallel_state import (
-    coords_to_rank,
+    all_group_ranks,
+    embedding_group_ranks,
     initialize_model_parallel,
-    mesh_group_ranks,
-    rank_to_coords,
-    validate_parallel_sizes,
 )
 from tests.harness import run_distributed
 
@@ -30,6 +31,23 @@ def _canon(groups):
     return sorted(sorted(g) for g in groups)
 
 
+def mesh_group_ranks(world_size: int, tp_size: int, pp_size: int) -> dict[str, list[list[int]]]:
+    """The groups of the TP x DP x PP axes (and mp, embedding) through the generic builder."""
+    sizes = mesh_sizes(
+        world_size, tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size
+    )
+    groups = all_group_ranks(sizes)
+    out = {axis: groups[frozenset({axis})] for axis in ("tp", "dp", "pp")}
+    out["mp"] = groups[frozenset({"tp", "pp"})]
+    out["embedding"] = embedding_group_ranks(out["pp"])
+    return out
+
+
+def rank_to_coords(rank: int, *, tp_size: int, dp_size: int, pp_size: int):
+    c = rank_coords(rank, {"tp": tp_size, "dp": dp_size, "pp": pp_size}, "tp-cp-ep-dp-pp")
+    return c["tp"], c["dp"], c["pp"]
+
+
 def test_tp2_pp2_world8_membership_by_hand():
     ranks = mesh_group_ranks(8, 2, 2)
     for axis, expected in HAND_TABLE.items():
@@ -44,9 +62,8 @@ def test_every_layout_obeys_the_rank_order_equation(tp, pp, dp):
     world = tp * pp * dp
     ranks = mesh_group_ranks(world, tp, pp)
     for r in range(world):
-        t, d, p = rank_to_coords(r, tp_size=tp, dp_size=dp)
+        t, d, p = rank_to_coords(r, tp_size=tp, dp_size=dp, pp_size=pp)
         assert r == p * (dp * tp) + d * tp + t
-        assert coords_to_rank(t, d, p, tp_size=tp, dp_size=dp) == r
         (tp_g,) = [g for g in ranks["tp"] if r in g]
         (dp_g,) = [g for g in ranks["dp"] if r in g]
         (pp_g,) = [g for g in ranks["pp"] if r in g]
@@ -61,20 +78,6 @@ def test_every_layout_obeys_the_rank_order_equation(tp, pp, dp):
     for axis in ("tp", "dp", "pp", "mp"):
         flat = sorted(x for g in ranks[axis] for x in g)
         assert flat == list(range(world)), axis
-
-
-@pytest.mark.parametrize(
-    "world,tp,pp,match",
-    [
-        (8, 3, 1, r"world size 8 is not divisible by --tensor-model-parallel-size 3 x "),
-        (6, 2, 2, r"world size 6 .* = 4"),
-        (4, 0, 1, r"--tensor-model-parallel-size must be an integer >= 1, got 0"),
-        (4, 1, -2, r"--pipeline-model-parallel-size must be an integer >= 1, got -2"),
-    ],
-)
-def test_invalid_sizes_are_refused_with_the_numbers(world, tp, pp, match):
-    with pytest.raises(ValueError, match=match):
-        validate_parallel_sizes(world, tp, pp)
 
 
 def _state_on_ranks(tp, pp):
@@ -136,5 +139,68 @@ def _refuse_bad_world():
 
 
 def test_bad_world_refused_before_any_group():
-    with pytest.raises(AssertionError, match=r"world size 4 is not divisible by"):
+    with pytest.raises(
+        AssertionError, match=r"world size 4 is not divisible by tensor_model_parallel_size"
+    ):
         run_distributed(_refuse_bad_world, 4)
+
+
+def _named_axes_case():
+    ps = initialize_model_parallel(2, 2, context_parallel_size=2)  # world 8: tp2 cp2 dp1 pp2
+
+    def members(*axes):
+        return sorted(dist.get_process_group_ranks(ps.group(*axes)))
+
+    import torch
+
+    t = torch.ones(1)
+    dist.all_reduce(t, group=ps.group("dp", "cp"))
+    out = {
+        axes: (members(*axes), ps.size(*axes), ps.rank(*axes), ps.ranks(*axes))
+        for axes in [("tp",), ("cp",), ("dp", "cp"), ("cp", "dp"), ("tp", "cp"), ("tp", "pp")]
+    }
+    out["world"] = (ps.size(), ps.rank(), ps.group() is dist.group.WORLD)
+    out["sum"] = t.item()
+    try:
+        ps.group("tp", "dp", "pp")
+    except ValueError as e:
+        out["error"] = str(e)
+    ps.destroy()
+    return out
+
+
+def test_named_axes_on_8_ranks():
+    """tp2 cp2 dp1 pp2: rank = tp + 2 cp + 4 pp. The (dp, cp) group is the cp group here."""
+    for rank, s in enumerate(run_distributed(_named_axes_case, 8)):
+        tp, cp, pp = rank % 2, (rank // 2) % 2, rank // 4
+        cp_group = [pp * 4 + tp, pp * 4 + 2 + tp]
+        assert s[("tp",)] == ([pp * 4 + cp * 2, pp * 4 + cp * 2 + 1], 2, tp,
+                              [pp * 4 + cp * 2, pp * 4 + cp * 2 + 1])  # fmt: skip
+        assert s[("cp",)] == (cp_group, 2, cp, cp_group)
+        assert s[("dp", "cp")] == s[("cp", "dp")] == (cp_group, 2, cp, cp_group)
+        assert s[("tp", "cp")] == (list(range(pp * 4, pp * 4 + 4)), 4, tp + 2 * cp,
+                                   list(range(pp * 4, pp * 4 + 4)))  # fmt: skip
+        mp = [cp * 2, cp * 2 + 1, 4 + cp * 2, 5 + cp * 2]
+        assert s[("tp", "pp")] == (mp, 4, tp + 2 * pp, mp)
+        assert s["world"] == (8, rank, True)
+        assert s["sum"] == 2.0
+        assert s["error"].startswith("no process group over axes ('tp', 'dp', 'pp'); built: ")
+
+
+def _expert_case():
+    ps = initialize_model_parallel(
+        2, 1, expert_model_parallel_size=2, expert_tensor_parallel_size=1
+    )
+    out = {a: sorted(dist.get_process_group_ranks(ps.group(a))) for a in ("ep", "edp", "etp")}
+    out["dense_dp"] = sorted(dist.get_process_group_ranks(ps.dp_group))
+    ps.destroy()
+    return out
+
+
+def test_expert_view_on_4_ranks():
+    """world 4, tp2 (dense: dp 2), ep2 etp1 (expert: edp 2): expert rank = ep + 2 edp."""
+    for rank, s in enumerate(run_distributed(_expert_case, 4)):
+        assert s["ep"] == [rank - rank % 2, rank - rank % 2 + 1]
+        assert s["edp"] == [rank % 2, rank % 2 + 2]
+        assert s["etp"] == [rank]
+        assert s["dense_dp"] == [rank % 2, rank % 2 + 2]

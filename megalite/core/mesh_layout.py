@@ -1,0 +1,200 @@
+"""The rank layout of the mesh, as pure functions: which global ranks form each group.
+
+Five axes, Megatron's names and default order ``tp-cp-ep-dp-pp`` (first = fastest)::
+
+    rank = tp_rank + TP * (cp_rank + CP * (ep_rank + EP * (dp_rank + DP * pp_rank)))
+
+i.e. a rank's coordinate on each axis is its mixed-radix digit, the sizes taken in ``order``. A TP
+group is TP consecutive ranks (one node: its traffic stays on NVLink) and PP, the slowest axis,
+crosses nodes. Another ``order`` (e.g. ``tp-cp-ep-pp-dp``) permutes the digits.
+
+One world, two views ("parallel folding", as Megatron-core): the **dense view** has sizes
+``tp, cp, dp, pp`` (ep = 1) and serves attention and dense layers; the **expert view** has sizes
+``etp, ep, edp, pp`` (cp = 1; etp in the tp digit, edp in the dp digit) and serves MoE experts.
+Both use the same order string, so they share exactly the pipeline groups.
+
+``rank_groups`` builds the same groups, in the same order, as Megatron-core's ``RankGenerator``
+for the same sizes and order, so NCCL topology assumptions of Megatron scripts carry over.
+No process groups here: everything is testable without ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from math import prod
+
+AXES = ("tp", "cp", "ep", "dp", "pp")
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+EXPERT_AXES = {"etp": "tp", "ep": "ep", "edp": "dp", "pp": "pp"}  # expert name -> digit it uses
+
+
+def parse_order(order: str) -> list[str]:
+    """``"tp-cp-ep-dp-pp"`` -> the axes, fastest first; axes left out are appended (size 1)."""
+    names = [a for a in order.lower().split("-") if a]
+    unknown = [a for a in names if a not in AXES]
+    if unknown or len(set(names)) != len(names):
+        raise ValueError(
+            f"order {order!r} must name each of {'-'.join(AXES)} at most once, separated by '-'"
+        )
+    return names + [a for a in AXES if a not in names]
+
+
+def check_order_sizes(order: str, sizes: Mapping[str, int]) -> list[str]:
+    """The parsed order; an axis left out of ``order`` must have size 1."""
+    names = [a for a in order.lower().split("-") if a]
+    for axis in AXES:
+        if axis not in names and sizes.get(axis, 1) != 1:
+            raise ValueError(
+                f"order {order!r} leaves out axis {axis!r} whose size is {sizes[axis]}; name it"
+            )
+    return parse_order(order)
+
+
+def rank_groups(
+    world_size: int, sizes: Mapping[str, int], order: str, axes: Sequence[str]
+) -> list[list[int]]:
+    """Every group spanning ``axes`` (ranks that differ only in those axes' coordinates).
+
+    ``sizes``: axis -> size for the axes of ``AXES`` (missing = 1); their product must be
+    ``world_size``. Groups are listed with the other axes' coordinates counting up (the fastest
+    first) and each group's members with ``axes``' coordinates counting up in ``order``; this is
+    Megatron-core's ``RankGenerator.get_ranks`` for the same arguments.
+    """
+    names = check_order_sizes(order, sizes)
+    for axis in axes:
+        if axis not in AXES:
+            raise ValueError(f"unknown axis {axis!r}; the axes are {', '.join(AXES)}")
+    ordered = [sizes.get(a, 1) for a in names]
+    if any(not isinstance(s, int) or s < 1 for s in ordered):
+        raise ValueError(
+            f"every axis size must be an integer >= 1, got {dict(zip(names, ordered))}"
+        )
+    if prod(ordered) != world_size:
+        shown = " x ".join(f"{a} {s}" for a, s in zip(names, ordered))
+        raise ValueError(f"world size {world_size} != {shown} = {prod(ordered)}")
+    strides = [prod(ordered[:i]) for i in range(len(ordered))]
+    inside = [i for i, a in enumerate(names) if a in axes]
+    outside = [i for i, a in enumerate(names) if a not in axes]
+
+    def digits(index: int, dims: list[int]) -> list[int]:
+        out = []
+        for i in dims:
+            out.append(index % ordered[i])
+            index //= ordered[i]
+        return out
+
+    group_size = prod(ordered[i] for i in inside)
+    groups = []
+    for g in range(world_size // group_size):
+        base = sum(d * strides[i] for d, i in zip(digits(g, outside), outside))
+        groups.append(
+            [base + sum(d * strides[i] for d, i in zip(digits(m, inside), inside))
+             for m in range(group_size)]
+        )  # fmt: skip
+    return groups
+
+
+def rank_coords(rank: int, sizes: Mapping[str, int], order: str) -> dict[str, int]:
+    """The coordinate of global ``rank`` on every axis (its mixed-radix digits in ``order``)."""
+    coords = {}
+    for axis in parse_order(order):
+        size = sizes.get(axis, 1)
+        coords[axis] = rank % size
+        rank //= size
+    return coords
+
+
+@dataclass(frozen=True)
+class MeshSizes:
+    """Validated sizes of both views of one world; ``etp`` defaults to ``tp`` (Megatron's)."""
+
+    world_size: int
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+    order: str = DEFAULT_ORDER
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.cp * self.pp)
+
+    @property
+    def edp(self) -> int:
+        return self.world_size // (self.etp * self.ep * self.pp)
+
+    def dense(self) -> dict[str, int]:
+        return {"tp": self.tp, "cp": self.cp, "ep": 1, "dp": self.dp, "pp": self.pp}
+
+    def expert(self) -> dict[str, int]:
+        return {"tp": self.etp, "cp": 1, "ep": self.ep, "dp": self.edp, "pp": self.pp}
+
+
+def mesh_sizes(
+    world_size: int,
+    *,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
+    order: str = DEFAULT_ORDER,
+) -> MeshSizes:
+    """Check that both views factor ``world_size``; one-line ValueError naming the numbers."""
+    etp = (
+        tensor_model_parallel_size
+        if expert_tensor_parallel_size is None
+        else (expert_tensor_parallel_size)
+    )
+    named = {
+        "tensor_model_parallel_size": tensor_model_parallel_size,
+        "pipeline_model_parallel_size": pipeline_model_parallel_size,
+        "context_parallel_size": context_parallel_size,
+        "expert_model_parallel_size": expert_model_parallel_size,
+        "expert_tensor_parallel_size": etp,
+    }
+    for name, value in named.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world size must be an integer >= 1, got {world_size!r}")
+    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
+    ep = expert_model_parallel_size
+    for view, factors in (
+        ("tensor_model_parallel_size x context_parallel_size x pipeline_model_parallel_size",
+         (tp, cp, pp)),
+        ("expert_tensor_parallel_size x expert_model_parallel_size x pipeline_model_parallel_size",
+         (etp, ep, pp)),
+    ):  # fmt: skip
+        if world_size % prod(factors) != 0:
+            shown = " x ".join(str(f) for f in factors)
+            raise ValueError(
+                f"world size {world_size} is not divisible by {view} = {shown} = {prod(factors)}; "
+                f"launch a multiple of {prod(factors)} processes or change the sizes"
+            )
+    sizes = MeshSizes(world_size, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=order)
+    check_order_sizes(order, sizes.dense())
+    check_order_sizes(order, sizes.expert())
+    return sizes
+
+
+def dense_or_expert(axes: Sequence[str]) -> tuple[str, list[str]]:
+    """``("dense", digits)`` or ``("expert", digits)`` for a combination of axis names; the expert
+    names ``etp``/``edp`` map onto the tp/dp digits of the expert view. ``pp`` alone is dense (the
+    views share it); mixing dense-only (tp, cp, dp) and expert-only (etp, ep, edp) is an error."""
+    dense_only, expert_only = {"tp", "cp", "dp"}, {"etp", "ep", "edp"}
+    if set(axes) & dense_only and set(axes) & expert_only:
+        raise ValueError(
+            f"axes {tuple(axes)} mix the dense view (tp, cp, dp) and the expert view (etp, ep, edp)"
+        )
+    unknown = set(axes) - dense_only - expert_only - {"pp"}
+    if unknown:
+        raise ValueError(
+            f"unknown axis {sorted(unknown)[0]!r}; axes are tp, cp, dp, pp (dense) and etp, ep, "
+            "edp, pp (expert)"
+        )
+    if set(axes) & expert_only:
+        return "expert", [EXPERT_AXES[a] for a in axes]
+    return "dense", list(axes)

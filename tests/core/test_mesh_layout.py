@@ -1,0 +1,173 @@
+"""The rank layout (pure): hand-written tables, the rank-order equation on every layout of at most
+64 ranks in two orders, Megatron-core's RankGenerator (a committed fixture), bad sizes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from math import prod
+
+import pytest
+
+from megalite.core.mesh_layout import mesh_sizes, rank_coords, rank_groups
+from megalite.core.parallel_state import all_group_ranks
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "megatron_rank_groups.json")
+AXES = ("tp", "cp", "ep", "dp", "pp")
+ORDERS = ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp")
+TOKENS = ("tp", "cp", "ep", "dp", "pp", "tp-cp", "dp-cp", "tp-pp", "tp-dp-cp", "tp-ep", "tp-ep-pp")
+
+
+def _canon(groups):
+    return sorted(sorted(g) for g in groups)
+
+
+# world 16, tp2 cp2 dp2 pp2, order tp-cp-ep-dp-pp: rank = tp + 2 cp + 4 dp + 8 pp. By hand.
+WORLD16 = {
+    ("tp",): [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]],
+    ("cp",): [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]],
+    ("dp",): [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]],
+    ("pp",): [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]],
+    ("dp", "cp"): [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]],
+    ("tp", "cp"): [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]],
+    ("tp", "pp"): [[0, 1, 8, 9], [2, 3, 10, 11], [4, 5, 12, 13], [6, 7, 14, 15]],
+}
+
+# world 8, tp2, ep2, etp1, pp1: dense rank = tp + 2 dp (dp 4); expert rank = ep + 2 edp (edp 4).
+WORLD8_EXPERT = {
+    ("tp",): [[0, 1], [2, 3], [4, 5], [6, 7]],
+    ("dp",): [[0, 2, 4, 6], [1, 3, 5, 7]],
+    ("etp",): [[r] for r in range(8)],
+    ("ep",): [[0, 1], [2, 3], [4, 5], [6, 7]],
+    ("edp",): [[0, 2, 4, 6], [1, 3, 5, 7]],
+    ("etp", "ep"): [[0, 1], [2, 3], [4, 5], [6, 7]],
+    ("pp",): [[r] for r in range(8)],
+}
+
+
+def test_world16_tp2_cp2_dp2_pp2_by_hand():
+    groups = all_group_ranks(mesh_sizes(16, tensor_model_parallel_size=2,
+                                        context_parallel_size=2, pipeline_model_parallel_size=2))  # fmt: skip
+    for axes, expected in WORLD16.items():
+        assert groups[frozenset(axes)] == expected, axes
+
+
+def test_expert_view_world8_tp2_ep2_etp1_by_hand():
+    sizes = mesh_sizes(8, tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                       expert_tensor_parallel_size=1)  # fmt: skip
+    assert (sizes.dp, sizes.edp) == (4, 4)
+    groups = all_group_ranks(sizes)
+    for axes, expected in WORLD8_EXPERT.items():
+        assert groups[frozenset(axes)] == expected, axes
+
+
+def test_the_views_share_only_the_pipeline_groups():
+    sizes = mesh_sizes(16, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                       expert_model_parallel_size=4, expert_tensor_parallel_size=1)  # fmt: skip
+    groups = all_group_ranks(sizes)
+    dense_pp = rank_groups(16, sizes.dense(), sizes.order, ["pp"])
+    expert_pp = rank_groups(16, sizes.expert(), sizes.order, ["pp"])
+    assert dense_pp == expert_pp == groups[frozenset({"pp"})]
+    assert _canon(groups[frozenset({"ep"})]) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11],
+                                                 [12, 13, 14, 15]]  # fmt: skip
+
+
+def _layouts(limit: int = 64):
+    def rec(k, bound):
+        if k == 0:
+            yield ()
+            return
+        for x in range(1, bound + 1):
+            for rest in rec(k - 1, bound // x):
+                yield (x, *rest)
+
+    return list(rec(5, limit))
+
+
+def _check_equation(sizes: dict[str, int], order: str) -> None:
+    """Every group of every token = the ranks that agree on the other axes' digits, with members
+    in mixed-radix order of the token's digits (the rank equation of DESIGN §2)."""
+    names = order.split("-")
+    world = prod(sizes.values())
+    coords = [rank_coords(r, sizes, order) for r in range(world)]
+    stride, s = {}, 1
+    for a in names:
+        stride[a] = s
+        s *= sizes[a]
+    for r in range(world):
+        assert sum(coords[r][a] * stride[a] for a in names) == r
+    for token in TOKENS:
+        axes = token.split("-")
+        groups = rank_groups(world, sizes, order, axes)
+        assert sorted(x for g in groups for x in g) == list(range(world)), token
+        for g in groups:
+            first = coords[g[0]]
+            inside = [a for a in names if a in axes]
+            for i, member in enumerate(g):
+                c = coords[member]
+                assert all(c[a] == first[a] for a in names if a not in axes), (sizes, token)
+                index, mult = 0, 1
+                for a in inside:
+                    index += c[a] * mult
+                    mult *= sizes[a]
+                assert index == i, (sizes, order, token, g)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_rank_groups_obey_the_rank_equation_on_every_layout_up_to_64(order):
+    layouts = _layouts()
+    assert len(layouts) == 3652  # every (tp, cp, ep, dp, pp) with product <= 64
+    for t in layouts:
+        _check_equation(dict(zip(AXES, t)), order)
+
+
+def test_rank_groups_are_what_megatron_core_builds():
+    """Digests written by tools/megatron_rank_groups.py from megatron-core 0.16.1's
+    RankGenerator, for sizes in {1, 2, 3, 4, 8} up to 64 ranks, both orders, 11 tokens."""
+    with open(FIXTURE) as f:
+        expected = json.load(f)
+    assert len(expected) == 1082
+    for key, digest in expected.items():
+        order, sizes_text = key.split("|")
+        sizes = {part[:2]: int(part[2:]) for part in sizes_text.split(",")}
+        world = prod(sizes.values())
+        ours = {t: rank_groups(world, sizes, order, t.split("-")) for t in TOKENS}
+        text = json.dumps(ours, sort_keys=True).encode()
+        assert hashlib.sha256(text).hexdigest()[:16] == digest, key
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"world_size": 8, "tensor_model_parallel_size": 3},
+         r"world size 8 is not divisible by tensor_model_parallel_size x context_parallel_size x "
+         r"pipeline_model_parallel_size = 3 x 1 x 1 = 3"),
+        ({"world_size": 6, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+         r"world size 6 .* = 2 x 1 x 2 = 4"),
+        ({"world_size": 8, "context_parallel_size": 2, "pipeline_model_parallel_size": 3},
+         r"world size 8 .* = 1 x 2 x 3 = 6"),
+        ({"world_size": 8, "expert_model_parallel_size": 3},
+         r"world size 8 is not divisible by expert_tensor_parallel_size x "
+         r"expert_model_parallel_size x pipeline_model_parallel_size = 1 x 3 x 1 = 3"),
+        ({"world_size": 4, "tensor_model_parallel_size": 0},
+         r"tensor_model_parallel_size must be an integer >= 1, got 0"),
+        ({"world_size": 4, "pipeline_model_parallel_size": -2},
+         r"pipeline_model_parallel_size must be an integer >= 1, got -2"),
+        ({"world_size": 4, "context_parallel_size": 2, "order": "tp-ep-dp-pp"},
+         r"order 'tp-ep-dp-pp' leaves out axis 'cp' whose size is 2"),
+        ({"world_size": 4, "order": "tp-tp-dp-pp"}, r"must name each of tp-cp-ep-dp-pp at most once"),
+    ],
+)  # fmt: skip
+def test_invalid_sizes_are_refused_with_the_numbers(kwargs, match):
+    world = kwargs.pop("world_size")
+    with pytest.raises(ValueError, match=match):
+        mesh_sizes(world, **kwargs)
+
+
+def test_mixing_the_views_is_refused():
+    from megalite.core.mesh_layout import dense_or_expert
+
+    with pytest.raises(ValueError, match=r"mix the dense view .* and the expert view"):
+        dense_or_expert(("tp", "ep"))
+    assert dense_or_expert(("etp", "ep", "pp")) == ("expert", ["tp", "ep", "pp"])
