@@ -8,6 +8,15 @@ Usage:
     python tools/preprocess_data.py --input ids.jsonl --output-prefix data/ids \
         --tokenizer-type NullTokenizer --vocab-size 50000 --append-eod --workers 2
 
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/gpt2 \
+        --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json \
+        --merge-file gpt2-merges.txt --append-eod --workers 8
+
+Tokenizer types and their flags: GPT2BPETokenizer (--vocab-file, --merge-file);
+SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer (a bos first) and
+HuggingFaceTokenizer (--tokenizer-model); TikTokenizer (--tokenizer-model, --tiktoken-pattern v1|v2,
+--tiktoken-num-special-tokens, --vocab-size); NullTokenizer (--vocab-size).
+
 Flags follow Megatron-LM's tools/preprocess_data.py. Progress goes to stderr (documents/s, MB/s,
 elapsed) with a final summary; a bad line is an error naming the file and line unless
 --skip-bad-lines. Outputs appear only when the run succeeds. The work is in
@@ -22,7 +31,7 @@ import signal
 import sys
 
 from megalite.data.preprocess import PreprocessError, preprocess_jsonl
-from megalite.data.tokenizers import make_tokenizer
+from megalite.data.tokenizers import TOKENIZER_TYPES, make_tokenizer
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,13 +41,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenise (text)")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
+    p.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     p.add_argument(
-        "--tokenizer-type",
-        required=True,
-        choices=["NullTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"],
+        "--tokenizer-model",
+        default=None,
+        help=".model file, tokenizer.json or folder, or TikTokenizer's vocabulary",
     )
-    p.add_argument("--tokenizer-model", default=None, help=".model file, tokenizer.json or folder")
-    p.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: ids 0..V-1, eod V")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="NullTokenizer: ids 0..V-1, eod V; TikTokenizer: vocabulary size (131072)",
+    )
+    p.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
+    p.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
+    p.add_argument("--tiktoken-pattern", choices=["v1", "v2"], help="TikTokenizer's pattern")
+    p.add_argument(
+        "--tiktoken-num-special-tokens", type=int, default=1000, help="TikTokenizer (1000)"
+    )
     p.add_argument("--append-eod", action="store_true", help="append the eod id to each document")
     p.add_argument("--workers", type=int, default=1, help="tokenising processes (default 1)")
     p.add_argument(
@@ -57,7 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so temp files go too
     try:
         tokenizer = make_tokenizer(
-            args.tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size
+            args.tokenizer_type,
+            tokenizer_model=args.tokenizer_model,
+            vocab_size=args.vocab_size,
+            vocab_file=args.vocab_file,
+            merge_file=args.merge_file,
+            tiktoken_pattern=args.tiktoken_pattern,
+            tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
         )
         preprocess_jsonl(
             args.input,

@@ -173,7 +173,10 @@ def save_tokenizer_files(
             hf_dir,
         )
         return []
-    if kind == "SentencePieceTokenizer":
+    if kind == "TikTokenizer":
+        logger.warning("the run used TikTokenizer: no HuggingFace tokenizer files written")
+        return []
+    if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
         _sentencepiece_tokenizer(path, hf_dir, max_length=max_length)
         return ["tokenizer.model", "tokenizer_config.json"]
     if os.path.isdir(path):

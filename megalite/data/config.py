@@ -12,7 +12,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-TOKENIZER_TYPES = ("NullTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer")
+TOKENIZER_TYPES = (
+    "NullTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer", "TikTokenizer", "HuggingFaceTokenizer",
+)  # fmt: skip
 
 
 @dataclass
@@ -26,7 +29,11 @@ class DataConfig:
     mock_data: bool = False
     tokenizer_type: str = "NullTokenizer"  # NullTokenizer | SentencePieceTokenizer | HuggingFace...
     tokenizer_model: str | None = None
-    vocab_size: int | None = None  # NullTokenizer only
+    vocab_size: int | None = None  # NullTokenizer; TikTokenizer (default 131072)
+    vocab_file: str | None = None  # GPT2BPETokenizer: vocab.json
+    merge_file: str | None = None  # GPT2BPETokenizer: merges.txt
+    tiktoken_pattern: str | None = None  # TikTokenizer: v1 | v2
+    tiktoken_num_special_tokens: int = 1000  # TikTokenizer
     seq_length: int = 1024
     seed: int = 1234
     num_workers: int = 0
@@ -45,6 +52,16 @@ class DataConfig:
                     f"--tokenizer-type NullTokenizer needs --vocab-size V >= 1 (got "
                     f"{self.vocab_size}); ids are 0..V-1 and eod is V"
                 )
+        elif self.tokenizer_type == "GPT2BPETokenizer":
+            for flag, path in (
+                ("--vocab-file", self.vocab_file),
+                ("--merge-file", self.merge_file),
+            ):
+                if not path or not os.path.isfile(path):
+                    raise ValueError(
+                        f"--tokenizer-type GPT2BPETokenizer needs {flag} (vocab.json, "
+                        f"merges.txt); {path} is not a file"
+                    )
         else:
             if not self.tokenizer_model:
                 raise ValueError(

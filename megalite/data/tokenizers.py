@@ -1,4 +1,6 @@
-"""Tokenizers: Megatron's NullTokenizer, SentencePiece, and HuggingFace (optional dependency).
+"""Tokenizers: Megatron's NullTokenizer, GPT2BPETokenizer, the SentencePiece ones
+(SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer), TikTokenizer, and
+HuggingFace (optional dependency). ``make_tokenizer`` builds one from Megatron's flags.
 
 Every tokenizer offers ``vocab_size`` (unpadded: the model pads it for TP), ``eod`` (the id appended
 after each document by ``tools/preprocess_data.py --append-eod`` and masked by ``--eod-mask-loss``),
@@ -105,6 +107,29 @@ class SentencePieceTokenizer(Tokenizer):
         self.__init__(state["model_path"])
 
 
+class GPTSentencePieceTokenizer(SentencePieceTokenizer):
+    """Megatron's GPTSentencePieceTokenizer: the model's own ids (no pieces added), no bos/eos in
+    ``tokenize``, ``eod`` = eos. (megalite's SentencePieceTokenizer has the same ids.)"""
+
+
+class Llama2Tokenizer(SentencePieceTokenizer):
+    """Megatron's Llama2Tokenizer: ``tokenize`` puts the bos id first (no eos), ``eod`` = eos."""
+
+    def __init__(self, model_path: str):
+        super().__init__(model_path)
+        if self.bos is None:
+            raise ValueError(
+                f"--tokenizer-model {model_path} has no bos piece (bos_id=-1); Llama2Tokenizer "
+                "starts every text with it"
+            )
+
+    def tokenize(self, text: str) -> list[int]:
+        return [self.bos, *self._sp.encode(text)]
+
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        return [[self.bos, *ids] for ids in self._sp.encode(texts)]
+
+
 class HuggingFaceTokenizer(Tokenizer):
     """A local ``tokenizer.json`` (through ``tokenizers``) or a local folder (through
     ``transformers.AutoTokenizer``, falling back to the folder's tokenizer.json). Nothing is
@@ -183,29 +208,74 @@ class HuggingFaceTokenizer(Tokenizer):
         self.__init__(state["model_path"])
 
 
+TOKENIZER_TYPES = (
+    "NullTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer", "TikTokenizer", "HuggingFaceTokenizer",
+)  # fmt: skip
+_SENTENCEPIECE = {
+    "SentencePieceTokenizer": SentencePieceTokenizer,
+    "GPTSentencePieceTokenizer": GPTSentencePieceTokenizer,
+    "Llama2Tokenizer": Llama2Tokenizer,
+}
+
+
 def make_tokenizer(
-    tokenizer_type: str, *, tokenizer_model: str | None = None, vocab_size: int | None = None
+    tokenizer_type: str,
+    *,
+    tokenizer_model: str | None = None,
+    vocab_size: int | None = None,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+    tiktoken_pattern: str | None = None,
+    tiktoken_num_special_tokens: int = 1000,
 ) -> Tokenizer:
-    """Build a tokenizer from the three flags (``--tokenizer-type/-model``, ``--vocab-size``)."""
+    """Build a tokenizer from Megatron's flags: ``--tokenizer-type``, ``--tokenizer-model``,
+    ``--vocab-size`` (NullTokenizer, TikTokenizer), ``--vocab-file`` / ``--merge-file``
+    (GPT2BPETokenizer), ``--tiktoken-pattern`` / ``--tiktoken-num-special-tokens``."""
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
             raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size V (eod is V)")
         return NullTokenizer(vocab_size)
-    if tokenizer_type in ("SentencePieceTokenizer", "HuggingFaceTokenizer"):
-        if not tokenizer_model:
-            raise ValueError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model")
-        cls = SentencePieceTokenizer if tokenizer_type[0] == "S" else HuggingFaceTokenizer
-        return cls(tokenizer_model)
-    raise ValueError(
-        f"--tokenizer-type {tokenizer_type!r} is not supported; use NullTokenizer, "
-        "SentencePieceTokenizer or HuggingFaceTokenizer"
-    )
+    if tokenizer_type == "GPT2BPETokenizer":
+        if not vocab_file or not merge_file:
+            raise ValueError(
+                "--tokenizer-type GPT2BPETokenizer needs --vocab-file (vocab.json) and "
+                "--merge-file (merges.txt)"
+            )
+        from megalite.data.gpt2_bpe import GPT2BPETokenizer
+
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type not in TOKENIZER_TYPES:
+        raise ValueError(
+            f"--tokenizer-type {tokenizer_type!r} is not supported; use one of "
+            f"{', '.join(TOKENIZER_TYPES)}"
+        )
+    if not tokenizer_model:
+        raise ValueError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model")
+    if tokenizer_type == "TikTokenizer":
+        from megalite.data.tiktoken_tokenizer import TikTokenizer
+
+        return TikTokenizer(
+            tokenizer_model,
+            pattern=tiktoken_pattern,
+            vocab_size=vocab_size,
+            num_special_tokens=tiktoken_num_special_tokens,
+        )
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(tokenizer_model)
+    return _SENTENCEPIECE[tokenizer_type](tokenizer_model)
 
 
 def build_tokenizer(cfg: DataConfig) -> Tokenizer:
     """The tokenizer ``cfg`` names (``.vocab_size`` unpadded, ``.eod``, tokenize/detokenize)."""
     return make_tokenizer(
-        cfg.tokenizer_type, tokenizer_model=cfg.tokenizer_model, vocab_size=cfg.vocab_size
+        cfg.tokenizer_type,
+        tokenizer_model=cfg.tokenizer_model,
+        vocab_size=cfg.vocab_size,
+        vocab_file=cfg.vocab_file,
+        merge_file=cfg.merge_file,
+        tiktoken_pattern=cfg.tiktoken_pattern,
+        tiktoken_num_special_tokens=cfg.tiktoken_num_special_tokens,
     )
 
 

@@ -160,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tokenizer-type", default="NullTokenizer")
     d.add_argument("--tokenizer-model")
     d.add_argument("--vocab-size", type=int)
+    d.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
+    d.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
+    d.add_argument("--tiktoken-pattern", choices=["v1", "v2"])
+    d.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
     d.add_argument("--num-workers", type=int, default=0)
     d.add_argument("--eod-mask-loss", action="store_true")
 
@@ -390,6 +394,10 @@ def build_config(a: argparse.Namespace, *, world_size: int, rank: int = 0) -> Pr
         tokenizer_type=a.tokenizer_type,
         tokenizer_model=a.tokenizer_model,
         vocab_size=a.vocab_size,
+        vocab_file=a.vocab_file,
+        merge_file=a.merge_file,
+        tiktoken_pattern=a.tiktoken_pattern,
+        tiktoken_num_special_tokens=a.tiktoken_num_special_tokens,
         seq_length=a.seq_length,
         seed=a.seed,
         num_workers=a.num_workers,

@@ -122,5 +122,6 @@ def setup_model_and_optimizer(
         decay_iters=decay_iters,
         decay_style=opt.lr_decay_style,
         warmup_init=opt.lr_warmup_init,
+        samples_per_step=cfg.training.global_batch_size,
     )
     return model, optimizer, scheduler

@@ -85,9 +85,9 @@ class OptimizerConfig:
     def precision_name(self) -> str:
         return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
 
-    def warmup_iters(self, decay_iters: int) -> int:
-        if self.lr_warmup_fraction is not None:
-            return int(self.lr_warmup_fraction * decay_iters)
+    def warmup_iters(self, decay_iters: int) -> float:
+        if self.lr_warmup_fraction is not None:  # Megatron: a fraction of the decay samples
+            return self.lr_warmup_fraction * decay_iters
         return self.lr_warmup_iters
 
 

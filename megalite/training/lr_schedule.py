@@ -1,17 +1,24 @@
-"""Learning-rate schedule: linear warmup, then decay to ``min_lr``.
+"""Learning-rate schedule: linear warmup, then decay to ``min_lr``, as Megatron-LM computes it.
 
-With ``n`` the number of optimizer steps taken so far (the iteration the next step belongs to,
-counting from 0), ``W`` = ``--lr-warmup-iters`` and ``D`` = ``--lr-decay-iters``:
+Megatron counts the schedule in samples (``OptimizerParamScheduler`` steps by the global batch
+size). Here ``n`` counts optimizer steps (the iteration the next step belongs to, from 0), ``B`` is
+the samples one step consumes (``samples_per_step``, the global batch size), ``W`` the warmup length
+and ``D`` the decay length, both in steps and possibly fractional (``--lr-warmup-fraction 0.25`` of
+10 iterations is W = 2.5, i.e. 2.5 B samples):
 
-    n <= W (W > 0)   lr = warmup_init + (max_lr - warmup_init) * n / W
-    n > D            lr = min_lr
-    otherwise        r = (n - W) / (D - W)
-                     constant:             lr = max_lr
-                     linear:               lr = min_lr + (max_lr - min_lr) * (1 - r)
-                     cosine:               lr = min_lr + (max_lr - min_lr) * (1 + cos(pi r)) / 2
-                     inverse-square-root:  lr = max(min_lr, max_lr * sqrt(max(W,1) / max(n,1)))
+    W > 0 and n <= W   lr = warmup_init + (max_lr - warmup_init) * n / W
+    constant           lr = max_lr
+    n > D              lr = min_lr                       (every other style, inverse-sqrt included)
+    otherwise          r = (n - W) / (D - W)
+                       linear:    lr = min_lr + (max_lr - min_lr) * (1 - r)
+                       cosine:    lr = min_lr + (max_lr - min_lr) * (1 + cos(pi r)) / 2
+                       inv-sqrt:  lr = max(min_lr, max_lr * sqrt(max(W B, 1) / max(n B, 1)))
 
-so the first step of a warmed-up run uses ``warmup_init`` (0 by default), as in Megatron-LM.
+With a constant B every formula is the same counted in samples or in steps, except the two clamps
+of inverse-square-root, which Megatron applies to sample counts; hence ``samples_per_step``. A
+caller that counts samples itself (a batch-size ramp) builds the schedule in samples with
+``samples_per_step=1`` and calls ``step(samples)``. The first step of a warmed-up run uses
+``warmup_init`` (0 by default), as in Megatron-LM.
 """
 
 from __future__ import annotations
@@ -31,24 +38,27 @@ class LRScheduler:
         *,
         max_lr: float,
         min_lr: float,
-        warmup_iters: int,
-        decay_iters: int,
+        warmup_iters: float,
+        decay_iters: float,
         decay_style: str,
         warmup_init: float = 0.0,
+        samples_per_step: int = 1,
     ):
         if decay_style not in DECAY_STYLES:
             raise ValueError(f"--lr-decay-style must be one of {DECAY_STYLES}, got {decay_style!r}")
         if not 0.0 <= min_lr <= max_lr:
             raise ValueError(f"need 0 <= --min-lr ({min_lr}) <= --lr ({max_lr})")
-        if warmup_iters < 0 or decay_iters < 1:
+        if warmup_iters < 0 or decay_iters <= 0:
             raise ValueError(
-                f"need --lr-warmup-iters >= 0 and --lr-decay-iters >= 1, got {warmup_iters}, "
+                f"need --lr-warmup-iters >= 0 and --lr-decay-iters > 0, got {warmup_iters}, "
                 f"{decay_iters}"
             )
         if warmup_iters > decay_iters:
             raise ValueError(
                 f"--lr-warmup-iters {warmup_iters} exceeds --lr-decay-iters {decay_iters}"
             )
+        if samples_per_step < 1:
+            raise ValueError(f"samples_per_step must be >= 1, got {samples_per_step}")
         self.optimizer = optimizer
         self.max_lr, self.min_lr, self.warmup_init = max_lr, min_lr, warmup_init
         self.warmup_iters, self.decay_iters, self.decay_style = (
@@ -56,6 +66,7 @@ class LRScheduler:
             decay_iters,
             decay_style,
         )
+        self.samples_per_step = samples_per_step
         self.num_steps = 0
         self._apply()
 
@@ -65,10 +76,11 @@ class LRScheduler:
             return self.warmup_init + (self.max_lr - self.warmup_init) * n / w
         if self.decay_style == "constant":
             return self.max_lr
-        if self.decay_style == "inverse-square-root":
-            return max(self.min_lr, self.max_lr * math.sqrt(max(w, 1)) / math.sqrt(max(n, 1)))
         if n > d:
             return self.min_lr
+        if self.decay_style == "inverse-square-root":  # Megatron's clamps are on sample counts
+            b = self.samples_per_step
+            return max(self.min_lr, self.max_lr * math.sqrt(max(w * b, 1) / max(n * b, 1)))
         ratio = (n - w) / (d - w) if d > w else 1.0
         if self.decay_style == "linear":
             coeff = 1.0 - ratio

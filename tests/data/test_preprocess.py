@@ -177,3 +177,41 @@ def test_missing_input_and_bad_workers(tmp_path):
     with pytest.raises(PreprocessError, match="--workers must be >= 1, got 0"):
         preprocess_jsonl(src, str(tmp_path / "o"), NullTokenizer(5), workers=0)
     assert os.listdir(tmp_path) == ["in.jsonl"]
+
+
+def test_cli_megatron_tokenizer_types(tmp_path, corpus_jsonl, sp_model):
+    """GPT2BPETokenizer, Llama2Tokenizer (a bos first) and TikTokenizer through the CLI with 2
+    workers (each gets a pickled tokenizer): the documents hold the tokenizer's ids, then eod."""
+    from megalite.data.tokenizers import make_tokenizer
+    from tests.data.bpe_files import (
+        tiktoken_ranks,
+        train_merges,
+        write_gpt2_files,
+        write_tiktoken_json,
+    )
+    from tools.preprocess_data import main
+
+    texts = [json.loads(line)["text"] for line in open(corpus_jsonl, encoding="utf-8")]
+    merges = train_merges(texts[:50], 60)
+    vocab, merge_file = write_gpt2_files(tmp_path / "gpt2", merges)
+    tik = write_tiktoken_json(tmp_path / "tik.json", tiktoken_ranks(merges))
+    cases = {
+        "GPT2BPETokenizer": ["--vocab-file", vocab, "--merge-file", merge_file],
+        "Llama2Tokenizer": ["--tokenizer-model", sp_model],
+        "TikTokenizer": ["--tokenizer-model", tik, "--tiktoken-pattern", "v1",
+                         "--tiktoken-num-special-tokens", "8", "--vocab-size", "300"],
+    }  # fmt: skip
+    for kind, flags in cases.items():
+        out = str(tmp_path / kind)
+        argv = ["--input", corpus_jsonl, "--output-prefix", out, "--tokenizer-type", kind,
+                *flags, "--append-eod", "--workers", "2", "--chunk-lines", "64"]  # fmt: skip
+        assert main(argv) == 0, kind
+        keys = {f[2:].replace("-", "_"): v for f, v in zip(flags[::2], flags[1::2])}
+        for k in ("vocab_size", "tiktoken_num_special_tokens"):
+            if k in keys:
+                keys[k] = int(keys[k])
+        tok = make_tokenizer(kind, **keys)
+        want = [tok.tokenize(t) + [tok.eod] for t in texts]
+        assert _read_all(out + "_text_document") == want, kind
+        if kind == "Llama2Tokenizer":
+            assert all(doc[0] == 1 and doc[-1] == 2 for doc in want)  # bos ... eos

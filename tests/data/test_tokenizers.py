@@ -95,7 +95,8 @@ def test_parse_split_and_blend(tmp_path):
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"tokenizer_type": "GPT2BPETokenizer"}, r"--tokenizer-type 'GPT2BPETokenizer' is not"),
+        ({"tokenizer_type": "BertWordPieceCase"}, r"--tokenizer-type 'BertWordPieceCase' is not"),
+        ({"tokenizer_type": "GPT2BPETokenizer"}, r"GPT2BPETokenizer needs --vocab-file"),
         ({}, r"NullTokenizer needs --vocab-size V >= 1 \(got None\)"),
         ({"tokenizer_type": "SentencePieceTokenizer"}, r"needs --tokenizer-model"),
         ({"vocab_size": 9, "seq_length": 0, "mock_data": True}, r"--seq-length must be .* got 0"),
