@@ -3,12 +3,12 @@
     pip install --no-deps --target /tmp/mcore megatron-core      # not a dependency of megalite
     PYTHONPATH=/tmp/mcore python tools/megatron_rank_groups.py [--output PATH]
 
-For every combination of axis sizes in {1, 2, 3, 4, 8} whose product is at most 64 (CP or EP above 1, not both:
-Megatron builds the dense and the expert view separately), both orders
+For every combination of axis sizes in {1, 2, 3, 4, 8} whose product is at most 64 (CP or EP
+above 1, not both: Megatron builds the dense and the expert view separately), both orders
 megalite's tests check (``tp-cp-ep-dp-pp`` and ``tp-cp-ep-pp-dp``), and every axis combination
-megalite builds, it records one digest of ``{token: RankGenerator(...).get_ranks(token)}`` over the tokens (JSON
-with sorted keys, sha256, 16 hex digits), so the fixture stays small and the comparison exact:
-``tests/core/test_mesh_layout.py`` computes the same digest from ``rank_groups``.
+megalite builds, it records one digest of ``{token: RankGenerator(...).get_ranks(token)}`` over
+the tokens (JSON with sorted keys, sha256, 16 hex digits), so the fixture stays small and the
+comparison exact: ``tests/core/test_mesh_layout.py`` computes the same digest from ``rank_groups``.
 """
 
 from __future__ import annotations

@@ -243,7 +243,9 @@ class Trainer:
     def _exit_on_signal(self, iteration: int) -> bool:
         """At the iteration boundary: whether any rank got the exit signal (one all-reduce over the
         world, so every rank answers the same); if so, save a checkpoint here on every rank."""
-        if not any_rank_signalled(self.exit_signal.received, device=self.device):
+        if not any_rank_signalled(
+            self.exit_signal.received, group=self.ps.group(), device=self.device
+        ):
             return False
         logger.info(
             "exiting program at iteration %d: %s received (--exit-signal-handler); saving",

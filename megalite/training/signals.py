@@ -27,6 +27,8 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from megalite.core.tensor_parallel.mappings import group_size
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_EXIT_SIGNAL = signal.SIGTERM
@@ -86,13 +88,13 @@ class ExitSignalHandler:
         self.restore()
 
 
-def any_rank_signalled(received: bool, *, device: torch.device, group=None) -> bool:
-    """Whether any rank of ``group`` (the world by default) has ``received`` True.
+def any_rank_signalled(received: bool, *, group, device: torch.device) -> bool:
+    """Whether any rank of ``group`` (pass the world group: ``ps.group()``) has ``received`` True.
 
     A collective: every rank of the group must call it at the same point (the iteration boundary).
     One all-reduce of one element; a world of one (or no process group) answers at once.
     """
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+    if group_size(group) == 1:
         return received
     flag = torch.tensor([1.0 if received else 0.0], dtype=torch.float32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)

@@ -47,8 +47,10 @@ WORLD8_EXPERT = {
 
 
 def test_world16_tp2_cp2_dp2_pp2_by_hand():
-    groups = all_group_ranks(mesh_sizes(16, tensor_model_parallel_size=2,
-                                        context_parallel_size=2, pipeline_model_parallel_size=2))  # fmt: skip
+    sizes = mesh_sizes(
+        16, tensor_model_parallel_size=2, context_parallel_size=2, pipeline_model_parallel_size=2
+    )
+    groups = all_group_ranks(sizes)
     for axes, expected in WORLD16.items():
         assert groups[frozenset(axes)] == expected, axes
 
@@ -156,7 +158,8 @@ def test_rank_groups_are_what_megatron_core_builds():
          r"pipeline_model_parallel_size must be an integer >= 1, got -2"),
         ({"world_size": 4, "context_parallel_size": 2, "order": "tp-ep-dp-pp"},
          r"order 'tp-ep-dp-pp' leaves out axis 'cp' whose size is 2"),
-        ({"world_size": 4, "order": "tp-tp-dp-pp"}, r"must name each of tp-cp-ep-dp-pp at most once"),
+        ({"world_size": 4, "order": "tp-tp-dp-pp"},
+         r"must name each of tp-cp-ep-dp-pp at most once"),
     ],
 )  # fmt: skip
 def test_invalid_sizes_are_refused_with_the_numbers(kwargs, match):

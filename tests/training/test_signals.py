@@ -68,7 +68,9 @@ def test_handler_sets_a_flag_and_restores_the_previous_action():
 def _agree(flagged: int | None) -> bool:
     import torch
 
-    return any_rank_signalled(dist.get_rank() == flagged, device=torch.device("cpu"))
+    return any_rank_signalled(
+        dist.get_rank() == flagged, group=dist.group.WORLD, device=torch.device("cpu")
+    )
 
 
 def test_any_rank_signalled_agrees_across_ranks():
