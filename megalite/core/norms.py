@@ -73,10 +73,10 @@ def build_norm(
     params_dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
 ) -> nn.Module:
-    """``kind`` is Megatron's ``--normalization``: ``LayerNorm`` or ``RMSNorm``."""
+    """``kind`` is the ``normalization`` of the model config: ``LayerNorm`` or ``RMSNorm``."""
     classes = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}
     if kind not in classes:
-        raise ValueError(f"--normalization must be one of {sorted(classes)}, got {kind!r}")
+        raise ValueError(f"normalization must be one of {sorted(classes)}, got {kind!r}")
     return classes[kind](
         hidden_size,
         eps=eps,
