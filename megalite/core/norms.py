@@ -1,10 +1,9 @@
 """LayerNorm and RMSNorm modules that run on whatever shard they are given.
 
 Under sequence parallelism a norm sees ``[s/tp, b, h]``: its weight is replicated over TP but each
-rank
-computes a grad from a different part of the sequence, so the parameters are marked
-``sequence_parallel = True`` and their grads are all-reduced over the TP group by the grad-sync step
-(``megalite.core.distributed.sp_grads``). The math goes through ``megalite.core.fusions``.
+rank computes a grad from a different part of the sequence, so the parameters are marked
+``sequence_parallel = True`` and their grads are all-reduced over the TP group by the grad-sync
+step (``megalite.core.distributed.sp_grads``). The math goes through ``megalite.core.fusions``.
 """
 
 from __future__ import annotations

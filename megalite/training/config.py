@@ -272,8 +272,8 @@ class TrainingConfig:
                 raise ConfigError(f"{name} needs load DIR (the checkpoint directory to read)")
         try:
             parse_signal(self.exit_signal)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        except ValueError as e:  # signals.py speaks of the flag; this is the field
+            raise ConfigError(str(e).replace("--exit-signal", "exit_signal")) from None
 
 
 @dataclass
@@ -397,7 +397,7 @@ def with_tokenizer(cfg: PretrainConfig) -> PretrainConfig:
         try:
             cfg.data.validate()
             tokenizer = build_tokenizer(cfg.data)
-        except (ValueError, OSError) as e:
+        except (ValueError, OSError, RuntimeError) as e:  # RuntimeError: a corrupt model file
             raise ConfigError(str(e).splitlines()[0]) from None
         vocab = cfg.model.vocab_size
         if vocab not in (VOCAB_FROM_TOKENIZER, tokenizer.vocab_size):
