@@ -10,8 +10,9 @@ Takes Megatron-LM's flag names. Examples:
     # 4 processes: TP 2 x DP 2
     torchrun --nproc-per-node 4 pretrain_gpt.py --tensor-model-parallel-size 2 ...
 
-A bad flag or combination prints one line ``error: ...`` and exits with status 2; a run stopped by a
-NaN/inf loss prints ``error: iteration N: ...`` and exits with status 1.
+A bad flag or combination prints one line ``error: ...`` and exits with status 2 (so does a config
+parsed for one world size and run on another); a run stopped by a NaN/inf loss prints
+``error: iteration N: ...`` and exits with status 1.
 """
 
 from __future__ import annotations
@@ -27,17 +28,16 @@ def main(argv: list[str] | None = None) -> int:
 
         build_parser().print_help()
         return 0
-    from megalite.training.arguments import parse_args
+    from megalite.training.arguments import flag_message, parse_args, with_tokenizer
     from megalite.training.config import ConfigError
     from megalite.training.pretrain import TrainingError, pretrain
 
     try:
-        cfg = parse_args(argv)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
+        cfg = with_tokenizer(parse_args(argv))
         pretrain(cfg)
+    except ConfigError as e:  # a bad flag, or a config parsed for another world size
+        print(f"error: {flag_message(str(e))}", file=sys.stderr)
+        return 2
     except TrainingError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

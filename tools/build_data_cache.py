@@ -18,23 +18,25 @@ import sys
 
 from megalite.data.builders import build_datasets, train_valid_test_num_samples
 from megalite.data.config import DataConfig
+from megalite.training.config import TrainingConfig
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--data-path", nargs="+", default=None)
-    p.add_argument("--split", default="969,30,1")
+    data, training = DataConfig(), TrainingConfig()  # the defaults of pretrain_gpt.py
+    p.add_argument("--split", default=data.split)
     p.add_argument("--train-data-path", nargs="+", default=None)
     p.add_argument("--valid-data-path", nargs="+", default=None)
     p.add_argument("--test-data-path", nargs="+", default=None)
     p.add_argument("--data-cache-path", default=None)
     p.add_argument("--seq-length", type=int, required=True)
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed", type=int, default=data.seed)
     p.add_argument("--train-iters", type=int, default=None)
     p.add_argument("--train-samples", type=int, default=None)
     p.add_argument("--global-batch-size", type=int, required=True)
-    p.add_argument("--eval-interval", type=int, default=1000)
-    p.add_argument("--eval-iters", type=int, default=100)
+    p.add_argument("--eval-interval", type=int, default=training.eval_interval)
+    p.add_argument("--eval-iters", type=int, default=training.eval_iters)
     args, ignored = p.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     if ignored:

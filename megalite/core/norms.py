@@ -1,10 +1,9 @@
 """LayerNorm and RMSNorm modules that run on whatever shard they are given.
 
 Under sequence parallelism a norm sees ``[s/tp, b, h]``: its weight is replicated over TP but each
-rank
-computes a grad from a different part of the sequence, so the parameters are marked
-``sequence_parallel = True`` and their grads are all-reduced over the TP group by the grad-sync step
-(``megalite.core.distributed.sp_grads``). The math goes through ``megalite.core.fusions``.
+rank computes a grad from a different part of the sequence, so the parameters are marked
+``sequence_parallel = True`` and their grads are all-reduced over the TP group by the grad-sync
+step (``megalite.core.distributed.sp_grads``). The math goes through ``megalite.core.fusions``.
 """
 
 from __future__ import annotations
@@ -73,10 +72,10 @@ def build_norm(
     params_dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
 ) -> nn.Module:
-    """``kind`` is Megatron's ``--normalization``: ``LayerNorm`` or ``RMSNorm``."""
+    """``kind`` is the ``normalization`` of the model config: ``LayerNorm`` or ``RMSNorm``."""
     classes = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}
     if kind not in classes:
-        raise ValueError(f"--normalization must be one of {sorted(classes)}, got {kind!r}")
+        raise ValueError(f"normalization must be one of {sorted(classes)}, got {kind!r}")
     return classes[kind](
         hidden_size,
         eps=eps,

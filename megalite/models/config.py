@@ -1,5 +1,7 @@
-"""GPTConfig: the model's shape and options, named after Megatron-LM's flags (``--num-layers`` is
-``num_layers``), validated once against the parallel layout.
+"""GPTConfig: the model's shape and options, validated once against the parallel layout.
+
+Fields are named after Megatron-LM's flags (``--num-layers`` is ``num_layers``); errors name the
+fields and the numbers (the flag layer, ``megalite.training.arguments``, shows them as flags).
 
 Two families come out of the same fields:
 
@@ -24,19 +26,21 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ATTENTION_BACKENDS = ("sdpa", "unfused")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
+VOCAB_FROM_TOKENIZER = 0  # vocab_size placeholder: set from the tokenizer before validate()
 
 
 @dataclass
 class GPTConfig:
-    """Field names are Megatron's flag names with ``_``. ``None`` sizes are resolved on
-    construction: ``max_position_embeddings`` = ``seq_length``, ``ffn_hidden_size`` = 4h (also
-    under SwiGLU: pass it explicitly as Megatron users do), ``num_query_groups`` = heads,
-    ``kv_channels`` = h / heads, ``recompute_num_layers`` = 1 under full recompute."""
+    """``None`` sizes are resolved on construction: ``max_position_embeddings`` = ``seq_length``,
+    ``ffn_hidden_size`` = 4h (also under SwiGLU: pass it explicitly as Megatron users do),
+    ``num_query_groups`` = heads, ``kv_channels`` = h / heads, ``recompute_num_layers`` = 1 under
+    full recompute. ``vocab_size`` 0 (``VOCAB_FROM_TOKENIZER``) means "not known yet": the
+    training config fills it from the tokenizer, and ``validate`` refuses it until then."""
 
     num_layers: int
     hidden_size: int
     num_attention_heads: int
-    vocab_size: int  # real, unpadded
+    vocab_size: int  # real, unpadded; VOCAB_FROM_TOKENIZER until the tokenizer is built
     seq_length: int
     max_position_embeddings: int | None = None
     ffn_hidden_size: int | None = None
@@ -67,15 +71,17 @@ class GPTConfig:
     seed: int = 1234
 
     def __post_init__(self) -> None:
-        for flag, value in (
-            ("--num-layers", self.num_layers),
-            ("--hidden-size", self.hidden_size),
-            ("--num-attention-heads", self.num_attention_heads),
-            ("--vocab-size", self.vocab_size),
-            ("--seq-length", self.seq_length),
+        for name, value in (
+            ("num_layers", self.num_layers),
+            ("hidden_size", self.hidden_size),
+            ("num_attention_heads", self.num_attention_heads),
+            ("vocab_size", self.vocab_size),
+            ("seq_length", self.seq_length),
         ):
+            if name == "vocab_size" and value == VOCAB_FROM_TOKENIZER and type(value) is int:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         if self.ffn_hidden_size is None:
@@ -85,8 +91,8 @@ class GPTConfig:
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(
-                    f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
-                    f"{self.num_attention_heads}; change one, or set --kv-channels (the head dim)"
+                    f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                    f"{self.num_attention_heads}; change one, or set kv_channels (the head dim)"
                 )
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.recompute_granularity == "full" and self.recompute_num_layers is None:
@@ -104,22 +110,30 @@ class GPTConfig:
             tp_size=tp_size,
         )
 
-    def stage_layer_ranges(self, pp_size: int) -> list[tuple[int, int]]:
-        """Global ``[start, end)`` layers of every pipeline stage (even, or uneven with the
-        ``decoder_first/last_pipeline_num_layers`` counts). On one stage the counts do not apply
-        (a model trained unevenly, loaded into one process)."""
-        if pp_size == 1:
-            return [(0, self.num_layers)]
+    def stage_layer_ranges(
+        self, pp_size: int, *, num_virtual_stages: int = 1
+    ) -> list[tuple[int, int]] | list[list[tuple[int, int]]]:
+        """Global ``[start, end)`` layers of every pipeline rank (even, or uneven with the
+        ``decoder_first/last_pipeline_num_layers`` counts); per rank a list of its chunks' ranges
+        when ``num_virtual_stages`` > 1 (``core.pipeline_parallel.stages``). On one stage the
+        counts do not apply (a model trained unevenly, loaded into one process)."""
+        uneven = pp_size > 1
         return stage_layer_ranges(
             self.num_layers,
             pp_size,
-            first_stage_layers=self.decoder_first_pipeline_num_layers,
-            last_stage_layers=self.decoder_last_pipeline_num_layers,
+            num_virtual_stages=num_virtual_stages,
+            first_stage_layers=self.decoder_first_pipeline_num_layers if uneven else None,
+            last_stage_layers=self.decoder_last_pipeline_num_layers if uneven else None,
         )
 
     def validate(self, *, tp_size: int = 1, pp_size: int = 1) -> None:
-        """Raise a one-line ValueError naming the flag(s), the numbers and the fix for any option or
-        size that this layout cannot run. Call before building process groups."""
+        """Raise a one-line ValueError naming the field(s), the numbers and the fix for any option
+        or size that this layout cannot run. Call before building process groups."""
+        if self.vocab_size == VOCAB_FROM_TOKENIZER:
+            raise ValueError(
+                "vocab_size is 0 (not known yet); set it from the tokenizer before validating "
+                "or building the model"
+            )
         _check_choices(self)
         _check_sizes(self)
         _check_parallel(self, tp_size=tp_size, pp_size=pp_size)
@@ -127,73 +141,73 @@ class GPTConfig:
 
 
 def _check_choices(c: GPTConfig) -> None:
-    for flag, value, allowed in (
-        ("--position-embedding-type", c.position_embedding_type, POSITION_EMBEDDING_TYPES),
-        ("--normalization", c.normalization, NORMALIZATIONS),
-        ("--attention-backend", c.attention_backend, ATTENTION_BACKENDS),
+    for name, value, allowed in (
+        ("position_embedding_type", c.position_embedding_type, POSITION_EMBEDDING_TYPES),
+        ("normalization", c.normalization, NORMALIZATIONS),
+        ("attention_backend", c.attention_backend, ATTENTION_BACKENDS),
     ):
         if value not in allowed:
-            raise ValueError(f"{flag} must be one of {', '.join(allowed)}; got {value!r}")
-    for flag, value in (
-        ("--hidden-dropout", c.hidden_dropout),
-        ("--attention-dropout", c.attention_dropout),
-        ("--label-smoothing", c.label_smoothing),
+            raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+    for name, value in (
+        ("hidden_dropout", c.hidden_dropout),
+        ("attention_dropout", c.attention_dropout),
+        ("label_smoothing", c.label_smoothing),
     ):
         if not 0.0 <= value < 1.0:
-            raise ValueError(f"{flag} must be in [0, 1), got {value}")
+            raise ValueError(f"{name} must be in [0, 1), got {value}")
     if c.init_method_std <= 0:
-        raise ValueError(f"--init-method-std must be > 0, got {c.init_method_std}")
+        raise ValueError(f"init_method_std must be > 0, got {c.init_method_std}")
     if c.norm_epsilon <= 0:
-        raise ValueError(f"--norm-epsilon must be > 0, got {c.norm_epsilon}")
+        raise ValueError(f"norm_epsilon must be > 0, got {c.norm_epsilon}")
     if c.make_vocab_size_divisible_by < 1:
         raise ValueError(
-            f"--make-vocab-size-divisible-by must be >= 1, got {c.make_vocab_size_divisible_by}"
+            f"make_vocab_size_divisible_by must be >= 1, got {c.make_vocab_size_divisible_by}"
         )
 
 
 def _check_sizes(c: GPTConfig) -> None:
-    for flag, value in (
-        ("--max-position-embeddings", c.max_position_embeddings),
-        ("--ffn-hidden-size", c.ffn_hidden_size),
-        ("--num-query-groups", c.num_query_groups),
-        ("--kv-channels", c.kv_channels),
+    for name, value in (
+        ("max_position_embeddings", c.max_position_embeddings),
+        ("ffn_hidden_size", c.ffn_hidden_size),
+        ("num_query_groups", c.num_query_groups),
+        ("kv_channels", c.kv_channels),
     ):
         if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if c.num_attention_heads % c.num_query_groups:
         raise ValueError(
-            f"--num-attention-heads {c.num_attention_heads} is not divisible by "
-            f"--num-query-groups {c.num_query_groups}; each query group must hold whole heads"
+            f"num_attention_heads {c.num_attention_heads} is not divisible by "
+            f"num_query_groups {c.num_query_groups}; each query group must hold whole heads"
         )
     if c.position_embedding_type == "learned_absolute" and c.seq_length > c.max_position_embeddings:
         raise ValueError(
-            f"--seq-length {c.seq_length} exceeds --max-position-embeddings "
-            f"{c.max_position_embeddings}; raise --max-position-embeddings or shorten the sequence"
+            f"seq_length {c.seq_length} exceeds max_position_embeddings "
+            f"{c.max_position_embeddings}; raise max_position_embeddings or shorten the sequence"
         )
     if c.position_embedding_type == "rope":
         if c.kv_channels % 2:
             raise ValueError(
-                f"rotary embeddings need an even head dim (--kv-channels), got {c.kv_channels}"
+                f"rotary embeddings need an even head dim (kv_channels), got {c.kv_channels}"
             )
         if c.rotary_base <= 0:
-            raise ValueError(f"--rotary-base must be > 0, got {c.rotary_base}")
+            raise ValueError(f"rotary_base must be > 0, got {c.rotary_base}")
 
 
 def _check_parallel(c: GPTConfig, *, tp_size: int, pp_size: int) -> None:
-    tp = f"--tensor-model-parallel-size {tp_size}"
-    for flag, value in (
-        ("--num-attention-heads", c.num_attention_heads),
-        ("--num-query-groups", c.num_query_groups),
-        ("--ffn-hidden-size", c.ffn_hidden_size),
+    tp = f"tp_size {tp_size}"
+    for name, value in (
+        ("num_attention_heads", c.num_attention_heads),
+        ("num_query_groups", c.num_query_groups),
+        ("ffn_hidden_size", c.ffn_hidden_size),
     ):
         if value % tp_size:
             raise ValueError(
-                f"{flag} {value} is not divisible by {tp}; each TP rank must hold an equal share "
+                f"{name} {value} is not divisible by {tp}; each TP rank must hold an equal share "
                 f"(choose a TP size that divides {value})"
             )
     if c.sequence_parallel and c.seq_length % tp_size:
         raise ValueError(
-            f"--seq-length {c.seq_length} is not divisible by {tp} under --sequence-parallel; "
+            f"seq_length {c.seq_length} is not divisible by {tp} under sequence_parallel; "
             f"use a multiple of {tp_size}"
         )
     c.stage_layer_ranges(pp_size)  # every stage gets a whole, positive number of layers
@@ -202,18 +216,18 @@ def _check_parallel(c: GPTConfig, *, tp_size: int, pp_size: int) -> None:
 def _check_recompute(c: GPTConfig) -> None:
     g, m = c.recompute_granularity, c.recompute_method
     if g is not None and g not in RECOMPUTE_GRANULARITIES:
-        raise ValueError(f"--recompute-granularity must be full or selective, got {g!r}")
+        raise ValueError(f"recompute_granularity must be full or selective, got {g!r}")
     if m is not None and m not in RECOMPUTE_METHODS:
-        raise ValueError(f"--recompute-method must be uniform or block, got {m!r}")
+        raise ValueError(f"recompute_method must be uniform or block, got {m!r}")
     if g == "full" and m is None:
         raise ValueError(
-            "--recompute-granularity full needs --recompute-method uniform or block "
-            "(and --recompute-num-layers N)"
+            "recompute_granularity full needs recompute_method uniform or block "
+            "(and recompute_num_layers N)"
         )
     if g != "full" and m is not None:
         raise ValueError(
-            f"--recompute-method {m} applies only to --recompute-granularity full "
-            f"(got granularity {g!r}); drop --recompute-method"
+            f"recompute_method {m} applies only to recompute_granularity full "
+            f"(got granularity {g!r}); drop recompute_method"
         )
     if g == "full" and (not isinstance(c.recompute_num_layers, int) or c.recompute_num_layers < 1):
-        raise ValueError(f"--recompute-num-layers must be >= 1, got {c.recompute_num_layers!r}")
+        raise ValueError(f"recompute_num_layers must be >= 1, got {c.recompute_num_layers!r}")

@@ -63,7 +63,7 @@ class GPTModel(nn.Module):
         start, end = layer_range
         if not 0 <= start <= end <= config.num_layers:
             raise ValueError(
-                f"layer_range {layer_range} is not within [0, --num-layers {config.num_layers}]"
+                f"layer_range {layer_range} is not within [0, num_layers {config.num_layers}]"
             )
         self.config, self.tp_group = config, ps.tp_group
         self.pre_process, self.post_process = pre_process, post_process

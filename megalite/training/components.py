@@ -85,7 +85,7 @@ def setup_model_and_optimizer(
         zero_options = {
             "overlap_grad_reduce": par.overlap_grad_reduce,
             "overlap_param_gather": par.overlap_param_gather,
-            "num_microbatches": cfg.num_microbatches,
+            "num_microbatches": cfg.training.num_microbatches(ps.dp_size),
         }
     model = (ShardedDataParallel if zero else DistributedDataParallel)(
         module,
@@ -94,7 +94,7 @@ def setup_model_and_optimizer(
         embedding_group=ps.embedding_group,
         shared_params=shared,
         accumulate_allreduce_grads_in_fp32=par.accumulate_allreduce_grads_in_fp32,
-        bucket_size=par.bucket_size(),
+        bucket_size=par.bucket_size(ps.dp_size),
         **zero_options,
     )
     optimizer = (build_distributed_optimizer if zero else build_optimizer)(

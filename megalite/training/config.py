@@ -1,25 +1,41 @@
-"""The per-concern configuration dataclasses of a pretraining run.
+"""The per-concern configuration dataclasses of a pretraining run, each validating itself.
 
-``pretrain_gpt.py`` parses Megatron's flags (``megalite.training.arguments``) into one
-``PretrainConfig`` made of: ``model`` (``GPTConfig``), ``parallel``, ``optimizer`` (with mixed
-precision and loss scaling), ``data`` (``DataConfig``), ``training`` and ``logging``. Every field is
-named after its flag (``--lr-warmup-iters`` is ``lr_warmup_iters``). Invalid combinations raise
-``ConfigError`` with one line that names the flags and numbers; the entry point prints it and
-exits 2.
+``PretrainConfig`` is made of ``model`` (``GPTConfig``), ``parallel``, ``optimizer`` (with mixed
+precision and loss scaling), ``data`` (``DataConfig``), ``training`` and ``logging``. Fields are
+named after Megatron-LM's flags (``--lr-warmup-iters`` is ``lr_warmup_iters``). A config built in
+code is checked exactly as one parsed from flags:
+
+    cfg = with_tokenizer(cfg)             # builds the tokenizer, fills the vocab size, validates
+    cfg.validate()                        # ConfigError (one line naming fields and numbers)
+    n = cfg.check_world(ps.world_size, ps.dp_size)   # after the mesh, before any data is read
+
+The defaults written here are the flags' defaults (``megalite.training.arguments`` reads them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from megalite.core.pipeline_parallel.stages import stage_layer_ranges
 from megalite.data.config import DataConfig
-from megalite.models.config import GPTConfig
+from megalite.models.config import VOCAB_FROM_TOKENIZER, GPTConfig
+from megalite.training.lr_schedule import DECAY_STYLES
+from megalite.training.signals import parse_signal
+
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 class ConfigError(ValueError):
-    """A bad flag or flag combination; the message is one line, ready to print after ``error: ``."""
+    """A bad setting or combination; the message is one line, ready to print after ``error: ``."""
+
+
+def _at_least(low: float, *named: tuple[str, float | None]) -> None:
+    for name, value in named:
+        if value is not None and value < low:
+            raise ConfigError(f"{name} must be >= {low}, got {value}")
 
 
 @dataclass
@@ -35,18 +51,67 @@ class ParallelConfig:
     overlap_param_gather: bool = False  # ZeRO-1: all-gather a bucket before its first use
     distributed_timeout_minutes: float = 10.0
     device: str = "auto"  # auto | cpu | cuda
-    world_size: int = 1  # from the launcher's environment
+    world_size: int | None = None  # the launcher's, when parsed from flags; None: built in code
 
     @property
-    def data_parallel_size(self) -> int:
-        return self.world_size // (
-            self.tensor_model_parallel_size * self.pipeline_model_parallel_size
-        )
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
 
-    def bucket_size(self) -> int:
+    @property
+    def data_parallel_size(self) -> int | None:
+        """DP size of the world this config was parsed for (None without one); a run uses its
+        mesh's ``ps.dp_size``."""
+        if self.world_size is None:
+            return None
+        return self.world_size // self.model_parallel_size
+
+    def bucket_size(self, dp_size: int | None = None) -> int:
+        """Elements per grad bucket: ``ddp_bucket_size``, else max(40M, 1M x ``dp_size``)."""
         if self.ddp_bucket_size is not None:
             return self.ddp_bucket_size
-        return max(40_000_000, 1_000_000 * self.data_parallel_size)
+        dp = dp_size if dp_size is not None else self.data_parallel_size or 1
+        return max(40_000_000, 1_000_000 * dp)
+
+    def validate(self) -> None:
+        for name, value in (
+            ("tensor_model_parallel_size", self.tensor_model_parallel_size),
+            ("pipeline_model_parallel_size", self.pipeline_model_parallel_size),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise ConfigError(
+                f"pipeline_schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got "
+                f"{self.pipeline_schedule!r}"
+            )
+        if self.device not in DEVICES:
+            raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.distributed_timeout_minutes <= 0:
+            raise ConfigError(
+                f"distributed_timeout_minutes must be > 0, got {self.distributed_timeout_minutes}"
+            )
+        if self.ddp_bucket_size is not None and self.ddp_bucket_size < 1:
+            raise ConfigError(f"ddp_bucket_size must be >= 1 element, got {self.ddp_bucket_size}")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ConfigError(
+                "overlap_param_gather needs use_distributed_optimizer (it overlaps ZeRO-1's "
+                "parameter all-gather with the next forward); turn it on or drop "
+                "overlap_param_gather"
+            )
+        if self.overlap_grad_reduce and not self.use_distributed_optimizer:
+            raise ConfigError(
+                "overlap_grad_reduce is implemented for use_distributed_optimizer only; turn it "
+                "on, or drop overlap_grad_reduce (the all-reduce then runs after backward)"
+            )
+        if self.world_size is not None:
+            mp = self.model_parallel_size
+            tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+            if self.world_size < 1 or self.world_size % mp:
+                raise ConfigError(
+                    f"world size {self.world_size} is not divisible by tensor_model_parallel_size "
+                    f"{tp} x pipeline_model_parallel_size {pp} = {mp}; launch a multiple of {mp} "
+                    "processes or change the sizes"
+                )
 
 
 @dataclass
@@ -90,6 +155,55 @@ class OptimizerConfig:
             return self.lr_warmup_fraction * decay_iters
         return self.lr_warmup_iters
 
+    def validate(self, *, train_iters: int | None = None) -> None:
+        """``train_iters`` stands in for ``lr_decay_iters`` when that is None."""
+        if self.fp16 and self.bf16:
+            raise ConfigError("fp16 and bf16 are mutually exclusive; choose one")
+        if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr})")
+        if self.lr_decay_style not in DECAY_STYLES:
+            raise ConfigError(
+                f"lr_decay_style must be one of {', '.join(DECAY_STYLES)}, got "
+                f"{self.lr_decay_style!r}"
+            )
+        _at_least(0, ("lr_warmup_iters", self.lr_warmup_iters))
+        _at_least(1, ("loss_scale_window", self.loss_scale_window))
+        _at_least(1, ("hysteresis", self.hysteresis))
+        if self.lr_warmup_fraction is not None:
+            if self.lr_warmup_iters:
+                raise ConfigError(
+                    "lr_warmup_fraction and lr_warmup_iters are mutually exclusive; choose one"
+                )
+            if not 0.0 <= self.lr_warmup_fraction <= 1.0:
+                raise ConfigError(
+                    f"lr_warmup_fraction must be in [0, 1], got {self.lr_warmup_fraction}"
+                )
+        decay = self.lr_decay_iters if self.lr_decay_iters is not None else train_iters
+        if decay is not None:
+            _at_least(1, ("lr_decay_iters", decay))
+            if self.lr_warmup_iters > decay:
+                raise ConfigError(
+                    f"lr_warmup_iters {self.lr_warmup_iters} exceeds lr_decay_iters {decay}"
+                    + ("" if self.lr_decay_iters is not None else " (= train_iters)")
+                    + "; shorten the warmup or lengthen the decay"
+                )
+        if self.clip_grad < 0 or self.weight_decay < 0:
+            raise ConfigError(
+                f"clip_grad ({self.clip_grad}) and weight_decay ({self.weight_decay}) must be >= 0"
+            )
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1 and self.adam_eps > 0):
+            raise ConfigError(
+                f"need 0 <= adam_beta1 ({self.adam_beta1}), adam_beta2 ({self.adam_beta2}) < 1 "
+                f"and adam_eps ({self.adam_eps}) > 0"
+            )
+        if self.loss_scale is not None and self.loss_scale <= 0:
+            raise ConfigError(f"loss_scale must be > 0, got {self.loss_scale}")
+        if self.initial_loss_scale < self.min_loss_scale or self.min_loss_scale <= 0:
+            raise ConfigError(
+                f"need 0 < min_loss_scale ({self.min_loss_scale}) <= initial_loss_scale "
+                f"({self.initial_loss_scale})"
+            )
+
 
 @dataclass
 class TrainingConfig:
@@ -116,7 +230,50 @@ class TrainingConfig:
     exit_signal: str = "SIGTERM"  # --exit-signal
 
     def num_microbatches(self, dp_size: int) -> int:
-        return self.global_batch_size // (self.micro_batch_size * dp_size)
+        """Micro-batches per DP rank per iteration: gbs / (mbs x ``dp_size``), the mesh's DP size;
+        ConfigError when it does not divide."""
+        per_step = self.micro_batch_size * dp_size
+        if per_step < 1 or self.global_batch_size < 1 or self.global_batch_size % per_step:
+            raise ConfigError(
+                f"global_batch_size {self.global_batch_size} is not divisible by micro_batch_size "
+                f"{self.micro_batch_size} x data-parallel size {dp_size} = {per_step}; use a "
+                f"multiple of {per_step}, or change micro_batch_size or the data-parallel size"
+            )
+        return self.global_batch_size // per_step
+
+    def validate(self) -> None:
+        _at_least(1, ("micro_batch_size", self.micro_batch_size))
+        _at_least(1, ("global_batch_size", self.global_batch_size))
+        _at_least(1, ("train_iters", self.train_iters))
+        _at_least(0, ("eval_interval", self.eval_interval), ("eval_iters", self.eval_iters))
+        _at_least(0, ("seed", self.seed))
+        self.num_microbatches(1)  # the global batch is whole micro-batches
+        _at_least(1, ("save_interval", self.save_interval))
+        _at_least(1, ("keep_last_n_checkpoints", self.keep_last_n_checkpoints))
+        _at_least(1, ("exit_interval", self.exit_interval))
+        _at_least(0, ("ckpt_step", self.ckpt_step))
+        if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
+            raise ConfigError(
+                f"exit_duration_in_mins must be > 0, got {self.exit_duration_in_mins}"
+            )
+        for name, value in (
+            ("save_interval", self.save_interval),
+            ("keep_last_n_checkpoints", self.keep_last_n_checkpoints),
+        ):
+            if value is not None and self.save is None:
+                raise ConfigError(f"{name} {value} needs save DIR (where checkpoints go)")
+        for name, value in (
+            ("ckpt_step", self.ckpt_step),
+            ("finetune", self.finetune or None),
+            ("no_load_optim", self.no_load_optim or None),
+            ("no_load_rng", self.no_load_rng or None),
+        ):
+            if value is not None and self.load is None:
+                raise ConfigError(f"{name} needs load DIR (the checkpoint directory to read)")
+        try:
+            parse_signal(self.exit_signal)
+        except ValueError as e:  # signals.py speaks of the flag; this is the field
+            raise ConfigError(str(e).replace("--exit-signal", "exit_signal")) from None
 
 
 @dataclass
@@ -128,6 +285,13 @@ class LoggingConfig:
     peak_tflops: float | None = None
     log_num_zeros_in_grad: bool = False
 
+    def validate(self) -> None:
+        _at_least(1, ("log_interval", self.log_interval))
+        _at_least(1, ("tensorboard_log_interval", self.tensorboard_log_interval))
+        _at_least(1, ("tensorboard_queue_size", self.tensorboard_queue_size))
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ConfigError(f"peak_tflops must be > 0, got {self.peak_tflops}")
+
 
 @dataclass
 class PretrainConfig:
@@ -137,8 +301,111 @@ class PretrainConfig:
     data: DataConfig
     training: TrainingConfig
     logging: LoggingConfig
-    tokenizer: object = field(default=None, repr=False, compare=False)
+    tokenizer: object = field(default=None, repr=False, compare=False)  # with_tokenizer sets it
 
     @property
     def num_microbatches(self) -> int:
-        return self.training.num_microbatches(self.parallel.data_parallel_size)
+        """For the world this config was parsed for (``parallel.world_size``); a run takes
+        ``check_world(ps.world_size, ps.dp_size)``, which counts them from the mesh."""
+        dp = self.parallel.data_parallel_size
+        if dp is None:
+            raise ConfigError(
+                "this config records no world size; use training.num_microbatches(dp_size) "
+                "with the mesh's data-parallel size"
+            )
+        return self.training.num_microbatches(dp)
+
+    def validate(self) -> None:
+        """Each concern's ``validate``, then the rules that join them. One-line ConfigError.
+        A ``model.vocab_size`` still ``VOCAB_FROM_TOKENIZER`` passes (``with_tokenizer`` sets it;
+        the model refuses to be built without it)."""
+        par, m, t = self.parallel, self.model, self.training
+        par.validate()
+        tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+        try:  # the first/last stage counts apply to a training run even on one stage
+            stage_layer_ranges(
+                m.num_layers,
+                pp,
+                first_stage_layers=m.decoder_first_pipeline_num_layers,
+                last_stage_layers=m.decoder_last_pipeline_num_layers,
+            )
+            if m.vocab_size == VOCAB_FROM_TOKENIZER:  # not known yet: with_tokenizer fills it
+                replace(m, vocab_size=1).validate(tp_size=tp, pp_size=pp)
+            else:
+                m.validate(tp_size=tp, pp_size=pp)
+            self.data.validate()
+        except ConfigError:
+            raise
+        except ValueError as e:
+            raise ConfigError(str(e).splitlines()[0]) from None
+        t.validate()
+        if par.world_size is not None:
+            t.num_microbatches(par.world_size // par.model_parallel_size)
+        self.optimizer.validate(train_iters=t.train_iters)
+        self.logging.validate()
+        for what, a, b in (
+            ("seq_length", m.seq_length, self.data.seq_length),
+            ("seed", t.seed, self.data.seed),
+        ):
+            if a != b:
+                raise ConfigError(f"data.{what} {b} differs from the model's {what} {a}; set both")
+        if m.seed != t.seed:
+            raise ConfigError(f"model.seed {m.seed} differs from training.seed {t.seed}; set both")
+        if m.params_dtype != self.optimizer.params_dtype:
+            raise ConfigError(
+                f"model.params_dtype {m.params_dtype} does not match the optimizer's precision "
+                f"({self.optimizer.precision_name}); set bf16/fp16 and params_dtype together"
+            )
+        if m.sequence_parallel != par.sequence_parallel:
+            raise ConfigError(
+                f"model.sequence_parallel {m.sequence_parallel} differs from "
+                f"parallel.sequence_parallel {par.sequence_parallel}; set both"
+            )
+        vocab = getattr(self.tokenizer, "vocab_size", None)
+        if vocab is not None and vocab != m.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size {m.vocab_size} differs from the tokenizer's {vocab}; build "
+                "the config with with_tokenizer()"
+            )
+
+    def check_world(self, world_size: int, dp_size: int) -> int:
+        """Refuse a config parsed for another world; return the micro-batches per DP rank per
+        iteration for the mesh's ``dp_size``. Call after the mesh, before reading data."""
+        parsed = self.parallel.world_size
+        if parsed is not None and parsed != world_size:
+            raise ConfigError(
+                f"this config was parsed for a world of {parsed} ranks but is running on "
+                f"{world_size}: launch {parsed} processes, or parse the flags again under the "
+                f"new launcher"
+            )
+        mp = self.parallel.model_parallel_size
+        if mp * dp_size != world_size:
+            raise ConfigError(
+                f"the mesh's data-parallel size {dp_size} x tensor_model_parallel_size x "
+                f"pipeline_model_parallel_size {mp} is not the world size {world_size}"
+            )
+        return self.training.num_microbatches(dp_size)
+
+
+def with_tokenizer(cfg: PretrainConfig) -> PretrainConfig:
+    """``cfg`` with its tokenizer built (``megalite.data.tokenizers``; loads the model file of a
+    SentencePiece / HuggingFace tokenizer) and ``model.vocab_size`` filled from it, validated.
+    A config whose tokenizer is set already is only validated."""
+    from megalite.data.tokenizers import build_tokenizer
+
+    if cfg.tokenizer is None:
+        try:
+            cfg.data.validate()
+            tokenizer = build_tokenizer(cfg.data)
+        except (ValueError, OSError, RuntimeError) as e:  # RuntimeError: a corrupt model file
+            raise ConfigError(str(e).splitlines()[0]) from None
+        vocab = cfg.model.vocab_size
+        if vocab not in (VOCAB_FROM_TOKENIZER, tokenizer.vocab_size):
+            raise ConfigError(
+                f"model.vocab_size {vocab} differs from the tokenizer's {tokenizer.vocab_size}; "
+                f"leave it {VOCAB_FROM_TOKENIZER} to take the tokenizer's"
+            )
+        model = replace(cfg.model, vocab_size=tokenizer.vocab_size)
+        cfg = replace(cfg, model=model, tokenizer=tokenizer)
+    cfg.validate()
+    return cfg

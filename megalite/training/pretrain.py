@@ -35,7 +35,7 @@ from megalite.data.builders import build_data_loaders, train_valid_test_num_samp
 from megalite.training import checkpointing
 from megalite.training.checkpointing import exit_duration_reached
 from megalite.training.components import setup_model_and_optimizer
-from megalite.training.config import PretrainConfig
+from megalite.training.config import PretrainConfig, with_tokenizer
 from megalite.training.evaluate import evaluate_and_log
 from megalite.training.flops import model_flops_per_iteration, peak_tflops, throughput
 from megalite.training.forward_step import make_forward_step
@@ -119,7 +119,7 @@ class Trainer:
             sequence_parallel=cfg.model.sequence_parallel,
             dtype=cfg.model.params_dtype,
         )
-        self.num_microbatches = cfg.num_microbatches
+        self.num_microbatches = cfg.training.num_microbatches(ps.dp_size)  # the mesh's DP
         self.result = TrainResult()
         self.exit_signal: ExitSignalHandler | None = None  # --exit-signal-handler, set by pretrain
         self.is_log_rank = ps.rank() == ps.world_size - 1  # on the last stage
@@ -351,6 +351,7 @@ def pretrain(
     cfg: PretrainConfig, *, forward_step_func: Callable | None = None, env=None
 ) -> TrainResult:
     """Run the whole job described by ``cfg``; returns the summary (losses on the last stage)."""
+    cfg = with_tokenizer(cfg)  # validates; builds the tokenizer unless set
     launch = detect_launch(env)
     device = select_device(cfg.parallel.device, launch.local_rank)
     owns_world = not dist.is_initialized()
@@ -363,13 +364,15 @@ def pretrain(
     )
     configure_logging(rank=ps.rank(), log_rank=ps.world_size - 1)
     trainer = None
-    exit_signal = _exit_signal_handler(cfg)
+    exit_signal = None
     try:
+        num_microbatches = cfg.check_world(ps.world_size, ps.dp_size)  # before any data is read
+        exit_signal = _exit_signal_handler(cfg)
         logger.info(
             "megalite: world %d = TP %d x PP %d x DP %d on %s (%s), %d micro-batches of %d per "
             "DP rank per iteration",
             ps.world_size, ps.tp_size, ps.pp_size, ps.dp_size, device, ps.backend,
-            cfg.num_microbatches, cfg.training.micro_batch_size,
+            num_microbatches, cfg.training.micro_batch_size,
         )  # fmt: skip
         tracker = model_parallel_seed(
             cfg.training.seed, tp_rank=ps.tp_rank, pp_rank=ps.pp_rank, device=device

@@ -216,7 +216,7 @@ def test_bad_inputs_give_one_line_errors_with_the_numbers():
         "output size 7 is not divisible by the tensor-parallel size 2",
         "input size 5 is not divisible by the tensor-parallel size 2",
         "vocabulary size must be >= 1, got 0",
-        "--make-vocab-size-divisible-by must be >= 1, got 0",
+        "make_vocab_size_divisible_by must be >= 1, got 0",
         "sequence dim 5 is not divisible by the TP size 2",
         "gather_output is not allowed with sequence_parallel",
     ]

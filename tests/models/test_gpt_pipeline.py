@@ -22,7 +22,6 @@ from megalite.core.pipeline_parallel.schedules import (
     forward_backward_pipelining_1f1b,
     forward_backward_pipelining_gpipe,
 )
-from megalite.core.pipeline_parallel.stages import stage_layer_ranges
 from megalite.models import GPTModel
 from tests.models.helpers import make_batch, make_config
 
@@ -123,17 +122,3 @@ def test_gpt_pipeline_equals_single_process(pp):
     from tests.harness import run_distributed
 
     assert run_distributed(_stage_case, pp, pp, _cases(pp), timeout=300) == [True] * pp
-
-
-def test_stage_layer_ranges():
-    assert stage_layer_ranges(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
-    assert stage_layer_ranges(5, 2, first_stage_layers=2) == [(0, 2), (2, 5)]
-    assert stage_layer_ranges(10, 4, first_stage_layers=1, last_stage_layers=3) == [
-        (0, 1), (1, 4), (4, 7), (7, 10),
-    ]  # fmt: skip
-    with pytest.raises(ValueError, match=r"--num-layers 7 is not divisible by .*-size 2"):
-        stage_layer_ranges(7, 2)
-    with pytest.raises(ValueError, match=r"--num-layers 7 minus .* \(2\) leaves 5, .* 2 pipeline"):
-        stage_layer_ranges(7, 3, first_stage_layers=2)
-    with pytest.raises(ValueError, match=r"needs --pipeline-model-parallel-size > 1"):
-        stage_layer_ranges(4, 1, first_stage_layers=2)

@@ -11,7 +11,7 @@ from megalite.core.parallel_state import ParallelState
 from megalite.core.tensor_parallel.random import model_parallel_seed
 from megalite.data.builders import build_data_loaders
 from megalite.training.arguments import parse_args
-from megalite.training.config import PretrainConfig
+from megalite.training.config import PretrainConfig, with_tokenizer
 from megalite.training.forward_step import make_forward_step
 from megalite.training.pretrain import Trainer, TrainResult
 
@@ -35,7 +35,7 @@ FAMILIES = {
 def config(*extra: str, world_size: int = 1, rank: int = 0) -> PretrainConfig:
     """The tiny model's config as the launcher of a ``world_size``-rank job would see it."""
     env = {"RANK": str(rank), "WORLD_SIZE": str(world_size)} if world_size > 1 else {}
-    return parse_args([*BASE, *extra], env=env)
+    return with_tokenizer(parse_args([*BASE, *extra], env=env))
 
 
 def trainer_and_data(

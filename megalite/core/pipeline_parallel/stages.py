@@ -1,35 +1,34 @@
-"""Which layers each pipeline stage holds.
+"""Which layers each pipeline rank holds, and in which model chunks.
 
-Even split: ``num_layers / pp_size`` per stage. Uneven (Megatron's
-``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``): the first and/or
-last stage take the given counts and the stages between share the rest evenly. Ranges are global
-``[start, end)`` layer numbers.
+Even split: ``num_layers / pp_size`` per rank. Uneven (Megatron's first/last pipeline stage layer
+counts): the first and/or last rank take ``first_stage_layers`` / ``last_stage_layers`` and the
+ranks between share the rest evenly. Ranges are global ``[start, end)`` layer numbers.
+
+With ``v = num_virtual_stages`` > 1 (interleaved pipeline) every rank holds ``v`` model chunks and
+its layer count is cut into ``v`` equal blocks. The layers are dealt out in ``v`` rounds, as
+Megatron does: round ``c`` gives every rank, in rank order, its ``c``-th block, so chunk ``c`` of
+rank ``r`` holds the ``(c * pp_size + r)``-th block of layers. E.g. 8 layers, pp 2, v 2:
+rank 0 holds [0, 2) and [4, 6), rank 1 holds [2, 4) and [6, 8).
 """
 
 from __future__ import annotations
 
 
-def stage_layer_ranges(
-    num_layers: int,
-    pp_size: int,
-    *,
-    first_stage_layers: int | None = None,
-    last_stage_layers: int | None = None,
-) -> list[tuple[int, int]]:
-    """The ``[start, end)`` of every stage, in stage order; one-line ValueError if impossible."""
-    if pp_size < 1 or num_layers < 1:
-        raise ValueError(f"need --num-layers >= 1 and PP >= 1, got {num_layers} and {pp_size}")
+def _rank_layer_counts(
+    num_layers: int, pp_size: int, first: int | None, last: int | None
+) -> list[int]:
+    """How many layers each pipeline rank holds in total (all of its chunks)."""
     counts: list[int | None] = [None] * pp_size
-    for flag, value, index in (
-        ("--decoder-first-pipeline-num-layers", first_stage_layers, 0),
-        ("--decoder-last-pipeline-num-layers", last_stage_layers, pp_size - 1),
+    for name, value, index in (
+        ("first_stage_layers", first, 0),
+        ("last_stage_layers", last, pp_size - 1),
     ):
         if value is None:
             continue
         if pp_size == 1:
-            raise ValueError(f"{flag} needs --pipeline-model-parallel-size > 1")
+            raise ValueError(f"{name} needs pp_size > 1: one stage is both the first and the last")
         if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
+            raise ValueError(f"{name} must be >= 1, got {value}")
         counts[index] = value
     fixed = sum(c for c in counts if c is not None)
     free = [i for i, c in enumerate(counts) if c is None]
@@ -37,26 +36,77 @@ def stage_layer_ranges(
     if free:
         if fixed == 0 and num_layers % pp_size:
             raise ValueError(
-                f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size "
-                f"{pp_size}; each stage must hold the same number of layers (or set "
-                "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers)"
+                f"num_layers {num_layers} is not divisible by pp_size {pp_size}; each stage "
+                "must hold the same number of layers (or set first_stage_layers / "
+                "last_stage_layers)"
             )
         if rest < len(free) or rest % len(free):
             raise ValueError(
-                f"--num-layers {num_layers} minus the first/last stage layers ({fixed}) leaves "
+                f"num_layers {num_layers} minus the first/last stage layers ({fixed}) leaves "
                 f"{rest}, which does not split evenly over the other {len(free)} pipeline "
-                f"stage(s); change --num-layers, --pipeline-model-parallel-size or the "
-                "first/last stage layer counts"
+                "stage(s); change num_layers, pp_size or first_stage_layers / last_stage_layers"
             )
         for i in free:
             counts[i] = rest // len(free)
     elif rest != 0:
         raise ValueError(
-            f"--decoder-first-pipeline-num-layers + --decoder-last-pipeline-num-layers = {fixed} "
-            f"but --num-layers is {num_layers} with PP {pp_size}"
+            f"first_stage_layers + last_stage_layers = {fixed} but num_layers is {num_layers} "
+            f"with pp_size {pp_size}; they must add up to num_layers"
         )
-    ranges, start = [], 0
-    for c in counts:
-        ranges.append((start, start + c))
-        start += c
+    return [int(c) for c in counts]
+
+
+def stage_layer_ranges(
+    num_layers: int,
+    pp_size: int,
+    *,
+    num_virtual_stages: int = 1,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+) -> list[tuple[int, int]] | list[list[tuple[int, int]]]:
+    """Per pipeline rank, in rank order: its ``[start, end)`` layers when ``num_virtual_stages``
+    is 1, else the list of its chunks' ``[start, end)`` ranges, chunk 0 first (see the module
+    docstring; ``chunk_layer_ranges`` always returns the nested form). One-line ValueError,
+    naming the numbers, when the layers do not divide."""
+    chunks = chunk_layer_ranges(
+        num_layers,
+        pp_size,
+        num_virtual_stages=num_virtual_stages,
+        first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers,
+    )
+    if num_virtual_stages == 1:
+        return [rank_chunks[0] for rank_chunks in chunks]
+    return chunks
+
+
+def chunk_layer_ranges(
+    num_layers: int,
+    pp_size: int,
+    *,
+    num_virtual_stages: int = 1,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+) -> list[list[tuple[int, int]]]:
+    """``ranges[r][c]``: the ``[start, end)`` layers of chunk ``c`` of pipeline rank ``r``."""
+    v = num_virtual_stages
+    if pp_size < 1 or num_layers < 1 or v < 1:
+        raise ValueError(
+            f"need num_layers >= 1, pp_size >= 1 and num_virtual_stages >= 1, got {num_layers}, "
+            f"{pp_size} and {v}"
+        )
+    counts = _rank_layer_counts(num_layers, pp_size, first_stage_layers, last_stage_layers)
+    for rank, count in enumerate(counts):
+        if count % v:
+            raise ValueError(
+                f"pipeline rank {rank} holds {count} layers, which do not divide into "
+                f"num_virtual_stages {v} equal chunks; change num_layers, pp_size, "
+                "num_virtual_stages or first_stage_layers / last_stage_layers"
+            )
+    ranges: list[list[tuple[int, int]]] = [[] for _ in range(pp_size)]
+    start = 0
+    for _ in range(v):  # round c deals every rank its c-th block, in rank order
+        for rank, count in enumerate(counts):
+            ranges[rank].append((start, start + count // v))
+            start += count // v
     return ranges

@@ -213,7 +213,7 @@ def padded_vocab_size(vocab_size: int, *, make_vocab_size_divisible_by: int, tp_
         raise ValueError(f"vocabulary size must be >= 1, got {vocab_size}")
     if make_vocab_size_divisible_by < 1:
         raise ValueError(
-            f"--make-vocab-size-divisible-by must be >= 1, got {make_vocab_size_divisible_by}"
+            f"make_vocab_size_divisible_by must be >= 1, got {make_vocab_size_divisible_by}"
         )
     multiple = make_vocab_size_divisible_by * tp_size
     return -(-vocab_size // multiple) * multiple

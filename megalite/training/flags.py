@@ -1,0 +1,218 @@
+"""The ``pretrain_gpt.py`` command line: Megatron-LM's flag names, parsed by argparse.
+
+Only parsing lives here: ``megalite.training.arguments`` maps the parsed flags onto the config
+dataclasses, which validate themselves. Each flag's default is read from the dataclass field it
+fills (``--lr-warmup-iters`` -> ``OptimizerConfig.lr_warmup_iters``), so it is written once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from megalite.data.config import DataConfig
+from megalite.models.config import (
+    ATTENTION_BACKENDS,
+    NORMALIZATIONS,
+    POSITION_EMBEDDING_TYPES,
+    GPTConfig,
+)
+from megalite.training.config import (
+    DEVICES,
+    PIPELINE_SCHEDULES,
+    ConfigError,
+    LoggingConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    TrainingConfig,
+)
+from megalite.training.lr_schedule import DECAY_STYLES
+
+# Megatron's --attention-backend values map onto the two megalite implements.
+ATTENTION_BACKEND_ALIASES = {
+    "sdpa": "sdpa", "unfused": "unfused", "auto": "sdpa", "flash": "sdpa", "fused": "sdpa",
+    "local": "unfused",
+}  # fmt: skip
+
+# Megatron flags that an open issue brings; until then they are refused as unknown, saying which.
+PLANNED_FLAGS = {
+    **dict.fromkeys(
+        ("--zero-stage", "--data-parallel-sharding-strategy", "--optimizer-cpu-offload",
+         "--optimizer-offload-fraction"),
+        "issue 13 (ZeRO-2/3 and optimizer offload)",
+    ),
+    **dict.fromkeys(
+        ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
+         "--microbatch-group-size-per-virtual-pipeline-stage"),
+        "issue 14 (interleaved and zero-bubble pipeline schedules)",
+    ),
+    **dict.fromkeys(("--context-parallel-size", "--cp-comm-type"), "issue 15 (context parallel)"),
+    **dict.fromkeys(
+        ("--num-experts", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+         "--moe-router-topk", "--moe-ffn-hidden-size", "--moe-grouped-gemm",
+         "--moe-token-dispatcher-type", "--moe-aux-loss-coeff"),
+        "issue 16 (mixture of experts)",
+    ),
+    **dict.fromkeys(
+        ("--vocab-file", "--merge-file", "--rampup-batch-size", "--lr-warmup-samples",
+         "--lr-decay-samples", "--transformer-impl", "--use-mcore-models", "--ckpt-format"),
+        "issue 18 (Megatron migration)",
+    ),
+}  # fmt: skip
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print usage and exit; we raise one line
+        if message.startswith("the following arguments are required"):
+            message = "missing required flag(s): " + message.split(": ", 1)[1]
+        raise ConfigError(message)
+
+
+def _default(cls: type, name: str):
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            if f.default is dataclasses.MISSING:
+                raise TypeError(f"{cls.__name__}.{name} has no default")
+            return f.default
+    raise TypeError(f"{cls.__name__} has no field {name}")
+
+
+class _Group:
+    """An argument group whose options take their default from one dataclass."""
+
+    def __init__(self, parser: argparse.ArgumentParser, title: str, source: type):
+        self.group, self.source = parser.add_argument_group(title), source
+
+    def add(self, flag: str, **kwargs) -> None:
+        """A valued flag; its default is the field of the same name (``--a-b`` -> ``a_b``)."""
+        name = kwargs.get("dest", flag[2:].replace("-", "_"))
+        if not kwargs.get("required"):
+            kwargs.setdefault("default", _default(self.source, name))
+        self.group.add_argument(flag, **kwargs)
+
+    def switch(self, flag: str, **kwargs) -> None:
+        """An on/off flag for a field whose default is False."""
+        name = kwargs.get("dest", flag[2:].replace("-", "_"))
+        if _default(self.source, name) is not False:
+            raise TypeError(f"{flag}: {self.source.__name__}.{name} must default to False")
+        self.group.add_argument(flag, action="store_true", **kwargs)
+
+    def plain(self, *args, **kwargs) -> None:
+        """A flag with no field of its own (mapped or checked in ``arguments``)."""
+        self.group.add_argument(*args, **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="pretrain_gpt.py",
+        allow_abbrev=False,
+        description="Megatron-LM's command-line flags -> a validated PretrainConfig.",
+    )
+    m = _Group(p, "model", GPTConfig)
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length"):
+        m.add(flag, type=int, required=True)
+    for flag in ("--ffn-hidden-size", "--kv-channels", "--num-query-groups"):
+        m.add(flag, type=int)
+    m.plain("--group-query-attention", action="store_true")
+    m.add("--max-position-embeddings", type=int)
+    m.add("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES)
+    m.add("--rotary-base", type=int)
+    m.add("--normalization", choices=NORMALIZATIONS)
+    m.add("--norm-epsilon", type=float)
+    m.switch("--swiglu")
+    m.switch("--openai-gelu")
+    m.plain("--disable-bias-linear", action="store_true")
+    m.switch("--untie-embeddings-and-output-weights")
+    for flag in ("--hidden-dropout", "--attention-dropout", "--init-method-std"):
+        m.add(flag, type=float)
+    m.add("--make-vocab-size-divisible-by", type=int)
+    m.add("--label-smoothing", type=float)
+    assert set(ATTENTION_BACKENDS) <= set(ATTENTION_BACKEND_ALIASES)
+    m.add("--attention-backend", choices=sorted(ATTENTION_BACKEND_ALIASES))
+    m.add("--recompute-granularity", choices=["full", "selective"])
+    m.plain("--recompute-activations", action="store_true",
+            help="Megatron's alias of --recompute-granularity selective")  # fmt: skip
+    m.add("--recompute-method", choices=["uniform", "block"])
+    m.add("--recompute-num-layers", type=int)
+    for flag in ("--no-fused-kernels", "--no-masked-softmax-fusion", "--no-persist-layer-norm"):
+        m.plain(flag, dest="no_fused_kernels", action="store_true",
+                help="use the PyTorch reference instead of the Triton kernels")  # fmt: skip
+    m.add("--decoder-first-pipeline-num-layers", type=int)
+    m.add("--decoder-last-pipeline-num-layers", type=int)
+
+    par = _Group(p, "parallelism", ParallelConfig)
+    par.add("--tensor-model-parallel-size", type=int)
+    par.add("--pipeline-model-parallel-size", type=int)
+    par.add("--pipeline-schedule", choices=PIPELINE_SCHEDULES)
+    for flag in ("--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-reduce",
+                 "--overlap-param-gather", "--accumulate-allreduce-grads-in-fp32"):  # fmt: skip
+        par.switch(flag)
+    par.add("--ddp-bucket-size", type=int)
+    par.add("--distributed-timeout-minutes", type=float)
+    par.plain("--distributed-backend", choices=["nccl", "gloo"])
+    par.add("--device", choices=DEVICES)
+
+    o = _Group(p, "optimizer", OptimizerConfig)
+    o.plain("--optimizer", default="adam", choices=["adam"])
+    o.add("--lr", type=float, required=True)
+    o.add("--min-lr", type=float)
+    o.add("--lr-decay-style", choices=DECAY_STYLES)
+    o.add("--lr-decay-iters", type=int)
+    o.add("--lr-warmup-iters", type=int)
+    for flag in ("--lr-warmup-fraction", "--lr-warmup-init", "--weight-decay", "--clip-grad",
+                 "--adam-beta1", "--adam-beta2", "--adam-eps", "--loss-scale",
+                 "--initial-loss-scale", "--min-loss-scale"):  # fmt: skip
+        o.add(flag, type=float)
+    o.switch("--bf16")
+    o.switch("--fp16")
+    o.add("--loss-scale-window", type=int)
+    o.add("--hysteresis", type=int)
+
+    t = _Group(p, "training", TrainingConfig)
+    t.add("--micro-batch-size", type=int, required=True)
+    t.add("--global-batch-size", type=int, default=None, help="default: micro x data-parallel")
+    t.add("--train-iters", type=int, default=None)
+    t.plain("--train-samples", type=int)
+    for flag in ("--seed", "--eval-interval", "--eval-iters", "--exit-interval"):
+        t.add(flag, type=int)
+    t.add("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction)
+    t.switch("--exit-signal-handler", help="on --exit-signal: finish the iteration, save, exit 0")
+    t.add("--exit-signal", help="the signal it catches (SIGTERM, SIGUSR1 ...)")
+    t.add("--save", help="checkpoint directory to save to")
+    t.add("--load", help="checkpoint directory to resume from (any TP/PP/DP layout)")
+    t.add("--save-interval", type=int)
+    t.add("--ckpt-step", type=int, help="load this iteration instead of the latest")
+    for flag in ("--no-save-optim", "--no-load-optim", "--no-load-rng"):
+        t.switch(flag)
+    t.switch("--finetune", help="load the weights only; iteration and data start at 0")
+    t.add("--exit-duration-in-mins", type=float)
+    t.add("--keep-last-n-checkpoints", type=int,
+          help="megalite's own: delete older iter_* folders after each save")  # fmt: skip
+
+    d = _Group(p, "data", DataConfig)
+    for flag in ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"):
+        d.add(flag, nargs="*")
+    d.add("--split")
+    d.add("--data-cache-path")
+    d.switch("--mock-data")
+    d.add("--tokenizer-type")
+    d.add("--tokenizer-model")
+    d.add("--vocab-size", type=int)
+    d.add("--vocab-file", help="GPT2BPETokenizer: vocab.json")
+    d.add("--merge-file", help="GPT2BPETokenizer: merges.txt")
+    d.add("--tiktoken-pattern", choices=["v1", "v2"])
+    d.add("--tiktoken-num-special-tokens", type=int)
+    d.add("--num-workers", type=int)
+    d.switch("--eod-mask-loss")
+
+    lg = _Group(p, "logging", LoggingConfig)
+    lg.add("--log-interval", type=int)
+    lg.add("--tensorboard-dir")
+    lg.add("--tensorboard-log-interval", type=int)
+    lg.add("--tensorboard-queue-size", type=int)
+    lg.add("--peak-tflops", type=float,
+           help="peak TFLOP/s of one device for MFU (default: GPU table)")  # fmt: skip
+    lg.switch("--log-num-zeros-in-grad")
+    lg.plain("--log-throughput", action="store_true",
+             help="accepted for Megatron scripts; throughput is always logged")  # fmt: skip
+    return p
