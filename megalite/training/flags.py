@@ -54,7 +54,7 @@ PLANNED_FLAGS = {
         "issue 16 (mixture of experts)",
     ),
     **dict.fromkeys(
-        ("--vocab-file", "--merge-file", "--rampup-batch-size", "--lr-warmup-samples",
+        ("--rampup-batch-size", "--lr-warmup-samples",
          "--lr-decay-samples", "--transformer-impl", "--use-mcore-models", "--ckpt-format"),
         "issue 18 (Megatron migration)",
     ),

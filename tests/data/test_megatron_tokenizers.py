@@ -18,7 +18,7 @@ from megalite.data.tokenizers import (
     SentencePieceTokenizer,
     make_tokenizer,
 )
-from megalite.training.arguments import parse_args
+from megalite.training.arguments import parse_args, with_tokenizer
 from megalite.training.config import ConfigError
 from tests.data.bpe_files import (
     tiktoken_ranks,
@@ -188,11 +188,19 @@ def test_pretrain_flags_build_each_tokenizer(tmp_path, sp_model):
                           "--tiktoken-num-special-tokens", "4", "--vocab-size", "265"], 265, 2),
     }  # fmt: skip
     for kind, (flags, vocab_size, eod) in cases.items():
-        cfg = parse_args([*base, "--tokenizer-type", kind, *flags], env={})
+        cfg = with_tokenizer(parse_args([*base, "--tokenizer-type", kind, *flags], env={}))
         assert type(cfg.tokenizer).__name__ == kind
         assert (cfg.tokenizer.vocab_size, cfg.tokenizer.eod) == (vocab_size, eod), kind
         assert cfg.model.vocab_size == vocab_size
     with pytest.raises(ConfigError, match="GPT2BPETokenizer needs --merge-file"):
-        parse_args([*base, "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab], env={})
+        with_tokenizer(
+            parse_args(
+                [*base, "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab], env={}
+            )
+        )
     with pytest.raises(ConfigError, match="needs --tiktoken-pattern v1 or v2, got None"):
-        parse_args([*base, "--tokenizer-type", "TikTokenizer", "--tokenizer-model", tik], env={})
+        with_tokenizer(
+            parse_args(
+                [*base, "--tokenizer-type", "TikTokenizer", "--tokenizer-model", tik], env={}
+            )
+        )
