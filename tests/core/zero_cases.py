@@ -59,8 +59,11 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def loss_of(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = model(tokens).float()
-    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+    return loss_of_logits(model(tokens), targets)
+
+
+def loss_of_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
 
 
 def micro_batches(step: int, parts: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
