@@ -6,7 +6,7 @@
 - Flags: the ``PretrainConfig`` as plain data (dtypes as strings), so that a load can name the
   setting in which the checkpoint's model differs from this run's.
 - Optimizer: ``{"params": {param_name: {"master", "exp_avg", "exp_avg_sq"}}, "step", "scaler"}``
-  (``megalite.core.optimizer.full_state``), which the plain and the ZeRO-1 optimizer both offer.
+  (``megalite.core.optimizer.full_state_format``), which both optimizers (plain, ZeRO-1) offer.
 """
 
 from __future__ import annotations
@@ -164,8 +164,9 @@ def check_model_compatible(saved: dict, current: GPTConfig, *, where: str) -> No
 
 def optimizer_full_state(optimizer) -> dict:
     """The optimizer's state, full over DP, keyed by parameter name (collective over DP for
-    ZeRO-1): ``megalite.core.optimizer.full_state``'s form, which both optimizers produce. The
-    plain optimizer's is given as views (no copy in memory): save it before the next step."""
+    ZeRO-1): ``megalite.core.optimizer.full_state_format``'s form, which both optimizers
+    produce. The plain optimizer's is given as views (no copy in memory): save it before the next
+    step."""
     return optimizer.full_state_dict(copy=False)
 
 

@@ -202,7 +202,7 @@ class LoadedCheckpoint:
 
 def _full_from_distributed(files: list[dict], header: dict) -> dict:
     """The ZeRO-1 files of one (TP, PP) shard (every DP rank's range) -> the per-parameter form."""
-    from megalite.core.optimizer.zero_state import full_state_from_shards
+    from megalite.core.optimizer import full_state_from_shards
 
     del header
     return full_state_from_shards(files)

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from megalite.core.distributed.data_parallel import DistributedDataParallel
-from megalite.core.distributed.zero_grad_sync import ShardedDataParallel
-from megalite.core.optimizer.distributed_optimizer import build_distributed_optimizer
-from megalite.core.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
-from megalite.core.optimizer.mixed_precision import MixedPrecisionOptimizer
-from megalite.core.optimizer.optimizer import build_optimizer
+from megalite.core.distributed import DistributedDataParallel, ZeroDataParallel
+from megalite.core.optimizer import (
+    ConstantLossScaler,
+    DynamicLossScaler,
+    LossScaler,
+    MixedPrecisionOptimizer,
+    build_distributed_optimizer,
+    build_optimizer,
+)
 from megalite.core.parallel_state import ParallelState
 from megalite.core.tensor_parallel.random import RNGStatesTracker
 from megalite.models.gpt import GPTModel
@@ -80,22 +83,21 @@ def setup_model_and_optimizer(
     par, opt = cfg.parallel, cfg.optimizer
     # ZeRO-1 (--use-distributed-optimizer): grads reduce-scattered, optimizer state sharded over DP
     zero = par.use_distributed_optimizer
-    zero_options = {}
+    wrapper_options = {}
     if zero:  # the grad hooks start a bucket's reduce-scatter after its last micro-batch
-        zero_options = {
+        wrapper_options = {
             "overlap_grad_reduce": par.overlap_grad_reduce,
             "overlap_param_gather": par.overlap_param_gather,
-            "num_microbatches": cfg.training.num_microbatches(ps.dp_size),
         }
-    model = (ShardedDataParallel if zero else DistributedDataParallel)(
+    model = (ZeroDataParallel if zero else DistributedDataParallel)(
         module,
-        dp_group=ps.dp_group,
+        dp_group=ps.group("dp", "cp"),
         tp_group=ps.tp_group,
         embedding_group=ps.embedding_group,
         shared_params=shared,
         accumulate_allreduce_grads_in_fp32=par.accumulate_allreduce_grads_in_fp32,
         bucket_size=par.bucket_size(ps.dp_size),
-        **zero_options,
+        **wrapper_options,
     )
     optimizer = (build_distributed_optimizer if zero else build_optimizer)(
         model,
@@ -111,8 +113,6 @@ def setup_model_and_optimizer(
         loss_scaler=build_loss_scaler(opt, device=device),
         count_zeros=cfg.logging.log_num_zeros_in_grad,
     )
-    if not zero:  # full_state_dict keys by parameter name (the ZeRO-1 optimizer reads the model)
-        optimizer.name_params(model)
     decay_iters = opt.lr_decay_iters or cfg.training.train_iters
     scheduler = LRScheduler(
         optimizer,

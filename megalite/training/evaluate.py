@@ -42,8 +42,8 @@ def evaluate(
             for _ in range(eval_iters):
                 reported = forward_backward_func(
                     forward_step_func=forward_step_func,
-                    data_iterator=data_iterator,
-                    model=model,
+                    data_iterator=[data_iterator],
+                    model=[model],
                     num_microbatches=num_microbatches,
                     forward_only=True,
                     seq_length=seq_length,

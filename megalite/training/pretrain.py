@@ -153,8 +153,8 @@ class Trainer:
     def step(self, forward_step_func: Callable, data_iterator: Iterator | None) -> StepResult:
         return train_step(
             forward_step_func,
-            data_iterator,
-            self.model,
+            [data_iterator],
+            [self.model],
             self.optimizer,
             self.scheduler,
             **self._schedule_kwargs(),

@@ -1,9 +1,10 @@
 """The one place the training loop gets its forward-backward schedule from.
 
 Every schedule follows the contract of ``megalite.core.pipeline_parallel.schedules`` (keyword
-arguments ``forward_step_func``, ``data_iterator``, ``model``, ``num_microbatches``,
-``forward_only``, ``grad_scale_func``, ``seq_length``, ``micro_batch_size``; returns the
-per-micro-batch loss dicts on the last stage), so ``pretrain`` never branches on the layout.
+arguments ``forward_step_func``, ``data_iterator`` (one per model chunk), ``model`` (the list of
+model chunks), ``num_microbatches``, ``forward_only``, ``grad_scale_func``, ``seq_length``,
+``micro_batch_size``; returns the per-micro-batch loss dicts on the last stage; runs every backward
+but the last inside the chunks' ``no_sync()``), so ``pretrain`` never branches on the layout.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def get_forward_backward_func(
         return forward_backward_no_pipelining
     if pipeline_schedule not in PIPELINE_SCHEDULES:
         raise ValueError(
-            f"--pipeline-schedule must be one of {sorted(PIPELINE_SCHEDULES)}, "
+            f"pipeline_schedule must be one of {sorted(PIPELINE_SCHEDULES)}, "
             f"got {pipeline_schedule!r}"
         )
     if None in (seq_length, micro_batch_size, hidden_size):

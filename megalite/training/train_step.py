@@ -1,12 +1,15 @@
 """One training iteration: forward-backward over the micro-batches, grad sync, optimizer step.
 
-    result = train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ps=ps,
+    result = train_step(forward_step_func, [data_iterator], [model], optimizer, scheduler, ps=ps,
                         num_microbatches=n, forward_backward_func=get_forward_backward_func(ps))
 
-Global batch = ``micro_batch_size x num_microbatches x dp_size``. The reported losses are the mean
-over this rank's micro-batches, averaged over the DP group: equal to the mean over all micro-batches
-of the global batch (last stage; empty elsewhere). The LR schedule advances only when the optimizer
-actually stepped (an fp16 overflow skips both).
+``model`` is the list of this rank's model chunks (data-parallel wrappers) and ``data_iterator``
+one iterator per chunk (one of each today). Global batch = ``micro_batch_size x num_microbatches x
+dp_size``. The reported losses are the mean over this rank's micro-batches, averaged over the DP
+group: equal to the mean over all micro-batches of the global batch (last stage; empty elsewhere).
+The LR schedule advances only when the optimizer actually stepped (an fp16 overflow skips both).
+Nothing here reads the device: losses, grad norm and zero count stay tensors (the fp16 skip
+decision inside ``optimizer.step()`` is the only host sync, and only with a loss scaler).
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from megalite.core.distributed.data_parallel import DistributedDataParallel
-from megalite.core.optimizer.mixed_precision import MixedPrecisionOptimizer
+from megalite.core.optimizer import MixedPrecisionOptimizer
 from megalite.core.parallel_state import ParallelState
 from megalite.core.tensor_parallel.mappings import group_size
 from megalite.training.lr_schedule import LRScheduler
@@ -28,8 +31,8 @@ from megalite.training.lr_schedule import LRScheduler
 class StepResult:
     losses: dict[str, torch.Tensor]  # name -> 0-d fp32 tensor (DP-averaged); empty off last stage
     update_successful: bool
-    grad_norm: torch.Tensor | None  # None when the step was skipped
-    num_zeros_in_grad: int | None
+    grad_norm: torch.Tensor | None  # fp32 0-d; None when the step was skipped
+    num_zeros_in_grad: torch.Tensor | None  # int64 0-d; None unless counted
     learning_rate: float  # the rate this step used
 
 
@@ -52,8 +55,8 @@ def average_losses_across_dp(
 
 def train_step(
     forward_step_func: Callable,
-    data_iterator: Iterator | None,
-    model: DistributedDataParallel,
+    data_iterator: list[Iterator | None],
+    model: list[nn.Module],
     optimizer: MixedPrecisionOptimizer,
     scheduler: LRScheduler,
     *,
@@ -63,7 +66,8 @@ def train_step(
     seq_length: int | None = None,
     micro_batch_size: int | None = None,
 ) -> StepResult:
-    model.zero_grad_buffer()
+    for chunk in model:
+        chunk.zero_grad_buffer()
     optimizer.zero_grad()
     reported = forward_backward_func(
         forward_step_func=forward_step_func,
@@ -75,10 +79,12 @@ def train_step(
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
     )
-    model.finish_grad_sync()
+    for chunk in model:
+        chunk.finish_grad_sync()
     learning_rate = optimizer.param_groups[0]["lr"]
     update_successful, grad_norm, num_zeros = optimizer.step()
     if update_successful:
         scheduler.step()
-    losses = average_losses_across_dp(reported, ps.dp_group) if ps.is_last_stage else {}
+    dp_group = ps.group("dp", "cp")
+    losses = average_losses_across_dp(reported, dp_group) if ps.is_last_stage else {}
     return StepResult(losses, update_successful, grad_norm, num_zeros, learning_rate)

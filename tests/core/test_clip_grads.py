@@ -2,13 +2,13 @@
 single-process model.
 
 4 ranks (TP 2 with sequence parallel x DP 2), both families, one global batch: the grads after DP
-and SP sync are clipped by ``clip_grad_norm``; the oracle is the same GPTModel with
-``ParallelState.single()`` fed the whole global batch, clipped by torch. The norm and every clipped
-grad shard (the oracle's grad chunked along the parameter's partition dim, per stride block, with
-the vocabulary padding of the TP layout) agree to 1e-5 relative (fp32 sums in a different order).
-Counting the replicated parameters on both TP ranks moves the norm by ~25% here, failing the check.
-The unit tests check the counting rule, the inf-norm and non-finite detection in one process
-against float64 sums and torch.
+and SP sync are clipped by ``grad_norm`` (over the model-parallel group) + ``clip_grads_by_norm``;
+the oracle is the same GPTModel with ``ParallelState.single()`` fed the whole global batch,
+clipped by torch. The norm and every clipped grad shard (the oracle's grad chunked along the
+parameter's partition dim, per stride block, with the vocabulary padding of the TP layout) agree to
+1e-5 relative (fp32 sums in a different order). Counting the replicated parameters on both TP ranks
+moves the norm by ~25% here, failing the check. The unit tests check the counting rule, the
+inf-norm and non-finite detection in one process against float64 sums and torch.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from megalite.core.optimizer.clip_grads import clip_grad_norm, global_grad_norm, param_is_counted
+from megalite.core.optimizer import clip_grads_by_norm, grad_norm, param_is_counted
 from megalite.core.parallel_state import ParallelState, initialize_model_parallel
 from megalite.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 from megalite.training.forward_step import make_forward_step
@@ -35,8 +35,8 @@ def _grads_after_sync(cfg, ps) -> tuple[object, list]:
     model.zero_grad_buffer()
     forward_backward_no_pipelining(
         forward_step_func=make_forward_step(CPU),
-        data_iterator=data,
-        model=model,
+        data_iterator=[data],
+        model=[model],
         num_microbatches=trainer.num_microbatches,
     )
     model.finish_grad_sync()
@@ -58,7 +58,9 @@ def _clip_case(family: str) -> dict:
         trainer, named = _grads_after_sync(config(*extra, world_size=world, rank=rank), ps)
         grads = [p.main_grad for _, p in named]
         params = [p for _, p in named]
-        total = clip_grad_norm(params, grads, CLIP, mp_group=ps.mp_group, tp_rank=ps.tp_rank)
+        counted = [g for p, g in zip(params, grads) if param_is_counted(p, tp_rank=ps.tp_rank)]
+        total = grad_norm(counted, groups=(ps.mp_group,))
+        clip_grads_by_norm(grads, total, CLIP)
         out["mine"] = (
             float(total),
             {
@@ -120,19 +122,20 @@ def test_norms_against_float64_and_torch_in_one_process():
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g)]
     want = math.sqrt(sum(float(x.double().square().sum()) for x in grads))
-    assert math.isclose(float(global_grad_norm(grads, mp_group=None)), want, rel_tol=1e-6)
+    assert math.isclose(float(grad_norm(grads)), want, rel_tol=1e-6)
     want_inf = max(float(x.abs().max()) for x in grads)
     params = [_param(x.shape) for x in grads]
     ref = [x.clone() for x in grads]
     for p, r in zip(params, ref):
         p.grad = r
     torch_total = torch.nn.utils.clip_grad_norm_(params, 0.5, norm_type=math.inf)
-    total = clip_grad_norm(params, grads, 0.5, mp_group=None, tp_rank=0, norm_type=math.inf)
+    total = grad_norm(grads, norm_type=math.inf)
+    clip_grads_by_norm(grads, total, 0.5)
     assert float(total) == want_inf == float(torch_total)
     for a, b in zip(grads, ref):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
     # a non-finite grad gives a non-finite norm (what the fp16 / NaN checks key on)
     bad = [torch.ones(3), torch.tensor([1.0, math.nan])]
-    assert not math.isfinite(float(global_grad_norm(bad, mp_group=None)))
+    assert not math.isfinite(float(grad_norm(bad)))
     bad = [torch.ones(3), torch.tensor([1.0, math.inf])]
-    assert not math.isfinite(float(global_grad_norm(bad, mp_group=None)))
+    assert not math.isfinite(float(grad_norm(bad)))

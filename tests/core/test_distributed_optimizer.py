@@ -1,4 +1,4 @@
-"""ZeRO-1 (ShardedDataParallel + DistributedOptimizer) against plainly written references.
+"""ZeRO-1 (ZeroDataParallel + DistributedOptimizer) against plainly written references.
 
 The model (``zero_cases.Tiny``, 7 tensors, 337 parameters, 3 buckets) is cut by shard boundaries
 inside parameters at DP 2 and 4. DP rank ``r`` trains on chunk ``r`` of each global
@@ -18,7 +18,7 @@ batch; the references see the whole batch in one process. All cases of one world
   where the two-term sums are the same), bf16 params equal; and the masters hold what bf16 cannot.
 - fp16 with a dynamic loss scaler (hysteresis 1) and an inf put into one rank's grad at step 2, in
   an element another rank owns: every rank skips that step and halves the scale, like
-  ``MixedPrecisionOptimizer`` in one process with the same inf; the other steps and the clipped
+  ``UnshardedOptimizer`` in one process with the same inf; the other steps and the clipped
   norms agree (masters 1e-6).
 - a parameter without a grad in a step (the LayerNorm, unused on odd steps) is updated with a zero
   grad, as by the plain optimizer, although ZeRO-1 does not clear the buffer between steps.
@@ -39,9 +39,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.core.optimizer.distributed_optimizer import full_state_from_shards
+from megalite.core.optimizer import full_state_from_shards, get_param_groups
 from megalite.core.optimizer.memory_report import model_state_bytes
-from megalite.core.optimizer.optimizer import get_param_groups
 from tests.core import zero_cases as zc
 from tests.harness import run_distributed
 
@@ -68,8 +67,7 @@ def _step(model, opt, step, *, rank, dp, micro, inject, before=None):
     if before is not None:
         before(model, step)
     batches = zc.micro_batches(step, dp * micro)[rank * micro : (rank + 1) * micro]
-    for tokens, targets in batches:
-        opt.scale_loss(zc.loss_of(model, tokens, targets) / micro).backward()
+    zc.backward_micro_batches(model, opt, batches)
     in_flight = len(model._reducing)
     if inject is not None:
         inject(model, step)
@@ -129,19 +127,18 @@ def dp_cases() -> dict:
 
 
 def _overlap_setup(overlap: bool):
-    """fp32, built as components does for 2 micro-batches per step, overlap on or off."""
-    from megalite.core.distributed.zero_grad_sync import ShardedDataParallel
-    from megalite.core.optimizer.distributed_optimizer import build_distributed_optimizer
+    """fp32, built as components does, overlap on or off."""
+    from megalite.core.distributed import ZeroDataParallel
+    from megalite.core.optimizer import build_distributed_optimizer
 
     group = dist.group.WORLD if dist.is_initialized() else None
-    model = ShardedDataParallel(
+    model = ZeroDataParallel(
         zc.tiny(),
         dp_group=group,
         accumulate_allreduce_grads_in_fp32=True,
         bucket_size=zc.BUCKET,
         overlap_grad_reduce=overlap,
         overlap_param_gather=overlap,
-        num_microbatches=2,
     )
     opt = build_distributed_optimizer(model, lr=zc.LR, weight_decay=zc.WD, clip_grad=zc.CLIP)
     return model, opt
@@ -246,9 +243,8 @@ def bf16_reference(dp: int, steps: int) -> tuple[list[torch.Tensor], list[torch.
 def plain_run(
     dtype, steps: range, *, dp: int, fp16_scale=None, full=None, inject=None, before=None
 ):
-    """The non-distributed MixedPrecisionOptimizer, every rank's chunk as a micro-batch."""
+    """The non-distributed UnshardedOptimizer, every rank's chunk as a micro-batch."""
     model, opt = zc.plain_setup(dtype, fp16_scale=fp16_scale)
-    opt.name_params(model)
     if full is not None:
         opt.load_full_state_dict(full)
     out = []

@@ -107,7 +107,7 @@ def _pipeline_case(pp, m, schedule):
     counter = _LiveSaved()
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
         losses = SCHEDULES[schedule](
-            forward_step_func=_forward_step, data_iterator=iter(_microbatches(m)), model=stage,
+            forward_step_func=_forward_step, data_iterator=[iter(_microbatches(m))], model=[stage],
             num_microbatches=m, p2p=p2p, pp_rank=r, pp_size=pp,
         )  # fmt: skip
     assert counter.live == 0, "saved activations outlived the step"
@@ -125,7 +125,7 @@ def _pipeline_case(pp, m, schedule):
 
     oracle = ToyStage(0, pp * LAYERS_PER_STAGE, is_first=True)
     oracle_losses = forward_backward_no_pipelining(
-        forward_step_func=_forward_step, data_iterator=iter(_microbatches(m)), model=oracle,
+        forward_step_func=_forward_step, data_iterator=[iter(_microbatches(m))], model=[oracle],
         num_microbatches=m,
     )  # fmt: skip
     if ps.is_last_stage:
@@ -161,7 +161,7 @@ def _forward_only_case(pp):
         dtype=torch.float32, device=torch.device("cpu"), group=ps.pp_group,
     )  # fmt: skip
     losses = forward_backward_pipelining_1f1b(
-        forward_step_func=_forward_step, data_iterator=iter(_microbatches(5)), model=stage,
+        forward_step_func=_forward_step, data_iterator=[iter(_microbatches(5))], model=[stage],
         num_microbatches=5, p2p=p2p, pp_rank=r, pp_size=pp, forward_only=True,
     )  # fmt: skip
     assert all(p.grad is None for p in stage.parameters())
@@ -220,7 +220,7 @@ def _failing_stage_case(pp, fail_rank, linger):
     start = time.monotonic()
     try:
         forward_backward_pipelining_1f1b(
-            forward_step_func=forward_step, data_iterator=iter(_microbatches(6)), model=stage,
+            forward_step_func=forward_step, data_iterator=[iter(_microbatches(6))], model=[stage],
             num_microbatches=6, p2p=p2p, pp_rank=r, pp_size=pp,
         )  # fmt: skip
     except Exception as e:  # noqa: BLE001 - every rank must end with an error, which we return

@@ -14,11 +14,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.core.distributed.data_parallel import DistributedDataParallel
-from megalite.core.distributed.zero_grad_sync import ShardedDataParallel
-from megalite.core.optimizer.distributed_optimizer import build_distributed_optimizer
-from megalite.core.optimizer.loss_scaler import DynamicLossScaler
-from megalite.core.optimizer.optimizer import build_optimizer, get_param_groups
+from megalite.core.distributed import DistributedDataParallel, ZeroDataParallel
+from megalite.core.optimizer import (
+    DynamicLossScaler,
+    build_distributed_optimizer,
+    build_optimizer,
+    get_param_groups,
+)
 
 BUCKET = 40
 VOCAB, SEQ, GLOBAL_ROWS = 11, 4, 8
@@ -57,8 +59,11 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def loss_of(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = model(tokens).float()
-    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+    return loss_of_logits(model(tokens), targets)
+
+
+def loss_of_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
 
 
 def micro_batches(step: int, parts: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -80,9 +85,9 @@ def zero_setup(
     clip: float = CLIP,
     fp32_grads: bool = True,
 ):
-    """(ShardedDataParallel, DistributedOptimizer) over the world group (DP = world size)."""
+    """(ZeroDataParallel, DistributedOptimizer) over the world group (DP = world size)."""
     group = dist.group.WORLD if dist.is_initialized() else None
-    model = ShardedDataParallel(
+    model = ZeroDataParallel(
         tiny(dtype),
         dp_group=group,
         accumulate_allreduce_grads_in_fp32=fp32_grads,
@@ -121,14 +126,24 @@ def train_step(
         before(model, step)
     batches = micro_batches(step, parts)
     chosen = batches if index is None else [batches[index]]
-    for tokens, targets in chosen:
-        loss = loss_of(model, tokens, targets) / len(chosen)
-        opt.scale_loss(loss).backward()
+    backward_micro_batches(model, opt, chosen)
     if inject is not None:
         inject(model, step)
     model.finish_grad_sync()
     ok, norm, _ = opt.step()
     return ok, None if norm is None else float(norm)
+
+
+def backward_micro_batches(model, opt, batches) -> None:
+    """Each micro-batch's scaled mean-loss backward, all but the last inside ``model.no_sync()``
+    (as the schedules run them)."""
+    for i, (tokens, targets) in enumerate(batches):
+        loss = opt.scale_loss(loss_of(model, tokens, targets) / len(batches))
+        if i < len(batches) - 1:
+            with model.no_sync():
+                loss.backward()
+        else:
+            loss.backward()
 
 
 def torch_reference(steps: int, *, clip: float = CLIP) -> tuple[list[torch.Tensor], list[float]]:

@@ -8,11 +8,16 @@
   only counted with --no-check-for-nan-in-loss-and-grad.
 - bf16 (fp32 master weights, fp32 grad accumulation) learns the mock task: the loss falls by more
   than 1.5 nats in 40 steps and stays within 5% of the fp32 run's.
+- host syncs: one ``train_step`` (schedule, grad sync, optimizer step, loss average) reads no
+  tensor on the host in fp32 and bf16, plain or ZeRO-1 (counted by wrapping ``Tensor.item``,
+  ``tolist``, ``__bool__``, ``__float__``, ``__int__``, ``__index__``; torch.optim's own CPU step
+  counter excepted, which never lives on the device); fp16 reads ``found_inf`` exactly once.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -125,3 +130,57 @@ def test_bf16_learns_the_mock_task_with_fp32_master_weights():
         assert abs(bf16[i] - fp32[i]) < 0.05 * fp32[i], (i, bf16[i], fp32[i])
     # the masters hold what bf16 cannot: they are not all exactly bf16-representable
     assert any(not torch.equal(m, m.bfloat16().float()) for m in opt.master_params)
+
+
+class HostReads:
+    """Count host reads of tensor values while active (see the module docstring)."""
+
+    NAMES = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
+
+    def __enter__(self) -> HostReads:
+        self.where: list[str] = []
+        self._saved = {n: torch.Tensor.__dict__.get(n) for n in self.NAMES}
+        for name in self.NAMES:
+            setattr(torch.Tensor, name, self._wrap(getattr(torch.Tensor, name)))
+        return self
+
+    def _wrap(self, original):
+        def counted(tensor, *args, **kwargs):
+            caller = sys._getframe(1).f_code
+            if "torch/optim/" not in caller.co_filename.replace("\\", "/"):
+                self.where.append(f"{caller.co_filename}:{caller.co_name}")
+            return original(tensor, *args, **kwargs)
+
+        return counted
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._saved.items():
+            if original is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, original)
+
+
+@pytest.mark.parametrize(
+    "flags, reads",
+    [
+        ([], 0),
+        (["--bf16", "--accumulate-allreduce-grads-in-fp32"], 0),
+        (["--use-distributed-optimizer"], 0),
+        (["--bf16", "--use-distributed-optimizer"], 0),
+        (["--fp16", "--initial-loss-scale", "1024"], 1),
+        (["--fp16", "--initial-loss-scale", "1024", "--use-distributed-optimizer"], 1),
+    ],
+    ids=["fp32", "bf16", "fp32-zero1", "bf16-zero1", "fp16", "fp16-zero1"],
+)
+def test_a_training_step_reads_nothing_on_the_host_but_fp16_found_inf(flags, reads):
+    trainer, data = trainer_and_data(config(*flags), ParallelState.single())
+    forward = make_forward_step(CPU)
+    n = trainer.num_microbatches
+    batches = [next(data) for _ in range(2 * n)]  # the data loader is host work: not counted
+    trainer.step(forward, iter(batches[:n]))  # first step: lazy state created
+    with HostReads() as host:
+        step = trainer.step(forward, iter(batches[n:]))
+    assert len(host.where) == reads, host.where
+    assert step.update_successful and torch.is_tensor(step.grad_norm)
+    assert all(torch.is_tensor(v) for v in step.losses.values())

@@ -100,7 +100,7 @@ def _megalite_step(stack, schedule, m, rank, pp, timeline=None):
         if schedule == "1f1b"
         else forward_backward_pipelining_gpipe
     )
-    fn(forward_step_func=forward_step, data_iterator=batches, model=stack, num_microbatches=m,
+    fn(forward_step_func=forward_step, data_iterator=[batches], model=[stack], num_microbatches=m,
        p2p=p2p, pp_rank=rank, pp_size=pp, timeline=timeline)  # fmt: skip
 
 

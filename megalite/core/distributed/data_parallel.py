@@ -1,8 +1,10 @@
 """Data-parallel wrapper: grads accumulate into contiguous buffers, then one sync per step.
 
-    model = DistributedDataParallel(module, dp_group=ps.dp_group, tp_group=ps.tp_group, ...)
+    model = DistributedDataParallel(module, dp_group=ps.group("dp", "cp"), tp_group=ps.tp_group)
     model.zero_grad_buffer()
-    forward_backward(...)            # micro-batches; each param's grad is added into main_grad
+    with model.no_sync():            # every micro-batch but the last (the schedule does this)
+        backward(micro_batch_0)
+    backward(micro_batch_last)       # outside no_sync: each param's grad is now final
     model.finish_grad_sync()         # DP average per bucket, SP grads over TP, tied embeddings
     optimizer.step()
 
@@ -10,11 +12,16 @@ Accumulation: a post-accumulate-grad hook on every parameter adds ``param.grad``
 ``param.main_grad`` (the grad buffer, possibly fp32) and frees ``param.grad``, so micro-batches sum
 in the buffer's dtype and at most one parameter's ``.grad`` is alive at a time.
 
+The last micro-batch. The wrapper learns it only from ``no_sync()``: a grad that arrives outside
+``no_sync`` is the parameter's last of the step. Once every parameter of a bucket has had its last
+grad, the bucket is ready; with ``overlap_grad_reduce`` its reduction starts from the hook, so it
+runs during the rest of backward. A grad arriving for a bucket whose reduction has started (a
+backward run outside ``no_sync`` before the last micro-batch) is an error, not a silent wrong sum.
+
 ``finish_grad_sync`` then, in this order:
-1. for each bucket, ``_reduce_bucket``: divide by ``dp_size`` and all-reduce (sum) over the DP
-   group, i.e. the grads of the mean loss over all DP replicas. ZeRO-1 (issue 5) overrides this
-   method with a reduce-scatter of the same bucket; an ``--overlap-grad-reduce`` version launches
-   it from the hook once ``bucket.params_ready`` is full (the bookkeeping is kept here already);
+1. for each bucket (``_reduce_bucket``, or waiting for the one the hook started): divide by
+   ``dp_size`` and all-reduce (sum) over the DP group, i.e. the grads of the mean loss over all DP
+   replicas. ``ZeroDataParallel`` replaces this with a reduce-scatter of the same bucket;
 2. sum over the TP group the grads of parameters marked ``sequence_parallel`` (they saw only
    ``s/tp`` positions);
 3. sum over the embedding group the grads of ``shared_params`` (the word embedding held by the
@@ -34,6 +41,8 @@ from megalite.core.distributed.grad_buffer import Bucket, GradBuffer
 from megalite.core.distributed.sp_grads import sequence_parallel_params
 from megalite.core.tensor_parallel.mappings import group_size
 
+BucketKey = tuple[int, int]  # (buffer index, bucket index)
+
 
 def all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
     """Sum ``tensors`` (same dtype) over ``group`` in one collective, in place."""
@@ -48,10 +57,11 @@ def all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
 
 
 class DistributedDataParallel(nn.Module):
-    """Wraps one model stage; ``forward`` is the module's. See the module docstring for the step.
+    """Wraps one model chunk; ``forward`` is the module's. See the module docstring for the step.
 
     ``bucket_size``: elements per bucket (None: one bucket per dtype). ``pad_multiple``: bucket
-    padding (1 for all-reduce; ``dp_size`` for ZeRO-1's reduce-scatter).
+    padding (1 for all-reduce; ``dp_size`` for ZeRO's reduce-scatter). ``overlap_grad_reduce``:
+    start each bucket's reduction from the grad hook once it is ready (DP > 1 only).
     """
 
     def __init__(
@@ -65,12 +75,14 @@ class DistributedDataParallel(nn.Module):
         accumulate_allreduce_grads_in_fp32: bool = False,
         bucket_size: int | None = None,
         pad_multiple: int = 1,
+        overlap_grad_reduce: bool = False,
     ):
         super().__init__()
         self.module = module
         self.dp_group, self.tp_group, self.embedding_group = dp_group, tp_group, embedding_group
         self.dp_size = group_size(dp_group)
         self.shared_params = list(shared_params)
+        self.overlap_grad_reduce = overlap_grad_reduce
         params = [p for p in module.parameters() if p.requires_grad]
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
         for p in params:
@@ -85,7 +97,20 @@ class DistributedDataParallel(nn.Module):
                 pad_multiple=pad_multiple,
                 device=group_params[0].device,
             )
+        self._buckets: dict[BucketKey, Bucket] = {
+            (i, b.index): b for i, buf in enumerate(self.grad_buffers) for b in buf.buckets
+        }
+        self._bucket_key: dict[nn.Parameter, BucketKey] = {
+            p: (i, k)
+            for i, buf in enumerate(self.grad_buffers)
+            for p, (_, _, k) in buf.param_ranges.items()
+        }
+        self._names = {p: n for n, p in module.named_parameters()}
         self._sp_params = sequence_parallel_params(params)
+        self._sync_enabled = True  # False inside no_sync()
+        self._ready: dict[BucketKey, set[nn.Parameter]] = {k: set() for k in self._buckets}
+        self._deferred: set[BucketKey] = set()  # ready buckets the hook must not start
+        self._reducing: dict[BucketKey, object] = {}  # reductions in flight (``.wait()``)
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in params]
 
     def forward(self, *args, **kwargs):
@@ -98,39 +123,92 @@ class DistributedDataParallel(nn.Module):
     def _buffer_of(self, param: nn.Parameter) -> GradBuffer:
         return self.buffers_by_dtype[param.dtype]
 
-    def _accumulate(self, param: nn.Parameter) -> None:
-        """Post-accumulate-grad hook: ``main_grad += grad``; free ``grad``."""
-        if param.grad is None:
-            return
-        param.main_grad.add_(param.grad)
-        param.grad = None
-        bucket = self._buffer_of(param).bucket_of(param)
-        bucket.params_ready.add(id(param))
-
-    def zero_grad_buffer(self) -> None:
-        """Zero every buffer (call before the first micro-batch of a step)."""
-        for buffer in self.grad_buffers:
-            buffer.zero()
-        for p in self.module.parameters():
-            p.grad = None
+    # --- accumulation and the last micro-batch ----------------------------------------------------
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Grad sync happens only in ``finish_grad_sync`` today, so this is a no-op; it is the
-        place where ``--overlap-grad-reduce`` will suppress the hook-launched reductions."""
-        yield
+        """Grads arriving inside are not the last of the step: they accumulate, no bucket becomes
+        ready. Schedules run the backward of every micro-batch but the last inside it."""
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def _accumulate(self, param: nn.Parameter) -> None:
+        """Post-accumulate-grad hook: ``main_grad += grad``, free ``grad``; outside ``no_sync``
+        mark the parameter ready (and start its bucket's reduction when the bucket is ready)."""
+        if param.grad is None:
+            return
+        key = self._bucket_key[param]
+        if key in self._reducing:
+            raise RuntimeError(
+                f"a grad of {self._names[param]} arrived for bucket {key} after its reduction "
+                "started: a backward ran outside no_sync() before the last micro-batch"
+            )
+        self._add_to_main_grad(param)
+        param.grad = None
+        if not self._sync_enabled:
+            return
+        ready = self._ready[key]
+        ready.add(param)
+        if (
+            self.overlap_grad_reduce
+            and self.dp_size > 1
+            and len(ready) == len(self._buckets[key].params)
+            and key not in self._deferred
+        ):
+            self._reducing[key] = self._start_reduce(self._buckets[key])
+
+    def _add_to_main_grad(self, param: nn.Parameter) -> None:
+        param.main_grad.add_(param.grad)
+
+    def zero_grad_buffer(self) -> None:
+        """Start a step: zero every buffer (call before the first micro-batch)."""
+        for buffer in self.grad_buffers:
+            buffer.zero()
+        self._start_step()
+
+    def _start_step(self) -> None:
+        for p in self.module.parameters():
+            p.grad = None
+        for ready in self._ready.values():
+            ready.clear()
+        self._reducing.clear()
+
+    # --- the reduction ----------------------------------------------------------------------------
+
+    def _start_reduce(self, bucket: Bucket):
+        """Launch ``_reduce_bucket`` asynchronously; returns what ``_finish_reduce`` waits on."""
+        bucket.data.div_(self.dp_size)
+        return dist.all_reduce(bucket.data, group=self.dp_group, async_op=True)
+
+    def _finish_reduce(self, bucket: Bucket, pending) -> None:
+        del bucket
+        pending.wait()
 
     def _reduce_bucket(self, bucket: Bucket) -> None:
-        """Average ``bucket.data`` over the DP group."""
-        if self.dp_size == 1:
-            return
+        """Average ``bucket.data`` over the DP group (blocking)."""
         bucket.data.div_(self.dp_size)
         dist.all_reduce(bucket.data, group=self.dp_group)
 
-    def finish_grad_sync(self) -> None:
-        for buffer in self.grad_buffers:
-            for bucket in buffer.buckets:
+    def _reduce_all_buckets(self) -> None:
+        """Every bucket reduced over DP: waits for those the hooks started, runs the rest."""
+        if self.dp_size == 1:
+            return
+        if self.overlap_grad_reduce:
+            for key, bucket in self._buckets.items():
+                if key not in self._reducing:
+                    self._reducing[key] = self._start_reduce(bucket)
+            for key, pending in self._reducing.items():
+                self._finish_reduce(self._buckets[key], pending)
+            self._reducing.clear()
+        else:
+            for bucket in self._buckets.values():
                 self._reduce_bucket(bucket)
+
+    def finish_grad_sync(self) -> None:
+        self._reduce_all_buckets()
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in self._sp_params:
             by_dtype.setdefault(p.main_grad.dtype, []).append(p.main_grad)

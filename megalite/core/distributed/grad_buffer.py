@@ -1,16 +1,23 @@
 """A contiguous gradient buffer per dtype, cut into buckets for the data-parallel collectives.
 
-Every trainable parameter gets ``param.main_grad``, a view into one flat buffer, so the
+Two halves: ``GradBufferLayout`` says where everything sits (pure arithmetic on element counts, no
+tensor); ``GradBuffer`` is the storage built from it (one flat tensor and the ``main_grad`` views).
+ZeRO-2 will keep only this rank's shard of the storage, so code outside ``GradBuffer`` reads grads
+through ``GradBuffer.view(lo, hi)`` in buffer coordinates, not through ``.data``.
+
+Every trainable parameter gets ``param.main_grad``, a view into the flat buffer, so the
 data-parallel reduction is a few large collectives over contiguous memory instead of one per
 parameter. The buffer's dtype is the parameters' dtype, or fp32 with
 ``accumulate_allreduce_grads_in_fp32`` (bf16 / fp16 training: micro-batch grads are summed and
-all-reduced in fp32).
+reduced in fp32).
 
 Layout: parameters are placed in *reverse* registration order (the order their grads become ready
 in backward), and consecutive parameters are grouped into buckets of at least ``bucket_size``
 elements (the last bucket takes the rest; ``None`` = a single bucket). Each bucket is padded to a
-multiple of ``pad_multiple`` elements (ZeRO-1 passes ``dp_size`` so a bucket splits evenly into
+multiple of ``pad_multiple`` elements (ZeRO passes ``dp_size`` so a bucket splits evenly into
 per-rank shards for a reduce-scatter); padding stays zero. A parameter never straddles buckets.
+DP rank ``r`` of ``d`` owns elements ``[offset + r n/d, offset + (r+1) n/d)`` of a bucket of ``n``
+(padded) elements at ``offset``::
 
     buffer.data   [numel_padded]             one flat tensor
     bucket.data   [bucket_numel_padded]      a view of buffer.data
@@ -19,26 +26,91 @@ per-rank shards for a reduce-scatter); padding stays zero. A parameter never str
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 
+@dataclass(frozen=True)
+class BucketRange:
+    """Elements ``[offset, offset + numel)`` of the buffer (padding included); ``params`` are the
+    registration indices of the parameters inside, in placement order."""
+
+    index: int
+    offset: int
+    numel: int
+    params: tuple[int, ...]
+
+
+class GradBufferLayout:
+    """Where each of ``numels`` (parameter sizes, registration order) sits; allocates nothing.
+
+    ``param_ranges[i]`` = ``(start, end, bucket_index)`` of parameter ``i`` in buffer elements;
+    ``buckets`` in buffer order; ``numel`` = the padded total.
+    """
+
+    def __init__(
+        self, numels: Sequence[int], *, bucket_size: int | None = None, pad_multiple: int = 1
+    ):
+        if bucket_size is not None and bucket_size < 1:
+            raise ValueError(f"bucket_size must be >= 1 element, got {bucket_size}")
+        if pad_multiple < 1:
+            raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
+        self.pad_multiple = pad_multiple
+        self.param_ranges: list[tuple[int, int, int]] = [(0, 0, 0)] * len(numels)
+        self.buckets: list[BucketRange] = []
+        offset, current, current_numel = 0, [], 0
+        order = list(reversed(range(len(numels))))
+        for k, i in enumerate(order):
+            start = offset + current_numel
+            self.param_ranges[i] = (start, start + numels[i], len(self.buckets))
+            current.append(i)
+            current_numel += numels[i]
+            if k == len(order) - 1 or (bucket_size is not None and current_numel >= bucket_size):
+                padded = -(-current_numel // pad_multiple) * pad_multiple
+                self.buckets.append(BucketRange(len(self.buckets), offset, padded, tuple(current)))
+                offset += padded
+                current, current_numel = [], 0
+        self.numel = offset
+
+    def shard_range(self, bucket: int, dp_size: int, dp_rank: int) -> tuple[int, int]:
+        """``[lo, hi)`` in buffer elements of DP rank ``dp_rank``'s shard of bucket ``bucket``."""
+        b = self.buckets[bucket]
+        if b.numel % dp_size:
+            raise ValueError(
+                f"bucket {bucket} of {b.numel} elements does not split into {dp_size} equal "
+                f"shards (pad_multiple is {self.pad_multiple})"
+            )
+        size = b.numel // dp_size
+        return b.offset + dp_rank * size, b.offset + (dp_rank + 1) * size
+
+    def shard_segments(self, dp_size: int, dp_rank: int) -> list[tuple[int, int, int]]:
+        """One ``(lo, hi, shard_lo)`` per bucket: the rank's shard of the bucket in buffer elements
+        and where it starts in the rank's flat shard (every bucket's shard, concatenated)."""
+        out, shard_lo = [], 0
+        for b in self.buckets:
+            lo, hi = self.shard_range(b.index, dp_size, dp_rank)
+            out.append((lo, hi, shard_lo))
+            shard_lo += hi - lo
+        return out
+
+
 @dataclass
 class Bucket:
-    """A contiguous slice ``[offset, offset + numel)`` of a grad buffer and the params inside it."""
+    """The storage of one ``BucketRange``: its parameters and a view of the buffer."""
 
     index: int
     params: list[torch.nn.Parameter]
     data: torch.Tensor  # [numel] view of the buffer, padding included
     offset: int  # start of this bucket in the buffer (elements)
-    params_ready: set[int] = field(default_factory=set)  # id(param) whose grads are final
 
 
 class GradBuffer:
     """Holds ``main_grad`` for ``params`` (all of one param dtype) in a buffer of ``grad_dtype``.
 
-    ``param_ranges[param]`` = ``(start, end, bucket_index)`` in buffer elements.
+    ``layout`` is the ``GradBufferLayout``; ``param_ranges[param]`` = ``(start, end,
+    bucket_index)`` in buffer elements.
     """
 
     def __init__(
@@ -50,45 +122,30 @@ class GradBuffer:
         pad_multiple: int = 1,
         device: torch.device | None = None,
     ):
-        if bucket_size is not None and bucket_size < 1:
-            raise ValueError(f"--ddp-bucket-size must be >= 1 element, got {bucket_size}")
-        if pad_multiple < 1:
-            raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
-        self.grad_dtype, self.pad_multiple = grad_dtype, pad_multiple
-        ordered = list(reversed(params))
+        self.layout = GradBufferLayout(
+            [p.numel() for p in params], bucket_size=bucket_size, pad_multiple=pad_multiple
+        )
+        self.grad_dtype, self.params = grad_dtype, list(params)
+        self.data = torch.zeros(self.layout.numel, dtype=grad_dtype, device=device)
+        self.param_ranges = {p: self.layout.param_ranges[i] for i, p in enumerate(self.params)}
+        self.buckets = [
+            Bucket(b.index, [self.params[i] for i in b.params], self.view(b.offset,
+                   b.offset + b.numel), b.offset)
+            for b in self.layout.buckets
+        ]  # fmt: skip
+        for p, (lo, hi, _) in self.param_ranges.items():
+            p.main_grad = self.view(lo, hi).view(p.shape)
 
-        # plan: (bucket params, start offsets) without allocating
-        bucket_plans: list[tuple[list[torch.nn.Parameter], int, int]] = []  # params, offset, numel
-        ranges: dict[int, tuple[int, int]] = {}
-        offset, current, current_numel = 0, [], 0
-        for i, p in enumerate(ordered):
-            ranges[id(p)] = (offset + current_numel, offset + current_numel + p.numel())
-            current.append(p)
-            current_numel += p.numel()
-            last = i == len(ordered) - 1
-            if last or (bucket_size is not None and current_numel >= bucket_size):
-                padded = -(-current_numel // pad_multiple) * pad_multiple
-                bucket_plans.append((current, offset, padded))
-                offset += padded
-                current, current_numel = [], 0
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
 
-        self.numel = offset
-        self.data = torch.zeros(offset, dtype=grad_dtype, device=device)
-        self.buckets: list[Bucket] = []
-        self.param_ranges: dict[torch.nn.Parameter, tuple[int, int, int]] = {}
-        for index, (bucket_params, start, numel) in enumerate(bucket_plans):
-            self.buckets.append(
-                Bucket(index, bucket_params, self.data[start : start + numel], start)
-            )
-            for p in bucket_params:
-                lo, hi = ranges[id(p)]
-                p.main_grad = self.data[lo:hi].view(p.shape)
-                self.param_ranges[p] = (lo, hi, index)
+    def view(self, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of the buffer (buffer coordinates)."""
+        return self.data[lo:hi]
 
     def zero(self) -> None:
         self.data.zero_()
-        for bucket in self.buckets:
-            bucket.params_ready.clear()
 
     def bucket_of(self, param: torch.nn.Parameter) -> Bucket:
         return self.buckets[self.param_ranges[param][2]]

@@ -4,12 +4,13 @@ The loss is multiplied by ``scale`` before backward so small fp16 gradients do n
 optimizer divides the gradients by it again (``inv_scale``) before the update. A step whose
 gradients hold an inf or a NaN is skipped, and ``update(found_inf=True)`` is called:
 
-- ``ConstantLossScaler`` (``--loss-scale S``) keeps ``S`` whatever happens.
-- ``DynamicLossScaler`` (``--initial-loss-scale``, ``--loss-scale-window``, ``--hysteresis``,
-  ``--min-loss-scale``): each overflow decrements a hysteresis counter, and once it reaches 0 the
-  scale is multiplied by ``backoff_factor`` (0.5; never below ``min_scale``). ``window`` consecutive
-  clean steps multiply the scale by ``growth_factor`` (2) and refill the hysteresis counter. An
-  overflow also restarts the count of clean steps.
+- ``ConstantLossScaler`` (flag ``--loss-scale S``) keeps ``S`` whatever happens.
+- ``DynamicLossScaler`` (``initial_scale``, ``window``, ``hysteresis``, ``min_scale``; flags
+  ``--initial-loss-scale``, ``--loss-scale-window``, ``--hysteresis``, ``--min-loss-scale``): each
+  overflow decrements a hysteresis counter, and once it reaches 0 the scale is multiplied by
+  ``backoff_factor`` (0.5; never below ``min_scale``). ``window`` consecutive clean steps multiply
+  the scale by ``growth_factor`` (2) and refill the hysteresis counter. An overflow also restarts
+  the count of clean steps. ``update`` never reads the device.
 """
 
 from __future__ import annotations
@@ -64,20 +65,18 @@ class DynamicLossScaler(LossScaler):
     ):
         super().__init__(initial_scale, device=device)
         if not min_scale > 0:
-            raise ValueError(f"--min-loss-scale must be > 0, got {min_scale}")
+            raise ValueError(f"min_scale must be > 0, got {min_scale}")
         if initial_scale < min_scale:
-            raise ValueError(
-                f"--initial-loss-scale {initial_scale} is below --min-loss-scale {min_scale}"
-            )
+            raise ValueError(f"initial_scale {initial_scale} is below min_scale {min_scale}")
         if growth_factor <= 1.0 or not 0.0 < backoff_factor < 1.0:
             raise ValueError(
                 f"need growth_factor > 1 and 0 < backoff_factor < 1, got {growth_factor}, "
                 f"{backoff_factor}"
             )
         if window < 1:
-            raise ValueError(f"--loss-scale-window must be >= 1, got {window}")
+            raise ValueError(f"window must be >= 1, got {window}")
         if hysteresis < 1:
-            raise ValueError(f"--hysteresis must be >= 1, got {hysteresis}")
+            raise ValueError(f"hysteresis must be >= 1, got {hysteresis}")
         self.min_scale, self.growth_factor, self.backoff_factor = (
             min_scale,
             growth_factor,
@@ -91,9 +90,8 @@ class DynamicLossScaler(LossScaler):
         if found_inf:
             self._clean_steps = 0
             self._hysteresis_left -= 1
-            if self._hysteresis_left <= 0:
-                new = max(float(self._scale.item()) * self.backoff_factor, self.min_scale)
-                self._scale.fill_(new)
+            if self._hysteresis_left <= 0:  # on the device: no host sync
+                self._scale.mul_(self.backoff_factor).clamp_(min=self.min_scale)
             return
         self._clean_steps += 1
         if self._clean_steps == self.window:

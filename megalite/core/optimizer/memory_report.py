@@ -75,7 +75,7 @@ def model_state_bytes(model: nn.Module, optimizer, *, dp_size: int) -> ModelStat
         state_tensors += [v for v in state.values() if torch.is_tensor(v)]
     optim_st = _storages(state_tensors, exclude=seen)
 
-    zero = hasattr(optimizer, "sharded_state_dict")
+    zero = optimizer.is_sharded
     num_params, theory = 0, 0.0
     for p in params:
         n, p_size = p.numel(), p.element_size()
@@ -120,7 +120,7 @@ def log_model_state_memory(model: nn.Module, optimizer, ps) -> list[ModelStateBy
     row = torch.tensor([ps.rank(), *astuple(mine)], dtype=torch.float64, device=ps.device)
     rows = _gather_rows(row, (ps.mp_group, ps.dp_group)).cpu()
     rows = rows[rows[:, 0].argsort()]
-    zero = hasattr(optimizer, "sharded_state_dict")
+    zero = optimizer.is_sharded
     logger.info(
         "model-state memory per rank (%s): params + grads + fp32 master + optimizer states "
         "(MiB), measured vs theory %s (P = params on the rank)",

@@ -1,95 +1,88 @@
-"""The optimizer wrapper: fp32 master weights, loss-scale unscaling with overflow skip, clipping.
+"""The mixed-precision optimizer family: what the plain and the ZeRO optimizer share.
 
-``MixedPrecisionOptimizer`` runs a torch optimizer (AdamW) over fp32 *master* parameters:
+Both run a torch optimizer (AdamW) over fp32 *master* parameters (an fp32 model parameter is its
+own master; a bf16 / fp16 one gets an fp32 copy, rounded back into the model after each update, so
+small updates are not lost to 16-bit rounding). Gradients are read from ``param.main_grad`` (the
+data-parallel grad buffer, ``megalite.core.distributed.grad_buffer``). One ``step()``:
 
-- an fp32 model parameter is its own master (no copy);
-- a bf16 / fp16 model parameter gets an fp32 master copy; after each update the master is copied
-  back (rounded) into the model parameter, so small updates are not lost to bf16 rounding.
-
-Gradients are read from ``param.main_grad`` (the data-parallel grad buffer,
-``megalite.core.distributed.grad_buffer``) or ``param.grad`` when a parameter has no buffer. One
-``step()``:
-
-1. master grads <- model grads (a view when already fp32, else an fp32 copy);
+1. fp32 grads (``_prepare_grads``: views when the buffer is fp32, else fp32 copies);
 2. with a loss scaler (fp16): multiply by ``1/scale`` and look for inf/NaN, the flag max-reduced
-   over the model-parallel group so every rank takes the same decision; on overflow the scaler
-   backs off and the step is skipped (``(False, None, None)``);
-3. global grad norm over TP x PP, each parameter counted once, and clipping (``clip_grad > 0``);
-4. the inner optimizer's step, then masters -> model params.
+   over ``reduce_groups`` so every rank takes the same decision; on overflow the scaler backs off
+   and the step is skipped (``(False, None, None)``);
+3. the global grad norm over ``reduce_groups``, each parameter counted once
+   (``megalite.core.optimizer.grad_norm``), and clipping (``clip_grad > 0``);
+4. the inner optimizer's step, then masters -> model params (``_update_model_params``).
 
-``step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)``; ``num_zeros_in_grad`` is
-None unless ``count_zeros``. ZeRO-1's DistributedOptimizer (issue 5) keeps this interface.
+``step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)``: a bool, an fp32 0-d
+tensor and an int64 0-d tensor (None unless ``count_zeros``), left on the device: without a loss
+scaler a step never waits for the device. With one, the skip decision reads ``found_inf`` on the
+host once per step (the only sync; Megatron does the same), since whether the inner optimizer runs
+is a host decision.
+
+``reduce_groups`` (set by the subclass): the model-parallel group for replicated state; the DP
+group then the model-parallel group for ZeRO, whose ranks each hold a shard of the grads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from megalite.core.optimizer.clip_grads import clip_grad_norm
-from megalite.core.optimizer.full_state import (
-    ADAM_KEYS,
-    adam_state_of,
-    check_full_state,
-    param_names,
+from megalite.core.optimizer.full_state_format import param_names
+from megalite.core.optimizer.grad_norm import (
+    all_reduce_over,
+    clip_grads_by_norm,
+    grad_norm,
+    param_is_counted,
 )
 from megalite.core.optimizer.loss_scaler import LossScaler
-from megalite.core.tensor_parallel.mappings import group_size
-
-_COPIED_ATTRS = ("tensor_model_parallel", "partition_dim", "sequence_parallel", "partition_stride")
 
 
-def _model_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
-    grad = getattr(param, "main_grad", None)
-    return param.grad if grad is None else grad
+@dataclass
+class StepGrads:
+    """The fp32 grads of one step: ``all`` are unscaled and clipped; ``counted`` enter the norm
+    (each parameter once); ``zeros`` enter ``num_zeros_in_grad``."""
+
+    all: list[torch.Tensor]
+    counted: list[torch.Tensor]
+    zeros: list[torch.Tensor]
 
 
 class MixedPrecisionOptimizer:
-    """Wraps ``build_inner(master_param_groups) -> torch.optim.Optimizer``.
+    """Base of ``UnshardedOptimizer`` and ``DistributedOptimizer``; see the module docstring.
 
-    ``param_groups``: torch-style groups of *model* parameters (``{"params": [...], **options}``).
-    ``mp_group`` / ``tp_rank`` / ``duplicates``: see ``clip_grads``. ``loss_scaler``: fp16 only.
+    ``model``: the wrapped model chunk, whose ``named_parameters()`` name the state (``module.``
+    stripped). ``tp_rank`` / ``duplicates``: see ``grad_norm.param_is_counted``. ``loss_scaler``:
+    fp16 only. Subclasses set ``optimizer`` (the inner torch optimizer), ``master_params`` and
+    ``reduce_groups``.
     """
 
-    is_sharded = False  # the optimizer state is whole on every DP rank
+    is_sharded = False
+    optimizer: torch.optim.Optimizer
+    reduce_groups: tuple = ()
 
     def __init__(
         self,
         param_groups: list[dict],
-        build_inner: Callable[[list[dict]], torch.optim.Optimizer],
         *,
+        model: nn.Module,
         clip_grad: float,
-        mp_group,
         tp_rank: int,
         duplicates: Iterable[torch.Tensor] = (),
         loss_scaler: LossScaler | None = None,
         count_zeros: bool = False,
     ):
-        self.clip_grad, self.mp_group, self.tp_rank = clip_grad, mp_group, tp_rank
+        self.clip_grad, self.tp_rank = clip_grad, tp_rank
         self.duplicates = list(duplicates)
         self.loss_scaler, self.count_zeros = loss_scaler, count_zeros
-        self.model_params: list[torch.nn.Parameter] = []
-        self.master_params: list[torch.nn.Parameter] = []
-        master_groups = []
-        for group in param_groups:
-            masters = []
-            for p in group["params"]:
-                master = p if p.dtype == torch.float32 else self._make_master(p)
-                self.model_params.append(p)
-                self.master_params.append(master)
-                masters.append(master)
-            master_groups.append({**group, "params": masters})
-        self.optimizer = build_inner(master_groups)
-
-    @staticmethod
-    def _make_master(param: torch.nn.Parameter) -> torch.nn.Parameter:
-        master = torch.nn.Parameter(param.detach().clone().float())
-        for name in _COPIED_ATTRS:
-            if hasattr(param, name):
-                setattr(master, name, getattr(param, name))
-        return master
+        self.model_params: list[nn.Parameter] = [p for g in param_groups for p in g["params"]]
+        names = param_names(model)
+        self.param_names = [names[p] for p in self.model_params]  # model_params order
+        self.name_of = dict(zip(self.model_params, self.param_names))
 
     # --- what the training loop uses -------------------------------------------------------------
 
@@ -99,9 +92,7 @@ class MixedPrecisionOptimizer:
         return self.optimizer.param_groups
 
     def get_loss_scale(self) -> torch.Tensor:
-        if self.loss_scaler is None:
-            return torch.ones(1)
-        return self.loss_scaler.scale
+        return torch.ones(1) if self.loss_scaler is None else self.loss_scaler.scale
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The ``grad_scale_func`` of the schedule: ``loss * scale`` (identity without a scaler)."""
@@ -116,130 +107,60 @@ class MixedPrecisionOptimizer:
         for p in self.model_params:
             p.grad = None
 
+    def is_counted(self, param: nn.Parameter) -> bool:
+        """Whether ``param`` enters the grad norm on this rank (each parameter counted once)."""
+        return param_is_counted(param, tp_rank=self.tp_rank, duplicates=self.duplicates)
+
+    def zeros_counted(self, param: nn.Parameter) -> bool:
+        """Whether ``param`` enters ``num_zeros_in_grad`` (TP-replicated ones on TP rank 0)."""
+        return bool(getattr(param, "tensor_model_parallel", False)) or self.tp_rank == 0
+
     @torch.no_grad()
-    def step(self) -> tuple[bool, torch.Tensor | None, int | None]:
-        grads = self._copy_model_grads_to_master()
+    def step(self) -> tuple[bool, torch.Tensor | None, torch.Tensor | None]:
+        grads = self._prepare_grads()
         if self.loss_scaler is not None:
-            found_inf = self._unscale_and_check(grads)
+            found_inf = self._unscale_and_check(grads.all)
             self.loss_scaler.update(found_inf)
             if found_inf:
                 return False, None, None
-        grad_norm = clip_grad_norm(
-            self.model_params,
-            grads,
-            self.clip_grad,
-            mp_group=self.mp_group,
-            tp_rank=self.tp_rank,
-            duplicates=self.duplicates,
-        )
-        num_zeros = self._count_zeros(grads) if self.count_zeros else None
+        norm = grad_norm(grads.counted, groups=self.reduce_groups, device=self._device)
+        if self.clip_grad > 0:
+            clip_grads_by_norm(grads.all, norm, self.clip_grad)
+        num_zeros = self._count_zeros(grads.zeros) if self.count_zeros else None
         self.optimizer.step()
-        self._copy_master_to_model_params()
-        return True, grad_norm, num_zeros
+        self._update_model_params()
+        return True, norm, num_zeros
 
-    # --- the pieces -------------------------------------------------------------------------------
+    # --- what subclasses provide ------------------------------------------------------------------
 
-    def _copy_model_grads_to_master(self) -> list[torch.Tensor]:
-        grads = []
-        for model, master in zip(self.model_params, self.master_params):
-            grad = _model_grad(model)
-            if grad is None:
-                grad = torch.zeros_like(master)
-            master.grad = grad if grad.dtype == torch.float32 else grad.float()
-            grads.append(master.grad)
-        return grads
+    def _prepare_grads(self) -> StepGrads:
+        raise NotImplementedError
+
+    def _update_model_params(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def _device(self) -> torch.device:
+        return self.model_params[0].device if self.model_params else torch.device("cpu")
+
+    # --- shared pieces ----------------------------------------------------------------------------
 
     def _unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
-        """Multiply by 1/scale in place; True if any grad on any model-parallel rank is inf/NaN."""
+        """Multiply by 1/scale in place; True if any grad on any rank of ``reduce_groups`` is
+        inf/NaN. Reads the flag on the host: the one sync of an fp16 step (the skip decision)."""
         scaler = self.loss_scaler
         device = grads[0].device if grads else scaler.scale.device
         found_inf = torch.zeros(1, dtype=torch.float32, device=device)
-        inv_scale = scaler.inv_scale.to(device)
         if grads:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-        if group_size(self.mp_group) > 1:
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.mp_group)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                grads, found_inf, scaler.inv_scale.to(device)
+            )
+        all_reduce_over(found_inf, self.reduce_groups, dist.ReduceOp.MAX)
         return bool(found_inf.item() > 0)
 
-    def _count_zeros(self, grads: list[torch.Tensor]) -> int:
-        zeros = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
-        for p, g in zip(self.model_params, grads):
-            if getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0:
-                zeros = zeros + (g == 0).sum()
-        if group_size(self.mp_group) > 1:
-            dist.all_reduce(zeros, group=self.mp_group)
-        return int(zeros.item())
-
-    def _copy_master_to_model_params(self) -> None:
-        for model, master in zip(self.model_params, self.master_params):
-            if model is not master:
-                model.data.copy_(master.data)
-
-    # --- checkpoints (issue 7) --------------------------------------------------------------------
-
-    def state_dict(self) -> dict:
-        state = {"optimizer": self.optimizer.state_dict()}
-        state["fp32_master_params"] = [
-            m.detach().clone() for p, m in zip(self.model_params, self.master_params) if p is not m
-        ]
-        if self.loss_scaler is not None:
-            state["loss_scaler"] = self.loss_scaler.state_dict()
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        masters = [m for p, m in zip(self.model_params, self.master_params) if p is not m]
-        saved = state.get("fp32_master_params", [])
-        if len(saved) != len(masters):
-            raise ValueError(
-                f"checkpoint holds {len(saved)} fp32 master params, this optimizer has "
-                f"{len(masters)}"
-            )
-        for m, s in zip(masters, saved):
-            m.data.copy_(s)
-        self._copy_master_to_model_params()
-        if self.loss_scaler is not None and "loss_scaler" in state:
-            self.loss_scaler.load_state_dict(state["loss_scaler"])
-
-    # --- layout-independent state (megalite.core.optimizer.full_state), as ZeRO-1's ------------
-
-    def name_params(self, model: torch.nn.Module) -> None:
-        """Key ``full_state_dict`` by ``model``'s parameter names (``module.`` stripped)."""
-        names = param_names(model)
-        self.param_names = [names[p] for p in self.model_params]
-
-    def full_state_dict(self, *, copy: bool = True) -> dict:
-        """``{"params": {name: {"master", "exp_avg", "exp_avg_sq"}}, "step", "scaler"}`` (zeros
-        before the first step). ``copy=False``: views of the live tensors, no copies (for saving:
-        an fp32 master that is the parameter itself shares its storage, so ``torch.save`` writes
-        those bytes once; save before the next step changes them). Needs ``name_params`` first."""
-        names = self._names()
-        params = {}
-        for name, master in zip(names, self.master_params):
-            state = adam_state_of(self.optimizer, master)
-            entry = {"master": master.detach(), **{k: state[k].detach() for k in ADAM_KEYS}}
-            params[name] = {k: v.float().clone() if copy else v for k, v in entry.items()}
-        step = max((int(self.optimizer.state[m]["step"]) for m in self.master_params), default=0)
-        scaler = None if self.loss_scaler is None else self.loss_scaler.state_dict()
-        return {"params": params, "step": step, "scaler": scaler}
-
-    @torch.no_grad()
-    def load_full_state_dict(self, sd: dict) -> None:
-        """Inverse of ``full_state_dict`` (from this optimizer or ZeRO-1's, any DP size)."""
-        names = self._names()
-        check_full_state(sd, {n: p.shape for n, p in zip(names, self.model_params)})
-        for name, master in zip(names, self.master_params):
-            entry, state = sd["params"][name], adam_state_of(self.optimizer, master)
-            master.copy_(entry["master"])
-            for key in ADAM_KEYS:
-                state[key].copy_(entry[key])
-            state["step"].fill_(float(sd["step"]))
-        self._copy_master_to_model_params()
-        if self.loss_scaler is not None and sd.get("scaler") is not None:
-            self.loss_scaler.load_state_dict(sd["scaler"])
-
-    def _names(self) -> list[str]:
-        names = getattr(self, "param_names", None)
-        if names is None:
-            raise RuntimeError("call optimizer.name_params(model) before the full state dict")
-        return names
+    def _count_zeros(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Zero elements of ``grads`` summed over ``reduce_groups`` (int64 0-d, no host sync)."""
+        zeros = torch.zeros((), dtype=torch.int64, device=self._device)
+        for g in grads:
+            zeros = zeros + (g == 0).sum()
+        return all_reduce_over(zeros, self.reduce_groups)

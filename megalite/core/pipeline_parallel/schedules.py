@@ -2,57 +2,100 @@
 
 All schedules share one contract, so the training loop calls whichever the layout needs:
 
-    losses = schedule(forward_step_func=..., data_iterator=..., model=..., num_microbatches=...,
-                      forward_only=False, ...)
+    losses = schedule(forward_step_func=..., data_iterator=[it], model=[chunk],
+                      num_microbatches=..., forward_only=False, ...)
 
-``forward_step_func(data_iterator, model) -> (output, loss_func)``: runs the model on the next
-micro-batch; on the last stage ``loss_func(output) -> (loss, {name: detached value})`` reduces the
-per-token output to a scalar. The schedule divides each micro-batch's loss by ``num_microbatches``
-before backward, so the grads accumulated over a step are those of the mean loss. It returns the
-list of per-micro-batch ``{name: value}`` dicts on the last stage (empty elsewhere).
+``model`` is the list of this rank's model chunks and ``data_iterator`` one iterator (or None) per
+chunk: one chunk today, several virtual stages later. A bare module / iterator is taken as a list
+of one. ``forward_step_func(data_iterator, model) -> (output, loss_func)`` runs one chunk on the
+next micro-batch of its iterator; on the last stage ``loss_func(output) -> (loss, {name: detached
+value})`` reduces the per-token output to a scalar. The schedule divides each micro-batch's loss by
+``num_microbatches`` before backward, so the grads accumulated over a step are those of the mean
+loss. It returns the list of per-micro-batch ``{name: value}`` dicts on the last stage (empty
+elsewhere).
 
-Pipeline schedules also take a ``P2PCommunicator`` and the model's ``set_input_tensor``: a non-first
-stage's input is the received activation, set on the model before ``forward_step_func`` runs.
+Grad sync. The schedule, not a counter, tells the data-parallel wrappers which micro-batch is the
+last: every backward but the last one it runs happens inside each chunk's ``no_sync()`` (chunks
+without one, e.g. a bare module, are left alone), so a wrapper may start its bucket reductions as
+soon as the last backward delivers a bucket's grads.
+
+Pipeline schedules also take a ``P2PCommunicator``; a non-first stage's input is the received
+activation, set on the chunk (``set_input_tensor``) before ``forward_step_func`` runs.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
+from torch import nn
 from torch.autograd import Variable
 
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.core.pipeline_parallel.timeline import Timeline
 
 
+def _as_list(x) -> list:
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _check_chunks(model, data_iterator) -> tuple[list[nn.Module], list[Iterator | None]]:
+    model, data_iterator = _as_list(model), _as_list(data_iterator)
+    if len(model) != 1 or len(data_iterator) != 1:
+        raise ValueError(
+            f"these schedules run one model chunk with one data iterator, got {len(model)} "
+            f"chunks and {len(data_iterator)} iterators"
+        )
+    return model, data_iterator
+
+
+def no_sync(model: Sequence[nn.Module]) -> contextlib.ExitStack:
+    """Every chunk's ``no_sync()`` at once (chunks without one are skipped)."""
+    stack = contextlib.ExitStack()
+    for chunk in model:
+        chunk_no_sync = getattr(chunk, "no_sync", None)
+        if chunk_no_sync is not None:
+            stack.enter_context(chunk_no_sync())
+    return stack
+
+
+def _grad_sync_context(model: Sequence[nn.Module], backward_index: int, num_microbatches: int):
+    """``no_sync`` for every backward but the last of the step (index ``num_microbatches - 1``)."""
+    if backward_index < num_microbatches - 1:
+        return no_sync(model)
+    return contextlib.nullcontext()
+
+
 def forward_backward_no_pipelining(
     *,
     forward_step_func: Callable,
-    data_iterator: Iterator | None,
-    model: torch.nn.Module,
+    data_iterator: list[Iterator | None],
+    model: list[nn.Module],
     num_microbatches: int,
     forward_only: bool = False,
     grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None = None,
     **_unused,
 ) -> list[dict]:
     """One stage holds the whole model: forward and backward each micro-batch in turn, the grads
-    accumulating. ``grad_scale_func`` (the fp16 loss scaler) scales the loss before backward."""
+    accumulating (all but the last backward inside ``no_sync``). ``grad_scale_func`` (the fp16
+    loss scaler) scales the loss before backward."""
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    model, data_iterator = _check_chunks(model, data_iterator)
     losses = []
     grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
-    for _ in range(num_microbatches):
+    for i in range(num_microbatches):
         with grad_ctx:
-            output, loss_func = forward_step_func(data_iterator, model)
+            output, loss_func = forward_step_func(data_iterator[0], model[0])
             loss, reported = loss_func(output)
         losses.append(reported)
         if not forward_only:
             loss = loss / num_microbatches
             if grad_scale_func is not None:
                 loss = grad_scale_func(loss)
-            loss.backward()
+            with _grad_sync_context(model, i, num_microbatches):
+                loss.backward()
     return losses
 
 
@@ -72,6 +115,7 @@ class _Stage:
         self.forward_only, self.grad_scale_func = forward_only, grad_scale_func
         self.timeline = timeline or Timeline()
         self.losses: list[dict] = []
+        self.backwards = 0  # run so far: the last one of the step runs outside no_sync
 
     def forward(self, input_tensor: torch.Tensor | None) -> torch.Tensor:
         """Run one micro-batch; return the activation to send (scaled loss on the last stage)."""
@@ -79,8 +123,8 @@ class _Stage:
             input_tensor.requires_grad_()
         grad_ctx = torch.no_grad() if self.forward_only else contextlib.nullcontext()
         with self.timeline.span("forward"), grad_ctx:
-            _unwrap(self.model).set_input_tensor(input_tensor)
-            output, loss_func = self.forward_step_func(self.data_iterator, self.model)
+            _unwrap(self.model[0]).set_input_tensor(input_tensor)
+            output, loss_func = self.forward_step_func(self.data_iterator[0], self.model[0])
             if not self.is_last_stage:
                 return output
             loss, reported = loss_func(output)
@@ -94,7 +138,9 @@ class _Stage:
         output_grad: torch.Tensor | None,
     ) -> torch.Tensor | None:
         """Backpropagate one micro-batch; return the grad of its input (None on the first stage)."""
-        with self.timeline.span("backward"):
+        sync = _grad_sync_context(self.model, self.backwards, self.num_microbatches)
+        self.backwards += 1
+        with self.timeline.span("backward"), sync:
             if output_grad is None:  # last stage: the output is the loss
                 if self.grad_scale_func is not None:
                     output_tensor = self.grad_scale_func(output_tensor)
@@ -104,7 +150,8 @@ class _Stage:
         return None if input_tensor is None else input_tensor.grad
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module under the wrappers of one chunk (the one with ``set_input_tensor``)."""
     while not hasattr(model, "set_input_tensor") and hasattr(model, "module"):
         model = model.module
     return model
@@ -134,8 +181,8 @@ def _backward_freed_output(output: torch.Tensor, grad: torch.Tensor) -> None:
 def forward_backward_pipelining_1f1b(
     *,
     forward_step_func: Callable,
-    data_iterator: Iterator | None,
-    model: torch.nn.Module,
+    data_iterator: list[Iterator | None],
+    model: list[nn.Module],
     num_microbatches: int,
     p2p: P2PCommunicator,
     pp_rank: int,
@@ -146,12 +193,12 @@ def forward_backward_pipelining_1f1b(
     **_unused,
 ) -> list[dict]:
     """1F1B without interleaving (PipeDream-Flush): after a warmup of forwards, each stage
-    alternates
-    one forward and one backward, so it holds at most ``pp_size - pp_rank`` micro-batches of
-    activations instead of all of them. Works for any ``num_microbatches >= 1`` (with fewer
-    micro-batches than stages the warmup simply covers all of them)."""
+    alternates one forward and one backward, so it holds at most ``pp_size - pp_rank``
+    micro-batches of activations instead of all of them. Works for any ``num_microbatches >= 1``
+    (with fewer micro-batches than stages the warmup simply covers all of them)."""
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    model, data_iterator = _check_chunks(model, data_iterator)
     stage = _Stage(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=num_microbatches, is_last_stage=pp_rank == pp_size - 1,
@@ -206,8 +253,8 @@ def forward_backward_pipelining_1f1b(
 def forward_backward_pipelining_gpipe(
     *,
     forward_step_func: Callable,
-    data_iterator: Iterator | None,
-    model: torch.nn.Module,
+    data_iterator: list[Iterator | None],
+    model: list[nn.Module],
     num_microbatches: int,
     p2p: P2PCommunicator,
     pp_rank: int,
@@ -221,6 +268,7 @@ def forward_backward_pipelining_gpipe(
     kept beside 1F1B for comparison (``--pipeline-schedule gpipe``)."""
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    model, data_iterator = _check_chunks(model, data_iterator)
     stage = _Stage(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=num_microbatches, is_last_stage=pp_rank == pp_size - 1,

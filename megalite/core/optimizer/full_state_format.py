@@ -1,4 +1,4 @@
-"""The layout-independent optimizer state both optimizers read and write (checkpoint resharding).
+"""The full optimizer state: layout-independent, what both optimizers read and write (resharding).
 
     {"params": {param_name: {"master": fp32 tensor, "exp_avg": fp32, "exp_avg_sq": fp32}},
      "step": int,            # Adam steps taken (skipped fp16 steps not counted)
@@ -7,8 +7,8 @@
 Each tensor has the shape of this *model-parallel* rank's parameter (full over DP, still sliced
 over TP / PP: the checkpoint code reshards those along ``partition_dim``). ``param_name`` is the
 name in the model's ``named_parameters()`` with the DP wrapper's ``module.`` prefix removed.
-``MixedPrecisionOptimizer`` and ZeRO-1's ``DistributedOptimizer`` produce and accept the same
-dict, so a state saved by one loads into the other, at any DP size.
+``UnshardedOptimizer`` and ZeRO-1's ``DistributedOptimizer`` produce and accept the same dict, so a
+state saved by one loads into the other, at any DP size.
 """
 
 from __future__ import annotations

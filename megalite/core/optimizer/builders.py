@@ -1,4 +1,4 @@
-"""Build the AdamW optimizer with Megatron's parameter groups.
+"""Build the AdamW optimizer (plain or ZeRO-1) with Megatron's parameter groups.
 
 Weight decay applies to matrices (linear weights, embeddings) only: biases and norm weights (every
 1-D parameter, and anything named ``*.bias``) form a group with ``weight_decay = 0``.
@@ -11,8 +11,10 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from megalite.core.distributed.zero_data_parallel import ZeroDataParallel
+from megalite.core.optimizer.distributed_optimizer import DistributedOptimizer
 from megalite.core.optimizer.loss_scaler import LossScaler
-from megalite.core.optimizer.mixed_precision import MixedPrecisionOptimizer
+from megalite.core.optimizer.unsharded_optimizer import UnshardedOptimizer
 
 
 def is_no_weight_decay(name: str, param: torch.Tensor) -> bool:
@@ -62,19 +64,52 @@ def build_optimizer(
     duplicates: Iterable[torch.Tensor] = (),
     loss_scaler: LossScaler | None = None,
     count_zeros: bool = False,
-) -> MixedPrecisionOptimizer:
-    """AdamW over fp32 masters of ``model``'s parameters (see ``MixedPrecisionOptimizer``).
+) -> UnshardedOptimizer:
+    """AdamW over fp32 masters of ``model``'s parameters, state whole on every DP rank.
 
     ``lr`` is the initial learning rate; the scheduler overwrites it every step.
     """
-
     build_inner = adamw_factory(
         lr=lr, weight_decay=weight_decay, adam_beta1=adam_beta1, adam_beta2=adam_beta2,
         adam_eps=adam_eps,
     )  # fmt: skip
-    return MixedPrecisionOptimizer(
+    return UnshardedOptimizer(
         get_param_groups(model, weight_decay=weight_decay),
         build_inner,
+        model=model,
+        clip_grad=clip_grad,
+        mp_group=mp_group,
+        tp_rank=tp_rank,
+        duplicates=duplicates,
+        loss_scaler=loss_scaler,
+        count_zeros=count_zeros,
+    )
+
+
+def build_distributed_optimizer(
+    model: ZeroDataParallel,
+    *,
+    lr: float,
+    weight_decay: float,
+    adam_beta1: float = 0.9,
+    adam_beta2: float = 0.999,
+    adam_eps: float = 1e-8,
+    clip_grad: float = 1.0,
+    mp_group=None,
+    tp_rank: int = 0,
+    duplicates: Iterable[torch.Tensor] = (),
+    loss_scaler: LossScaler | None = None,
+    count_zeros: bool = False,
+) -> DistributedOptimizer:
+    """``build_optimizer``'s AdamW and weight-decay groups, sharded over DP (ZeRO-1)."""
+    build_inner = adamw_factory(
+        lr=lr, weight_decay=weight_decay, adam_beta1=adam_beta1, adam_beta2=adam_beta2,
+        adam_eps=adam_eps,
+    )  # fmt: skip
+    return DistributedOptimizer(
+        get_param_groups(model, weight_decay=weight_decay),
+        build_inner,
+        model=model,
         clip_grad=clip_grad,
         mp_group=mp_group,
         tp_rank=tp_rank,

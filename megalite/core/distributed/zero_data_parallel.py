@@ -1,17 +1,20 @@
-"""ZeRO-1 data parallelism: grads are reduce-scattered, parameters live in contiguous buffers.
+"""ZeRO data parallelism: grads are reduce-scattered into per-rank shards, parameters live in
+contiguous buffers and are all-gathered from their owners' shards after the update.
 
-    model = ShardedDataParallel(module, dp_group=ps.dp_group, tp_group=ps.tp_group, ...)
+    model = ZeroDataParallel(module, dp_group=ps.group("dp", "cp"), tp_group=ps.tp_group, ...)
     model.zero_grad_buffer()
-    forward_backward(...)           # grads accumulate into the grad buffer, as with all-reduce
+    forward_backward(...)           # all but the last micro-batch inside model.no_sync()
     model.finish_grad_sync()        # each DP rank: its shard of every bucket holds the DP mean
     optimizer.step()                # DistributedOptimizer: update own shard, then gather_params()
 
+The parameters are not sharded (ZeRO-1: every rank holds the whole model and a whole grad buffer);
+what is sharded is who *owns* which elements: the reduced grads and the optimizer state.
+
 Layout. As in ``DistributedDataParallel``, each param dtype has one ``GradBuffer`` cut into buckets;
 here every bucket is padded to a multiple of ``dp_size`` and split into ``dp_size`` equal,
-contiguous shards: DP rank ``r`` owns elements ``[offset + r n/dp, offset + (r+1) n/dp)`` of a
-bucket of ``n`` (padded) elements. The parameters themselves are moved into a *parameter buffer*
-of the param dtype with exactly the grad buffer's layout (``param.data`` becomes a view of it), so
-the updated shards are gathered with one collective per bucket and no copies::
+contiguous shards (``GradBufferLayout.shard_range``). The parameters themselves are moved into a
+*parameter buffer* of the param dtype with exactly the grad buffer's layout (``param.data`` becomes
+a view of it), so the updated shards are gathered with one collective per bucket and no copies::
 
     grad_buffers[i].data    [numel]  grad dtype (fp32 with accumulate_allreduce_grads_in_fp32)
     param_buffers[i]        [numel]  param dtype; param.data = param_buffers[i][lo:hi].view(shape)
@@ -33,10 +36,9 @@ written, so it stays zero).
 Sums are linear, so the result equals the all-reduce path's up to rounding.
 
 Overlap (both off by default):
-- ``overlap_grad_reduce``: a bucket's reduce-scatter starts from the grad hook as soon as every
-  parameter in it has received its grad from all ``num_microbatches`` micro-batches of the step
-  (the bucket's count is reset by ``zero_grad_buffer``); buckets holding ``shared_params`` wait for
-  step 1. ``finish_grad_sync`` starts the rest and waits for all.
+- ``overlap_grad_reduce``: a bucket's reduce-scatter starts from the grad hook once every
+  parameter in it has received its grad from the last micro-batch (outside ``no_sync``); buckets
+  holding ``shared_params`` wait for step 1. ``finish_grad_sync`` starts the rest and waits for all.
 - ``overlap_param_gather``: ``gather_params`` only starts the all-gathers (in forward order); a
   forward pre-hook on each module that owns parameters waits for their buckets, so the gather of
   later layers overlaps the forward of earlier ones. Contract: a parameter is read only in the
@@ -52,25 +54,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.core.distributed.data_parallel import DistributedDataParallel, all_reduce_flat
+from megalite.core.distributed.data_parallel import (
+    BucketKey,
+    DistributedDataParallel,
+    all_reduce_flat,
+)
 from megalite.core.distributed.grad_buffer import Bucket, GradBuffer
 from megalite.core.distributed.shard_collectives import (
     PendingReduceScatter,
     ScratchBuffers,
     all_gather_shard,
     reduce_scatter_shard,
-    shard_bounds,
     start_reduce_scatter_shard,
 )
 from megalite.core.tensor_parallel.mappings import group_rank, group_size
 
-BucketKey = tuple[int, int]  # (buffer index, bucket index)
 
-
-class ShardedDataParallel(DistributedDataParallel):
-    """``DistributedDataParallel`` whose grad sync is a reduce-scatter (ZeRO-1); pair it with
-    ``megalite.core.optimizer.distributed_optimizer.DistributedOptimizer``. Arguments as the base
-    class (without ``pad_multiple``: always ``dp_size``), plus the overlap options above."""
+class ZeroDataParallel(DistributedDataParallel):
+    """``DistributedDataParallel`` whose grad sync is a reduce-scatter into per-rank shards (the
+    ZeRO rungs); pair it with ``megalite.core.optimizer.DistributedOptimizer``. Arguments as the
+    base class (without ``pad_multiple``: always ``dp_size``), plus ``overlap_param_gather``."""
 
     def __init__(
         self,
@@ -84,7 +87,6 @@ class ShardedDataParallel(DistributedDataParallel):
         bucket_size: int | None = None,
         overlap_grad_reduce: bool = False,
         overlap_param_gather: bool = False,
-        num_microbatches: int = 1,
     ):
         super().__init__(
             module,
@@ -95,32 +97,19 @@ class ShardedDataParallel(DistributedDataParallel):
             accumulate_allreduce_grads_in_fp32=accumulate_allreduce_grads_in_fp32,
             bucket_size=bucket_size,
             pad_multiple=group_size(dp_group),
+            overlap_grad_reduce=overlap_grad_reduce,
         )
-        if num_microbatches < 1:
-            raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
         self.dp_rank = group_rank(dp_group)
-        self.overlap_grad_reduce, self.overlap_param_gather = (
-            overlap_grad_reduce,
-            overlap_param_gather,
-        )
+        self.overlap_param_gather = overlap_param_gather
         self._scratch = ScratchBuffers()
         self.param_buffers: dict[torch.dtype, torch.Tensor] = {}
-        self._bucket_key: dict[nn.Parameter, BucketKey] = {}
-        for i, (dtype, buffer) in enumerate(self.buffers_by_dtype.items()):
+        for dtype, buffer in self.buffers_by_dtype.items():
             data = torch.zeros(buffer.numel, dtype=dtype, device=buffer.data.device)
-            for param, (lo, hi, k) in buffer.param_ranges.items():
+            for param, (lo, hi, _) in buffer.param_ranges.items():
                 data[lo:hi].copy_(param.detach().reshape(-1))
                 param.data = data[lo:hi].view(param.shape)
-                self._bucket_key[param] = (i, k)
             self.param_buffers[dtype] = data
-        self._buckets = {
-            (i, b.index): b for i, buf in enumerate(self.grad_buffers) for b in buf.buckets
-        }
-        # overlap_grad_reduce: grads still expected per bucket this step, and what is in flight
-        self._expected = {key: len(b.params) * num_microbatches for key, b in self._buckets.items()}
-        self._remaining = dict(self._expected)
         self._deferred = {self._bucket_key[p] for p in self.shared_params}
-        self._reducing: dict[BucketKey, PendingReduceScatter] = {}
         self._unwritten: set[nn.Parameter] = set(self._bucket_key)  # main_grad not yet this step
         # overlap_param_gather: works in flight per bucket, and the pre-hooks that wait for them
         self._gathering: dict[BucketKey, list] = {}
@@ -137,7 +126,7 @@ class ShardedDataParallel(DistributedDataParallel):
         """Step 3 sums shard slices over TP: every TP peer must have this rank's layout."""
         if group_size(self.tp_group) == 1 or not self._sp_params:
             return
-        layout = [b.data.numel() for buf in self.grad_buffers for b in buf.buckets]
+        layout = [b.numel for buf in self.grad_buffers for b in buf.layout.buckets]
         layout += [x for p in self._sp_params for x in self._buffer_of(p).param_ranges[p]]
         signature = torch.tensor([hash(tuple(layout)) % (1 << 62)], dtype=torch.int64)
         signature = signature.to(self.grad_buffers[0].data.device)
@@ -145,14 +134,13 @@ class ShardedDataParallel(DistributedDataParallel):
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.tp_group)
         dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.tp_group)
         if low.item() != high.item():
-            raise ValueError("ZeRO-1 needs the same grad-buffer layout on every TP rank")
+            raise ValueError("ZeRO needs the same grad-buffer layout on every TP rank")
 
     # --- layout -----------------------------------------------------------------------------------
 
-    def shard_range(self, bucket: Bucket) -> tuple[int, int]:
-        """``[lo, hi)`` in buffer elements of this DP rank's shard of ``bucket``."""
-        lo, hi = shard_bounds(bucket.data.numel(), self.dp_size, self.dp_rank)
-        return bucket.offset + lo, bucket.offset + hi
+    def shard_range(self, buffer: GradBuffer, bucket: int) -> tuple[int, int]:
+        """``[lo, hi)`` in buffer elements of this DP rank's shard of bucket ``bucket``."""
+        return buffer.layout.shard_range(bucket, self.dp_size, self.dp_rank)
 
     def buffer_pairs(self) -> list[tuple[torch.Tensor, GradBuffer]]:
         """``(param_buffer, grad_buffer)`` per param dtype, in a fixed order."""
@@ -164,47 +152,29 @@ class ShardedDataParallel(DistributedDataParallel):
         """Start a step. The buffer is not cleared (a memset of the whole grad buffer, 5% of a
         CPU step): each parameter's first grad of the step is copied into ``main_grad`` instead
         of added, and ``finish_grad_sync`` zeroes the grads of parameters that got none."""
-        for buffer in self.grad_buffers:
-            for bucket in buffer.buckets:
-                bucket.params_ready.clear()
-        for p in self.module.parameters():
-            p.grad = None
         self._unwritten = set(self._bucket_key)
-        self._remaining = dict(self._expected)
-        self._reducing.clear()
+        self._start_step()
 
-    def _accumulate(self, param: nn.Parameter) -> None:
-        """Post-accumulate-grad hook: ``main_grad = grad`` (first micro-batch) or ``+= grad``."""
-        if param.grad is None:
-            return
+    def _add_to_main_grad(self, param: nn.Parameter) -> None:
+        """``main_grad = grad`` (the parameter's first grad of the step) or ``+= grad``."""
         if param in self._unwritten:
             param.main_grad.copy_(param.grad)
             self._unwritten.discard(param)
         else:
             param.main_grad.add_(param.grad)
-        param.grad = None
-        self._buffer_of(param).bucket_of(param).params_ready.add(id(param))
-        if not self.overlap_grad_reduce or self.dp_size == 1:
-            return
-        key = self._bucket_key[param]
-        if key in self._reducing:
-            raise RuntimeError(
-                f"a grad arrived for bucket {key} after its reduce-scatter started: more "
-                "micro-batches ran than the num_microbatches the model was built with"
-            )
-        self._remaining[key] -= 1
-        if self._remaining[key] == 0 and key not in self._deferred:
-            self._start_reduce(key)
 
-    def _start_reduce(self, key: BucketKey) -> None:
-        bucket = self._buckets[key]
+    def _start_reduce(self, bucket: Bucket) -> PendingReduceScatter:
         if bucket.data.dtype == torch.float16:  # fp16 range: divide before summing
             bucket.data.div_(self.dp_size)
-        self._reducing[key] = start_reduce_scatter_shard(bucket.data, self.dp_group)
+        return start_reduce_scatter_shard(bucket.data, self.dp_group)
+
+    def _finish_reduce(self, bucket: Bucket, pending: PendingReduceScatter) -> None:
+        pending.wait()
+        self._shard_mean(bucket)
 
     def _shard_mean(self, bucket: Bucket) -> None:
         if bucket.data.dtype != torch.float16:  # else divided before the sum
-            lo, hi = self.shard_range(bucket)
+            lo, hi = self.shard_range(self._buffer_of(bucket.params[0]), bucket.index)
             bucket.data[lo - bucket.offset : hi - bucket.offset].div_(self.dp_size)
 
     def _reduce_bucket(self, bucket: Bucket) -> None:
@@ -220,18 +190,7 @@ class ShardedDataParallel(DistributedDataParallel):
             param.main_grad.zero_()
         self._unwritten.clear()
         all_reduce_flat([p.main_grad for p in self.shared_params], self.embedding_group)
-        if self.dp_size > 1:
-            if self.overlap_grad_reduce:
-                for key in self._buckets:
-                    if key not in self._reducing:
-                        self._start_reduce(key)
-                for key, pending in self._reducing.items():
-                    pending.wait()
-                    self._shard_mean(self._buckets[key])
-                self._reducing.clear()
-            else:
-                for bucket in self._buckets.values():
-                    self._reduce_bucket(bucket)
+        self._reduce_all_buckets()
         self._all_reduce_sp_shards()
 
     def _all_reduce_sp_shards(self) -> None:
@@ -242,10 +201,10 @@ class ShardedDataParallel(DistributedDataParallel):
         for p in self._sp_params:
             buffer = self._buffer_of(p)
             p_lo, p_hi, k = buffer.param_ranges[p]
-            s_lo, s_hi = self.shard_range(buffer.buckets[k])
+            s_lo, s_hi = self.shard_range(buffer, k)
             lo, hi = max(p_lo, s_lo), min(p_hi, s_hi)
             if lo < hi:
-                by_dtype.setdefault(buffer.grad_dtype, []).append(buffer.data[lo:hi])
+                by_dtype.setdefault(buffer.grad_dtype, []).append(buffer.view(lo, hi))
         for grads in by_dtype.values():
             all_reduce_flat(grads, self.tp_group)
 

@@ -1,0 +1,75 @@
+"""The global gradient norm of a model sharded over TP, PP and (ZeRO) DP, and clipping by it.
+
+The global norm is that of the unsharded model, each parameter counted once
+(``param_is_counted``):
+
+- a TP-sharded parameter (``tensor_model_parallel``) contributes its shard from every TP rank;
+- a TP-replicated parameter (norm weights, row-parallel biases) only from TP rank 0;
+- a parameter listed in ``duplicates`` (the last stage's copy of a tied word embedding when PP > 1)
+  not at all;
+
+then the local sums are reduced over each of ``groups`` in turn: the model-parallel group (TP x PP)
+for replicated optimizer state (after the DP all-reduce every replica holds the same grads), the
+DP group then the model-parallel group under ZeRO (each DP rank holds a shard of the grads). The
+clip multiplies every grad (counted or not) by ``min(1, max_norm / (norm + 1e-6))``, as
+``torch.nn.utils.clip_grad_norm_`` does, without a host synchronisation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megalite.core.tensor_parallel.mappings import group_size
+
+
+def param_is_counted(
+    param: torch.Tensor, *, tp_rank: int, duplicates: Iterable[torch.Tensor] = ()
+) -> bool:
+    """Whether this rank's ``param`` enters the global norm (see the module docstring)."""
+    if any(param is d for d in duplicates):
+        return False
+    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+def all_reduce_over(t: torch.Tensor, groups: Sequence, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """``t`` reduced in place over each group of ``groups`` in turn (groups of one skipped)."""
+    for group in groups:
+        if group_size(group) > 1:
+            dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def grad_norm(
+    grads: list[torch.Tensor],
+    *,
+    groups: Sequence = (),
+    norm_type: float = 2.0,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """The ``norm_type`` (2 or inf) norm, an fp32 0-d tensor, of ``grads`` (the ones this rank
+    counts) combined over ``groups``. Non-finite grads give a non-finite norm. No host sync."""
+    if device is None:
+        device = grads[0].device if grads else torch.device("cpu")
+    if norm_type not in (2.0, math.inf):
+        raise ValueError(f"norm_type must be 2 or inf, got {norm_type}")
+    local = torch.zeros((), dtype=torch.float32, device=device)
+    if grads:
+        norms = torch.stack(torch._foreach_norm(grads, norm_type)).float()
+        local = norms.max() if norm_type == math.inf else norms.square().sum()
+    if norm_type == math.inf:
+        return all_reduce_over(local, groups, dist.ReduceOp.MAX)
+    return all_reduce_over(local, groups).sqrt()
+
+
+def clip_grads_by_norm(
+    grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float
+) -> None:
+    """Multiply ``grads`` in place by ``min(1, max_norm / (total_norm + 1e-6))``."""
+    if not grads:
+        return
+    coeff = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_(grads, coeff.to(grads[0].device))
