@@ -13,8 +13,8 @@ import os
 
 import torch
 
-from megalite.models.config import GPTConfig
-from megalite.training.checkpoint_files import (
+from megalite.checkpoint.files import (
+    FORMAT_VERSION,
     MODEL_FILE,
     RELEASE,
     fsync_dir,
@@ -23,9 +23,8 @@ from megalite.training.checkpoint_files import (
     shard_dir,
     write_tracker,
 )
-from megalite.training.checkpoint_state import plain_data
-from megalite.training.checkpointing import FORMAT_VERSION
-from megalite.training.resharding import (
+from megalite.checkpoint.records import plain_data
+from megalite.checkpoint.resharding import (
     OUTPUT_LAYER,
     WORD_EMBEDDING,
     local_name,
@@ -34,6 +33,7 @@ from megalite.training.resharding import (
     stage_of,
     tp_split,
 )
+from megalite.models.config import GPTConfig
 
 
 def stage_names(names: list[str], config: GPTConfig, *, pp_rank: int, pp_size: int) -> list[str]:

@@ -25,12 +25,12 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from megalite.checkpoint.resharding import merge_tp, split_tp, tp_split
+from megalite.checkpoint.saving import optimizer_full_state
 from megalite.core.parallel_state import ParallelState, initialize_model_parallel
 from megalite.models import GPTModel
-from megalite.training.checkpoint_state import optimizer_full_state
 from megalite.training.forward_step import make_forward_step
 from megalite.training.pretrain import pretrain
-from megalite.training.resharding import merge_tp, split_tp, tp_split
 from tests.harness import run_distributed
 from tests.models.helpers import make_config, shard_of_full
 from tests.training.common import FAMILIES, assert_close_rel, config, trainer_and_data
