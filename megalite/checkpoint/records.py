@@ -1,4 +1,7 @@
-"""What a checkpoint records besides tensors: RNG states and the model's config.
+"""What a checkpoint records: the header of a shard file, RNG states and the model's config.
+
+- Header: ``shard_header`` is the content of every ``model_optim_rng.pt`` (training saves and
+  converted checkpoints alike), with its ``layout_record``.
 
 - RNG: torch's default CPU generator, the CUDA generator of this device, the TP tracker's states,
   and python's and numpy's global generators (cheap, and a user's forward step may use them).
@@ -17,7 +20,7 @@ import random
 import numpy as np
 import torch
 
-from megalite.checkpoint.files import CheckpointError
+from megalite.checkpoint.files import FORMAT_VERSION, CheckpointError
 from megalite.models.config import GPTConfig
 
 logger = logging.getLogger(__name__)
@@ -43,6 +46,63 @@ FUNCTION_FLAGS = {
     "rotary_base": "--rotary-base",
     "norm_epsilon": "--norm-epsilon",
 }
+
+
+# --- the shard file ------------------------------------------------------------------------------
+
+
+def layout_record(
+    *,
+    tp_size: int,
+    pp_size: int,
+    dp_size: int,
+    tp_rank: int,
+    pp_rank: int,
+    layer_ranges: list[tuple[int, int]],
+    padded_vocab_size: int,
+    distributed_optimizer: bool,
+) -> dict:
+    """``header["layout"]``: the layout a shard was saved under (``layer_ranges``: every stage's
+    global layers; ``dp_size``: the ranks of the data-parallel group, ``ps.size("dp", "cp")``)."""
+    return {
+        "tp_size": tp_size,
+        "pp_size": pp_size,
+        "dp_size": dp_size,
+        "tp_rank": tp_rank,
+        "pp_rank": pp_rank,
+        "layer_ranges": [list(r) for r in layer_ranges],
+        "padded_vocab_size": padded_vocab_size,
+        "distributed_optimizer": distributed_optimizer,
+    }
+
+
+def shard_header(
+    *,
+    iteration: int | str,
+    consumed_train_samples: int,
+    consumed_valid_samples: int,
+    config: dict,
+    layout: dict,
+    model: dict,
+    optimizer: dict | None,
+    scheduler: dict | None,
+    rng_state: list | None,
+) -> dict:
+    """The content of one ``model_optim_rng.pt``: ``model`` = the stage's state dict (local
+    names), ``optimizer`` = the plain optimizer's per-parameter state, ``{"distributed": True}``
+    (ZeRO-1: in the ``distrib_optim`` files) or None, ``rng_state`` = every DP rank's states."""
+    return {
+        "megalite_checkpoint": FORMAT_VERSION,
+        "iteration": iteration,
+        "consumed_train_samples": consumed_train_samples,
+        "consumed_valid_samples": consumed_valid_samples,
+        "config": config,
+        "layout": layout,
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        "rng_state": rng_state,
+    }
 
 
 # --- RNG -----------------------------------------------------------------------------------------

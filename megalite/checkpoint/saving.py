@@ -30,7 +30,6 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.checkpoint.files import (
-    FORMAT_VERSION,
     MODEL_FILE,
     CheckpointError,
     distrib_optim_file,
@@ -43,7 +42,7 @@ from megalite.checkpoint.files import (
     shard_dir,
     write_tracker,
 )
-from megalite.checkpoint.records import capture_rng_state, plain_data
+from megalite.checkpoint.records import capture_rng_state, layout_record, plain_data, shard_header
 from megalite.core.parallel_state import ParallelState
 
 logger = logging.getLogger(__name__)
@@ -80,18 +79,17 @@ def gather_over_dp(obj: object, ps: ParallelState) -> list:
     return out
 
 
-def layout_record(module: nn.Module, optimizer, ps: ParallelState) -> dict:
-    """The layout a shard was saved under (``header["layout"]``); ``module`` is the GPT stage."""
-    return {
-        "tp_size": ps.tp_size,
-        "pp_size": ps.pp_size,
-        "dp_size": ps.size("dp", "cp"),
-        "tp_rank": ps.tp_rank,
-        "pp_rank": ps.pp_rank,
-        "layer_ranges": [list(r) for r in module.config.stage_layer_ranges(ps.pp_size)],
-        "padded_vocab_size": module.padded_vocab_size,
-        "distributed_optimizer": optimizer.is_sharded,
-    }
+def _layout(module: nn.Module, optimizer, ps: ParallelState) -> dict:
+    return layout_record(
+        tp_size=ps.tp_size,
+        pp_size=ps.pp_size,
+        dp_size=ps.size("dp", "cp"),
+        tp_rank=ps.tp_rank,
+        pp_rank=ps.pp_rank,
+        layer_ranges=module.config.stage_layer_ranges(ps.pp_size),
+        padded_vocab_size=module.padded_vocab_size,
+        distributed_optimizer=optimizer.is_sharded,
+    )
 
 
 def optimizer_full_state(optimizer) -> dict:
@@ -151,18 +149,17 @@ def save_checkpoint(
         else:
             optim_state = optimizer_full_state(optimizer)
         record = {"model": plain_data(dataclasses.asdict(module.config)), **(config_record or {})}
-        header = {
-            "megalite_checkpoint": FORMAT_VERSION,
-            "iteration": iteration,
-            "consumed_train_samples": consumed_train_samples,
-            "consumed_valid_samples": consumed_valid_samples,
-            "config": record,
-            "layout": layout_record(module, optimizer, ps),
-            "model": module.state_dict(),
-            "optimizer": optim_state,
-            "scheduler": scheduler.state_dict() if save_optim else None,
-            "rng_state": rng,
-        }
+        header = shard_header(
+            iteration=iteration,
+            consumed_train_samples=consumed_train_samples,
+            consumed_valid_samples=consumed_valid_samples,
+            config=record,
+            layout=_layout(module, optimizer, ps),
+            model=module.state_dict(),
+            optimizer=optim_state,
+            scheduler=scheduler.state_dict() if save_optim else None,
+            rng_state=rng,
+        )
         written += save_file(header, os.path.join(folder, MODEL_FILE))
     if written:
         fsync_dir(folder)

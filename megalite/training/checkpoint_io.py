@@ -26,9 +26,9 @@ from megalite.checkpoint.records import plain_data
 
 
 def gpt_modules(model: nn.Module | list[nn.Module]) -> list[nn.Module]:
-    """The GPT stage module of each model chunk. ``model``: the Trainer's model, one
-    data-parallel wrapper or a list of them (one per virtual stage); a wrapper's ``.module`` is
-    the GPTModel stage it syncs."""
+    """The GPT stage module of each model chunk. ``model``: the Trainer's model, one data-parallel
+    wrapper or a list of them (one per virtual stage); a wrapper's ``.module`` is the GPTModel
+    stage whose grads it syncs."""
     chunks = model if isinstance(model, (list, tuple)) else [model]
     return [chunk.module for chunk in chunks]
 
@@ -72,7 +72,7 @@ def save_checkpoint(trainer, iteration: int | None = None, *, save_dir: str | No
         rng_tracker=trainer.rng_tracker,
         device=trainer.device,
         consumed_train_samples=r.consumed_train_samples,
-        consumed_valid_samples=getattr(r, "consumed_valid_samples", 0),
+        consumed_valid_samples=r.consumed_valid_samples,
         config_record=config_record(trainer.cfg),
         save_optim=not t.no_save_optim,
         keep_last_n=t.keep_last_n_checkpoints,
@@ -108,8 +108,7 @@ def load_checkpoint(
     if loaded.progress is not None:
         r.iteration = loaded.progress.iteration
         r.consumed_train_samples = loaded.progress.consumed_train_samples
-        if hasattr(r, "consumed_valid_samples"):
-            r.consumed_valid_samples = loaded.progress.consumed_valid_samples
+        r.consumed_valid_samples = loaded.progress.consumed_valid_samples
     trainer.last_saved_iteration = r.iteration
     return loaded
 

@@ -10,10 +10,10 @@ moments exist. Each round, in one process and on the same disk:
 - save (each round in a rotated order, each into a fresh file or folder):
   ``megalite.checkpoint.save_checkpoint`` through the Trainer's ``checkpoint_io`` (model, fp32
   masters when they are not the parameters themselves, Adam moments, scheduler, RNG, flags;
-  fsync; atomic tracker)
-  against the baseline a plain PyTorch user writes: ``torch.save({"model": module.state_dict(),
-  "optimizer": adamw.state_dict(), "masters": [fp32 masters, bf16 only]})`` + fsync, and against
-  ``torch.distributed.checkpoint.save`` of the same (the PyTorch-native sharded format);
+  fsync; atomic tracker) against the baseline a plain PyTorch user writes:
+  ``torch.save({"model": module.state_dict(), "optimizer": adamw.state_dict(), "masters": [fp32
+  masters, bf16 only]})`` + fsync, and against ``torch.distributed.checkpoint.save`` of the same
+  (the PyTorch-native sharded format);
 - load: ``load_checkpoint`` into the trainer (same layout) against ``torch.load`` +
   ``load_state_dict`` of both, and ``torch.distributed.checkpoint.load``;
 - ``megalite.load_model`` (the logical, layout-free path every reshard takes);
