@@ -17,10 +17,7 @@ import re
 
 import torch
 
-from megalite.core.parallel_state import ParallelState
-from megalite.core.tensor_parallel.random import TP_RNG, RNGStatesTracker
-from megalite.models.gpt import GPTModel
-from megalite.training.checkpoint_files import (
+from megalite.checkpoint.files import (
     RELEASE,
     TRACKER_FILE,
     CheckpointError,
@@ -28,8 +25,11 @@ from megalite.training.checkpoint_files import (
     read_tracker,
     saved_iterations,
 )
-from megalite.training.checkpoint_state import gpt_config_from_record
-from megalite.training.resharding import CheckpointReader
+from megalite.checkpoint.records import gpt_config_from_record
+from megalite.checkpoint.resharding import CheckpointReader
+from megalite.core.parallel_state import ParallelState
+from megalite.core.tensor_parallel.random import TP_RNG, RNGStatesTracker
+from megalite.models.gpt import GPTModel
 
 _ITER_NAME = re.compile(r"^(iter_(\d+)|release)$")
 

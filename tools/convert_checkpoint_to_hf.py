@@ -20,9 +20,9 @@ import logging
 import sys
 import time
 
+from megalite.checkpoint import CheckpointError
 from megalite.conversion import ConversionError, export_to_hf, hf_logit_difference
 from megalite.conversion.hf_files import parse_size
-from megalite.training.checkpoint_files import CheckpointError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,8 +13,7 @@ import os
 
 import torch
 
-from megalite.models.config import GPTConfig
-from megalite.training.checkpoint_files import (
+from megalite.checkpoint.files import (
     MODEL_FILE,
     RELEASE,
     fsync_dir,
@@ -23,9 +22,8 @@ from megalite.training.checkpoint_files import (
     shard_dir,
     write_tracker,
 )
-from megalite.training.checkpoint_state import plain_data
-from megalite.training.checkpointing import FORMAT_VERSION
-from megalite.training.resharding import (
+from megalite.checkpoint.records import layout_record, plain_data, shard_header
+from megalite.checkpoint.resharding import (
     OUTPUT_LAYER,
     WORD_EMBEDDING,
     local_name,
@@ -34,6 +32,7 @@ from megalite.training.resharding import (
     stage_of,
     tp_split,
 )
+from megalite.models.config import GPTConfig
 
 
 def stage_names(names: list[str], config: GPTConfig, *, pp_rank: int, pp_size: int) -> list[str]:
@@ -82,27 +81,15 @@ def write_checkpoint(
                 model[local_name(name, ranges[p][0])] = split_tp(
                     full, split, tp_size=tp_size, tp_rank=t, padded_vocab_size=padded
                 ).clone()
-            header = {
-                "megalite_checkpoint": FORMAT_VERSION,
-                "iteration": iteration,
-                "consumed_train_samples": 0,
-                "consumed_valid_samples": 0,
-                "config": record,
-                "layout": {
-                    "tp_size": tp_size,
-                    "pp_size": pp_size,
-                    "dp_size": 1,
-                    "tp_rank": t,
-                    "pp_rank": p,
-                    "layer_ranges": [list(r) for r in ranges],
-                    "padded_vocab_size": padded,
-                    "distributed_optimizer": False,
-                },  # fmt: skip
-                "model": model,
-                "optimizer": None,
-                "scheduler": None,
-                "rng_state": None,
-            }
+            layout = layout_record(
+                tp_size=tp_size, pp_size=pp_size, dp_size=1, tp_rank=t, pp_rank=p,
+                layer_ranges=ranges, padded_vocab_size=padded, distributed_optimizer=False,
+            )  # fmt: skip
+            header = shard_header(
+                iteration=iteration, consumed_train_samples=0, consumed_valid_samples=0,
+                config=record, layout=layout, model=model, optimizer=None, scheduler=None,
+                rng_state=None,
+            )  # fmt: skip
             folder = shard_dir(iter_dir, tp_rank=t, pp_rank=p, pp_size=pp_size)
             os.makedirs(folder, exist_ok=True)
             save_file(header, os.path.join(folder, MODEL_FILE))

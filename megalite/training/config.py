@@ -218,7 +218,7 @@ class TrainingConfig:
     save: str | None = None
     load: str | None = None
     save_interval: int | None = None
-    # checkpointing (megalite.training.checkpointing)
+    # checkpointing (megalite.checkpoint, through megalite.training.checkpoint_io)
     ckpt_step: int | None = None  # load this iteration instead of the tracker's
     no_save_optim: bool = False
     no_load_optim: bool = False

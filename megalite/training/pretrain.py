@@ -27,13 +27,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megalite.checkpoint import CheckpointError
 from megalite.core.optimizer.memory_report import log_model_state_memory
 from megalite.core.parallel_state import ParallelState, initialize_model_parallel
 from megalite.core.tensor_parallel.mappings import group_size
 from megalite.core.tensor_parallel.random import model_parallel_seed
 from megalite.data.builders import build_data_loaders, train_valid_test_num_samples
-from megalite.training import checkpointing
-from megalite.training.checkpointing import exit_duration_reached
+from megalite.training import checkpoint_io
+from megalite.training.checkpoint_io import exit_duration_reached
 from megalite.training.components import setup_model_and_optimizer
 from megalite.training.config import PretrainConfig, with_tokenizer
 from megalite.training.evaluate import evaluate_and_log
@@ -265,7 +266,7 @@ class Trainer:
         """Save the current iteration to ``--save`` unless there is none or it is saved already.
         Every rank calls it at the same iteration boundary (collective)."""
         if self.cfg.training.save and self.last_saved_iteration != self.result.iteration:
-            checkpointing.save_checkpoint(self)
+            checkpoint_io.save_checkpoint(self)
 
     def evaluate(self, forward_step_func: Callable, data_iter: Iterator, prefix: str) -> dict:
         return evaluate_and_log(
@@ -384,8 +385,8 @@ def pretrain(
         log_model_state_memory(trainer.model, trainer.optimizer, ps)
         t = cfg.training
         try:
-            loaded = checkpointing.load_checkpoint(trainer) if t.load else None
-        except checkpointing.CheckpointError as e:  # one line for pretrain_gpt.py to print
+            loaded = checkpoint_io.load_checkpoint(trainer) if t.load else None
+        except CheckpointError as e:  # one line for pretrain_gpt.py to print
             raise TrainingError(str(e)) from None
         samples = train_valid_test_num_samples(
             train_iters=t.train_iters,
@@ -410,7 +411,7 @@ def pretrain(
             barrier=dist.barrier,
         )
         if loaded is not None:  # last: building the loaders may draw from the generators
-            loaded.restore_rng(trainer)
+            checkpoint_io.restore_rng(trainer, loaded)
         forward_step = forward_step_func or make_forward_step(device)
         result = trainer.train(forward_step, train_iter, valid_iter if t.eval_iters else None)
         if t.eval_iters > 0 and not result.exited_on_signal:

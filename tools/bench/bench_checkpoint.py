@@ -8,11 +8,12 @@ parameters) built by megalite's Trainer in one process, after one training step 
 moments exist. Each round, in one process and on the same disk:
 
 - save (each round in a rotated order, each into a fresh file or folder):
-  ``megalite.training.checkpointing.save_checkpoint`` (model, fp32 masters when they are
-  not the parameters themselves, Adam moments, scheduler, RNG, flags; fsync; atomic tracker)
-  against the baseline a plain PyTorch user writes: ``torch.save({"model": module.state_dict(),
-  "optimizer": adamw.state_dict(), "masters": [fp32 masters, bf16 only]})`` + fsync, and against
-  ``torch.distributed.checkpoint.save`` of the same (the PyTorch-native sharded format);
+  ``megalite.checkpoint.save_checkpoint`` through the Trainer's ``checkpoint_io`` (model, fp32
+  masters when they are not the parameters themselves, Adam moments, scheduler, RNG, flags;
+  fsync; atomic tracker) against the baseline a plain PyTorch user writes:
+  ``torch.save({"model": module.state_dict(), "optimizer": adamw.state_dict(), "masters": [fp32
+  masters, bf16 only]})`` + fsync, and against ``torch.distributed.checkpoint.save`` of the same
+  (the PyTorch-native sharded format);
 - load: ``load_checkpoint`` into the trainer (same layout) against ``torch.load`` +
   ``load_state_dict`` of both, and ``torch.distributed.checkpoint.load``;
 - ``megalite.load_model`` (the logical, layout-free path every reshard takes);
@@ -41,7 +42,7 @@ from megalite.conversion import export_to_hf, import_from_hf  # noqa: E402
 from megalite.core.parallel_state import ParallelState  # noqa: E402
 from megalite.inference import load_model  # noqa: E402
 from megalite.training.arguments import parse_args  # noqa: E402
-from megalite.training.checkpointing import load_checkpoint, save_checkpoint  # noqa: E402
+from megalite.training.checkpoint_io import load_checkpoint, save_checkpoint  # noqa: E402
 from megalite.training.forward_step import make_forward_step  # noqa: E402
 from tests.training.common import trainer_and_data  # noqa: E402
 

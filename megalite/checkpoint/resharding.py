@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megalite.training.checkpoint_files import (
+from megalite.checkpoint.files import (
     MODEL_FILE,
     CheckpointError,
     distrib_optim_file,
@@ -53,7 +53,7 @@ class TPSplit:
 
 def tp_split(name: str, *, swiglu: bool) -> TPSplit:
     """The documented split of parameter ``name`` (local or global). The layers' own attributes
-    (``partition_dim``, ``partition_stride``) agree; tests/training/test_checkpoint_reshard.py
+    (``partition_dim``, ``partition_stride``) agree; tests/checkpoint/test_checkpoint_reshard.py
     checks it."""
     if name.endswith(WORD_EMBEDDING) or name == OUTPUT_LAYER:
         return TPSplit(0, vocab=True)

@@ -22,7 +22,7 @@ import tempfile
 
 import torch.distributed as dist
 
-from megalite.training.checkpoint_files import read_tracker
+from megalite.checkpoint.files import read_tracker
 from megalite.training.pretrain import pretrain
 from tests.harness import run_distributed
 from tests.training.common import FAMILIES, config

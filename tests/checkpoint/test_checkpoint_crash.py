@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from megalite.training.checkpoint_files import read_tracker
+from megalite.checkpoint.files import read_tracker
 from megalite.training.pretrain import pretrain
 from tests.training.common import BASE, assert_close_rel, config
 

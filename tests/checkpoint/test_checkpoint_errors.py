@@ -15,11 +15,11 @@ import os
 import pytest
 import torch
 
+from megalite.checkpoint.files import CheckpointError, read_tracker, saved_iterations
 from megalite.conversion.megalite_files import write_checkpoint
 from megalite.core.parallel_state import ParallelState
 from megalite.inference import load_model
-from megalite.training.checkpoint_files import CheckpointError, read_tracker, saved_iterations
-from megalite.training.checkpointing import load_checkpoint
+from megalite.training.checkpoint_io import load_checkpoint
 from megalite.training.config import ConfigError
 from tests.models.helpers import make_config
 from tests.training.common import FAMILIES, config, train_losses, trainer_and_data

@@ -24,6 +24,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+FORMAT_VERSION = 1  # header["megalite_checkpoint"] of every model_optim_rng.pt
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
 RELEASE = "release"

@@ -1,12 +1,14 @@
-"""What a checkpoint records besides tensors: RNG states, the run's flags, and the optimizer in its
-"full over DP" per-parameter form.
+"""What a checkpoint records: the header of a shard file, RNG states and the model's config.
+
+- Header: ``shard_header`` is the content of every ``model_optim_rng.pt`` (training saves and
+  converted checkpoints alike), with its ``layout_record``.
 
 - RNG: torch's default CPU generator, the CUDA generator of this device, the TP tracker's states,
   and python's and numpy's global generators (cheap, and a user's forward step may use them).
-- Flags: the ``PretrainConfig`` as plain data (dtypes as strings), so that a load can name the
-  setting in which the checkpoint's model differs from this run's.
-- Optimizer: ``{"params": {param_name: {"master", "exp_avg", "exp_avg_sq"}}, "step", "scaler"}``
-  (``megalite.core.optimizer.full_state_format``), which both optimizers (plain, ZeRO-1) offer.
+- Config: the run's settings as plain data (``plain_data``: dtypes as strings) under
+  ``header["config"]``; its ``"model"`` entry is the ``GPTConfig``, from which a load names the
+  setting in which the checkpoint's model differs from this run's, and from which ``load_model``
+  rebuilds the model. What else goes in (the training flags, the tokenizer) is the caller's.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import random
 import numpy as np
 import torch
 
+from megalite.checkpoint.files import FORMAT_VERSION, CheckpointError
 from megalite.models.config import GPTConfig
-from megalite.training.checkpoint_files import CheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,63 @@ FUNCTION_FLAGS = {
     "rotary_base": "--rotary-base",
     "norm_epsilon": "--norm-epsilon",
 }
+
+
+# --- the shard file ------------------------------------------------------------------------------
+
+
+def layout_record(
+    *,
+    tp_size: int,
+    pp_size: int,
+    dp_size: int,
+    tp_rank: int,
+    pp_rank: int,
+    layer_ranges: list[tuple[int, int]],
+    padded_vocab_size: int,
+    distributed_optimizer: bool,
+) -> dict:
+    """``header["layout"]``: the layout a shard was saved under (``layer_ranges``: every stage's
+    global layers; ``dp_size``: the ranks of the data-parallel group, ``ps.size("dp", "cp")``)."""
+    return {
+        "tp_size": tp_size,
+        "pp_size": pp_size,
+        "dp_size": dp_size,
+        "tp_rank": tp_rank,
+        "pp_rank": pp_rank,
+        "layer_ranges": [list(r) for r in layer_ranges],
+        "padded_vocab_size": padded_vocab_size,
+        "distributed_optimizer": distributed_optimizer,
+    }
+
+
+def shard_header(
+    *,
+    iteration: int | str,
+    consumed_train_samples: int,
+    consumed_valid_samples: int,
+    config: dict,
+    layout: dict,
+    model: dict,
+    optimizer: dict | None,
+    scheduler: dict | None,
+    rng_state: list | None,
+) -> dict:
+    """The content of one ``model_optim_rng.pt``: ``model`` = the stage's state dict (local
+    names), ``optimizer`` = the plain optimizer's per-parameter state, ``{"distributed": True}``
+    (ZeRO-1: in the ``distrib_optim`` files) or None, ``rng_state`` = every DP rank's states."""
+    return {
+        "megalite_checkpoint": FORMAT_VERSION,
+        "iteration": iteration,
+        "consumed_train_samples": consumed_train_samples,
+        "consumed_valid_samples": consumed_valid_samples,
+        "config": config,
+        "layout": layout,
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        "rng_state": rng_state,
+    }
 
 
 # --- RNG -----------------------------------------------------------------------------------------
@@ -80,7 +139,7 @@ def restore_rng_state(state: dict, tracker, device: torch.device) -> None:
     np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
 
 
-# --- flags ---------------------------------------------------------------------------------------
+# --- config ---------------------------------------------------------------------------------------
 
 
 def plain_data(value):
@@ -93,27 +152,6 @@ def plain_data(value):
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return repr(value)
-
-
-def config_record(cfg) -> dict:
-    """The run's ``PretrainConfig`` (or any dataclass of dataclasses) as plain data, plus the
-    tokenizer's vocabulary size and special ids under ``"tokenizer"``."""
-    out = {}
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
-            out[f.name] = plain_data(dataclasses.asdict(value))
-    tokenizer = getattr(cfg, "tokenizer", None)
-    if tokenizer is not None:
-        eod = int(tokenizer.eod)
-        bos = getattr(tokenizer, "bos", None)
-        out["tokenizer"] = {
-            "class": type(tokenizer).__name__,
-            "vocab_size": int(tokenizer.vocab_size),
-            "eod": eod,
-            "bos": eod if bos is None else int(bos),
-        }
-    return out
 
 
 def gpt_config_from_record(record: dict, **overrides) -> GPTConfig:
@@ -157,23 +195,3 @@ def check_model_compatible(saved: dict, current: GPTConfig, *, where: str) -> No
                 _show(saved[key]),
                 _show(now[key]),
             )
-
-
-# --- optimizer -----------------------------------------------------------------------------------
-
-
-def optimizer_full_state(optimizer) -> dict:
-    """The optimizer's state, full over DP, keyed by parameter name (collective over DP for
-    ZeRO-1): ``megalite.core.optimizer.full_state_format``'s form, which both optimizers
-    produce. The plain optimizer's is given as views (no copy in memory): save it before the next
-    step."""
-    return optimizer.full_state_dict(copy=False)
-
-
-def load_optimizer_full_state(optimizer, state: dict) -> None:
-    """Inverse of ``optimizer_full_state`` (each ZeRO-1 rank keeps its range); a state that does
-    not fit this rank's parameters is refused with a one-line CheckpointError."""
-    try:
-        optimizer.load_full_state_dict(state)
-    except ValueError as e:
-        raise CheckpointError(f"{str(e).splitlines()[0]}; or pass --no-load-optim") from None

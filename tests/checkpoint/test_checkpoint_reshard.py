@@ -1,11 +1,11 @@
 """Resharding: a checkpoint saved under one (TP, PP, DP) layout continues under another.
 
-1. The logical form's TP rules against the documented slicing (``tests/models/helpers.
-   shard_of_full``, written from DESIGN §5, not from the layers): splitting a full tensor gives the
-   documented shard, and merging the documented shards gives the full tensor back, bitwise, for
-   both families at TP 2 and 4 (vocabulary padding, per-group QKV, SwiGLU's strided fc1,
-   row-parallel inputs). The rules also agree with the layers' own ``partition_dim`` /
-   ``partition_stride`` attributes at TP 2.
+1. The logical form's TP rules against the documented slicing
+   (``tests.models.helpers.shard_of_full``, written from DESIGN §5, not from the layers):
+   splitting a full tensor gives the documented shard, and merging the documented shards gives
+   the full tensor back, bitwise, for both families at TP 2 and 4 (vocabulary padding, per-group
+   QKV, SwiGLU's strided fc1, row-parallel inputs). The rules also agree with the layers' own
+   ``partition_dim`` / ``partition_stride`` attributes at TP 2.
 2. What a save writes for the plain optimizer (views of its state; fp32 masters shared with the
    model) equals the optimizer's own ``full_state_dict``, bitwise.
 3. Training: a 4-layer model trained at TP2 x PP2 x DP2 saves at iteration 2 and goes on to 4 (the
@@ -25,12 +25,12 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from megalite.checkpoint.resharding import merge_tp, split_tp, tp_split
+from megalite.checkpoint.saving import optimizer_full_state
 from megalite.core.parallel_state import ParallelState, initialize_model_parallel
 from megalite.models import GPTModel
-from megalite.training.checkpoint_state import optimizer_full_state
 from megalite.training.forward_step import make_forward_step
 from megalite.training.pretrain import pretrain
-from megalite.training.resharding import merge_tp, split_tp, tp_split
 from tests.harness import run_distributed
 from tests.models.helpers import make_config, shard_of_full
 from tests.training.common import FAMILIES, assert_close_rel, config, trainer_and_data

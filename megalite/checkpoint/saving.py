@@ -1,0 +1,179 @@
+"""Save a checkpoint in Megatron's layout (DESIGN §5) from explicit pieces, under any layout.
+
+    save_checkpoint(save_dir, iteration, model_chunks=[gpt], optimizer=optimizer,
+                    scheduler=scheduler, ps=ps, consumed_train_samples=n, config_record=record,
+                    rng_tracker=tracker, device=device)
+
+What each rank writes (``files`` has the paths): the first DP rank of every (TP, PP) coordinate
+writes ``model_optim_rng.pt`` = the model shard, the plain optimizer's state (fp32 masters and
+Adam moments, keyed by parameter name), the LR scheduler, iteration, consumed samples, the run's
+recorded config, its layout, and every DP rank's RNG states (gathered over DP). Under ZeRO-1 every
+DP rank also writes its own range, ``distrib_optim_{dp:03d}.pt``. Each rank fsyncs its files; after
+a world-wide all-reduce (everyone has written) rank 0 replaces the tracker atomically.
+
+Collective: every rank calls it at the same iteration boundary (the exit-signal handler may, too).
+It communicates over ``ps.group()`` (every rank: the barriers around the write and the confirmation
+before the tracker is replaced) and ``ps.group("dp", "cp")`` (the RNG states); it returns when the
+checkpoint is complete and the tracker names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalite.checkpoint.files import (
+    MODEL_FILE,
+    CheckpointError,
+    distrib_optim_file,
+    fsync_dir,
+    iteration_dir,
+    pause_for_test,
+    read_tracker,
+    remove_old_checkpoints,
+    save_file,
+    shard_dir,
+    write_tracker,
+)
+from megalite.checkpoint.records import capture_rng_state, layout_record, plain_data, shard_header
+from megalite.core.parallel_state import ParallelState
+
+logger = logging.getLogger(__name__)
+
+
+def single_chunk(model_chunks: list[nn.Module]) -> nn.Module:
+    """The one GPT stage of ``model_chunks``. The tensors are keyed by global name, so virtual
+    stages (several chunks per rank) will reshard the same way; the file layout for them is not
+    written yet."""
+    if len(model_chunks) != 1:
+        raise CheckpointError(
+            f"{len(model_chunks)} model chunks on this rank: checkpoints hold one chunk per "
+            "pipeline stage for now (no virtual pipeline stages)"
+        )
+    return model_chunks[0]
+
+
+def world_sum(value: float, ps: ParallelState) -> float:
+    """Sum over every rank (``ps.group()``; also a barrier); the value itself on a world of one."""
+    if ps.size() == 1 or not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=ps.device)
+    dist.all_reduce(t, group=ps.group())
+    return float(t.item())
+
+
+def gather_over_dp(obj: object, ps: ParallelState) -> list:
+    """``obj`` of every rank of this rank's data-parallel group (``ps.group("dp", "cp")``), in
+    DP order."""
+    if ps.size("dp", "cp") == 1 or not dist.is_initialized():
+        return [obj]
+    out = [None] * ps.size("dp", "cp")
+    dist.all_gather_object(out, obj, group=ps.group("dp", "cp"))
+    return out
+
+
+def _layout(module: nn.Module, optimizer, ps: ParallelState) -> dict:
+    return layout_record(
+        tp_size=ps.tp_size,
+        pp_size=ps.pp_size,
+        dp_size=ps.size("dp", "cp"),
+        tp_rank=ps.tp_rank,
+        pp_rank=ps.pp_rank,
+        layer_ranges=module.config.stage_layer_ranges(ps.pp_size),
+        padded_vocab_size=module.padded_vocab_size,
+        distributed_optimizer=optimizer.is_sharded,
+    )
+
+
+def optimizer_full_state(optimizer) -> dict:
+    """The plain optimizer's state keyed by parameter name, as written into
+    ``model_optim_rng.pt``: ``full_state_dict(copy=False)``, views of the live tensors (no copy
+    in memory), so save it before the next step."""
+    return optimizer.full_state_dict(copy=False)
+
+
+def save_checkpoint(
+    save_dir: str,
+    iteration: int,
+    *,
+    model_chunks: list[nn.Module],
+    optimizer,
+    scheduler,
+    ps: ParallelState,
+    rng_tracker,
+    device: torch.device,
+    consumed_train_samples: int,
+    consumed_valid_samples: int = 0,
+    config_record: dict | None = None,
+    save_optim: bool = True,
+    keep_last_n: int | None = None,
+) -> str:
+    """Write the checkpoint of ``iteration`` under ``save_dir``; returns its directory.
+
+    ``model_chunks``: this rank's GPT stage modules (one today; not the data-parallel wrappers).
+    ``optimizer``: the plain or the ZeRO-1 mixed-precision optimizer; ``scheduler``: anything with
+    ``state_dict()``. ``rng_tracker``: the TP RNG tracker or None. ``config_record``: the run's
+    settings as plain data, recorded as ``header["config"]`` (its ``"model"`` entry defaults to
+    the stage's GPTConfig). ``save_optim=False`` (``--no-save-optim``) writes the model, RNG and
+    counters only; ``keep_last_n`` (``--keep-last-n-checkpoints``) then deletes older iterations.
+    Collective over the world (module docstring)."""
+    if not save_dir:
+        raise CheckpointError("save_checkpoint needs a directory: pass --save DIR")
+    module = single_chunk(model_chunks)
+    iteration = int(iteration)
+    started = time.perf_counter()
+    iter_dir = iteration_dir(save_dir, iteration)
+    if ps.rank() == 0 and os.path.isdir(iter_dir) and read_tracker(save_dir) != iteration:
+        shutil.rmtree(iter_dir)  # an uncommitted save of this iteration (a crash): start clean
+    world_sum(0.0, ps)
+    folder = shard_dir(iter_dir, tp_rank=ps.tp_rank, pp_rank=ps.pp_rank, pp_size=ps.pp_size)
+    os.makedirs(folder, exist_ok=True)
+    dp_rank = ps.rank("dp", "cp")
+    written = 0
+    if save_optim and optimizer.is_sharded:
+        path = os.path.join(folder, distrib_optim_file(dp_rank))
+        written += save_file(optimizer.sharded_state_dict(), path)
+    rng = gather_over_dp(capture_rng_state(rng_tracker, device), ps)
+    if dp_rank == 0:
+        if not save_optim:
+            optim_state = None
+        elif optimizer.is_sharded:
+            optim_state = {"distributed": True}
+        else:
+            optim_state = optimizer_full_state(optimizer)
+        record = {"model": plain_data(dataclasses.asdict(module.config)), **(config_record or {})}
+        header = shard_header(
+            iteration=iteration,
+            consumed_train_samples=consumed_train_samples,
+            consumed_valid_samples=consumed_valid_samples,
+            config=record,
+            layout=_layout(module, optimizer, ps),
+            model=module.state_dict(),
+            optimizer=optim_state,
+            scheduler=scheduler.state_dict() if save_optim else None,
+            rng_state=rng,
+        )
+        written += save_file(header, os.path.join(folder, MODEL_FILE))
+    if written:
+        fsync_dir(folder)
+        fsync_dir(iter_dir)
+    pause_for_test(iteration)
+    total = world_sum(written, ps)  # every rank has written and fsynced its files
+    if ps.rank() == 0:
+        write_tracker(save_dir, iteration)
+        if keep_last_n:
+            remove_old_checkpoints(save_dir, keep=keep_last_n, latest=iteration)
+    world_sum(0.0, ps)  # the tracker names this checkpoint on return, on every rank
+    seconds = time.perf_counter() - started
+    logger.info(
+        "saved checkpoint at iteration %d to %s in %.2f s (%.1f MB, %.1f MB/s)",
+        iteration, save_dir, seconds, total / 1e6, total / 1e6 / max(seconds, 1e-9),
+    )  # fmt: skip
+    return iter_dir

@@ -1,0 +1,134 @@
+"""The Trainer's side of checkpointing: ``megalite.checkpoint`` fed with the Trainer's pieces.
+
+    save_checkpoint(trainer)            # every rank, at an iteration boundary (collective)
+    loaded = load_checkpoint(trainer)   # every rank, before the data loaders are built
+    ...build the loaders from trainer.result.consumed_train_samples...
+    restore_rng(trainer, loaded)        # last, so that building the loaders draws nothing after
+
+The flags (``--save``, ``--load``, ``--ckpt-step``, ``--no-save-optim``, ``--no-load-optim``,
+``--no-load-rng``, ``--finetune``, ``--keep-last-n-checkpoints``, ``--seed``) are read here and
+passed to the package as arguments; the run's ``PretrainConfig`` is recorded in every checkpoint
+(``config_record``). Also ``exit_duration_reached`` (``--exit-duration-in-mins``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalite import checkpoint
+from megalite.checkpoint import LoadedCheckpoint
+from megalite.checkpoint.records import plain_data
+
+
+def gpt_modules(model: nn.Module | list[nn.Module]) -> list[nn.Module]:
+    """The GPT stage module of each model chunk. ``model``: the Trainer's model, one data-parallel
+    wrapper or a list of them (one per virtual stage); a wrapper's ``.module`` is the GPTModel
+    stage whose grads it syncs."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    return [chunk.module for chunk in chunks]
+
+
+def config_record(cfg) -> dict:
+    """The run's ``PretrainConfig`` (or any dataclass of dataclasses) as plain data, plus the
+    tokenizer's vocabulary size and special ids under ``"tokenizer"``."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out[f.name] = plain_data(dataclasses.asdict(value))
+    tokenizer = getattr(cfg, "tokenizer", None)
+    if tokenizer is not None:
+        eod = int(tokenizer.eod)
+        bos = getattr(tokenizer, "bos", None)
+        out["tokenizer"] = {
+            "class": type(tokenizer).__name__,
+            "vocab_size": int(tokenizer.vocab_size),
+            "eod": eod,
+            "bos": eod if bos is None else int(bos),
+        }
+    return out
+
+
+def save_checkpoint(trainer, iteration: int | None = None, *, save_dir: str | None = None) -> str:
+    """Write the checkpoint of ``iteration`` (default: ``trainer.result.iteration``) under
+    ``save_dir`` (default ``--save``); returns its directory. Collective over the world.
+
+    ``trainer``: a ``pretrain.Trainer`` (anything with ``cfg``, ``ps``, ``device``, ``model``,
+    ``optimizer``, ``scheduler``, ``result`` and ``rng_tracker``)."""
+    t, r = trainer.cfg.training, trainer.result
+    iteration = r.iteration if iteration is None else int(iteration)
+    iter_dir = checkpoint.save_checkpoint(
+        save_dir or t.save,
+        iteration,
+        model_chunks=gpt_modules(trainer.model),
+        optimizer=trainer.optimizer,
+        scheduler=trainer.scheduler,
+        ps=trainer.ps,
+        rng_tracker=trainer.rng_tracker,
+        device=trainer.device,
+        consumed_train_samples=r.consumed_train_samples,
+        consumed_valid_samples=r.consumed_valid_samples,
+        config_record=config_record(trainer.cfg),
+        save_optim=not t.no_save_optim,
+        keep_last_n=t.keep_last_n_checkpoints,
+    )
+    trainer.last_saved_iteration = iteration
+    return iter_dir
+
+
+def load_checkpoint(
+    trainer, *, load_dir: str | None = None, iteration: int | str | None = None
+) -> LoadedCheckpoint | None:
+    """Load ``--load`` (or ``load_dir``) at ``iteration`` (default ``--ckpt-step``, else the
+    tracker's) into ``trainer``; None (and a warning) when there is no checkpoint there yet.
+
+    Sets the model, the optimizer and scheduler (unless ``--no-load-optim`` / ``--finetune``),
+    ``trainer.result.iteration`` and the consumed samples (unless ``--finetune``); returns the
+    RNG states to apply once the data loaders are built (``restore_rng``). Every rank calls it."""
+    t, r = trainer.cfg.training, trainer.result
+    loaded = checkpoint.load_checkpoint(
+        load_dir or t.load,
+        model_chunks=gpt_modules(trainer.model),
+        optimizer=trainer.optimizer,
+        scheduler=trainer.scheduler,
+        ps=trainer.ps,
+        seed=t.seed,
+        iteration=t.ckpt_step if iteration is None else iteration,
+        load_optim=not t.no_load_optim,
+        load_rng=not t.no_load_rng,
+        finetune=t.finetune,
+    )
+    if loaded is None:
+        return None
+    if loaded.progress is not None:
+        r.iteration = loaded.progress.iteration
+        r.consumed_train_samples = loaded.progress.consumed_train_samples
+        r.consumed_valid_samples = loaded.progress.consumed_valid_samples
+    trainer.last_saved_iteration = r.iteration
+    return loaded
+
+
+def restore_rng(trainer, loaded: LoadedCheckpoint) -> None:
+    """Apply ``loaded``'s RNG states to the trainer's generators (or re-seed them)."""
+    loaded.restore_rng(trainer.rng_tracker, ps=trainer.ps, device=trainer.device)
+
+
+def exit_duration_reached(trainer, started: float) -> bool:
+    """``--exit-duration-in-mins``: whether the run has gone on longer than that since
+    ``started`` (``time.time()``) on any rank (one all-reduce MAX over ``ps.group()``, so every
+    rank agrees)."""
+    minutes = trainer.cfg.training.exit_duration_in_mins
+    if not minutes:
+        return False
+    done = (time.time() - started) / 60.0 > minutes
+    ps = trainer.ps
+    if ps.size() > 1 and dist.is_initialized():
+        flag = torch.tensor([1.0 if done else 0.0], device=ps.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ps.group())
+        done = flag.item() > 0
+    return done
