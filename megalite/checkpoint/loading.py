@@ -36,13 +36,9 @@ from megalite.checkpoint.files import (
 from megalite.checkpoint.records import check_model_compatible, restore_rng_state
 from megalite.checkpoint.resharding import CheckpointReader, reshard_model, reshard_optimizer
 from megalite.checkpoint.saving import single_chunk
+from megalite.core.optimizer import full_state_from_shards
 from megalite.core.parallel_state import ParallelState
 from megalite.core.tensor_parallel.random import model_parallel_seed
-
-try:
-    from megalite.core.optimizer import full_state_from_shards
-except ImportError:  # until megalite.core.optimizer exports it (issue 12)
-    from megalite.core.optimizer import full_state_from_shards
 
 logger = logging.getLogger(__name__)
 

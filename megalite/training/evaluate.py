@@ -22,8 +22,8 @@ logger = logging.getLogger(__name__)
 
 def evaluate(
     forward_step_func: Callable,
-    data_iterator: Iterator,
-    model: torch.nn.Module,
+    data_iterator: list[Iterator],
+    model: list[torch.nn.Module],
     *,
     ps: ParallelState,
     eval_iters: int,
@@ -34,33 +34,36 @@ def evaluate(
 ) -> dict[str, float]:
     """Mean loss per name over ``eval_iters`` global batches (dropout off); {} off the last
     stage."""
-    was_training = model.training
-    model.eval()
+    was_training = [chunk.training for chunk in model]
+    for chunk in model:
+        chunk.eval()
     totals: dict[str, torch.Tensor] = {}
     try:
         with torch.no_grad():
             for _ in range(eval_iters):
                 reported = forward_backward_func(
                     forward_step_func=forward_step_func,
-                    data_iterator=[data_iterator],
-                    model=[model],
+                    data_iterator=data_iterator,
+                    model=model,
                     num_microbatches=num_microbatches,
                     forward_only=True,
                     seq_length=seq_length,
                     micro_batch_size=micro_batch_size,
                 )
                 if ps.is_last_stage:
-                    for name, value in average_losses_across_dp(reported, ps.dp_group).items():
+                    mean = average_losses_across_dp(reported, ps.group("dp", "cp"))
+                    for name, value in mean.items():
                         totals[name] = totals.get(name, 0.0) + value
     finally:
-        model.train(was_training)
+        for chunk, mode in zip(model, was_training):
+            chunk.train(mode)
     return {name: float(value) / eval_iters for name, value in totals.items()}
 
 
 def evaluate_and_log(
     forward_step_func: Callable,
-    data_iterator: Iterator,
-    model: torch.nn.Module,
+    data_iterator: list[Iterator],
+    model: list[torch.nn.Module],
     *,
     label: str,
     iteration: int,

@@ -43,7 +43,7 @@ def test_explicit_pieces_round_trip(family, tmp_path):
         extra.append("--use-distributed-optimizer")
     trainer, data = trainer_and_data(config(*extra), SINGLE)
     trainer.train(make_forward_step(CPU), data)
-    gpt = trainer.model.module
+    gpt = trainer.model[0].module
     save_dir = str(tmp_path)
     checkpoint.save_checkpoint(
         save_dir, 2, model_chunks=[gpt], optimizer=trainer.optimizer,

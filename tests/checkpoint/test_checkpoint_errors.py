@@ -103,7 +103,7 @@ def test_finetune_takes_the_weights_only(saved):
     assert loaded.rng_state is None and trainer.result.iteration == 0
     assert trainer.result.consumed_train_samples == 0
     want = load_model(saved).state_dict()
-    got = trainer.model.module.state_dict()
+    got = trainer.model[0].module.state_dict()
     for name, value in want.items():
         ours = got[name][: value.shape[0]] if name.endswith("word_embeddings.weight") else got[name]
         assert torch.equal(ours, value), name

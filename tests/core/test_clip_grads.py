@@ -31,11 +31,11 @@ CLIP = 0.3  # well below the ~1.0 norm of the first step: clipping is active
 
 def _grads_after_sync(cfg, ps) -> tuple[object, list]:
     trainer, data = trainer_and_data(cfg, ps)
-    model = trainer.model
+    (model,) = trainer.model
     model.zero_grad_buffer()
     forward_backward_no_pipelining(
         forward_step_func=make_forward_step(CPU),
-        data_iterator=[data],
+        data_iterator=data,
         model=[model],
         num_microbatches=trainer.num_microbatches,
     )

@@ -8,12 +8,10 @@ from collections.abc import Iterator
 import torch
 
 from megalite.core.parallel_state import ParallelState
-from megalite.core.tensor_parallel.random import model_parallel_seed
-from megalite.data.builders import build_data_loaders
 from megalite.training.arguments import parse_args
 from megalite.training.config import PretrainConfig, with_tokenizer
 from megalite.training.forward_step import make_forward_step
-from megalite.training.pretrain import Trainer, TrainResult
+from megalite.training.pretrain import Trainer, TrainResult, build_run
 
 # h=32, 2 layers, seq 16, vocab 127 + eod = 128 ids: tiny, but every code path of both families.
 BASE = (
@@ -40,26 +38,11 @@ def config(*extra: str, world_size: int = 1, rank: int = 0) -> PretrainConfig:
 
 def trainer_and_data(
     cfg: PretrainConfig, ps: ParallelState, *, dropout_seeded: bool = False
-) -> tuple[Trainer, Iterator]:
-    """A Trainer for ``cfg`` on CPU and this DP rank's mock-data train iterator."""
-    device = torch.device("cpu")
-    tracker = None
-    if dropout_seeded:
-        tracker = model_parallel_seed(cfg.training.seed, tp_rank=ps.tp_rank, pp_rank=ps.pp_rank)
-    trainer = Trainer(cfg, ps, device=device, tracker=tracker)
-    t = cfg.training
-    train_iter, _, _ = build_data_loaders(
-        cfg.data,
-        tokenizer=cfg.tokenizer,
-        micro_batch_size=t.micro_batch_size,
-        global_batch_size=t.global_batch_size,
-        dp_rank=ps.dp_rank,
-        dp_size=ps.dp_size,
-        train_samples=t.train_iters * t.global_batch_size,
-        valid_samples=0,
-        test_samples=0,
-    )
-    return trainer, train_iter
+) -> tuple[Trainer, list[Iterator]]:
+    """``pretrain``'s own assembly (``build_run``) on CPU and the mesh ``ps``: the Trainer and
+    this DP rank's mock-data train iterators (one per model chunk)."""
+    run = build_run(cfg, ps, torch.device("cpu"), seed_rng=dropout_seeded)
+    return run.trainer, run.train_iter
 
 
 def train_losses(

@@ -4,7 +4,8 @@ On a GPU, ``tensor.item()``, ``bool(tensor)``, ``float(tensor)``, ``.tolist()``,
 ``.numpy()`` of a device tensor block the host until the device catches up. On CPU nothing
 blocks, so this counter records those calls instead, when the caller's frame is a file of the
 megalite package (torch's own CPU-side bookkeeping, e.g. AdamW's step counter on the host, is not
-a device read and is not counted).
+a device read and is not counted, nor are reads in ``megalite/data``, whose tensors are on the
+host until the forward step moves them).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ PACKAGE_DIRS = tuple(
     os.path.dirname(os.path.abspath(m.__file__)) + os.sep
     for m in (megalite, __import__("megalite.kernels", fromlist=["_"]))
 )
-METHODS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__")
+HOST_SIDE = (os.path.join(PACKAGE_DIRS[0], "data") + os.sep,)  # the loaders: host tensors
+METHODS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
 
 
 class SyncCounter:
@@ -41,7 +43,8 @@ class SyncCounter:
 
         def wrapper(self, *args, **kwargs):
             frame = sys._getframe(1)
-            if frame.f_code.co_filename.startswith(PACKAGE_DIRS):
+            path = frame.f_code.co_filename
+            if path.startswith(PACKAGE_DIRS) and not path.startswith(HOST_SIDE):
                 counter.counts[counter.label] += 1
                 counter.where.setdefault(counter.label, []).append(
                     f"{name} at {frame.f_code.co_filename}:{frame.f_lineno}"

@@ -169,7 +169,7 @@ def _resume_case() -> dict:
                 resumed.optimizer.load_full_state_dict(saved["full"])
             resumed.scheduler.load_state_dict(saved["scheduler"])
             resumed.cfg.training.train_iters = 2
-            skipped = _skip(data, 3 * resumed.num_microbatches)
+            skipped = _skip(data[0], 3 * resumed.num_microbatches)
             tails[name] = resumed.train(forward, skipped).losses
         return {"full_run": full_run, "head": head, "tails": tails}
     finally:
@@ -192,7 +192,7 @@ def _memory_case() -> tuple[list, list[str]]:
     try:
         trainer, _ = trainer_and_data(config(*ZERO, *BF16, world_size=world, rank=rank), ps)
         with LogCapture() as logs:
-            rows = log_model_state_memory(trainer.model, trainer.optimizer, ps)
+            rows = log_model_state_memory(trainer.model[0], trainer.optimizer, ps)
         return rows, logs.lines
     finally:
         ps.destroy()

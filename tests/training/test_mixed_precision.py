@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import math
-import sys
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ from megalite.core.parallel_state import ParallelState
 from megalite.training.forward_step import make_forward_step
 from megalite.training.pretrain import TrainingError
 from tests.training.common import LogCapture, config, train_losses, trainer_and_data
+from tests.training.sync_counter import SyncCounter
 
 CPU = torch.device("cpu")
 
@@ -65,7 +65,7 @@ class Injector:
 
 def _run(cfg, *, iteration: int, kind: str):
     trainer, data = trainer_and_data(cfg, ParallelState.single())
-    param = trainer.model.module.decoder.layers[0].mlp.linear_fc1.weight
+    param = trainer.model[0].module.decoder.layers[0].mlp.linear_fc1.weight
     injector = Injector(trainer, iteration=iteration, kind=kind, param=param)
     with LogCapture() as logs:
         result = trainer.train(injector, data)
@@ -77,7 +77,7 @@ def test_fp16_inf_grad_skips_exactly_that_step_and_halves_the_scale():
         "--fp16", "--initial-loss-scale", "1024", "--hysteresis", "1", "--log-interval", "5"
     )
     trainer, inj, result, lines = _run(cfg, iteration=3, kind="grad")
-    assert trainer.model.module.embedding.word_embeddings.weight.dtype == torch.float16
+    assert trainer.model[0].module.embedding.word_embeddings.weight.dtype == torch.float16
     # the scale each iteration started with: halved by the overflow of iteration 3, not before
     assert inj.scales == [1024.0, 1024.0, 1024.0, 512.0, 512.0]
     assert float(trainer.optimizer.get_loss_scale().item()) == 512.0
@@ -119,7 +119,7 @@ def test_bf16_learns_the_mock_task_with_fp32_master_weights():
     flags = ["--train-iters", "40", "--lr", "1e-2", "--lr-decay-style", "constant"]
     cfg = config("--bf16", "--accumulate-allreduce-grads-in-fp32", *flags)
     trainer, data = trainer_and_data(cfg, ParallelState.single())
-    model, opt = trainer.model, trainer.optimizer
+    model, opt = trainer.model[0], trainer.optimizer
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in opt.master_params} == {torch.float32}
     assert {b.grad_dtype for b in model.grad_buffers} == {torch.float32}
@@ -130,35 +130,6 @@ def test_bf16_learns_the_mock_task_with_fp32_master_weights():
         assert abs(bf16[i] - fp32[i]) < 0.05 * fp32[i], (i, bf16[i], fp32[i])
     # the masters hold what bf16 cannot: they are not all exactly bf16-representable
     assert any(not torch.equal(m, m.bfloat16().float()) for m in opt.master_params)
-
-
-class HostReads:
-    """Count host reads of tensor values while active (see the module docstring)."""
-
-    NAMES = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
-
-    def __enter__(self) -> HostReads:
-        self.where: list[str] = []
-        self._saved = {n: torch.Tensor.__dict__.get(n) for n in self.NAMES}
-        for name in self.NAMES:
-            setattr(torch.Tensor, name, self._wrap(getattr(torch.Tensor, name)))
-        return self
-
-    def _wrap(self, original):
-        def counted(tensor, *args, **kwargs):
-            caller = sys._getframe(1).f_code
-            if "torch/optim/" not in caller.co_filename.replace("\\", "/"):
-                self.where.append(f"{caller.co_filename}:{caller.co_name}")
-            return original(tensor, *args, **kwargs)
-
-        return counted
-
-    def __exit__(self, *exc) -> None:
-        for name, original in self._saved.items():
-            if original is None:
-                delattr(torch.Tensor, name)
-            else:
-                setattr(torch.Tensor, name, original)
 
 
 @pytest.mark.parametrize(
@@ -177,10 +148,10 @@ def test_a_training_step_reads_nothing_on_the_host_but_fp16_found_inf(flags, rea
     trainer, data = trainer_and_data(config(*flags), ParallelState.single())
     forward = make_forward_step(CPU)
     n = trainer.num_microbatches
-    batches = [next(data) for _ in range(2 * n)]  # the data loader is host work: not counted
+    batches = [next(data[0]) for _ in range(2 * n)]  # the data loader is host work: not counted
     trainer.step(forward, iter(batches[:n]))  # first step: lazy state created
-    with HostReads() as host:
+    with SyncCounter() as host:
         step = trainer.step(forward, iter(batches[n:]))
-    assert len(host.where) == reads, host.where
+    assert host.counts["start"] == reads, host.where
     assert step.update_successful and torch.is_tensor(step.grad_norm)
     assert all(torch.is_tensor(v) for v in step.losses.values())

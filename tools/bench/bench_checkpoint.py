@@ -78,7 +78,7 @@ def _torch_state(trainer) -> dict:
     opt = trainer.optimizer
     masters = [m for p, m in zip(opt.model_params, opt.master_params) if m is not p]
     return {
-        "model": trainer.model.module.state_dict(),
+        "model": trainer.model[0].module.state_dict(),
         "optimizer": opt.optimizer.state_dict(),
         "masters": masters,
     }
@@ -98,7 +98,7 @@ def _torch_load(trainer, path: str) -> None:
 
 
 def _apply(trainer, state: dict) -> None:
-    trainer.model.module.load_state_dict(state["model"])
+    trainer.model[0].module.load_state_dict(state["model"])
     opt = trainer.optimizer
     opt.optimizer.load_state_dict(state["optimizer"])
     masters = [m for p, m in zip(opt.model_params, opt.master_params) if m is not p]
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     flags = [*GPT2_SMALL, *(["--bf16"] if args.bf16 else [])]
     cfg = parse_args([*flags, "--save", os.path.join(args.dir, "megalite")], env={})
     trainer, data = trainer_and_data(cfg, ParallelState.single())
-    n_params = sum(p.numel() for p in trainer.model.parameters())
+    n_params = sum(p.numel() for chunk in trainer.model for p in chunk.parameters())
     started = time.perf_counter()
     trainer.step(make_forward_step(torch.device("cpu")), data)  # Adam moments exist
     trainer.result.iteration = 1
