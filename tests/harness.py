@@ -13,8 +13,7 @@ are destroyed after it. ``tools/bench/bench_harness.py`` measures a case with an
 
 Failures: an exception on any rank fails the test with that rank's number and traceback; a rank that
 does not answer within ``timeout`` seconds (default 120) fails it too. Either way the pool is
-killed,
-since the other ranks may be blocked in a collective, and the next case starts a fresh one.
+killed, since the other ranks may be blocked in a collective, and the next case starts a fresh one.
 """
 
 from __future__ import annotations

@@ -61,14 +61,16 @@ def build_run(
     device: torch.device,
     *,
     seed_rng: bool = True,
+    resume: bool = True,
     build_cache: bool = True,
     log: bool = False,
 ) -> Run:
     """Model chunks, optimizer, LR schedule, the checkpoint of ``--load`` (if any) and the data
     loaders positioned after it, on the mesh ``ps`` (any layout; ``ParallelState.single()`` for a
     single-process oracle). ``cfg`` must carry its tokenizer (``with_tokenizer``).
-    ``seed_rng``: seed the TP-aware RNG tracker from ``--seed`` (dropout); ``build_cache``: this
-    rank builds missing data index caches (one per node); every rank of ``ps`` calls this."""
+    ``seed_rng``: seed the TP-aware RNG tracker from ``--seed`` (dropout); ``resume``: load
+    ``--load`` (if set; tests that drive the loading themselves pass False); ``build_cache``: this
+    rank builds missing data index caches (one per node). Every rank of ``ps`` calls this."""
     tracker = None
     if seed_rng:
         tracker = model_parallel_seed(
@@ -81,7 +83,7 @@ def build_run(
         log_model_state_memory(trainer.model[0], trainer.optimizer, ps)
     t = cfg.training
     try:
-        loaded = checkpoint_io.load_checkpoint(trainer) if t.load else None
+        loaded = checkpoint_io.load_checkpoint(trainer) if t.load and resume else None
     except CheckpointError as e:  # one line for pretrain_gpt.py to print
         raise TrainingError(str(e)) from None
     samples = train_valid_test_num_samples(

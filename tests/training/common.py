@@ -39,9 +39,10 @@ def config(*extra: str, world_size: int = 1, rank: int = 0) -> PretrainConfig:
 def trainer_and_data(
     cfg: PretrainConfig, ps: ParallelState, *, dropout_seeded: bool = False
 ) -> tuple[Trainer, list[Iterator]]:
-    """``pretrain``'s own assembly (``build_run``) on CPU and the mesh ``ps``: the Trainer and
+    """``pretrain``'s own assembly (``build_run``) on CPU and the mesh ``ps``, without loading
+    ``--load`` (the tests that need it call ``checkpoint_io.load_checkpoint``): the Trainer and
     this DP rank's mock-data train iterators (one per model chunk)."""
-    run = build_run(cfg, ps, torch.device("cpu"), seed_rng=dropout_seeded)
+    run = build_run(cfg, ps, torch.device("cpu"), seed_rng=dropout_seeded, resume=False)
     return run.trainer, run.train_iter
 
 

@@ -153,7 +153,7 @@ def _resume_case() -> dict:
         first.cfg.training.train_iters = 3
         head = first.train(forward, data).losses
         saved = {
-            "model": {k: v.clone() for k, v in first.model.state_dict().items()},
+            "model": {k: v.clone() for k, v in first.model[0].state_dict().items()},
             "optimizer": first.optimizer.state_dict(),
             "full": first.optimizer.full_state_dict(),
             "scheduler": first.scheduler.state_dict(),
@@ -162,7 +162,7 @@ def _resume_case() -> dict:
         for name, flags in (("sharded", ()), ("full", ("--ddp-bucket-size", "3000"))):
             resumed, data = trainer_and_data(config(*ZERO, *BF16, *flags, world_size=world,
                                                     rank=rank), ps)  # fmt: skip
-            resumed.model.load_state_dict(saved["model"])
+            resumed.model[0].load_state_dict(saved["model"])
             if name == "sharded":
                 resumed.optimizer.load_state_dict(saved["optimizer"])
             else:

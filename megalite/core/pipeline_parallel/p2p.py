@@ -1,15 +1,13 @@
 """Stage-to-stage communication: activations forward, their grads backward, between adjacent stages.
 
 Shapes are known ahead (``[s, b, h]``, or ``[s/tp, b, h]`` under sequence parallel) and the dtype
-is the
-run's, so the receiver preallocates and no shape travels with each message. What could go wrong is
-checked instead of hanging:
+is the run's, so the receiver preallocates and no shape travels with each message. What could go
+wrong is checked instead of hanging:
 - on first use, neighbours exchange the (shape, dtype) each will send and compare it with what the
   other expects; a mismatch raises the same one-line error on both stages;
 - every send checks the tensor against the declared shape and dtype before it leaves.
 Paired operations (send one way, receive the other) are issued together with ``batch_isend_irecv``
-so
-two neighbours calling them at the same time cannot deadlock; this works on gloo and nccl.
+so two neighbours calling them at the same time cannot deadlock; this works on gloo and nccl.
 """
 
 from __future__ import annotations
@@ -28,8 +26,7 @@ class P2PCommunicator:
     """Send/receive between this stage and its neighbours in the pipeline.
 
     ``prev_rank`` / ``next_rank`` are global ranks (None at the ends of the pipeline). Receives
-    return
-    None where there is no neighbour, so a schedule reads the same on every stage.
+    return None where there is no neighbour, so a schedule reads the same on every stage.
     """
 
     def __init__(

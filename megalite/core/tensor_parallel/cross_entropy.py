@@ -1,11 +1,10 @@
 """Cross-entropy over a vocabulary split across TP ranks, without gathering the logits.
 
 Each rank holds logits ``[..., V_pad/tp]`` for its slice of the (padded) vocabulary. Three
-all-reduces
-of ``[...]``-shaped statistics (max, sum of exp, the target's logit; plus the logit sum with label
-smoothing) replace a gather of ``[..., V_pad]``. Padding columns (global index >= ``vocab_size``)
-are
-masked to -inf, so they take no probability mass and the loss equals the unpadded model's.
+all-reduces of ``[...]``-shaped statistics (max, sum of exp, the target's logit; plus the logit sum
+with label smoothing) replace a gather of ``[..., V_pad]``. Padding columns (global index >=
+``vocab_size``) are masked to -inf, so they take no probability mass and the loss equals the
+unpadded model's.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """Tensor-parallel layers: column- and row-parallel linear, vocab-parallel embedding.
 
 Activations are ``[s, b, h]`` (sequence first). With ``sequence_parallel`` the activations outside
-TP
-regions are ``[s/tp, b, h]``: a column-parallel layer all-gathers them on the way in and a
-row-parallel
-layer reduce-scatters on the way out, instead of the identity / all-reduce pair.
+TP regions are ``[s/tp, b, h]``: a column-parallel layer all-gathers them on the way in and a
+row-parallel layer reduce-scatters on the way out, instead of the identity / all-reduce pair.
 
 Each parameter carries attributes the rest of megalite reads:
 ``tensor_model_parallel`` (True if sharded over TP), ``partition_dim`` (the dim it is sharded
-along),
-and ``sequence_parallel`` (True for replicated parameters that see only a sequence shard; their
-grads must be all-reduced over TP).
+along), and ``sequence_parallel`` (True for replicated parameters that see only a sequence shard;
+their grads must be all-reduced over TP).
 """
 
 from __future__ import annotations
@@ -78,9 +75,9 @@ class ColumnParallelLinear(nn.Module):
     """``Y = X A^T + b`` with A split by output rows: rank r holds ``A[r*o/tp:(r+1)*o/tp, :]``.
 
     Input ``[s, b, h_in]`` (``[s/tp, b, h_in]`` under sequence parallel); output ``[s, b,
-    h_out/tp]``,
-    or ``[s, b, h_out]`` with ``gather_output``. Returns ``(output, bias)``: bias is None unless
-    ``skip_bias_add``, in which case it is returned (this rank's slice) for the caller to fuse.
+    h_out/tp]``, or ``[s, b, h_out]`` with ``gather_output``. Returns ``(output, bias)``: bias is
+    None unless ``skip_bias_add``, in which case it is returned (this rank's slice) for the caller
+    to fuse.
     ``stride`` > 1 shards each of ``stride`` stacked output blocks separately (see
     ``_sharded_parameter``); the bias follows the same layout.
     """
@@ -151,8 +148,7 @@ class RowParallelLinear(nn.Module):
 
     Input ``[s, b, h_in/tp]`` (``input_is_parallel``) or ``[s, b, h_in]`` (then split here). The
     partial products are all-reduced (``[s, b, h_out]``) or, under sequence parallel,
-    reduce-scattered
-    (``[s/tp, b, h_out]``). The bias is replicated and added after the reduction.
+    reduce-scattered (``[s/tp, b, h_out]``). The bias is replicated and added after the reduction.
     """
 
     def __init__(

@@ -3,8 +3,7 @@
 Two streams per rank:
 - the default generator (torch's global CPU generator, or the CUDA one on GPU), seeded
   ``seed + 100 * pp_rank``: identical across TP and DP ranks. Dropout outside TP regions (on the
-  full
-  hidden state, or on a sequence-parallel shard) draws from it.
+  full hidden state, or on a sequence-parallel shard) draws from it.
 - the tracker's ``"tensor-parallel"`` state, seeded ``seed + 2718 + 100 * pp_rank + tp_rank``:
   different across TP ranks, identical across DP ranks. Dropout on TP-sharded activations (attention
   probabilities of this rank's heads) runs inside ``tracker.fork()``.
