@@ -9,7 +9,12 @@ embeddings) of the same size, and a step is zero_grad + forward + mean token los
 ``[b, s, h]`` layout; its fused QKV rows are per head ``[q_i, k_i, v_i]`` (megalite's per-group
 layout with one head per group) so a column split keeps whole heads (used by bench_gpt_tp.py).
 
-Time: the two models alternate in one process, ``--rounds`` rounds of ``--steps`` steps each; the
+A third timing, ``megalite-loop``, is the same model through megalite's whole training step
+(``Trainer.step`` from ``pretrain.build_run``: the grad buffer with its accumulate hooks, the
+schedule's ``no_sync``, the mixed-precision AdamW family with clipping and weight-decay groups,
+the LR schedule), fed the same batch: the overhead of the training machinery itself.
+
+Time: the models alternate in one process, ``--rounds`` rounds of ``--steps`` steps each; the
 median step time of each is reported (alternating cancels most of this shared machine's drift).
 
 Memory: each model runs in a fresh subprocess; peak memory = peak RSS (``VmHWM``) minus the RSS
@@ -136,8 +141,45 @@ def make_step(kind: str, model: nn.Module, opt: torch.optim.Optimizer, config: G
     return step
 
 
+def loop_step(config: GPTConfig):
+    """``Trainer.step`` of a run built by ``build_run`` for the same model, on the same batch."""
+    import itertools
+
+    from megalite.training.arguments import parse_args
+    from megalite.training.config import with_tokenizer
+    from megalite.training.forward_step import make_forward_step
+    from megalite.training.pretrain import build_run
+
+    flags = (
+        f"--num-layers {config.num_layers} --hidden-size {config.hidden_size} "
+        f"--num-attention-heads {config.num_attention_heads} --seq-length {config.seq_length} "
+        f"--micro-batch-size {BATCH} --global-batch-size {BATCH} --train-iters 1000000 "
+        f"--lr 1e-4 --mock-data --tokenizer-type NullTokenizer "
+        f"--vocab-size {config.vocab_size - 1} "
+        f"--hidden-dropout {config.hidden_dropout} --attention-dropout {config.attention_dropout} "
+        "--no-fused-kernels --clip-grad 0 --log-interval 1000000 --eval-iters 0"
+    ).split()
+    cfg = with_tokenizer(parse_args(flags, env={}))
+    run = build_run(cfg, ParallelState.single(), torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (BATCH, config.seq_length), generator=g)
+    batch = {
+        "tokens": tokens,
+        "labels": torch.randint(0, config.vocab_size, (BATCH, config.seq_length), generator=g),
+        "loss_mask": torch.ones(BATCH, config.seq_length),
+        "position_ids": torch.arange(config.seq_length).expand(BATCH, -1),
+    }
+    data, forward = itertools.repeat(batch), make_forward_step(torch.device("cpu"))
+
+    def step() -> float:
+        return float(run.trainer.step(forward, data).losses["lm loss"])
+
+    return step
+
+
 def time_both(config: GPTConfig, rounds: int, steps: int) -> dict[str, float]:
     steps_of = {k: make_step(k, *build(k, config), config) for k in ("megalite", "plain")}
+    steps_of["megalite-loop"] = loop_step(config)
     for step in steps_of.values():  # warm up (allocator, AdamW state)
         step()
         step()
@@ -249,6 +291,11 @@ def main() -> None:
     }
     for name, value in ratio.items():
         print(f"  megalite / plain {name}: {value:.3f}x (target <= 1.10)")
+    print(
+        f"  megalite-loop step {times['megalite-loop'] * 1e3:8.1f} ms (median): "
+        f"/ plain {times['megalite-loop'] / times['plain']:.3f}x (target <= 1.05), "
+        f"/ megalite model alone {times['megalite-loop'] / times['megalite']:.3f}x"
+    )
 
 
 if __name__ == "__main__":

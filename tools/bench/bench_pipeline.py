@@ -78,6 +78,7 @@ def _communicator(rank, pp, timeline):
             prev_rank=rank - 1 if rank > 0 else None,
             next_rank=rank + 1 if rank < pp - 1 else None,
             tensor_shape=(MICRO_BATCH, HIDDEN), dtype=torch.float32, device=torch.device("cpu"),
+            group=dist.group.WORLD,  # the bench runs one pipeline over the whole world
         )  # fmt: skip
     p2p = _COMMUNICATORS[rank]
     p2p.timeline = timeline

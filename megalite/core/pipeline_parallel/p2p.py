@@ -37,7 +37,7 @@ class P2PCommunicator:
         tensor_shape: tuple[int, ...],
         dtype: torch.dtype,
         device: torch.device,
-        group=None,
+        group,
         timeline=None,
     ):
         self.prev_rank, self.next_rank = prev_rank, next_rank
@@ -81,8 +81,8 @@ class P2PCommunicator:
                 raise StageShapeMismatch(
                     f"pipeline stages disagree on the activation passed between ranks {first} and "
                     f"{second}: {self._describe(a)} vs {self._describe(b)}; every stage must use "
-                    "the same --seq-length, --micro-batch-size, --hidden-size, "
-                    "--sequence-parallel and precision flags"
+                    "the same seq_length, micro_batch_size, hidden_size, sequence_parallel and "
+                    "params dtype"
                 )
 
     def _validate(self, t: torch.Tensor, what: str) -> None:
