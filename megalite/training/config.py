@@ -52,6 +52,12 @@ class ParallelConfig:
     distributed_timeout_minutes: float = 10.0
     device: str = "auto"  # auto | cpu | cuda
     world_size: int | None = None  # the launcher's, when parsed from flags; None: built in code
+    use_tp_pp_dp_mapping: bool = False  # rank order tp-cp-ep-pp-dp instead of tp-cp-ep-dp-pp
+
+    @property
+    def rank_order(self) -> str:
+        """The mesh's axis order, fastest first (Megatron's default, or its alternative)."""
+        return "tp-cp-ep-pp-dp" if self.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp"
 
     @property
     def model_parallel_size(self) -> int:

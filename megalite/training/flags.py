@@ -147,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-reduce",
                  "--overlap-param-gather", "--accumulate-allreduce-grads-in-fp32"):  # fmt: skip
         par.switch(flag)
+    par.switch("--use-tp-pp-dp-mapping",
+               help="rank order tp-cp-ep-pp-dp: DP the slowest axis instead of PP")  # fmt: skip
     par.add("--ddp-bucket-size", type=int)
     par.add("--distributed-timeout-minutes", type=float)
     par.plain("--distributed-backend", choices=["nccl", "gloo"])

@@ -137,6 +137,7 @@ def pretrain(
     ps = initialize_model_parallel(
         cfg.parallel.tensor_model_parallel_size,
         cfg.parallel.pipeline_model_parallel_size,
+        order=cfg.parallel.rank_order,
         device=device,
         timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
     )

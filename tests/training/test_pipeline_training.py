@@ -2,11 +2,12 @@
 
 The full 3D layout TP2 x PP2 x DP2 (8 processes) with sequence parallel, for both families (GPT-2's
 tied embedding then lives on both the first and the last stage); PP2 x DP2 with GPipe and with an
-uneven split (``--decoder-first-pipeline-num-layers``); PP4. The 5 losses and grad norms (clipping
-is
-computed across TP, PP and DP) equal the oracle: the same GPTModel with ``ParallelState.single()``
-fed every micro-batch of each global batch. 1e-5 relative, as in test_equivalence (fp32, only the
-order of sums differs). The losses are logged on the last stage only.
+uneven split (``--decoder-first-pipeline-num-layers``), and in Megatron's alternative rank order
+(``--use-tp-pp-dp-mapping``: a pipeline is consecutive ranks); PP4. The 5 losses and grad norms
+(clipping is computed across TP, PP and DP) equal the oracle: the same GPTModel with
+``ParallelState.single()`` fed every micro-batch of each global batch. 1e-5 relative, as in
+test_equivalence (fp32, only the order of sums differs). The losses are logged on the last stage
+only.
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ def _run(layouts: list[tuple[str, tuple[str, ...], tuple[str, ...]]]) -> dict:
         cfg = config(*extra, *layout_flags, world_size=world, rank=rank)
         par = cfg.parallel
         ps = initialize_model_parallel(
-            par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+            par.tensor_model_parallel_size, par.pipeline_model_parallel_size, order=par.rank_order
         )
+        if par.use_tp_pp_dp_mapping:  # tp-pp-dp: with TP 1 a pipeline is consecutive ranks
+            first = ps.pp_ranks[0]
+            assert ps.pp_ranks == list(range(first, first + ps.pp_size)), ps.pp_ranks
         try:
             result = train_losses(cfg, ps)
         finally:
@@ -71,6 +75,7 @@ def test_pp2_dp2_gpipe_and_uneven_and_pp4_equal_single_process():
     layouts = [
         ("gpt2", (), (*pp2, "--pipeline-schedule", "gpipe")),
         ("gpt2", ("--num-layers", "3"), (*pp2, "--decoder-first-pipeline-num-layers", "1")),
+        ("llama", (), (*pp2, "--use-tp-pp-dp-mapping")),
         ("llama", ("--num-layers", "4"), ("--pipeline-model-parallel-size", "4")),
     ]
     _check(layouts, run_distributed(_run, 4, layouts, timeout=600))
