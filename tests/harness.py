@@ -3,8 +3,7 @@
     results = run_distributed(case_fn, 4, arg1, key=value)   # one result per rank, rank order
 
 ``case_fn`` must be importable (defined at module level of a test module); it runs on every rank of
-a
-``world_size``-process gloo world and reads its rank with ``torch.distributed.get_rank()``.
+a ``world_size``-process gloo world and reads its rank with ``torch.distributed.get_rank()``.
 
 Cost: starting a process and importing torch takes about a second, so workers are pooled. A pool of
 ``world_size`` processes is spawned once, joins one gloo world through a ``file://`` rendezvous (no

@@ -1,6 +1,5 @@
 """Draw one pipeline step as an SVG timeline: a row per stage, forward / backward / send / recv
-spans,
-idle time left blank.
+spans, idle time left blank.
 
     python tools/pipeline_timeline.py TIMELINE.json OUT.svg [--title "1F1B, pp=2, m=8"]
 

@@ -1,8 +1,8 @@
 """Each autograd mapping does what its name says forward and its adjoint backward.
 
 Checked against tensors built by hand from the rank number and sliced with ``chunk`` -- never with
+the collective under test. Also keeps the gloo ``reduce_scatter`` / ``all_gather_into_tensor`` paths
 the
-collective under test. Also keeps the gloo ``reduce_scatter`` / ``all_gather_into_tensor`` paths the
 package depends on exercised on the installed torch (pyproject's lower bound).
 """
 

@@ -1,6 +1,6 @@
 """Pipeline schedules on a residual toy stack: the same losses and grads as one process running
-every
-micro-batch, activations held as the schedule promises (measured), and failures that do not hang.
+every micro-batch, activations held as the schedule promises (measured), and failures that do not
+hang.
 
 Oracle: all layers in one module in the same rank process, built from the same keyed init, run over
 the same micro-batches with no pipelining. fp32, rtol 1e-5 / atol 1e-6: the pipeline changes only

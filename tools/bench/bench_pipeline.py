@@ -6,8 +6,8 @@ torch.distributed.pipelining.
 One process per stage (2 stages by default, one core each), the same compute-bound stack of residual
 MLP blocks on every side, the same micro-batches. Prints per-step medians and the ratio megalite /
 torch (target <= 1.0 for 1F1B), then the measured bubble fraction of megalite's 1F1B beside the
-theory
-``(pp - 1) / (m + pp - 1)`` for several m. With ``--timeline-dir`` it writes the per-stage spans of
+theory ``(pp - 1) / (m + pp - 1)`` for several m. With ``--timeline-dir`` it writes the per-stage
+spans of
 one 1F1B and one GPipe step as JSON and SVG (see tools/pipeline_timeline.py).
 """
 

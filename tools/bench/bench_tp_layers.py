@@ -6,8 +6,7 @@
    megalite / torch; target <= 1.05).
 2. The bytes each TP MLP block (column -> GELU -> row) moves in forward + backward, counted at the
    collectives on 2 and 4 gloo ranks, beside the theory: without sequence parallel two all-reduces
-   of
-   b*s*h elements (one forward in the row layer, one backward in the column layer); with it an
+   of b*s*h elements (one forward in the row layer, one backward in the column layer); with it an
    all-gather and a reduce-scatter of the same total in each direction.
 """
 
