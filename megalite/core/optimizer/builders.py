@@ -64,8 +64,9 @@ def build_optimizer(
     duplicates: Iterable[torch.Tensor] = (),
     loss_scaler: LossScaler | None = None,
     count_zeros: bool = False,
-) -> UnshardedOptimizer:
-    """AdamW over fp32 masters of ``model``'s parameters, state whole on every DP rank.
+) -> UnshardedOptimizer | DistributedOptimizer:
+    """AdamW over fp32 masters of ``model``'s parameters: the state whole on every DP rank, or
+    sharded over DP (ZeRO-1) when ``model`` is a ``ZeroDataParallel``.
 
     ``lr`` is the initial learning rate; the scheduler overwrites it every step.
     """
@@ -73,7 +74,8 @@ def build_optimizer(
         lr=lr, weight_decay=weight_decay, adam_beta1=adam_beta1, adam_beta2=adam_beta2,
         adam_eps=adam_eps,
     )  # fmt: skip
-    return UnshardedOptimizer(
+    sharded = isinstance(model, ZeroDataParallel)  # ZeRO-1: the optimizer state over DP
+    return (DistributedOptimizer if sharded else UnshardedOptimizer)(
         get_param_groups(model, weight_decay=weight_decay),
         build_inner,
         model=model,
@@ -86,34 +88,12 @@ def build_optimizer(
     )
 
 
-def build_distributed_optimizer(
-    model: ZeroDataParallel,
-    *,
-    lr: float,
-    weight_decay: float,
-    adam_beta1: float = 0.9,
-    adam_beta2: float = 0.999,
-    adam_eps: float = 1e-8,
-    clip_grad: float = 1.0,
-    mp_group=None,
-    tp_rank: int = 0,
-    duplicates: Iterable[torch.Tensor] = (),
-    loss_scaler: LossScaler | None = None,
-    count_zeros: bool = False,
-) -> DistributedOptimizer:
-    """``build_optimizer``'s AdamW and weight-decay groups, sharded over DP (ZeRO-1)."""
-    build_inner = adamw_factory(
-        lr=lr, weight_decay=weight_decay, adam_beta1=adam_beta1, adam_beta2=adam_beta2,
-        adam_eps=adam_eps,
-    )  # fmt: skip
-    return DistributedOptimizer(
-        get_param_groups(model, weight_decay=weight_decay),
-        build_inner,
-        model=model,
-        clip_grad=clip_grad,
-        mp_group=mp_group,
-        tp_rank=tp_rank,
-        duplicates=duplicates,
-        loss_scaler=loss_scaler,
-        count_zeros=count_zeros,
-    )
+def build_distributed_optimizer(model: ZeroDataParallel, **kwargs) -> DistributedOptimizer:
+    """``build_optimizer``'s AdamW and weight-decay groups, sharded over DP (ZeRO-1): the model
+    must be wrapped in ``ZeroDataParallel``. Keyword arguments as ``build_optimizer``."""
+    if not isinstance(model, ZeroDataParallel):
+        raise TypeError(
+            f"the distributed optimizer needs the model wrapped in ZeroDataParallel, got "
+            f"{type(model).__name__}"
+        )
+    return build_optimizer(model, **kwargs)
