@@ -28,14 +28,14 @@ echo "== ruff"
 "$PY" -m ruff format --check .
 "$PY" -m ruff check .
 
-echo "== pytest"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-"$PY" -m pytest -q "$@"
-
-# The norm tests again with the fused Triton kernels forced on (as on a GPU), through triton's
-# interpreter on CPU; only on a whole-suite run. ~30 s here.
+# The norm tests with the fused Triton kernels forced on (as on a GPU), through triton's
+# interpreter on CPU; only on a whole-suite run, before it (so its summary line comes last). ~30 s.
 if [[ $# -eq 0 ]]; then
   echo "== pytest, fused kernels on (TRITON_INTERPRET=1)"
   TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider \
     tests/core/test_sequence_parallel.py -k mlp_and_norm_blocks
 fi
+
+echo "== pytest"
+"$PY" -m pytest -q "$@"
