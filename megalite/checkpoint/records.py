@@ -62,8 +62,9 @@ def layout_record(
     padded_vocab_size: int,
     distributed_optimizer: bool,
 ) -> dict:
-    """``header["layout"]``: the layout a shard was saved under (``layer_ranges``: every stage's
-    global layers; ``dp_size``: the ranks of the data-parallel group, ``ps.size("dp", "cp")``)."""
+    """``header["layout"]``: the layout a shard was saved under (``layer_ranges``: the layers of
+    every stage, by index in the whole model; ``dp_size``: the ranks of the data-parallel group,
+    ``ps.size("dp", "cp")``)."""
     return {
         "tp_size": tp_size,
         "pp_size": pp_size,

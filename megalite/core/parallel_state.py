@@ -29,7 +29,6 @@ from megalite.core.mesh_layout import (
     MeshSizes,
     dense_or_expert,
     mesh_sizes,
-    rank_coords,
     rank_groups,
 )
 
@@ -197,15 +196,6 @@ def embedding_group_ranks(pp_groups: list[list[int]]) -> list[list[int]]:
     return [sorted({g[0], g[-1]}) for g in pp_groups]
 
 
-def validate_parallel_sizes(world_size: int, tp_size: int, pp_size: int, **more: int) -> int:
-    """Check the mesh factors the world (before any process group); return the DP size.
-    ``more``: ``context_parallel_size``, ``expert_model_parallel_size``, ... as in
-    ``mesh_sizes``."""
-    return mesh_sizes(
-        world_size, tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size, **more
-    ).dp
-
-
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
@@ -276,6 +266,4 @@ __all__ = [
     "default_backend",
     "init_single_process",
     "initialize_model_parallel",
-    "rank_coords",
-    "validate_parallel_sizes",
 ]

@@ -25,12 +25,11 @@ from megalite.checkpoint import LoadedCheckpoint
 from megalite.checkpoint.records import plain_data
 
 
-def gpt_modules(model: nn.Module | list[nn.Module]) -> list[nn.Module]:
-    """The GPT stage module of each model chunk. ``model``: the Trainer's model, one data-parallel
-    wrapper or a list of them (one per virtual stage); a wrapper's ``.module`` is the GPTModel
-    stage whose grads it syncs."""
-    chunks = model if isinstance(model, (list, tuple)) else [model]
-    return [chunk.module for chunk in chunks]
+def gpt_modules(model: list[nn.Module]) -> list[nn.Module]:
+    """The GPT stage module of each model chunk. ``model``: the Trainer's model, a list of
+    data-parallel wrappers (one per virtual stage); a wrapper's ``.module`` is the GPTModel stage
+    whose grads it syncs."""
+    return [chunk.module for chunk in model]
 
 
 def config_record(cfg) -> dict:

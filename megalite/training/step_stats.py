@@ -7,7 +7,7 @@ and at the end of the run (``read``). A non-finite loss or grad norm is therefor
 next such point, up to ``--log-interval`` iterations late; it is never saved into a checkpoint,
 because ``check`` runs before every save.
 
-    stats = IntervalStats(device)
+    stats = DeviceStats(device)
     stats.add(iteration, losses, grad_norm, update_successful)    # every step, no host sync
     snapshot = stats.read(ps.group(), ps.group("pp"))              # log interval: one sync
 """
@@ -40,11 +40,12 @@ class IntervalSnapshot:
     per_step_grad_norms: list[float]  # NaN for skipped steps
 
 
-class IntervalStats:
+class DeviceStats:
     """Device-side sums since the last ``read``; see the module docstring."""
 
     def __init__(self, device: torch.device):
         self.device = device
+        self._nan = torch.full((), math.nan, dtype=torch.float64, device=device)  # skipped steps
         # first iteration with a non-finite [loss, grad norm] on this rank, for the whole run
         self.first_bad = torch.full((2,), NOT_SEEN, dtype=torch.float64, device=device)
         self._reset()
@@ -68,7 +69,6 @@ class IntervalStats:
         """Account one step (no host sync). ``losses``: 0-d tensors on the last stage, {} else;
         ``grad_norm`` None when the step was skipped (fp16 overflow)."""
         self.iterations += 1
-        nan = torch.full((), math.nan, dtype=torch.float64, device=self.device)
         if not update_successful:
             self.skipped += 1
         if losses:
@@ -86,10 +86,10 @@ class IntervalStats:
                 self._mark(0, ~finite, iteration)
             lm = losses.get("lm loss")
             self.step_losses.append(
-                nan if lm is None else lm.detach().to(self.device, torch.float64)
+                self._nan if lm is None else lm.detach().to(self.device, torch.float64)
             )
         if grad_norm is None:
-            self.step_grad_norms.append(nan)
+            self.step_grad_norms.append(self._nan)
         else:
             norm = grad_norm.detach().to(self.device, torch.float64).reshape(())
             self._mark(1, ~torch.isfinite(norm), iteration)

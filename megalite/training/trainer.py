@@ -4,7 +4,7 @@
     result = trainer.train(forward_step_func, [train_iter], [valid_iter])
 
 A step reads nothing back from the device: losses, counters and the NaN/inf watch accumulate in
-``step_stats.IntervalStats`` and are read every ``--log-interval`` iterations, before every
+``step_stats.DeviceStats`` and are read every ``--log-interval`` iterations, before every
 checkpoint and at the end (one device -> host copy each time). So a non-finite loss or grad norm
 stops the run (``TrainingError`` naming the first such iteration,
 ``--check-for-nan-in-loss-and-grad``, on by default) at the next read, and never reaches a saved
@@ -35,8 +35,7 @@ from megalite.training.flops import model_flops_per_iteration, peak_tflops, thro
 from megalite.training.logging import IntervalStats, format_iteration_line
 from megalite.training.schedules import get_forward_backward_func
 from megalite.training.signals import ExitSignalHandler, any_rank_signalled
-from megalite.training.step_stats import IntervalSnapshot
-from megalite.training.step_stats import IntervalStats as DeviceStats
+from megalite.training.step_stats import DeviceStats, IntervalSnapshot
 from megalite.training.tensorboard import TensorBoardLogger
 from megalite.training.train_step import StepResult, train_step
 
@@ -95,7 +94,7 @@ class Trainer:
         model, self.optimizer, self.scheduler = setup_model_and_optimizer(
             cfg, ps, device=device, rng_tracker=tracker
         )
-        self.model: list[torch.nn.Module] = as_list(model)
+        self.model: list[torch.nn.Module] = [model]  # one chunk until virtual stages (issue 14)
         self.forward_backward_func = get_forward_backward_func(
             ps,
             pipeline_schedule=cfg.parallel.pipeline_schedule,

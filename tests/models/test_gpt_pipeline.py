@@ -86,15 +86,15 @@ def _stage_case(pp, cases):
             device=torch.device("cpu"), group=ps.pp_group,
         )  # fmt: skip
         losses = SCHEDULES[schedule](
-            forward_step_func=_forward_step, data_iterator=iter(_microbatches(config, m)),
-            model=model, num_microbatches=m, p2p=p2p, pp_rank=ps.pp_rank, pp_size=pp,
+            forward_step_func=_forward_step, data_iterator=[iter(_microbatches(config, m))],
+            model=[model], num_microbatches=m, p2p=p2p, pp_rank=ps.pp_rank, pp_size=pp,
         )  # fmt: skip
         _sum_tied_embedding_grad(model.shared_embedding_or_output_weight(), ps.embedding_group)
 
         oracle = GPTModel(config, ParallelState.single())
         want = forward_backward_no_pipelining(
-            forward_step_func=_forward_step, data_iterator=iter(_microbatches(config, m)),
-            model=oracle, num_microbatches=m,
+            forward_step_func=_forward_step, data_iterator=[iter(_microbatches(config, m))],
+            model=[oracle], num_microbatches=m,
         )  # fmt: skip
         label = (family, tied, m, schedule, first_last, ps.pp_rank)
         if ps.is_last_stage:

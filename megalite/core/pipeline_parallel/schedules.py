@@ -36,18 +36,18 @@ from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.core.pipeline_parallel.timeline import Timeline
 
 
-def _as_list(x) -> list:
-    return list(x) if isinstance(x, (list, tuple)) else [x]
-
-
 def _check_chunks(model, data_iterator) -> tuple[list[nn.Module], list[Iterator | None]]:
-    model, data_iterator = _as_list(model), _as_list(data_iterator)
+    if not isinstance(model, (list, tuple)) or not isinstance(data_iterator, (list, tuple)):
+        raise TypeError(
+            "model and data_iterator are lists (one model chunk and its data iterator per "
+            f"virtual stage), got {type(model).__name__} and {type(data_iterator).__name__}"
+        )
     if len(model) != 1 or len(data_iterator) != 1:
         raise ValueError(
             f"these schedules run one model chunk with one data iterator, got {len(model)} "
             f"chunks and {len(data_iterator)} iterators"
         )
-    return model, data_iterator
+    return list(model), list(data_iterator)
 
 
 def no_sync(model: Sequence[nn.Module]) -> contextlib.ExitStack:
