@@ -10,9 +10,12 @@ Takes Megatron-LM's flag names. Examples:
     # 4 processes: TP 2 x DP 2
     torchrun --nproc-per-node 4 pretrain_gpt.py --tensor-model-parallel-size 2 ...
 
-A bad flag or combination prints one line ``error: ...`` and exits with status 2 (so does a config
-parsed for one world size and run on another); a run stopped by a NaN/inf loss prints
-``error: iteration N: ...`` and exits with status 1.
+A user error -- a bad flag or combination, a missing or malformed input (dataset index, tokenizer
+model), token ids outside the vocabulary, an empty split, an output folder that cannot be written, a
+full disk at a save -- prints one line ``error: ...`` naming the flag or file and exits non-zero:
+status 2 for flags (also a config parsed for one world size and run on another), 1 otherwise (a run
+stopped by a NaN/inf loss prints ``error: iteration N: ...``). Inputs and outputs are checked at
+start-up, before any process group (megalite.training.startup_checks); a bug shows its traceback.
 """
 
 from __future__ import annotations
@@ -28,19 +31,22 @@ def main(argv: list[str] | None = None) -> int:
 
         build_parser().print_help()
         return 0
+    from megalite.errors import run_main
+    from megalite.training.pretrain import TrainingError
+
+    return run_main(_pretrain, argv, user_errors={TrainingError: 1})
+
+
+def _pretrain(argv: list[str]) -> int:
     from megalite.training.arguments import flag_message, parse_args, with_tokenizer
     from megalite.training.config import ConfigError
-    from megalite.training.pretrain import TrainingError, pretrain
+    from megalite.training.pretrain import pretrain
 
     try:
         cfg = with_tokenizer(parse_args(argv))
         pretrain(cfg)
-    except ConfigError as e:  # a bad flag, or a config parsed for another world size
-        print(f"error: {flag_message(str(e))}", file=sys.stderr)
-        return 2
-    except TrainingError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except ConfigError as e:  # field names (a config parsed for another world size) -> flags
+        raise ConfigError(flag_message(str(e))) from None
     return 0
 
 

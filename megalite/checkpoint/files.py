@@ -22,6 +22,8 @@ import zipfile
 
 import torch
 
+from megalite.errors import UserError, path_problem
+
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1  # header["megalite_checkpoint"] of every model_optim_rng.pt
@@ -31,7 +33,7 @@ RELEASE = "release"
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be saved or loaded; the message is one line naming the file or flag."""
 
 
@@ -60,18 +62,79 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def tensor_bytes(obj: object) -> int:
+    """The bytes of every tensor in ``obj`` (nested dicts, lists, tuples): about what
+    ``torch.save`` writes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def os_error_of(e: BaseException) -> OSError | None:
+    """``e`` or the first OSError it was raised from or during (torch's zip writer reports a
+    failed write as ``RuntimeError: ... unexpected pos`` raised while handling the OSError)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def free_bytes(path: str) -> int | None:
+    """Free bytes on the file system of ``path`` (or of its nearest existing parent)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def write_failure(path: str, e: OSError, *, needed: int | None = None) -> CheckpointError:
+    """The one-line error for a failed write of ``path``: the reason, and with ``needed`` the
+    bytes it needed against the bytes free."""
+    text = f"cannot write {path} ({path_problem(e)})"
+    free = free_bytes(path)
+    if needed is not None and free is not None:
+        text += f": it needs about {needed / 1e6:.1f} MB, {free / 1e6:.1f} MB are free there"
+    return CheckpointError(text)
+
+
 def save_file(obj: object, path: str) -> int:
     """``torch.save`` to ``path.tmp``, fsync, rename over ``path``; returns the bytes written.
+    A failed write (a full disk, a read-only folder) removes ``path.tmp`` and raises a
+    ``CheckpointError`` naming the file, the bytes needed and the bytes free.
 
     The caller fsyncs the directory once all of its files are renamed."""
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-        size = f.tell()
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+            size = f.tell()
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        cause = os_error_of(e)
+        if cause is None:
+            raise
+        remove_quietly(tmp)
+        raise write_failure(path, cause, needed=tensor_bytes(obj)) from None
     return size
+
+
+def remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def load_file(path: str, *, hint: str = "") -> dict:
@@ -115,11 +178,15 @@ def write_tracker(save_dir: str, iteration: int | str) -> None:
     """Atomically replace the tracker file: write a temp file, fsync, rename, fsync the folder."""
     path = os.path.join(save_dir, TRACKER_FILE)
     tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(f"{iteration}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(f"{iteration}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        remove_quietly(tmp)
+        raise write_failure(path, e) from None
     fsync_dir(save_dir)
 
 

@@ -40,6 +40,7 @@ from megalite.checkpoint.files import (
     remove_old_checkpoints,
     save_file,
     shard_dir,
+    write_failure,
     write_tracker,
 )
 from megalite.checkpoint.records import capture_rng_state, layout_record, plain_data, shard_header
@@ -99,6 +100,53 @@ def optimizer_full_state(optimizer) -> dict:
     return optimizer.full_state_dict(copy=False)
 
 
+def non_finite_parameters(module: nn.Module) -> list[str]:
+    """Names of ``module``'s parameters holding a NaN or an inf (one host read for all)."""
+    named = [(n, p) for n, p in module.named_parameters() if p.is_floating_point()]
+    if not named:
+        return []
+    with torch.no_grad():
+        finite = torch.stack([torch.isfinite(p).all() for _, p in named]).tolist()
+    return [n for (n, _), ok in zip(named, finite) if not ok]
+
+
+def _latest(save_dir: str) -> str:
+    try:
+        latest = read_tracker(save_dir)
+    except CheckpointError:
+        latest = None
+    return "none yet" if latest is None else f"iteration {latest}"
+
+
+def _refusal(save_dir: str, iteration: int, names: list[str]) -> CheckpointError:
+    """A checkpoint whose parameters are not finite never becomes the latest."""
+    where = f"{len(names)} on this rank, e.g. {names[0]}" if names else "on another rank"
+    return CheckpointError(
+        f"iteration {iteration}: refusing to save a checkpoint to {save_dir} whose parameters are "
+        f"not finite (NaN/inf: {where}); the latest checkpoint stays {_latest(save_dir)}; the run "
+        "diverged: resume from it with a lower --lr (fp16: a lower --initial-loss-scale, or --bf16)"
+    )
+
+
+def _stop_on_failure(
+    failure: CheckpointError | None, save_dir: str, iteration: int, ps: ParallelState
+) -> None:
+    """Collective (``ps.group()``): if any rank failed to write its part of the checkpoint, every
+    rank raises a CheckpointError, rank 0 having removed the partial ``iter_*`` folder; the
+    tracker still names the previous checkpoint. Training stops (as Megatron's does)."""
+    if not world_sum(0.0 if failure is None else 1.0, ps):
+        return
+    iter_dir = iteration_dir(save_dir, iteration)
+    if ps.rank() == 0 and read_tracker(save_dir) != iteration:
+        shutil.rmtree(iter_dir, ignore_errors=True)
+    cause = str(failure) if failure is not None else "a write failed on another rank"
+    raise CheckpointError(
+        f"saving the checkpoint of iteration {iteration} to {save_dir} failed: {cause}; its "
+        f"partial files are removed and the latest checkpoint stays {_latest(save_dir)}; "
+        "training stops: free space or pick another --save, then resume with --load"
+    )
+
+
 def save_checkpoint(
     save_dir: str,
     iteration: int,
@@ -132,16 +180,24 @@ def save_checkpoint(
     iter_dir = iteration_dir(save_dir, iteration)
     if ps.rank() == 0 and os.path.isdir(iter_dir) and read_tracker(save_dir) != iteration:
         shutil.rmtree(iter_dir)  # an uncommitted save of this iteration (a crash): start clean
-    world_sum(0.0, ps)
+    non_finite = non_finite_parameters(module)
+    if world_sum(float(len(non_finite)), ps):  # also the barrier after the clean-up above
+        raise _refusal(save_dir, iteration, non_finite)
     folder = shard_dir(iter_dir, tp_rank=ps.tp_rank, pp_rank=ps.pp_rank, pp_size=ps.pp_size)
-    os.makedirs(folder, exist_ok=True)
     dp_rank = ps.rank("dp", "cp")
     written = 0
-    if save_optim and optimizer.is_sharded:
-        path = os.path.join(folder, distrib_optim_file(dp_rank))
-        written += save_file(optimizer.sharded_state_dict(), path)
+    failure = None  # this rank's CheckpointError; every rank still joins every collective
+    try:
+        os.makedirs(folder, exist_ok=True)
+        if save_optim and optimizer.is_sharded:
+            path = os.path.join(folder, distrib_optim_file(dp_rank))
+            written += save_file(optimizer.sharded_state_dict(), path)
+    except OSError as e:
+        failure = write_failure(folder, e)
+    except CheckpointError as e:
+        failure = e
     rng = gather_over_dp(capture_rng_state(rng_tracker, device), ps)
-    if dp_rank == 0:
+    if dp_rank == 0 and failure is None:
         if not save_optim:
             optim_state = None
         elif optimizer.is_sharded:
@@ -160,17 +216,28 @@ def save_checkpoint(
             scheduler=scheduler.state_dict() if save_optim else None,
             rng_state=rng,
         )
-        written += save_file(header, os.path.join(folder, MODEL_FILE))
-    if written:
-        fsync_dir(folder)
-        fsync_dir(iter_dir)
+        try:
+            written += save_file(header, os.path.join(folder, MODEL_FILE))
+        except CheckpointError as e:
+            failure = e
+    try:
+        if written and failure is None:
+            fsync_dir(folder)
+            fsync_dir(iter_dir)
+    except OSError as e:
+        failure = write_failure(folder, e)
     pause_for_test(iteration)
+    _stop_on_failure(failure, save_dir, iteration, ps)  # the files of every rank, or none
     total = world_sum(written, ps)  # every rank has written and fsynced its files
     if ps.rank() == 0:
-        write_tracker(save_dir, iteration)
-        if keep_last_n:
+        try:
+            write_tracker(save_dir, iteration)
+        except CheckpointError as e:
+            failure = e
+        if keep_last_n and failure is None:
             remove_old_checkpoints(save_dir, keep=keep_last_n, latest=iteration)
-    world_sum(0.0, ps)  # the tracker names this checkpoint on return, on every rank
+    # the tracker names this checkpoint on return, on every rank
+    _stop_on_failure(failure, save_dir, iteration, ps)
     seconds = time.perf_counter() - started
     logger.info(
         "saved checkpoint at iteration %d to %s in %.2f s (%.1f MB, %.1f MB/s)",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from megalite.errors import UserError
 
-class ConversionError(ValueError):
+
+class ConversionError(UserError, ValueError):
     """A model or folder that cannot be converted; one line naming the setting or file."""

@@ -15,15 +15,18 @@ import logging
 import math
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import torch
 
 from megalite.data.blended_dataset import BlendedDataset, default_blend_cache_dir
 from megalite.data.config import DataConfig, parse_blend, parse_split
-from megalite.data.gpt_dataset import SPLIT_NAMES, GPTDataset
+from megalite.data.gpt_dataset import SPLIT_NAMES, GPTDataset, default_cache_dir
 from megalite.data.index_builders import compute_split_ranges
 from megalite.data.indexed_dataset import IndexedDataset
 from megalite.data.mock_dataset import MockGPTDataset
 from megalite.data.samplers import MicroBatchSampler, make_loader
+from megalite.data.vocab_check import check_token_ids
+from megalite.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -110,21 +113,11 @@ def _build_split(
     parts = []
     for ds, w in zip(indexed, weights):
         lo, hi = compute_split_ranges(len(ds), split)[split_index]
-        if hi <= lo:
-            if len(indexed) == 1:
-                logger.warning(
-                    "--split %s gives the %s split of %s no documents (of %d); no %s data",
-                    cfg.split,
-                    name,
-                    ds.prefix,
-                    len(ds),
-                    name,
-                )
-                return None
-            raise ValueError(
-                f"--split {cfg.split} gives the {name} split of {ds.prefix} no documents (of "
-                f"{len(ds)}); blend only datasets large enough for every split, or change --split"
-            )
+        split_text = cfg.split if cfg.data_path else None  # None: a whole --{split}-data-path
+        if _split_problem(
+            ds, lo, hi, split_index=split_index, split=split_text, blend=len(indexed)
+        ):
+            return None  # an empty valid/test split of one dataset: no such data (warned)
         n = num_samples if len(indexed) == 1 else math.ceil(w / total_w * num_samples) + 1
         parts.append(
             GPTDataset(
@@ -142,6 +135,98 @@ def _build_split(
         return parts[0]
     cache_dir = cfg.data_cache_path or default_blend_cache_dir(prefixes[0])
     return BlendedDataset(parts, weights, num_samples, cache_dir=cache_dir, write_cache=write_cache)
+
+
+def _split_problem(
+    ds: IndexedDataset, lo: int, hi: int, *, split_index: int, split: str | None, blend: int
+) -> bool:
+    """Whether documents ``[lo, hi)`` of ``ds`` give the split no tokens. That is a ``DataError``
+    for the train split, in a blend, or for a whole dataset (``--valid-data-path``, ``split``
+    None); a warning (and True) for a valid/test split of one ``--data-path`` dataset."""
+    if hi > lo and int(ds.sequence_lengths[lo:hi].sum(dtype=np.int64)) > 0:
+        return False
+    name = SPLIT_NAMES[split_index]
+    docs = f"documents [{lo}, {hi}) hold no tokens" if hi > lo else "no documents"
+    whole = split is None
+    flag = f"--{name}-data-path" if whole else "--data-path"
+    if len(ds) == 0 or int(ds.sequence_lengths.sum(dtype=np.int64)) == 0:
+        problem = f"{flag} {ds.prefix}: the dataset holds no tokens ({len(ds)} documents)"
+        fix = "give a dataset with text (preprocessing an empty input writes an empty one)"
+    elif whole:
+        problem = f"{flag} {ds.prefix}: {docs}"
+        fix = "give a dataset with tokens"
+    else:
+        problem = f"--split {split} gives the {name} split of {ds.prefix} {docs} (of {len(ds)})"
+        fix = "use more data or change --split"
+    if split_index == 0 or blend > 1 or whole:
+        if split_index and not whole:
+            fix = "blend only datasets large enough for every split, or change --split"
+        raise DataError(
+            f"{problem}; nothing to {'train' if split_index == 0 else 'evaluate'} on; {fix}"
+        )
+    logger.warning("%s; no %s evaluation in this run (%s)", problem, name, fix)
+    return True
+
+
+def check_data(
+    cfg: DataConfig,
+    *,
+    train_samples: int,
+    valid_samples: int,
+    test_samples: int,
+    vocab_size: int | None = None,
+    padded_vocab_size: int | None = None,
+    write_cache: bool = True,
+) -> None:
+    """The start-up checks of what ``build_datasets`` will read, from the flags and the files only
+    (no process group): every index opens (headers, sizes: ``IndexedDatasetError``), every split
+    the run reads has tokens (``DataError``; an empty valid/test split of one dataset warns), and
+    with ``vocab_size`` every token id fits it (``vocab_check``; the id range is cached beside
+    the index caches, written when ``write_cache``)."""
+    if cfg.mock_data:
+        return
+    wanted = (train_samples, valid_samples, test_samples)
+    jobs = []  # (flag, prefixes, split fractions or None for a whole dataset, split index)
+    if cfg.data_path:
+        split = parse_split(cfg.split)
+        prefixes, _ = parse_blend(cfg.data_path, flag="--data-path")
+        if train_samples > 0 and split[0] <= 0:
+            raise DataError(
+                f"--split {cfg.split} gives the train split no share of --data-path; give it one "
+                "(e.g. --split 969,30,1)"
+            )
+        jobs += [
+            ("--data-path", prefixes, split, i)
+            for i, n in enumerate(wanted)
+            if n > 0 and split[i] > 0
+        ]
+    else:
+        paths = (cfg.train_data_path, cfg.valid_data_path, cfg.test_data_path)
+        for i, (p, n) in enumerate(zip(paths, wanted)):
+            if p and n > 0:
+                flag = f"--{SPLIT_NAMES[i]}-data-path"
+                jobs.append((flag, parse_blend(p, flag=flag)[0], None, i))
+    opened: dict[str, tuple[str, IndexedDataset]] = {}
+    for flag, prefixes, split, i in jobs:
+        for p in prefixes:
+            if p not in opened:
+                opened[p] = (flag, IndexedDataset(p))
+            ds = opened[p][1]
+            fractions = split or tuple(1.0 if j == i else 0.0 for j in range(3))
+            lo, hi = compute_split_ranges(len(ds), fractions)[i]
+            split_text = None if split is None else cfg.split
+            _split_problem(ds, lo, hi, split_index=i, split=split_text, blend=len(prefixes))
+    if vocab_size is None:
+        return
+    for p, (flag, ds) in opened.items():
+        check_token_ids(
+            ds,
+            vocab_size=vocab_size,
+            padded_vocab_size=padded_vocab_size or vocab_size,
+            flag=flag,
+            cache_dir=cfg.data_cache_path or default_cache_dir(p),
+            write=write_cache,
+        )
 
 
 def build_data_loaders(

@@ -27,6 +27,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from megalite.errors import UserError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_BYTES = len(MAGIC) + 8 + 1 + 8 + 8  # 34
@@ -44,7 +46,7 @@ _CODE_OF = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
 _CHUNK = 1 << 20  # entries per streamed chunk when assembling an index
 
 
-class IndexedDatasetError(ValueError):
+class IndexedDatasetError(UserError, ValueError):
     """A malformed ``.bin``/``.idx`` pair; the message names the file and what is wrong."""
 
 

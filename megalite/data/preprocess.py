@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+import zlib
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,13 +33,14 @@ import numpy as np
 
 from megalite.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
 from megalite.data.tokenizers import Tokenizer
+from megalite.errors import UserError, check_writable_dir, path_problem, read_error
 
 logger = logging.getLogger(__name__)
 
 _WORKER_STATE: dict = {}  # the tokenizer of a pool worker process (set by its initializer)
 
 
-class PreprocessError(ValueError):
+class PreprocessError(UserError, ValueError):
     """Bad input or arguments; the message names the file (and line) and the fix."""
 
 
@@ -80,18 +82,23 @@ def _open_input(path: str):
 def _read_chunks(
     path: str, chunk_lines: int, chunk_bytes: int
 ) -> Iterator[tuple[int, list[bytes]]]:
-    """(1-based number of the first line, lines) chunks, each at most chunk_lines / ~chunk_bytes."""
-    with _open_input(path) as f:
-        lines: list[bytes] = []
-        first, size = 1, 0
-        for number, line in enumerate(f, start=1):
-            lines.append(line)
-            size += len(line)
-            if len(lines) >= chunk_lines or size >= chunk_bytes:
+    """(1-based number of the first line, lines) chunks, each at most chunk_lines / ~chunk_bytes.
+    A truncated or corrupt input is a UserError naming the file and the last line read."""
+    number = 0
+    try:
+        with _open_input(path) as f:
+            lines: list[bytes] = []
+            first, size = 1, 0
+            for number, line in enumerate(f, start=1):
+                lines.append(line)
+                size += len(line)
+                if len(lines) >= chunk_lines or size >= chunk_bytes:
+                    yield first, lines
+                    lines, first, size = [], number + 1, 0
+            if lines:
                 yield first, lines
-                lines, first, size = [], number + 1, 0
-        if lines:
-            yield first, lines
+    except (EOFError, OSError, zlib.error) as e:
+        raise read_error(path, e, line=number) from None
 
 
 def _init_worker(tokenizer: Tokenizer) -> None:
@@ -212,7 +219,7 @@ def preprocess_jsonl(
         raise PreprocessError(f"--log-interval must be >= 1 documents, got {log_interval}")
     json_keys = list(json_keys)
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
-    os.makedirs(out_dir, exist_ok=True)
+    check_writable_dir(out_dir, flag="--output-prefix", what="tokenised dataset")
     dtype = optimal_dtype(tokenizer.vocab_size)
     stats = PreprocessStats()
     builders: dict[str, IndexedDatasetBuilder] = {}
@@ -259,12 +266,17 @@ def preprocess_jsonl(
             b.finalize()
         for b in builders.values():
             b.commit()
-    except BaseException:
+    except BaseException as e:
         if pool is not None:
             pool.terminate()
             pool.join()
         for b in builders.values():
             b.abort()
+        if isinstance(e, OSError):  # writing the outputs (reading errors are UserErrors already)
+            raise UserError(
+                f"--output-prefix {output_prefix}: cannot write the dataset ({path_problem(e)} in "
+                f"{out_dir}); nothing was kept; free space or choose another folder"
+            ) from None
         raise
     stats.elapsed_s = time.perf_counter() - start
     _log_summary(stats)

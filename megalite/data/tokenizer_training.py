@@ -13,7 +13,11 @@ import gzip
 import json
 import logging
 import os
+import zlib
 from collections.abc import Iterator
+from itertools import chain
+
+from megalite.errors import UserError, check_writable_dir, one_line, read_error
 
 logger = logging.getLogger(__name__)
 
@@ -23,21 +27,25 @@ def iter_jsonl_texts(paths: list[str], json_keys: list[str]) -> Iterator[str]:
     with a warning (the tokenizer only needs representative text)."""
     for path in paths:
         opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rb") as f:
-            for number, raw in enumerate(f, start=1):
-                if not raw.strip():
-                    continue
-                try:
-                    doc = json.loads(raw)
-                except ValueError as e:
-                    logger.warning("skipping %s:%d: malformed JSON (%s)", path, number, e)
-                    continue
-                for key in json_keys:
-                    text = doc.get(key) if isinstance(doc, dict) else None
-                    if isinstance(text, str):
-                        for line in text.split("\n"):
-                            if line.strip():
-                                yield line
+        number = 0
+        try:
+            with opener(path, "rb") as f:
+                for number, raw in enumerate(f, start=1):
+                    if not raw.strip():
+                        continue
+                    try:
+                        doc = json.loads(raw)
+                    except ValueError as e:
+                        logger.warning("skipping %s:%d: malformed JSON (%s)", path, number, e)
+                        continue
+                    for key in json_keys:
+                        text = doc.get(key) if isinstance(doc, dict) else None
+                        if isinstance(text, str):
+                            for line in text.split("\n"):
+                                if line.strip():
+                                    yield line
+        except (EOFError, OSError, zlib.error) as e:  # a truncated .gz, an unreadable file
+            raise read_error(path, e, line=number) from None
 
 
 def train_sentencepiece(
@@ -60,16 +68,15 @@ def train_sentencepiece(
     import sentencepiece as spm
 
     if model_type not in ("bpe", "unigram"):
-        raise ValueError(f"--model-type {model_type!r}: use bpe or unigram")
+        raise UserError(f"--model-type {model_type!r}: use bpe or unigram")
     for path in inputs:
         if not os.path.isfile(path):
-            raise ValueError(f"--input {path}: no such file")
+            raise UserError(f"--input {path}: no such file")
     if vocab_size < 8:
-        raise ValueError(f"--vocab-size {vocab_size} is too small; use at least 8")
+        raise UserError(f"--vocab-size {vocab_size} is too small; use at least 8")
     folder = os.path.dirname(os.path.abspath(model_prefix))
-    os.makedirs(folder, exist_ok=True)
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter_jsonl_texts(list(inputs), list(json_keys)),
+    check_writable_dir(folder, flag="--model-prefix", what="tokenizer model")
+    options = dict(
         model_prefix=model_prefix,
         model_type=model_type,
         vocab_size=vocab_size,
@@ -91,4 +98,21 @@ def train_sentencepiece(
         num_threads=num_threads,
         minloglevel=2,
     )
+    sentences = iter_jsonl_texts(list(inputs), list(json_keys))
+    first = next(sentences, None)  # SentencePiece asserts on an empty input: say it here
+    if first is None:
+        raise UserError(
+            f"--input {' '.join(inputs)}: no text under --json-keys {' '.join(json_keys)} (empty "
+            "or no such key in any JSON line); give jsonl files with text to train on"
+        )
+    try:
+        spm.SentencePieceTrainer.train(sentence_iterator=chain([first], sentences), **options)
+    except RuntimeError as e:  # e.g. "Vocabulary size too high (N). Please set it to a value <= M."
+        for suffix in (".model", ".vocab"):
+            if os.path.exists(model_prefix + suffix):
+                os.remove(model_prefix + suffix)
+        raise UserError(
+            f"--vocab-size {vocab_size} / --input: SentencePiece cannot train on this input "
+            f"({one_line(str(e)).split('] ')[-1][:200]}); change --vocab-size or give more text"
+        ) from None
     return model_prefix + ".model"

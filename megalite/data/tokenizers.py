@@ -14,8 +14,14 @@ import json
 import os
 from typing import TYPE_CHECKING
 
+from megalite.errors import UserError, one_line
+
 if TYPE_CHECKING:
     from megalite.data.config import DataConfig
+
+
+class TokenizerError(UserError, ValueError):
+    """A tokenizer flag or file that cannot be used; one line naming the flag and the file."""
 
 
 class Tokenizer:
@@ -43,7 +49,7 @@ class NullTokenizer(Tokenizer):
 
     def __init__(self, vocab_size: int):
         if int(vocab_size) < 1:
-            raise ValueError(f"--vocab-size must be >= 1 for NullTokenizer, got {vocab_size}")
+            raise TokenizerError(f"--vocab-size must be >= 1 for NullTokenizer, got {vocab_size}")
         self._num_ids = int(vocab_size)
         self.eod = self._num_ids
         self.vocab_size = self._num_ids + 1
@@ -54,12 +60,12 @@ class NullTokenizer(Tokenizer):
             ids = list(map(int, words))
         except ValueError:
             bad = next(w for w in words if not _is_int(w))
-            raise ValueError(
+            raise TokenizerError(
                 f"NullTokenizer reads whitespace-separated integer ids, got {bad[:40]!r}"
             ) from None
         if ids and (min(ids) < 0 or max(ids) >= self._num_ids):
             bad = next(i for i in ids if not 0 <= i < self._num_ids)
-            raise ValueError(
+            raise TokenizerError(
                 f"NullTokenizer id {bad} is outside [0, {self._num_ids}) set by --vocab-size "
                 f"{self._num_ids}; raise --vocab-size above the largest id"
             )
@@ -76,16 +82,25 @@ class SentencePieceTokenizer(Tokenizer):
         import sentencepiece as spm
 
         if not os.path.isfile(model_path):
-            raise ValueError(f"--tokenizer-model {model_path}: no such SentencePiece .model file")
+            raise TokenizerError(
+                f"--tokenizer-model {model_path}: no such SentencePiece .model file"
+            )
         self.model_path = model_path
-        self._sp = spm.SentencePieceProcessor(model_file=model_path)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=model_path)
+        except (RuntimeError, OSError) as e:  # "could not parse ModelProto from ..."
+            raise TokenizerError(
+                f"--tokenizer-model {model_path}: not a SentencePiece model "
+                f"({one_line(str(e)).replace(f' from {model_path}', '')}); pass the .model file "
+                "tools/train_tokenizer.py (or SentencePiece) wrote"
+            ) from None
         self.vocab_size = int(self._sp.vocab_size())
         self.bos = _none_if_negative(self._sp.bos_id())
         self.eos = _none_if_negative(self._sp.eos_id())
         self.pad = _none_if_negative(self._sp.pad_id())
         self.unk = _none_if_negative(self._sp.unk_id())
         if self.eos is None:
-            raise ValueError(
+            raise TokenizerError(
                 f"--tokenizer-model {model_path} has no eos piece (eos_id=-1), so there is no eod; "
                 "retrain it with an eos id (tools/train_tokenizer.py sets eos_id=2)"
             )
@@ -118,7 +133,7 @@ class Llama2Tokenizer(SentencePieceTokenizer):
     def __init__(self, model_path: str):
         super().__init__(model_path)
         if self.bos is None:
-            raise ValueError(
+            raise TokenizerError(
                 f"--tokenizer-model {model_path} has no bos piece (bos_id=-1); Llama2Tokenizer "
                 "starts every text with it"
             )
@@ -141,7 +156,9 @@ class HuggingFaceTokenizer(Tokenizer):
 
     def __init__(self, model_path: str):
         if not os.path.exists(model_path):
-            raise ValueError(f"--tokenizer-model {model_path}: no such tokenizer.json or folder")
+            raise TokenizerError(
+                f"--tokenizer-model {model_path}: no such tokenizer.json or folder"
+            )
         self.model_path = model_path
         self._hf = None  # transformers tokenizer
         self._tk = None  # tokenizers.Tokenizer
@@ -171,7 +188,7 @@ class HuggingFaceTokenizer(Tokenizer):
             self.vocab_size = self._tk.get_vocab_size(with_added_tokens=True)
             eos = self._eos_from_json(model_path)
         if eos is None:
-            raise ValueError(
+            raise TokenizerError(
                 f"--tokenizer-model {self.model_path} has no eos token (tried "
                 f"{', '.join(self._EOS_CANDIDATES)}); add one so the tokenizer has an eod id"
             )
@@ -231,14 +248,47 @@ def make_tokenizer(
 ) -> Tokenizer:
     """Build a tokenizer from Megatron's flags: ``--tokenizer-type``, ``--tokenizer-model``,
     ``--vocab-size`` (NullTokenizer, TikTokenizer), ``--vocab-file`` / ``--merge-file``
-    (GPT2BPETokenizer), ``--tiktoken-pattern`` / ``--tiktoken-num-special-tokens``."""
+    (GPT2BPETokenizer), ``--tiktoken-pattern`` / ``--tiktoken-num-special-tokens``. A file
+    that cannot be read as that tokenizer is a ``TokenizerError`` naming the flag and the file."""
+    files = {"--tokenizer-model": tokenizer_model, "--vocab-file": vocab_file}
+    files["--merge-file"] = merge_file
+    try:
+        return _make_tokenizer(
+            tokenizer_type,
+            tokenizer_model=tokenizer_model,
+            vocab_size=vocab_size,
+            vocab_file=vocab_file,
+            merge_file=merge_file,
+            tiktoken_pattern=tiktoken_pattern,
+            tiktoken_num_special_tokens=tiktoken_num_special_tokens,
+        )
+    except UserError:
+        raise
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError, IndexError) as e:
+        named = ", ".join(f"{flag} {path}" for flag, path in files.items() if path)
+        raise TokenizerError(
+            f"--tokenizer-type {tokenizer_type}: cannot read {named or 'its files'} "
+            f"({type(e).__name__}: {one_line(str(e))[:200]}); pass files of that tokenizer type"
+        ) from None
+
+
+def _make_tokenizer(
+    tokenizer_type: str,
+    *,
+    tokenizer_model: str | None,
+    vocab_size: int | None,
+    vocab_file: str | None,
+    merge_file: str | None,
+    tiktoken_pattern: str | None,
+    tiktoken_num_special_tokens: int,
+) -> Tokenizer:
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
-            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size V (eod is V)")
+            raise TokenizerError("--tokenizer-type NullTokenizer needs --vocab-size V (eod is V)")
         return NullTokenizer(vocab_size)
     if tokenizer_type == "GPT2BPETokenizer":
         if not vocab_file or not merge_file:
-            raise ValueError(
+            raise TokenizerError(
                 "--tokenizer-type GPT2BPETokenizer needs --vocab-file (vocab.json) and "
                 "--merge-file (merges.txt)"
             )
@@ -246,12 +296,12 @@ def make_tokenizer(
 
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type not in TOKENIZER_TYPES:
-        raise ValueError(
+        raise TokenizerError(
             f"--tokenizer-type {tokenizer_type!r} is not supported; use one of "
             f"{', '.join(TOKENIZER_TYPES)}"
         )
     if not tokenizer_model:
-        raise ValueError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model")
+        raise TokenizerError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model")
     if tokenizer_type == "TikTokenizer":
         from megalite.data.tiktoken_tokenizer import TikTokenizer
 

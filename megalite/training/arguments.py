@@ -24,6 +24,8 @@ import logging
 import re
 from collections.abc import Mapping, Sequence
 
+import torch
+
 from megalite.data.config import DataConfig
 from megalite.models.config import VOCAB_FROM_TOKENIZER, GPTConfig
 from megalite.training.config import (
@@ -192,6 +194,11 @@ def build_config(a: argparse.Namespace, *, world_size: int, rank: int = 0) -> Pr
                 f"--distributed-backend {a.distributed_backend} does not run on --device {a.device}"
             )
         parallel.device = wanted
+        if wanted == "cuda" and not torch.cuda.is_available():  # issue 17
+            raise ConfigError(
+                "--distributed-backend nccl needs CUDA and this machine has no GPU "
+                "(torch.cuda.is_available() is False); drop the flag to run on CPU with gloo"
+            )
     parallel.validate()  # the world size first: the batch default below divides by DP
     gbs, train_iters = _batch_and_iters(a, parallel.data_parallel_size)
     try:

@@ -20,6 +20,7 @@ import torch
 
 from megalite.core.pipeline_parallel.stages import stage_layer_ranges
 from megalite.data.config import DataConfig
+from megalite.errors import UserError
 from megalite.models.config import VOCAB_FROM_TOKENIZER, GPTConfig
 from megalite.training.lr_schedule import DECAY_STYLES
 from megalite.training.signals import parse_signal
@@ -28,8 +29,10 @@ PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 DEVICES = ("auto", "cpu", "cuda")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):  # issue 17: a UserError (megalite.errors)
     """A bad setting or combination; the message is one line, ready to print after ``error: ``."""
+
+    exit_code = 2
 
 
 def _at_least(low: float, *named: tuple[str, float | None]) -> None:

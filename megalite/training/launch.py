@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.core.parallel_state import default_backend, init_single_process
+from megalite.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -151,11 +152,21 @@ def init_distributed(
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
         return
     addr = launch.master_addr or "127.0.0.1"
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{addr}:{launch.master_port}",
-        rank=launch.rank,
-        world_size=launch.world_size,
-        timeout=timeout,
-    )
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{addr}:{launch.master_port}",
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=timeout,
+        )
+    except RuntimeError as e:  # DistNetworkError: the rendezvous port cannot be bound
+        text = str(e)
+        if "EADDRINUSE" not in text and "address already in use" not in text.lower():
+            raise
+        raise UserError(
+            f"srun launch: MASTER_PORT {launch.master_port} on {addr} is in use (another job or "
+            "process listens there); export MASTER_PORT=<a free port>, e.g. "
+            "$((20000 + SLURM_JOB_ID % 20000)), in the sbatch script"
+        ) from None
     logger.info("srun launch: %d tasks, master %s:%s", launch.world_size, addr, launch.master_port)

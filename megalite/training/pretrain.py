@@ -32,6 +32,7 @@ from megalite.training.forward_step import make_forward_step
 from megalite.training.launch import detect_launch, init_distributed, select_device
 from megalite.training.logging import configure_logging
 from megalite.training.signals import ExitSignalHandler, parse_signal
+from megalite.training.startup_checks import check_startup
 from megalite.training.trainer import Trainer, TrainingError, TrainResult
 
 __all__ = ["Run", "TrainResult", "Trainer", "TrainingError", "build_run", "pretrain"]
@@ -131,6 +132,7 @@ def pretrain(
     """Run the whole job described by ``cfg``; returns the summary (losses on the last stage)."""
     cfg = with_tokenizer(cfg)  # validates; builds the tokenizer unless set
     launch = detect_launch(env)
+    check_startup(cfg, launch)  # issue 17: flags and files, before any process group
     device = select_device(cfg.parallel.device, launch.local_rank)
     owns_world = not dist.is_initialized()
     init_distributed(launch, device, timeout_minutes=cfg.parallel.distributed_timeout_minutes)
