@@ -17,6 +17,7 @@ bug in megalite) propagates with its traceback.
 
 from __future__ import annotations
 
+import argparse
 import errno
 import os
 import sys
@@ -28,6 +29,20 @@ class UserError(Exception):
     """Something the user can fix; the message is one line naming the flag or file."""
 
     exit_code = 1
+
+
+class UsageError(UserError):
+    """A bad command line (unknown flag, missing or malformed value)."""
+
+    exit_code = 2
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for the tools: a bad command line is a ``UsageError`` (one line, status 2),
+    not usage text."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)")
 
 
 class DataError(UserError, ValueError):

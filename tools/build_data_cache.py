@@ -18,11 +18,12 @@ import sys
 
 from megalite.data.builders import build_datasets, train_valid_test_num_samples
 from megalite.data.config import DataConfig
+from megalite.errors import ArgumentParser, UsageError, UserError, run_main
 from megalite.training.config import TrainingConfig
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--data-path", nargs="+", default=None)
     data, training = DataConfig(), TrainingConfig()  # the defaults of pretrain_gpt.py
     p.add_argument("--split", default=data.split)
@@ -42,8 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     if ignored:
         logging.info("ignoring flags that do not change the data caches: %s", " ".join(ignored))
     if (args.train_iters is None) == (args.train_samples is None):
-        print("error: give exactly one of --train-iters and --train-samples", file=sys.stderr)
-        return 1
+        raise UsageError("give exactly one of --train-iters and --train-samples")
     iters = args.train_iters
     if iters is None:
         iters = -(-args.train_samples // args.global_batch_size)
@@ -67,16 +67,19 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
     )
     try:
+        cfg.validate()
+    except ValueError as e:  # the data flags, each named in the message
+        raise UsageError(str(e)) from None
+    try:
         datasets = build_datasets(
             cfg, tokenizer=None, train_samples=train, valid_samples=valid, test_samples=test
         )
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except OSError as e:  # the cache folder
+        raise UserError(f"--data-cache-path {args.data_cache_path}: {e}") from None
     for name, ds in zip(("train", "valid", "test"), datasets):
         logging.info("%s: %s", name, "none" if ds is None else f"{len(ds)} samples cached")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

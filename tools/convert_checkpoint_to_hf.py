@@ -20,13 +20,13 @@ import logging
 import sys
 import time
 
-from megalite.checkpoint import CheckpointError
-from megalite.conversion import ConversionError, export_to_hf, hf_logit_difference
+from megalite.conversion import export_to_hf, hf_logit_difference
 from megalite.conversion.hf_files import parse_size
+from megalite.errors import ArgumentParser, run_main
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--load", required=True, help="the megalite --save directory (or an iter_*)")
     p.add_argument("--iteration", help="which iteration (default: the latest complete one)")
     p.add_argument("--save", required=True, help="the HuggingFace folder to write")
@@ -41,17 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     if iteration is not None and iteration != "release":
         iteration = int(iteration)
     started = time.perf_counter()
-    try:
-        out = export_to_hf(
-            args.load,
-            args.save,
-            iteration=iteration,
-            dtype=args.dtype,
-            max_shard_size=parse_size(args.max_shard_size),
-        )
-    except (ConversionError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    out = export_to_hf(
+        args.load,
+        args.save,
+        iteration=iteration,
+        dtype=args.dtype,
+        max_shard_size=parse_size(args.max_shard_size),
+    )
     model = out["model"]
     print(
         f"wrote {args.save}: {out['family']} ({model.checkpoint_info['path']}), "
@@ -71,4 +67,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -21,11 +21,12 @@ import shlex
 import sys
 import time
 
-from megalite.conversion import ConversionError, import_from_hf, megalite_flags
+from megalite.conversion import import_from_hf, megalite_flags
+from megalite.errors import ArgumentParser, run_main
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--load", required=True, help="the HuggingFace model folder")
     p.add_argument("--save", required=True, help="the megalite checkpoint directory to write")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -33,17 +34,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     args = p.parse_args(argv)
     started = time.perf_counter()
-    try:
-        config, iter_dir = import_from_hf(
-            args.load,
-            args.save,
-            tp_size=args.tensor_model_parallel_size,
-            pp_size=args.pipeline_model_parallel_size,
-            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        )
-    except (ConversionError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    config, iter_dir = import_from_hf(
+        args.load,
+        args.save,
+        tp_size=args.tensor_model_parallel_size,
+        pp_size=args.pipeline_model_parallel_size,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+    )
     flags = megalite_flags(config)
     has_tokenizer = any(
         os.path.isfile(os.path.join(args.load, n)) for n in ("tokenizer.json", "tokenizer.model")
@@ -63,4 +60,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

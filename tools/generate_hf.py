@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megalite.errors import ArgumentParser, UsageError, UserError, one_line, run_main
+
 DEFAULT_PROMPTS = ("import os", "def __init__(self,", "class", "for i in range(")
 
 
@@ -62,7 +64,7 @@ def generate(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", required=True, help="a HuggingFace model folder")
     p.add_argument("--prompt", action="append", help="repeatable; default: a few Python openings")
     p.add_argument("--max-new-tokens", type=int, default=40)
@@ -72,12 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     args = p.parse_args(argv)
     if args.max_new_tokens < 1 or args.temperature <= 0 or args.top_k < 1:
-        print(
-            f"error: need --max-new-tokens >= 1 (got {args.max_new_tokens}), --temperature > 0 "
-            f"(got {args.temperature}) and --top-k >= 1 (got {args.top_k})",
-            file=sys.stderr,
+        raise UsageError(
+            f"need --max-new-tokens >= 1 (got {args.max_new_tokens}), --temperature > 0 "
+            f"(got {args.temperature}) and --top-k >= 1 (got {args.top_k})"
         )
-        return 2
     prompts = args.prompt or list(DEFAULT_PROMPTS)
     try:
         texts = generate(
@@ -89,13 +89,14 @@ def main(argv: list[str] | None = None) -> int:
             greedy=args.greedy,
             seed=args.seed,
         )
-    except (OSError, ValueError) as e:
-        print(f"error: {e}".splitlines()[0], file=sys.stderr)
-        return 1
+    except UserError:
+        raise
+    except (OSError, ValueError) as e:  # transformers: a missing or unreadable model folder
+        raise UserError(f"--model {args.model}: {one_line(str(e))[:300]}") from None
     for prompt, text in zip(prompts, texts):
         print(f"{prompt}|{text}".replace("\n", "⏎"))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

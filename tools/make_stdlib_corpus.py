@@ -23,6 +23,8 @@ import sys
 import sysconfig
 from collections.abc import Iterator
 
+from megalite.errors import ArgumentParser, DataError, UserError, path_problem, run_main
+
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 _TEST_DIRS = {"test", "tests", "idle_test"}
 DEFAULT_EXCLUDE = ("encodings", "pydoc_data")
@@ -70,11 +72,26 @@ def write_corpus(
 ) -> tuple[int, int]:
     """Write the jsonl; stop before exceeding ``max_mb`` megabytes of text (0: no limit).
     Returns (documents, bytes of text)."""
-    docs = size = 0
     limit = int(max_mb * 1e6) if max_mb else None
     folder = os.path.dirname(os.path.abspath(output))
     os.makedirs(folder, exist_ok=True)
     tmp = output + ".tmp"
+    try:
+        written = _write_documents(tmp, root, include_tests, exclude, limit)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)  # a full disk or Ctrl-C leaves no partial corpus
+        raise
+    docs, size = written
+    if docs == 0:
+        os.remove(tmp)
+        raise DataError(f"no .py files found under {root or stdlib_root()} (--root)")
+    os.replace(tmp, output)
+    return docs, size
+
+
+def _write_documents(tmp: str, root, include_tests, exclude, limit) -> tuple[int, int]:
+    docs = size = 0
     with open(tmp, "w", encoding="utf-8") as out:
         for rel, text in stdlib_documents(root, include_tests=include_tests, exclude=exclude):
             n = len(text.encode("utf-8"))
@@ -83,15 +100,11 @@ def write_corpus(
             out.write(json.dumps({"text": text, "path": rel}, ensure_ascii=False) + "\n")
             docs += 1
             size += n
-    if docs == 0:
-        os.remove(tmp)
-        raise ValueError(f"no .py files found under {root or stdlib_root()}")
-    os.replace(tmp, output)
     return docs, size
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--output", required=True, help="the .jsonl to write")
     p.add_argument("--root", help="library folder (default: this Python's standard library)")
     p.add_argument("--include-tests", action="store_true", help="keep the test suites too")
@@ -108,13 +121,14 @@ def main(argv: list[str] | None = None) -> int:
             exclude=args.exclude,
             max_mb=args.max_mb,
         )
-    except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except OSError as e:
+        raise UserError(
+            f"--output {args.output}: cannot write ({path_problem(e)}); choose a writable path"
+        ) from None
     print(f"wrote {docs} documents ({size / 1e6:.1f} MB) from {args.root or stdlib_root()} "
           f"to {args.output}")  # fmt: skip
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -13,11 +13,13 @@ comparison exact: ``tests/core/test_mesh_layout.py`` computes the same digest fr
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import itertools
 import json
 import os
+import sys
+
+from megalite.errors import ArgumentParser, UserError, run_main
 
 SIZES = (1, 2, 3, 4, 8)
 ORDERS = ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp")
@@ -32,13 +34,18 @@ def key(sizes: dict[str, int], order: str) -> str:
     return f"{order}|" + ",".join(f"{a}{sizes[a]}" for a in ("tp", "cp", "ep", "dp", "pp"))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     here = os.path.dirname(os.path.abspath(__file__))
     default = os.path.join(here, "..", "tests", "fixtures", "megatron_rank_groups.json")
     parser.add_argument("--output", default=default)
-    args = parser.parse_args()
-    from megatron.core.parallel_state import RankGenerator
+    args = parser.parse_args(argv)
+    try:
+        from megatron.core.parallel_state import RankGenerator
+    except ImportError:
+        raise UserError(
+            "megatron-core is not importable; see this tool's docstring (pip install --target)"
+        ) from None
 
     out = {}
     for tp, cp, ep, dp, pp in itertools.product(SIZES, repeat=5):
@@ -51,7 +58,8 @@ def main() -> None:
     with open(args.output, "w") as f:
         json.dump(out, f, indent=0, sort_keys=True)
     print(f"{len(out)} digests -> {args.output}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

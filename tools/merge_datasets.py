@@ -17,6 +17,7 @@ import os
 import sys
 
 from megalite.data.indexed_dataset import merge_datasets
+from megalite.errors import ArgumentParser, UserError, check_writable_dir, path_problem, run_main
 
 
 def resolve_prefixes(inputs: list[str]) -> list[str]:
@@ -24,26 +25,30 @@ def resolve_prefixes(inputs: list[str]) -> list[str]:
     if len(inputs) == 1 and os.path.isdir(inputs[0]):
         names = sorted(f[: -len(".idx")] for f in os.listdir(inputs[0]) if f.endswith(".idx"))
         if not names:
-            raise ValueError(f"--input {inputs[0]}: no .idx files in this folder")
+            raise UserError(f"--input {inputs[0]}: no .idx files in this folder")
         return [os.path.join(inputs[0], n) for n in names]
     return list(inputs)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="a folder of shards, or prefixes")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    prefixes = resolve_prefixes(args.input)
+    out = os.path.abspath(args.output_prefix)
+    if any(os.path.abspath(x) == out for x in prefixes):
+        raise UserError(f"--output-prefix {args.output_prefix} is also an input; pick another")
+    folder = os.path.dirname(out)
+    check_writable_dir(folder, flag="--output-prefix", what="merged dataset")
     try:
-        prefixes = resolve_prefixes(args.input)
-        out = os.path.abspath(args.output_prefix)
-        if any(os.path.abspath(x) == out for x in prefixes):
-            raise ValueError(f"--output-prefix {args.output_prefix} is also an input; pick another")
         ds = merge_datasets(prefixes, args.output_prefix)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except OSError as e:  # writing the output (the inputs are checked as IndexedDatasetErrors)
+        raise UserError(
+            f"--output-prefix {args.output_prefix}: cannot write ({path_problem(e)}); nothing was "
+            "kept; free space or choose another folder"
+        ) from None
     logging.info(
         "merged %d datasets into %s: %d documents, %d tokens",
         len(prefixes),
@@ -55,4 +60,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

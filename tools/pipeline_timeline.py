@@ -11,9 +11,11 @@ start.
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 from html import escape
+
+from megalite.errors import ArgumentParser, UserError, path_problem, run_main
 
 COLOURS = {
     "forward": "#4c78a8",
@@ -62,17 +64,27 @@ def render_svg(stages: list[list[tuple[str, float, float]]], title: str = "") ->
     return "\n".join(out)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("timeline")
     parser.add_argument("out")
     parser.add_argument("--title", default="")
-    args = parser.parse_args()
-    with open(args.timeline) as f:
-        stages = json.load(f)["stages"]
-    with open(args.out, "w") as f:
-        f.write(render_svg(stages, args.title))
+    args = parser.parse_args(argv)
+    try:
+        with open(args.timeline) as f:
+            stages = json.load(f)["stages"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(
+            f"{args.timeline}: not a readable timeline JSON with a 'stages' list ({e!r:.120})"
+        ) from None
+    svg = render_svg(stages, args.title)
+    try:
+        with open(args.out, "w") as f:
+            f.write(svg)
+    except OSError as e:
+        raise UserError(f"{args.out}: cannot write ({path_problem(e)})") from None
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -30,12 +30,13 @@ import logging
 import signal
 import sys
 
-from megalite.data.preprocess import PreprocessError, preprocess_jsonl
+from megalite.data.preprocess import preprocess_jsonl
 from megalite.data.tokenizers import TOKENIZER_TYPES, make_tokenizer
+from megalite.errors import ArgumentParser, run_main
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
         "--input", required=True, help="a .jsonl, .json (one object a line) or .jsonl.gz"
     )
@@ -96,13 +97,10 @@ def main(argv: list[str] | None = None) -> int:
             skip_bad_lines=args.skip_bad_lines,
             chunk_lines=args.chunk_lines,
         )
-    except (PreprocessError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -18,10 +18,11 @@ import logging
 import sys
 
 from megalite.data.tokenizer_training import train_sentencepiece
+from megalite.errors import ArgumentParser, run_main
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help=".jsonl or .jsonl.gz files")
     p.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
     p.add_argument("--vocab-size", type=int, required=True)
@@ -40,27 +41,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-threads", type=int, default=1)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
-    try:
-        path = train_sentencepiece(
-            args.input,
-            args.model_prefix,
-            vocab_size=args.vocab_size,
-            model_type=args.model_type,
-            json_keys=args.json_keys,
-            character_coverage=args.character_coverage,
-            byte_fallback=args.byte_fallback,
-            keep_whitespace=args.keep_whitespace,
-            input_sentence_size=args.input_sentence_size,
-            max_sentence_length=args.max_sentence_length,
-            pad_id=args.pad_id,
-            num_threads=args.num_threads,
-        )
-    except (ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    path = train_sentencepiece(
+        args.input,
+        args.model_prefix,
+        vocab_size=args.vocab_size,
+        model_type=args.model_type,
+        json_keys=args.json_keys,
+        character_coverage=args.character_coverage,
+        byte_fallback=args.byte_fallback,
+        keep_whitespace=args.keep_whitespace,
+        input_sentence_size=args.input_sentence_size,
+        max_sentence_length=args.max_sentence_length,
+        pad_id=args.pad_id,
+        num_threads=args.num_threads,
+    )
     logging.info("wrote %s", path)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

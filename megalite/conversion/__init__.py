@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 
 import torch
 
+from megalite.checkpoint.files import RELEASE, read_tracker
 from megalite.conversion import gpt2, llama
 from megalite.conversion.errors import ConversionError
 from megalite.conversion.hf_files import (
@@ -26,6 +28,7 @@ from megalite.conversion.hf_files import (
     save_tokenizer_files,
 )
 from megalite.conversion.megalite_files import write_checkpoint
+from megalite.errors import UserError, check_writable_dir, path_problem
 from megalite.models.config import GPTConfig
 
 logger = logging.getLogger(__name__)
@@ -66,6 +69,7 @@ def export_to_hf(
     ``{"family", "files", "tokenizer_files", "model"}`` (``model``: the ``load_model`` result)."""
     from megalite.inference import load_model
 
+    check_writable_dir(hf_dir, flag="--save", what="HuggingFace model")
     model = load_model(load_dir, iteration)
     config = model.config
     family = family_of(config)
@@ -82,15 +86,23 @@ def export_to_hf(
     module = FAMILIES[family]
     state = {k: v.detach() for k, v in model.state_dict().items()}
     hf_state = {k: v.to(target) for k, v in module.to_hf(state, config).items()}
-    os.makedirs(hf_dir, exist_ok=True)
-    files = save_safetensors(hf_state, hf_dir, max_shard_bytes=max_shard_size)
-    hf_config = module.hf_config(config, bos_token_id=bos, eos_token_id=eos)
-    setattr(hf_config, "dtype" if hasattr(hf_config, "dtype") else "torch_dtype", target)
-    hf_config.save_pretrained(hf_dir)
-    save_generation_config(hf_dir, bos_token_id=bos, eos_token_id=eos)
-    tokenizer_files = save_tokenizer_files(
-        record.get("data", {}), hf_dir, max_length=config.seq_length, eos_token_id=eos
-    )
+    try:  # the weights first, config.json after: a failed write leaves no loadable folder
+        files = save_safetensors(hf_state, hf_dir, max_shard_bytes=max_shard_size)
+        hf_config = module.hf_config(config, bos_token_id=bos, eos_token_id=eos)
+        setattr(hf_config, "dtype" if hasattr(hf_config, "dtype") else "torch_dtype", target)
+        hf_config.save_pretrained(hf_dir)
+        save_generation_config(hf_dir, bos_token_id=bos, eos_token_id=eos)
+        tokenizer_files = save_tokenizer_files(
+            record.get("data", {}), hf_dir, max_length=config.seq_length, eos_token_id=eos
+        )
+    except OSError as e:
+        for name in ("config.json", "generation_config.json"):
+            if os.path.exists(os.path.join(hf_dir, name)):
+                os.remove(os.path.join(hf_dir, name))
+        raise ConversionError(
+            f"--save {hf_dir}: cannot write the HuggingFace model ({path_problem(e)}); free space "
+            "or choose another folder"
+        ) from None
     return {"family": family, "files": files, "tokenizer_files": tokenizer_files, "model": model}
 
 
@@ -104,6 +116,7 @@ def import_from_hf(
 ) -> tuple[GPTConfig, str]:
     """A local HF GPT-2 or Llama folder -> a megalite ``release`` checkpoint under TP x PP.
     Returns (the model's GPTConfig, the iteration directory)."""
+    check_writable_dir(save_dir, flag="--save", what="megalite checkpoint")
     hf_config = load_hf_config(hf_dir)
     family = HF_MODEL_TYPES.get(hf_config.model_type)
     if family is None:
@@ -124,9 +137,19 @@ def import_from_hf(
         "data": data if has_tokenizer else {},
         "tokenizer": {"eod": hf_config.eos_token_id, "bos": hf_config.bos_token_id},
     }
-    iter_dir = write_checkpoint(
-        state, config, save_dir, tp_size=tp_size, pp_size=pp_size, extra_record=extra
-    )
+    try:
+        iter_dir = write_checkpoint(
+            state, config, save_dir, tp_size=tp_size, pp_size=pp_size, extra_record=extra
+        )
+    except (UserError, OSError) as e:  # a full disk: no half-written release stays behind
+        if read_tracker(save_dir) != RELEASE:
+            shutil.rmtree(os.path.join(save_dir, RELEASE), ignore_errors=True)
+        if isinstance(e, UserError):
+            raise
+        raise ConversionError(
+            f"--save {save_dir}: cannot write the checkpoint ({path_problem(e)}); nothing was "
+            "kept; free space or choose another folder"
+        ) from None
     return config, iter_dir
 
 

@@ -17,11 +17,13 @@ import shutil
 import torch
 
 from megalite.conversion.errors import ConversionError
+from megalite.errors import one_line
 
 logger = logging.getLogger(__name__)
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+BIN_INDEX = "pytorch_model.bin.index.json"
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -96,14 +98,21 @@ def load_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
     def torch_load(path: str) -> dict[str, torch.Tensor]:
         return torch.load(path, map_location="cpu", weights_only=True)
 
-    if os.path.isfile(os.path.join(hf_dir, SAFETENSORS)):
-        return load_file(os.path.join(hf_dir, SAFETENSORS))
-    if os.path.isfile(os.path.join(hf_dir, SAFETENSORS_INDEX)):
-        return from_index(SAFETENSORS_INDEX, load_file)
-    if os.path.isfile(os.path.join(hf_dir, "pytorch_model.bin")):
-        return torch_load(os.path.join(hf_dir, "pytorch_model.bin"))
-    if os.path.isfile(os.path.join(hf_dir, "pytorch_model.bin.index.json")):
-        return from_index("pytorch_model.bin.index.json", torch_load)
+    sources = (
+        (SAFETENSORS, lambda: load_file(os.path.join(hf_dir, SAFETENSORS))),
+        (SAFETENSORS_INDEX, lambda: from_index(SAFETENSORS_INDEX, load_file)),
+        ("pytorch_model.bin", lambda: torch_load(os.path.join(hf_dir, "pytorch_model.bin"))),
+        ("pytorch_model.bin.index.json", lambda: from_index(BIN_INDEX, torch_load)),
+    )
+    for name, load in sources:
+        if os.path.isfile(os.path.join(hf_dir, name)):
+            try:
+                return load()
+            except Exception as e:  # noqa: BLE001 - safetensors, json, torch: a bad file
+                raise ConversionError(
+                    f"--load {hf_dir}: cannot read {name} or a file it names ({type(e).__name__}: "
+                    f"{one_line(str(e))[:160]}); the folder is truncated or corrupt"
+                ) from None
     raise ConversionError(
         f"{hf_dir} holds no {SAFETENSORS}, {SAFETENSORS_INDEX} or pytorch_model.bin; is it a "
         "HuggingFace model folder?"
@@ -116,7 +125,13 @@ def load_hf_config(hf_dir: str):
 
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise ConversionError(f"{hf_dir} has no config.json; is it a HuggingFace model folder?")
-    return transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+    try:
+        return transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConversionError(
+            f"--load {hf_dir}: cannot read config.json ({one_line(str(e))[:160]}); is it a "
+            "HuggingFace model folder?"
+        ) from None
 
 
 def save_generation_config(hf_dir: str, *, bos_token_id, eos_token_id) -> None:

@@ -328,7 +328,7 @@ class IndexedDatasetBuilder:
                 info = np.iinfo(self.dtype)
                 lo, hi = int(arr.min()), int(arr.max())
                 if lo < info.min or hi > info.max:
-                    raise ValueError(
+                    raise IndexedDatasetError(
                         f"token ids span [{lo}, {hi}], outside {self.dtype} [{info.min}, "
                         f"{info.max}] of {self.prefix}; build it with a wider dtype"
                     )
@@ -339,7 +339,7 @@ class IndexedDatasetBuilder:
 def merge_datasets(prefixes: list[str], output_prefix: str) -> IndexedDataset:
     """Concatenate the datasets at ``prefixes`` (in order) into ``output_prefix`` atomically."""
     if not prefixes:
-        raise ValueError("nothing to merge: no input dataset prefixes")
+        raise IndexedDatasetError("nothing to merge: no input dataset prefixes")
     dtype = IndexedDataset(prefixes[0]).dtype
     builder = IndexedDatasetBuilder(output_prefix, dtype=dtype)
     with builder:
