@@ -23,6 +23,11 @@ from megalite.training.config import TrainingConfig
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; a user error prints one ``error:`` line: status 1 (2: bad usage)."""
+    return run_main(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--data-path", nargs="+", default=None)
     data, training = DataConfig(), TrainingConfig()  # the defaults of pretrain_gpt.py
@@ -82,4 +87,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    sys.exit(main())

@@ -26,6 +26,11 @@ from megalite.errors import ArgumentParser, run_main
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; a user error prints one ``error:`` line: status 1 (2: bad usage)."""
+    return run_main(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--load", required=True, help="the megalite --save directory (or an iter_*)")
     p.add_argument("--iteration", help="which iteration (default: the latest complete one)")
@@ -67,4 +72,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    sys.exit(main())

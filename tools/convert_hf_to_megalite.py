@@ -26,6 +26,11 @@ from megalite.errors import ArgumentParser, run_main
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; a user error prints one ``error:`` line: status 1 (2: bad usage)."""
+    return run_main(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--load", required=True, help="the HuggingFace model folder")
     p.add_argument("--save", required=True, help="the megalite checkpoint directory to write")
@@ -60,4 +65,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    sys.exit(main())

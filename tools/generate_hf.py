@@ -64,6 +64,11 @@ def generate(
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; a user error prints one ``error:`` line: status 1 (2: bad usage)."""
+    return run_main(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", required=True, help="a HuggingFace model folder")
     p.add_argument("--prompt", action="append", help="repeatable; default: a few Python openings")
@@ -99,4 +104,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    sys.exit(main())

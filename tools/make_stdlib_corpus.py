@@ -104,6 +104,11 @@ def _write_documents(tmp: str, root, include_tests, exclude, limit) -> tuple[int
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; a user error prints one ``error:`` line: status 1 (2: bad usage)."""
+    return run_main(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--output", required=True, help="the .jsonl to write")
     p.add_argument("--root", help="library folder (default: this Python's standard library)")
@@ -131,4 +136,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    sys.exit(main())

@@ -31,6 +31,11 @@ def resolve_prefixes(inputs: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; a user error prints one ``error:`` line: status 1 (2: bad usage)."""
+    return run_main(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="a folder of shards, or prefixes")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
@@ -60,4 +65,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    sys.exit(main())

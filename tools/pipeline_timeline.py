@@ -65,6 +65,11 @@ def render_svg(stages: list[list[tuple[str, float, float]]], title: str = "") ->
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; a user error prints one ``error:`` line: status 1 (2: bad usage)."""
+    return run_main(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("timeline")
     parser.add_argument("out")
@@ -87,4 +92,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    sys.exit(main())

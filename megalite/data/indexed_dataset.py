@@ -27,7 +27,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from megalite.errors import UserError
+from megalite.errors import UserError, path_problem
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -80,6 +80,15 @@ class IndexedDataset:
         self._open()
 
     def _open(self) -> None:
+        try:
+            self._open_files()
+        except OSError as e:  # unreadable (permissions, I/O error): name the file
+            raise IndexedDatasetError(
+                f"{e.filename or self.prefix}: cannot read the dataset ({path_problem(e)}); check "
+                "the path and its permissions"
+            ) from None
+
+    def _open_files(self) -> None:
         idx_path, bin_path = self.prefix + ".idx", self.prefix + ".bin"
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):

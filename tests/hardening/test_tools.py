@@ -35,10 +35,6 @@ from tools import (
 NULL = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
 
 
-def guarded(tool):
-    return lambda argv: run_main(tool.main, argv)
-
-
 def _jsonl(path, texts, *, gz: bool = False, cut: int = 0) -> str:
     data = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
     if gz:
@@ -48,7 +44,7 @@ def _jsonl(path, texts, *, gz: bool = False, cut: int = 0) -> str:
 
 
 def test_preprocess_data(tmp_path, capsys):
-    pre = guarded(preprocess_data)
+    pre = preprocess_data.main
     out = tmp_path / "out"
     good = _jsonl(tmp_path / "in.jsonl", ["1 2 3", "4 5"])
     # a file that is not a SentencePiece model
@@ -92,7 +88,7 @@ def test_an_empty_corpus_gives_an_empty_dataset_that_pretraining_refuses(tmp_pat
 
     empty = _jsonl(tmp_path / "empty.jsonl", [])
     argv = ["--input", empty, "--output-prefix", tmp_path / "e", *NULL, "--append-eod"]
-    assert run_main(preprocess_data.main, [str(a) for a in argv]) == 0
+    assert preprocess_data.main([str(a) for a in argv]) == 0
     prefix = str(tmp_path / "e_text_document")
     status, err = run_in_process(pretrain_main, [*TINY, "--data-path", prefix], capsys)
     assert status == 1
@@ -100,7 +96,7 @@ def test_an_empty_corpus_gives_an_empty_dataset_that_pretraining_refuses(tmp_pat
 
 
 def test_train_tokenizer(tmp_path, capsys):
-    tok = guarded(train_tokenizer)
+    tok = train_tokenizer.main
     empty = _jsonl(tmp_path / "empty.jsonl", ["", "   "])
     argv = ["--input", empty, "--model-prefix", tmp_path / "m" / "tok", "--vocab-size", "300"]
     status, err = run_in_process(tok, argv, capsys)
@@ -125,7 +121,7 @@ def test_conversion_tools(tmp_path, capsys):
     transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1,
                             n_head=2).save_pretrained(hf)  # fmt: skip
     (hf / "model.safetensors").write_bytes(b"\x00" * 50)
-    to_megalite = guarded(convert_hf_to_megalite)
+    to_megalite = convert_hf_to_megalite.main
     status, err = run_in_process(to_megalite, ["--load", hf, "--save", blocker / "x"], capsys)
     assert status == 1
     one_error_line(err, f"--save {blocker / 'x'}", "cannot create the folder")
@@ -134,7 +130,7 @@ def test_conversion_tools(tmp_path, capsys):
     one_error_line(err, f"--load {hf}", "cannot read model.safetensors")
     assert files_under(tmp_path / "m") == []
     # megalite -> HF: an impossible --save is found before the checkpoint is read
-    to_hf = guarded(convert_checkpoint_to_hf)
+    to_hf = convert_checkpoint_to_hf.main
     status, err = run_in_process(to_hf, ["--load", tmp_path / "m", "--save", blocker / "y"], capsys)
     assert status == 1
     one_error_line(err, f"--save {blocker / 'y'}")
@@ -145,24 +141,24 @@ def test_dataset_tools(tmp_path, capsys):
     with open(prefix + ".idx", "r+b") as f:
         f.truncate(10)
     status, err = run_in_process(
-        guarded(merge_datasets), ["--input", prefix, "--output-prefix", tmp_path / "m"], capsys
+        merge_datasets.main, ["--input", prefix, "--output-prefix", tmp_path / "m"], capsys
     )
     assert status == 1
     one_error_line(err, prefix + ".idx", "truncated index")
     assert not (tmp_path / "m.idx").exists() and not (tmp_path / "m.bin").exists()
     argv = ["--data-path", prefix, "--seq-length", "8", "--global-batch-size", "4",
             "--train-iters", "2"]  # fmt: skip
-    status, err = run_in_process(guarded(build_data_cache), argv, capsys)
+    status, err = run_in_process(build_data_cache.main, argv, capsys)
     assert status == 1
     one_error_line(err, prefix + ".idx")
     (tmp_path / "f").write_text("x")
     status, err = run_in_process(
-        guarded(make_stdlib_corpus), ["--output", tmp_path / "f" / "c.jsonl"], capsys
+        make_stdlib_corpus.main, ["--output", tmp_path / "f" / "c.jsonl"], capsys
     )
     assert status == 1
     one_error_line(err, f"--output {tmp_path / 'f' / 'c.jsonl'}")
     status, err = run_in_process(
-        guarded(pipeline_timeline), [tmp_path / "none.json", tmp_path / "o.svg"], capsys
+        pipeline_timeline.main, [tmp_path / "none.json", tmp_path / "o.svg"], capsys
     )
     assert status == 1
     one_error_line(err, str(tmp_path / "none.json"))
