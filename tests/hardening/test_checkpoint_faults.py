@@ -109,7 +109,8 @@ def test_non_finite_weights_never_become_the_latest_checkpoint(tmp_path, capsys)
     again = [*RUN, *fp16, "--load", save, "--no-load-optim", "--lr", "1e6"]
     status, out = run_in_process(main, again, capsys)
     assert status == 1
-    one_error_line(out, "iteration", "not finite")
+    one_error_line(out, "iteration 4: refusing to save", str(save), "not finite",
+                   "latest checkpoint stays iteration 2")  # fmt: skip
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert not [f for f in files_under(save) if f.startswith("iter_0000004") or ".tmp" in f]
     model = load_model(str(save))
@@ -140,3 +141,41 @@ def test_save_checkpoint_refuses_non_finite_parameters(tmp_path):
     assert files_under(tmp_path / "ckpt") == [
         "iter_0000001/mp_rank_00/model_optim_rng.pt", "latest_checkpointed_iteration.txt"
     ]  # fmt: skip
+
+
+def _two_rank_full_disk_case(save: str) -> str:
+    """Rank 1's own ZeRO-1 shard of iteration 4 hits a full disk; every rank must stop (no hang)
+    with one line, rank 0 having removed the partial iteration."""
+    import torch.distributed as dist
+
+    from megalite.training.pretrain import pretrain
+    from tests.training.common import config
+
+    rank = dist.get_rank()
+    saved = files.open if hasattr(files, "open") else None
+    if rank == 1:
+        files.open = _failing_open("iter_0000004/mp_rank_00/distrib_optim_001.pt", errno.ENOSPC)
+    try:
+        cfg = config("--use-distributed-optimizer", "--save", save, "--save-interval", "2",
+                     "--train-iters", "4", world_size=2, rank=rank)  # fmt: skip
+        pretrain(cfg, env={"RANK": str(rank), "WORLD_SIZE": "2"})
+    except files.CheckpointError as e:
+        return str(e)
+    finally:
+        if saved is None and hasattr(files, "open"):
+            del files.open
+    return "no error"
+
+
+def test_a_save_failing_on_one_rank_stops_every_rank(tmp_path):
+    from tests.harness import run_distributed
+
+    save = tmp_path / "ckpt"
+    messages = run_distributed(_two_rank_full_disk_case, 2, str(save))
+    assert "no space left on the device" in messages[1] and "distrib_optim_001.pt" in messages[1]
+    assert "a write failed on another rank" in messages[0]
+    for m in messages:
+        assert "\n" not in m and "iteration 4" in m and "stays iteration 2" in m
+    left = files_under(save)
+    assert not [f for f in left if f.endswith(".tmp") or f.startswith("iter_0000004")], left
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
