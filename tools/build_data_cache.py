@@ -7,7 +7,8 @@ Usage (the same data flags as pretrain_gpt.py; other training flags are ignored 
 
 Sample counts follow Megatron (and megalite.data.builders.train_valid_test_num_samples):
 train = iters x gbs, valid = (iters // eval-interval + 1) x eval-iters x gbs, test = eval-iters x
-gbs; --train-samples replaces iters x gbs. The job then finds every cache valid and only loads it.
+gbs; --train-samples replaces iters x gbs. The job then finds every cache valid and only loads it;
+the range of token ids of each .bin (the start-up vocabulary check) is cached too.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ import argparse
 import logging
 import sys
 
-from megalite.data.builders import build_datasets, train_valid_test_num_samples
-from megalite.data.config import DataConfig
-from megalite.errors import ArgumentParser, UsageError, UserError, run_main
+from megalite.data.builders import build_datasets, check_data, train_valid_test_num_samples
+from megalite.data.config import DataConfig, parse_blend
+from megalite.data.gpt_dataset import default_cache_dir
+from megalite.data.indexed_dataset import IndexedDataset
+from megalite.data.vocab_check import token_range
+from megalite.errors import ArgumentParser, UsageError, check_writable_dir, run_main
 from megalite.training.config import TrainingConfig
 
 
@@ -75,15 +79,26 @@ def _main(argv: list[str] | None) -> int:
         cfg.validate()
     except ValueError as e:  # the data flags, each named in the message
         raise UsageError(str(e)) from None
-    try:
-        datasets = build_datasets(
-            cfg, tokenizer=None, train_samples=train, valid_samples=valid, test_samples=test
-        )
-    except OSError as e:  # the cache folder
-        raise UserError(f"--data-cache-path {args.data_cache_path}: {e}") from None
+    if args.data_cache_path:
+        check_writable_dir(args.data_cache_path, flag="--data-cache-path", what="index caches")
+    samples = {"train_samples": train, "valid_samples": valid, "test_samples": test}
+    check_data(cfg, **samples)  # the indexes open and the splits read have tokens
+    datasets = build_datasets(cfg, tokenizer=None, **samples)
     for name, ds in zip(("train", "valid", "test"), datasets):
         logging.info("%s: %s", name, "none" if ds is None else f"{len(ds)} samples cached")
+    for prefix in _prefixes(cfg):  # the start-up vocabulary check then only reads them
+        found = token_range(
+            IndexedDataset(prefix), cache_dir=args.data_cache_path or default_cache_dir(prefix)
+        )
+        logging.info("%s: token ids %s cached", prefix, "none" if found is None else list(found))
     return 0
+
+
+def _prefixes(cfg: DataConfig) -> list[str]:
+    flags = ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path")
+    paths = (cfg.data_path, cfg.train_data_path, cfg.valid_data_path, cfg.test_data_path)
+    found = [p for flag, path in zip(flags, paths) if path for p in parse_blend(path, flag=flag)[0]]
+    return list(dict.fromkeys(found))
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def check_inputs(cfg: PretrainConfig, launch: LaunchInfo) -> None:
         test_samples=test,
         vocab_size=cfg.tokenizer.vocab_size,
         padded_vocab_size=cfg.model.padded_vocab_size(cfg.parallel.tensor_model_parallel_size),
-        write_cache=launch.local_rank == 0,
+        write_cache=True,  # atomic, identical entries: safe from every rank
     )
 
 

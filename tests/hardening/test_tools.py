@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import socket
 
 import pytest
@@ -151,6 +152,10 @@ def test_dataset_tools(tmp_path, capsys):
     status, err = run_in_process(build_data_cache.main, argv, capsys)
     assert status == 1
     one_error_line(err, prefix + ".idx")
+    good = dataset(tmp_path, "good")  # a good one: the token-id range is cached with the indices
+    argv[1] = good
+    assert build_data_cache.main([*map(str, argv), "--data-cache-path", str(tmp_path / "c")]) == 0
+    assert [f for f in os.listdir(tmp_path / "c") if "TokenRange" in f]
     (tmp_path / "f").write_text("x")
     status, err = run_in_process(
         make_stdlib_corpus.main, ["--output", tmp_path / "f" / "c.jsonl"], capsys
