@@ -45,7 +45,7 @@ def check_outputs(cfg: PretrainConfig, launch: LaunchInfo) -> None:
         check_writable_dir(cfg.data.data_cache_path, flag="--data-cache-path", what="index caches")
 
 
-def check_inputs(cfg: PretrainConfig, launch: LaunchInfo) -> None:
+def check_inputs(cfg: PretrainConfig) -> None:
     """Datasets open, splits the run reads have tokens, token ids fit the vocabulary."""
     t = cfg.training
     train, valid, test = train_valid_test_num_samples(
@@ -69,4 +69,4 @@ def check_startup(cfg: PretrainConfig, launch: LaunchInfo) -> None:
     """All of the above for this rank; ``cfg`` carries its tokenizer (``with_tokenizer``)."""
     check_device(cfg)
     check_outputs(cfg, launch)
-    check_inputs(cfg, launch)
+    check_inputs(cfg)

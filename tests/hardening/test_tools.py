@@ -5,6 +5,7 @@ looks valid. In-process (stderr captured), plus one real process per kind of gua
 
 from __future__ import annotations
 
+import errno
 import gzip
 import json
 import os
@@ -81,6 +82,41 @@ def test_preprocess_data(tmp_path, capsys):
     status, err = run_in_process(pre, [*argv, "--bogus"], capsys)
     assert status == 2
     one_error_line(err, "--bogus", "--help")
+
+
+def test_preprocess_on_a_full_disk_keeps_nothing(tmp_path, capsys, monkeypatch):
+    import builtins
+
+    import megalite.data.indexed_dataset as indexed_module
+
+    class Full:
+        def __init__(self, f):
+            self._f = f
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "simulated")
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self._f.close()
+
+    def full_open(path, mode="r", *args, **kwargs):
+        f = builtins.open(path, mode, *args, **kwargs)
+        return Full(f) if "w" in mode and ".idx" in str(path) else f
+
+    monkeypatch.setattr(indexed_module, "open", full_open, raising=False)
+    good = _jsonl(tmp_path / "in.jsonl", ["1 2 3", "4 5"])
+    out = tmp_path / "out"
+    argv = ["--input", good, "--output-prefix", out / "c", *NULL]
+    status, err = run_in_process(preprocess_data.main, argv, capsys)
+    assert status == 1
+    one_error_line(err, f"--output-prefix {out / 'c'}", "no space left on the device")
+    assert files_under(out) == []
 
 
 def test_an_empty_corpus_gives_an_empty_dataset_that_pretraining_refuses(tmp_path, capsys):
