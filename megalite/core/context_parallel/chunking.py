@@ -33,7 +33,9 @@ def cp_token_indices(
     seq_length: int, cp_size: int, cp_rank: int, device: torch.device | None = None
 ) -> torch.Tensor:
     """Positions (0-based, into the full sequence) of the ``seq_length / cp_size`` tokens this rank
-    keeps, in its local order # [s/cp] int64."""
+    keeps, in its local order # [s/cp] int64 (``0..s-1`` on one rank, any ``s``)."""
+    if cp_size == 1:
+        return torch.arange(seq_length, device=device)
     check_cp_seq_length(seq_length, cp_size)
     c = seq_length // (2 * cp_size)
     first, second = cp_chunk_ids(cp_size, cp_rank)
