@@ -45,8 +45,9 @@ def _oracle(q, k, v, dout, heads_per_group):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _attention_cases(cases) -> bool:
-    world = torch.distributed.get_world_size()
+def _attention_cases(cases) -> dict:
+    """Every rank: {(cp, case): the forward attention FLOPs it counted}, after the checks."""
+    world, flops = torch.distributed.get_world_size(), {}
     for cp in (2, 4):
         if world % cp:
             continue
@@ -73,8 +74,9 @@ def _attention_cases(cases) -> bool:
                     a, split_for_cp(e, 2, cp, r), **TOL, msg=f"{what} {name}"
                 )
             assert stats.bytes_sent > 0, what
+            flops[(cp, comm_type, n, g, chunk)] = stats.flops
         ps.destroy()
-    return True
+    return flops
 
 
 CASES = [
@@ -87,7 +89,17 @@ CASES = [
 def test_attention_matches_unsplit_cp2_cp4():
     """CP 2 (two replicas) and CP 4 on one 4-rank world, every comm type, GQA/MHA/MQA, chunks of
     1-3 tokens, RoPE at the sliced positions."""
-    assert run_distributed(_attention_cases, 4, CASES) == [True] * 4
+    flops = run_distributed(_attention_cases, 4, CASES)
+    # load balance: under the causal mask every p2p rank computes the same unmasked score entries,
+    # and together exactly the unsplit causal attention's s(s+1)/2 per head (no masked block)
+    for cp in (2, 4):
+        for comm, n, g, chunk in CASES:
+            if comm != "p2p":
+                continue
+            s, key = 2 * cp * chunk, (cp, comm, n, g, chunk)
+            per_rank = [f[key] for f in flops[:cp]]
+            assert len(set(per_rank)) == 1, (key, per_rank)
+            assert sum(per_rank) == 4 * B * n * D * s * (s + 1) // 2, (key, per_rank)
 
 
 def test_chunk_rule():

@@ -13,12 +13,16 @@ one-line errors of the context-parallel flags.
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch.distributed as dist
 
 from megalite.core.parallel_state import ParallelState, initialize_model_parallel
 from megalite.training.arguments import parse_args
 from megalite.training.config import ConfigError
+from megalite.training.pretrain import pretrain
 from tests.harness import run_distributed
 from tests.training.common import BASE, FAMILIES, assert_close_rel, config, train_losses
 
@@ -34,12 +38,14 @@ def _oracle(family: str) -> tuple[list[float], list[float]]:
     return result.losses, result.grad_norms
 
 
-def _layouts_case(layouts) -> dict:
-    """Every rank: (is_last_stage, losses, grad norms) per (family, flags)."""
+def _layouts_case(layouts, save: str) -> dict:
+    """Every rank: (is_last_stage, losses, grad norms) per (family, flags); the first layout saves
+    its iteration 3 to ``save``."""
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
-    for family, flags in layouts:
-        cfg = config(*FAMILIES[family], *flags, world_size=world, rank=rank)
+    for i, (family, flags) in enumerate(layouts):
+        saving = ("--save", save, "--save-interval", "3") if i == 0 else ()
+        cfg = config(*FAMILIES[family], *flags, *saving, world_size=world, rank=rank)
         par = cfg.parallel
         ps = initialize_model_parallel(
             par.tensor_model_parallel_size,
@@ -54,19 +60,27 @@ def _layouts_case(layouts) -> dict:
     return out
 
 
-LAYOUTS = [  # comm types rotated over the layouts; ZeRO-1 in two
+LAYOUTS = [  # comm types rotated over the layouts (a2a x TP: heads / tp / cp); ZeRO-1 in two
     ("gpt2", (*CP2, "--cp-comm-type", "p2p")),
     ("llama", (*CP2, "--cp-comm-type", "a2a")),
-    ("gpt2", (*CP2, *TP2_SP, *ZERO, "--cp-comm-type", "all_gather")),
-    ("llama", (*CP2, *TP2_SP, "--cp-comm-type", "p2p")),
-    ("gpt2", (*CP2, *PP2, "--cp-comm-type", "a2a")),
+    ("llama", (*CP2, *TP2_SP, *ZERO, "--cp-comm-type", "a2a")),
+    ("gpt2", (*CP2, *TP2_SP, "--cp-comm-type", "p2p")),
+    ("gpt2", (*CP2, *PP2, "--cp-comm-type", "all_gather")),
     ("llama", (*CP2, *PP2, *ZERO, "--cp-comm-type", "p2p")),
 ]
 
 
-def test_cp_layouts_match_single_process():
+def test_cp_layouts_match_single_process_and_resume_at_cp1():
     oracles = {family: _oracle(family) for family in FAMILIES}
-    results = run_distributed(_layouts_case, 8, LAYOUTS)
+    with tempfile.TemporaryDirectory() as root:
+        save = os.path.join(root, "cp2")
+        results = run_distributed(_layouts_case, 8, LAYOUTS, save)
+        # CP shards no parameter: the CP2 x DP4 checkpoint of iteration 3 goes on at CP1 x DP1
+        resumed = pretrain(
+            config(*FAMILIES[LAYOUTS[0][0]], "--load", save, "--ckpt-step", "3"), env={}
+        )
+    assert resumed.iteration == 5
+    assert_close_rel(resumed.losses, oracles[LAYOUTS[0][0]][0][3:], REL, "resumed at CP1")
     for family, flags in LAYOUTS:
         losses, norms = oracles[family]
         assert losses[-1] < losses[0], "the oracle does not train: the check is vacuous"
