@@ -44,8 +44,13 @@ def _layouts_case(layouts, save: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
     for i, (family, flags) in enumerate(layouts):
-        saving = ("--save", save, "--save-interval", "3") if i == 0 else ()
-        cfg = config(*FAMILIES[family], *flags, *saving, world_size=world, rank=rank)
+        if i == 0:  # through pretrain_gpt.py's path (the mesh from the flags), saving iteration 3
+            saving = ("--save", save, "--save-interval", "3")
+            cfg = config(*FAMILIES[family], *flags, *saving, world_size=world, rank=rank)
+            result = pretrain(cfg, env={"RANK": str(rank), "WORLD_SIZE": str(world)})
+            out[(family, flags)] = (True, result.losses, result.grad_norms)  # PP 1: all last
+            continue
+        cfg = config(*FAMILIES[family], *flags, world_size=world, rank=rank)
         par = cfg.parallel
         ps = initialize_model_parallel(
             par.tensor_model_parallel_size,
