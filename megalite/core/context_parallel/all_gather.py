@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from megalite.core.context_parallel.block_attention import block_flops, expand_heads
 from megalite.core.context_parallel.chunking import cp_chunk_ids, rank_major_to_natural
-from megalite.core.context_parallel.comm import CommStats, nbytes
+from megalite.core.context_parallel.comm import CommStats, WaitTimer, nbytes
 from megalite.core.tensor_parallel.mappings import group_rank, group_size, reduce_scatter_tensor
 
 
@@ -28,7 +28,8 @@ class _GatherSequence(torch.autograd.Function):
         ctx.group, ctx.stats = group, stats
         size = group_size(group)
         pieces = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(pieces, x.contiguous(), group=group)
+        with WaitTimer(stats):
+            dist.all_gather(pieces, x.contiguous(), group=group)
         if stats is not None:
             stats.bytes_sent += (size - 1) * nbytes(x)
         return torch.cat(pieces, dim=-2)
@@ -38,7 +39,8 @@ class _GatherSequence(torch.autograd.Function):
         size = group_size(ctx.group)
         send = torch.stack(grad.chunk(size, dim=-2)).contiguous()  # [cp, ...]
         out = torch.empty_like(send[0])
-        reduce_scatter_tensor(out.view(-1), send.view(-1), ctx.group)
+        with WaitTimer(ctx.stats):
+            reduce_scatter_tensor(out.view(-1), send.view(-1), ctx.group)
         if ctx.stats is not None:
             ctx.stats.bytes_sent += (size - 1) * nbytes(out)
         return out, None, None

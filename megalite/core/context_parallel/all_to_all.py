@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megalite.core.context_parallel.block_attention import expand_heads
 from megalite.core.context_parallel.chunking import rank_major_to_natural
-from megalite.core.context_parallel.comm import CommStats, nbytes
+from megalite.core.context_parallel.comm import CommStats, WaitTimer, nbytes
 from megalite.core.tensor_parallel.mappings import group_size
 
 
@@ -29,7 +29,8 @@ def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int, stats
         return x
     send = torch.stack(x.chunk(size, dim=scatter_dim)).contiguous()  # [cp, ...] piece i -> rank i
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    with WaitTimer(stats):  # blocking: all of it is waiting
+        dist.all_to_all_single(recv, send, group=group)
     if stats is not None:
         stats.bytes_sent += nbytes(send) * (size - 1) // size
     return torch.cat(recv.unbind(0), dim=gather_dim)

@@ -67,6 +67,8 @@ class Ring:
 class Timer:
     """``with Timer(stats):`` adds the block's seconds to ``stats.compute_s`` (no-op without)."""
 
+    field = "compute_s"
+
     def __init__(self, stats: CommStats | None):
         self.stats = stats
 
@@ -76,4 +78,11 @@ class Timer:
 
     def __exit__(self, *exc) -> None:
         if self.stats is not None:
-            self.stats.compute_s += time.perf_counter() - self.start
+            elapsed = time.perf_counter() - self.start
+            setattr(self.stats, self.field, getattr(self.stats, self.field) + elapsed)
+
+
+class WaitTimer(Timer):
+    """``with WaitTimer(stats):`` adds a blocking collective's seconds to ``stats.wait_s``."""
+
+    field = "wait_s"
