@@ -12,8 +12,10 @@ identity ``dS = P * (dP - rowsum(dO * O))`` with ``P = exp(S - lse)``), so a rin
 its block's probabilities from the merged numbers and never stores them.
 
 Kernels: on CPU torch's ``_scaled_dot_product_flash_attention_for_cpu`` (and its backward) return
-the log-sum-exp; on CUDA the memory-efficient SDPA kernel does; where neither applies (an older
-torch, attention dropout, another device) a plain-matmul block with the same contract runs. Causal
+the log-sum-exp (torch 2.13; checked by name, so an older torch without it takes the fallback); on
+CUDA the memory-efficient SDPA kernel does (written, not yet run on a GPU: inputs it refuses take
+the fallback); where neither applies (attention dropout, another device) a plain-matmul block with
+the same contract runs. Causal
 masks are top-left aligned and used only on square diagonal blocks. Dropout (``dropout_p > 0``)
 draws its keep-mask from a generator seeded with ``seed`` (one per block), so backward regenerates
 the forward's mask.
@@ -71,10 +73,13 @@ def block_forward(
         out, lse = getattr(torch.ops.aten, _CPU_FLASH)(q, k, v, 0.0, causal, scale=scale)
         return out, lse.float()
     if _cuda_ok(q, dropout_p):
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, None, True, 0.0, causal, scale=scale
-        )[:2]
-        return out, lse[..., : q.shape[2]].float()  # the kernel pads lse's last dim
+        try:
+            out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+                q, k, v, None, True, 0.0, causal, scale=scale
+            )[:2]
+            return out, lse[..., : q.shape[2]].float()  # the kernel pads lse's last dim
+        except RuntimeError:  # inputs this torch's kernel refuses (dtype, head dim): matmul block
+            pass
     s = _scores(q, k, causal=causal, scale=scale)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
@@ -107,11 +112,14 @@ def block_backward(
         padded = torch.zeros(*lse.shape[:2], -(-sq // 32) * 32, device=lse.device)
         padded[..., :sq] = lse
         zero = torch.zeros((), dtype=torch.int64, device=q.device)
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, None, out, padded, zero, zero, 0.0, [True, True, True, False],
-            causal, scale=scale,
-        )  # fmt: skip
-        return dq, dk, dv
+        try:
+            dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+                dout, q, k, v, None, out, padded, zero, zero, 0.0, [True, True, True, False],
+                causal, scale=scale,
+            )  # fmt: skip
+            return dq, dk, dv
+        except (RuntimeError, TypeError):  # as in block_forward: the matmul block
+            pass
     s = _scores(q, k, causal=causal, scale=scale)
     p = torch.exp(s - lse.unsqueeze(-1))  # [b, n, sq, sk] fp32
     do = dout.float()
