@@ -90,11 +90,12 @@ def test_attention_matches_unsplit_cp2_cp4():
     """CP 2 (two replicas) and CP 4 on one 4-rank world, every comm type, GQA/MHA/MQA, chunks of
     1-3 tokens, RoPE at the sliced positions."""
     flops = run_distributed(_attention_cases, 4, CASES)
-    # load balance: under the causal mask every p2p rank computes the same unmasked score entries,
-    # and together exactly the unsplit causal attention's s(s+1)/2 per head (no masked block)
+    # load balance: under the causal mask every rank computes the same unmasked score entries
+    # (p2p ring, and all_gather's prefix blocks), and together exactly the unsplit causal
+    # attention's s(s+1)/2 per head: no masked block is computed
     for cp in (2, 4):
         for comm, n, g, chunk in CASES:
-            if comm != "p2p":
+            if comm == "a2a":  # whole heads over the whole sequence: balanced by construction
                 continue
             s, key = 2 * cp * chunk, (cp, comm, n, g, chunk)
             per_rank = [f[key] for f in flops[:cp]]

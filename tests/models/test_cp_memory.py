@@ -8,8 +8,7 @@ at most CP1 / CP plus the documented extra (README, "Context parallel"):
 - ``p2p``, ``a2a``: two ``[b, s/cp, h]`` tensors per layer (measured: the attention output kept in
   the kernel's layout besides the projection's input, and the fused QKV storage that V is a view
   of, where the single process's SDPA saves its own expanded copies);
-- ``all_gather``: that, plus the whole sequence's K/V per layer, gathered and reordered, and
-  expanded to heads under GQA: ``(1 + heads per group) x 2 x b x s x g x d`` elements.
+- ``all_gather``: that, plus the whole sequence's K/V per layer (``2 x b x s x g x d``).
 """
 
 from __future__ import annotations
@@ -73,7 +72,7 @@ def _extra_bytes(family: str, cp: int, comm_type: str) -> int:
         return hidden
     groups = cfg.num_query_groups or cfg.num_attention_heads
     kv = 2 * 2 * S * groups * cfg.kv_channels * 4  # k and v, b = 2, fp32, one layer
-    return hidden + cfg.num_layers * kv * (1 + cfg.num_attention_heads // groups)
+    return hidden + cfg.num_layers * kv
 
 
 def test_saved_activations_scale_as_one_over_cp():
