@@ -13,7 +13,8 @@ same run, the bytes autograd saves per rank (saved-tensor hooks, storages once) 
 CP1, the bytes each rank sent per step counted at the collectives (``CommStats``) against the comm
 type's formula (below; the script fails if they differ), and the seconds the rank spent blocked in
 communication vs computing attention blocks (p2p: the ring's waits after its overlapped
-send/recv; a2a and all_gather: the blocking collectives).
+send/recv; a2a and all_gather: the blocking collectives; a2a's attention is the ordinary kernel,
+not timed apart).
 
 Formulas, bytes sent per rank per step, per layer, with B the element size, ``c = b s/cp`` the
 local tokens, ``KV = 2 c g d B`` the local K/V::
@@ -184,7 +185,7 @@ def main(argv=None) -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for cp, comm, r in rows:
-        compute = f"{r['compute_s']:.3f}" if comm == "p2p" else "-"
+        compute = f"{r['compute_s']:.3f}" if comm in ("p2p", "all_gather") else "-"
         print(
             f"| {cp} | {comm} | {r['step_s']:.3f} | {r['step_s'] / base['step_s']:.2f} | "
             f"{r['activations'] / 2**20:.1f} | {r['activations'] / base['activations']:.3f} | "
