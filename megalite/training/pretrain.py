@@ -148,10 +148,11 @@ def pretrain(
     try:
         num_microbatches = cfg.check_world(ps.world_size, ps.dp_size)  # before any data is read
         exit_signal = _exit_signal_handler(cfg)
+        cp = f" x CP {ps.cp_size} ({cfg.parallel.cp_comm_type})" if ps.cp_size > 1 else ""  # 15
         logger.info(
-            "megalite: world %d = TP %d x CP %d x PP %d x DP %d on %s (%s), %d micro-batches of "
-            "%d per DP rank per iteration",
-            ps.world_size, ps.tp_size, ps.cp_size, ps.pp_size, ps.dp_size, device, ps.backend,
+            "megalite: world %d = TP %d%s x PP %d x DP %d on %s (%s), %d micro-batches of %d per "
+            "DP rank per iteration",
+            ps.world_size, ps.tp_size, cp, ps.pp_size, ps.dp_size, device, ps.backend,
             num_microbatches, cfg.training.micro_batch_size,
         )  # fmt: skip
         run = build_run(cfg, ps, device, build_cache=launch.local_rank == 0, log=True)

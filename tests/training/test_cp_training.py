@@ -24,7 +24,14 @@ from megalite.training.arguments import parse_args
 from megalite.training.config import ConfigError
 from megalite.training.pretrain import pretrain
 from tests.harness import run_distributed
-from tests.training.common import BASE, FAMILIES, assert_close_rel, config, train_losses
+from tests.training.common import (
+    BASE,
+    FAMILIES,
+    LogCapture,
+    assert_close_rel,
+    config,
+    train_losses,
+)
 
 REL = 1e-5
 CP2 = ("--context-parallel-size", "2")
@@ -47,8 +54,10 @@ def _layouts_case(layouts, save: str) -> dict:
         if i == 0 and world == 4:  # pretrain_gpt.py's path (mesh from the flags), saves iter 3
             saving = ("--save", save, "--save-interval", "3")
             cfg = config(*FAMILIES[family], *flags, *saving, world_size=world, rank=rank)
-            result = pretrain(cfg, env={"RANK": str(rank), "WORLD_SIZE": str(world)})
+            with LogCapture() as logs:
+                result = pretrain(cfg, env={"RANK": str(rank), "WORLD_SIZE": str(world)})
             out[(family, flags)] = (True, result.losses, result.grad_norms)  # PP 1: all last
+            out["log"] = [line for line in logs.lines if line.startswith("megalite: world")]
             continue
         cfg = config(*FAMILIES[family], *flags, world_size=world, rank=rank)
         par = cfg.parallel
@@ -88,6 +97,10 @@ def test_cp_layouts_match_single_process_and_resume_at_cp1():
         # CP shards no parameter: the CP2 x DP2 checkpoint of iteration 3 goes on at CP1 x DP1
         resumed = pretrain(config(*FAMILIES[first], "--load", save, "--ckpt-step", "3"), env={})
     assert resumed.iteration == 5
+    logged = [line for r in results[4] for line in r["log"]]
+    assert any("world 4 = TP 1 x CP 2 (p2p) x PP 1 x DP 2 on cpu" in line for line in logged), (
+        logged
+    )
     assert_close_rel(resumed.losses, oracles[first][0][3:], REL, "resumed at CP1")
     for world, layouts in LAYOUTS.items():
         for family, flags in layouts:
