@@ -12,13 +12,12 @@ identity ``dS = P * (dP - rowsum(dO * O))`` with ``P = exp(S - lse)``), so a rin
 its block's probabilities from the merged numbers and never stores them.
 
 Kernels: on CPU torch's ``_scaled_dot_product_flash_attention_for_cpu`` (and its backward) return
-the log-sum-exp (torch 2.13; checked by name, so an older torch without it takes the fallback); on
-CUDA the memory-efficient SDPA kernel does (written, not yet run on a GPU: inputs it refuses take
-the fallback); where neither applies (attention dropout, another device) a plain-matmul block with
-the same contract runs. Causal
-masks are top-left aligned and used only on square diagonal blocks. Dropout (``dropout_p > 0``)
-draws its keep-mask from a generator seeded with ``seed`` (one per block), so backward regenerates
-the forward's mask.
+the log-sum-exp (torch 2.13; the package's lowest torch, 2.2, may lack it or take other arguments:
+then, and for any input a kernel refuses, the fallback runs); on CUDA the memory-efficient SDPA
+kernel does (written, not yet run on a GPU); otherwise (attention dropout, another device) a
+plain-matmul block with the same contract runs. Causal masks are top-left aligned and used only on
+square diagonal blocks. Dropout (``dropout_p > 0``) draws its keep-mask from a generator seeded
+with ``seed`` (one per block), so backward regenerates the forward's mask.
 """
 
 from __future__ import annotations
@@ -70,8 +69,11 @@ def block_forward(
     """q # [b, n, sq, d]; k, v # [b, n, sk, d] (heads already expanded). Returns
     (out # [b, n, sq, d] in q's dtype, lse # [b, n, sq] fp32)."""
     if _cpu_flash_ok(q, dropout_p):
-        out, lse = getattr(torch.ops.aten, _CPU_FLASH)(q, k, v, 0.0, causal, scale=scale)
-        return out, lse.float()
+        try:
+            out, lse = getattr(torch.ops.aten, _CPU_FLASH)(q, k, v, 0.0, causal, scale=scale)
+            return out, lse.float()
+        except (RuntimeError, TypeError):  # another torch's signature or dtype: the matmul block
+            pass
     if _cuda_ok(q, dropout_p):
         try:
             out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
@@ -104,9 +106,12 @@ def block_backward(
     """The block's (dq, dk, dv) given the rows' FINAL ``out`` and ``lse`` and ``dout``
     # [b, n, sq, d] (the merged output's grad)."""
     if _cpu_flash_ok(q, dropout_p):
-        return getattr(torch.ops.aten, _CPU_FLASH + "_backward")(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale
-        )
+        try:
+            return getattr(torch.ops.aten, _CPU_FLASH + "_backward")(
+                dout, q, k, v, out, lse, 0.0, causal, scale=scale
+            )
+        except (RuntimeError, TypeError):  # as in block_forward
+            pass
     if _cuda_ok(q, dropout_p):
         sq = q.shape[2]
         padded = torch.zeros(*lse.shape[:2], -(-sq // 32) * 32, device=lse.device)
