@@ -5,6 +5,13 @@ for each of the G groups ``[q_1 .. q_k, k, v]`` (k = heads / G query heads, each
 groups concatenated. A column split therefore gives TP rank r the whole groups
 ``[r * G/tp, (r+1) * G/tp)`` and their query heads, so attention needs no communication; the output
 projection (RowParallelLinear) sums the ranks' partial products.
+
+Under context parallelism (cp > 1) the input holds this cp rank's two chunks of the sequence
+(``core.context_parallel.chunking``) and the core attention runs over the whole sequence with the
+configured ``cp_comm_type``: ``p2p`` (ring) and ``all_gather`` compute the attention themselves
+(the backend choice does not apply), ``a2a`` trades the sequence split for a head split around the
+ordinary ``CoreAttention`` (heads / tp / cp per rank), so every backend and selective recompute
+apply to it.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.core import fusions
+from megalite.core.context_parallel import CommStats, context_parallel_attention
 from megalite.core.parallel_state import ParallelState
 from megalite.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.core.tensor_parallel.random import RNGStatesTracker, checkpoint
@@ -83,6 +91,9 @@ class SelfAttention(nn.Module):
         self.local_groups = g // ps.tp_size
         self.selective_recompute = config.recompute_granularity == "selective"
         self.rng_tracker = rng_tracker
+        self.cp_group, self.cp_size = ps.cp_group, ps.cp_size
+        self.cp_comm_type = config.cp_comm_type
+        self.cp_stats: CommStats | None = None  # set to count the cp traffic (benchmarks, tests)
         common = dict(
             tp_group=ps.tp_group,
             bias=config.add_bias_linear,
@@ -117,6 +128,11 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, ., s, d]
+        if self.cp_size > 1:  # s is this cp rank's s/cp tokens
+            context = self._context_parallel(query, key, value)  # [b, n/tp, s/cp, d]
+            context = context.permute(2, 0, 1, 3).reshape(s, b, groups * k * d)
+            out, _ = self.linear_proj(context)
+            return out
         if k > 1:  # query head j of a group reads the group's key/value: heads j*k .. j*k+k-1
             key, value = key.repeat_interleave(k, dim=1), value.repeat_interleave(k, dim=1)
         if self.selective_recompute and self.training and torch.is_grad_enabled():
@@ -128,3 +144,25 @@ class SelfAttention(nn.Module):
         context = context.permute(2, 0, 1, 3).reshape(s, b, groups * k * d)  # [s, b, n/tp * d]
         out, _ = self.linear_proj(context)  # [s(/tp), b, h]
         return out
+
+    def _context_parallel(self, query, key, value) -> torch.Tensor:
+        """query # [b, n/tp, s/cp, d]; key, value # [b, G/tp, s/cp, d] (groups not expanded)."""
+        core = self.core_attention
+        if self.cp_comm_type == "a2a":
+            recompute = self.selective_recompute and self.training and torch.is_grad_enabled()
+
+            def run_core(q, k, v):  # [b, n/tp/cp, s, d], natural order
+                if recompute:
+                    return checkpoint(core, q, k, v, tracker=self.rng_tracker, device=q.device)
+                return core(q, k, v)
+
+            return context_parallel_attention(
+                query, key, value, cp_group=self.cp_group, comm_type="a2a", scale=core.scale,
+                core_attention=run_core, stats=self.cp_stats,
+            )  # fmt: skip
+        p = core.attention_dropout.p if self.training else 0.0
+        with tp_rng_region(self.rng_tracker, p > 0):  # the dropout seed, from the TP stream
+            return context_parallel_attention(
+                query, key, value, cp_group=self.cp_group, comm_type=self.cp_comm_type,
+                scale=core.scale, dropout_p=p, stats=self.cp_stats,
+            )  # fmt: skip

@@ -69,6 +69,7 @@ class GPTConfig:
     label_smoothing: float = 0.0
     params_dtype: torch.dtype = torch.float32
     seed: int = 1234
+    cp_comm_type: str = "p2p"  # issue 15: p2p | a2a | all_gather (used when cp > 1)
 
     def __post_init__(self) -> None:
         for name, value in (
@@ -145,6 +146,7 @@ def _check_choices(c: GPTConfig) -> None:
         ("position_embedding_type", c.position_embedding_type, POSITION_EMBEDDING_TYPES),
         ("normalization", c.normalization, NORMALIZATIONS),
         ("attention_backend", c.attention_backend, ATTENTION_BACKENDS),
+        ("cp_comm_type", c.cp_comm_type, ("p2p", "a2a", "all_gather")),  # issue 15
     ):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")

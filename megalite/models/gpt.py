@@ -28,7 +28,7 @@ from megalite.core.tensor_parallel.random import RNGStatesTracker
 from megalite.models.common import first_rows, weight_init
 from megalite.models.config import GPTConfig
 from megalite.models.embedding import Embedding
-from megalite.models.rotary import rotary_cos_sin
+from megalite.models.rotary import local_position_ids, rotary_cos_sin
 from megalite.models.transformer import TransformerBlock
 
 WORD_EMBEDDING_KEY = "embedding.word_embeddings.weight"
@@ -72,6 +72,7 @@ class GPTModel(nn.Module):
         self.padded_vocab_size = config.padded_vocab_size(ps.tp_size)
         self.sequence_parallel_factor = ps.tp_size if config.sequence_parallel else 1
         self.input_tensor: torch.Tensor | None = None
+        self.cp_size, self.cp_rank = ps.cp_size, ps.cp_rank  # issue 15: default positions
 
         self.embedding = (
             Embedding(config, ps, rng_tracker=rng_tracker, device=device) if pre_process else None
@@ -145,8 +146,10 @@ class GPTModel(nn.Module):
                 raise RuntimeError("a non-first stage needs set_input_tensor() before forward")
             seq_length = self.input_tensor.shape[0] * self.sequence_parallel_factor
             device = self.input_tensor.device
-        if position_ids is None:
-            position_ids = torch.arange(seq_length, device=device).unsqueeze(0)  # [1, s]
+        if position_ids is None:  # [1, s] (this cp rank's chunks' positions under cp)
+            position_ids = local_position_ids(
+                seq_length, cp_size=self.cp_size, cp_rank=self.cp_rank, device=device
+            )
 
         if self.pre_process:
             hidden = self.embedding(tokens, position_ids)  # [s(/tp), b, h]

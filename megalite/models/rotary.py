@@ -4,11 +4,17 @@
 repeated for the two halves of the head dim (non-interleaved: element j pairs with j + d/2), and
 ``rope(x) = x * cos + rotate_half(x) * sin`` with ``rotate_half([x1, x2]) = [-x2, x1]``.
 The angles are computed in fp32 and cast to the activations' dtype, as HF does.
+
+Under context parallelism a rank holds two chunks of the sequence, so its positions are those
+chunks' positions (``local_position_ids``), the same rule that slices its tokens: the angles of a
+token do not depend on the split.
 """
 
 from __future__ import annotations
 
 import torch
+
+from megalite.core.context_parallel.chunking import cp_token_indices
 
 
 def rotary_cos_sin(
@@ -31,3 +37,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: # [s, b, heads, d]; cos, sin: # [s, b or 1, 1, d]."""
     return x * cos + rotate_half(x) * sin
+
+
+def local_position_ids(
+    local_length: int, *, cp_size: int = 1, cp_rank: int = 0, device: torch.device | None = None
+) -> torch.Tensor:
+    """Default positions # [1, s/cp] of the ``local_length`` tokens a cp rank holds: 0..s-1 on
+    one rank, the rank's two chunks' positions under context parallelism."""
+    return cp_token_indices(local_length * cp_size, cp_size, cp_rank, device).unsqueeze(0)

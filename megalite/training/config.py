@@ -26,6 +26,7 @@ from megalite.training.lr_schedule import DECAY_STYLES
 from megalite.training.signals import parse_signal
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+CP_COMM_TYPES = ("p2p", "a2a", "all_gather")  # issue 15
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -56,6 +57,9 @@ class ParallelConfig:
     device: str = "auto"  # auto | cpu | cuda
     world_size: int | None = None  # the launcher's, when parsed from flags; None: built in code
     use_tp_pp_dp_mapping: bool = False  # rank order tp-cp-ep-pp-dp instead of tp-cp-ep-dp-pp
+    # issue 15: context parallel (the sequence split over cp ranks; shards no parameter)
+    context_parallel_size: int = 1
+    cp_comm_type: str = "p2p"  # p2p | a2a | all_gather
 
     @property
     def rank_order(self) -> str:
@@ -72,7 +76,7 @@ class ParallelConfig:
         mesh's ``ps.dp_size``."""
         if self.world_size is None:
             return None
-        return self.world_size // self.model_parallel_size
+        return self.world_size // (self.model_parallel_size * self.context_parallel_size)
 
     def bucket_size(self, dp_size: int | None = None) -> int:
         """Elements per grad bucket: ``ddp_bucket_size``, else max(40M, 1M x ``dp_size``)."""
@@ -112,6 +116,7 @@ class ParallelConfig:
                 "overlap_grad_reduce is implemented for use_distributed_optimizer only; turn it "
                 "on, or drop overlap_grad_reduce (the all-reduce then runs after backward)"
             )
+        self._validate_cp()  # issue 15
         if self.world_size is not None:
             mp = self.model_parallel_size
             tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
@@ -121,6 +126,22 @@ class ParallelConfig:
                     f"{tp} x pipeline_model_parallel_size {pp} = {mp}; launch a multiple of {mp} "
                     "processes or change the sizes"
                 )
+            cp = self.context_parallel_size  # issue 15
+            if self.world_size % (mp * cp):
+                raise ConfigError(
+                    f"world size {self.world_size} is not divisible by tensor x pipeline "
+                    f"model-parallel size {mp} x context_parallel_size {cp} = {mp * cp}; launch a "
+                    f"multiple of {mp * cp} processes or change the sizes"
+                )
+
+    def _validate_cp(self) -> None:  # issue 15
+        cp = self.context_parallel_size
+        if not isinstance(cp, int) or cp < 1:
+            raise ConfigError(f"context_parallel_size must be an integer >= 1, got {cp!r}")
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ConfigError(
+                f"cp_comm_type must be one of {', '.join(CP_COMM_TYPES)}, got {self.cp_comm_type!r}"
+            )
 
 
 @dataclass
@@ -349,7 +370,8 @@ class PretrainConfig:
             raise ConfigError(str(e).splitlines()[0]) from None
         t.validate()
         if par.world_size is not None:
-            t.num_microbatches(par.world_size // par.model_parallel_size)
+            t.num_microbatches(par.data_parallel_size)  # issue 15: world / (tp x pp x cp)
+        _check_cp(par, m)  # issue 15
         self.optimizer.validate(train_iters=t.train_iters)
         self.logging.validate()
         for what, a, b in (
@@ -387,13 +409,44 @@ class PretrainConfig:
                 f"{world_size}: launch {parsed} processes, or parse the flags again under the "
                 f"new launcher"
             )
-        mp = self.parallel.model_parallel_size
+        mp = self.parallel.model_parallel_size * self.parallel.context_parallel_size  # issue 15
         if mp * dp_size != world_size:
             raise ConfigError(
                 f"the mesh's data-parallel size {dp_size} x tensor_model_parallel_size x "
-                f"pipeline_model_parallel_size {mp} is not the world size {world_size}"
+                f"pipeline_model_parallel_size x context_parallel_size {mp} is not the world "
+                f"size {world_size}"
             )
         return self.training.num_microbatches(dp_size)
+
+
+def _check_cp(par: ParallelConfig, m: GPTConfig) -> None:  # issue 15
+    """The sequence and heads a context-parallel split needs (one-line ConfigError)."""
+    cp, tp = par.context_parallel_size, par.tensor_model_parallel_size
+    if m.cp_comm_type != par.cp_comm_type:
+        raise ConfigError(
+            f"model.cp_comm_type {m.cp_comm_type!r} differs from parallel.cp_comm_type "
+            f"{par.cp_comm_type!r}; set both"
+        )
+    if cp == 1:
+        return
+    if m.seq_length % (2 * cp):
+        raise ConfigError(
+            f"seq_length {m.seq_length} is not divisible by 2 x context_parallel_size {cp} = "
+            f"{2 * cp} (each cp rank holds 2 of the 2 x CP chunks); use a multiple of {2 * cp}"
+        )
+    if par.sequence_parallel and (m.seq_length // cp) % tp:
+        raise ConfigError(
+            f"seq_length {m.seq_length} / context_parallel_size {cp} is not divisible by "
+            f"tensor_model_parallel_size {tp} under sequence_parallel; use a multiple of "
+            f"{cp * tp}"
+        )
+    if par.cp_comm_type == "a2a" and m.num_attention_heads % (tp * cp):
+        raise ConfigError(
+            f"num_attention_heads {m.num_attention_heads} is not divisible by "
+            f"tensor_model_parallel_size {tp} x context_parallel_size {cp} = {tp * cp} "
+            f"(cp_comm_type a2a splits the heads); use cp_comm_type p2p or a multiple of "
+            f"{tp * cp} heads"
+        )
 
 
 def with_tokenizer(cfg: PretrainConfig) -> PretrainConfig:

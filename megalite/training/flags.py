@@ -46,7 +46,6 @@ PLANNED_FLAGS = {
          "--microbatch-group-size-per-virtual-pipeline-stage"),
         "issue 14 (interleaved and zero-bubble pipeline schedules)",
     ),
-    **dict.fromkeys(("--context-parallel-size", "--cp-comm-type"), "issue 15 (context parallel)"),
     **dict.fromkeys(
         ("--num-experts", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
          "--moe-router-topk", "--moe-ffn-hidden-size", "--moe-grouped-gemm",
@@ -153,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     par.add("--distributed-timeout-minutes", type=float)
     par.plain("--distributed-backend", choices=["nccl", "gloo"])
     par.add("--device", choices=DEVICES)
+
+    cp = _Group(p, "context parallel", ParallelConfig)  # issue 15
+    cp.add("--context-parallel-size", type=int,
+           help="split each sequence over N ranks (2 x N load-balanced chunks)")  # fmt: skip
+    cp.add("--cp-comm-type", choices=["p2p", "a2a", "all_gather"],
+           help="p2p: K/V ring; a2a: Ulysses all-to-all; all_gather: K/V gathered")  # fmt: skip
 
     o = _Group(p, "optimizer", OptimizerConfig)
     o.plain("--optimizer", default="adam", choices=["adam"])

@@ -98,8 +98,8 @@ def build_run(
         tokenizer=cfg.tokenizer,
         micro_batch_size=t.micro_batch_size,
         global_batch_size=t.global_batch_size,
-        dp_rank=ps.rank("dp", "cp"),
-        dp_size=ps.size("dp", "cp"),
+        dp_rank=ps.dp_rank,  # issue 15: the cp ranks of a replica read the same micro-batches
+        dp_size=ps.dp_size,
         train_samples=samples[0],
         valid_samples=samples[1],
         test_samples=samples[2],
@@ -139,6 +139,7 @@ def pretrain(
     ps = initialize_model_parallel(
         cfg.parallel.tensor_model_parallel_size,
         cfg.parallel.pipeline_model_parallel_size,
+        context_parallel_size=cfg.parallel.context_parallel_size,  # issue 15
         order=cfg.parallel.rank_order,
         device=device,
         timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
@@ -149,10 +150,11 @@ def pretrain(
     try:
         num_microbatches = cfg.check_world(ps.world_size, ps.dp_size)  # before any data is read
         exit_signal = _exit_signal_handler(cfg)
+        cp = f" x CP {ps.cp_size} ({cfg.parallel.cp_comm_type})" if ps.cp_size > 1 else ""  # 15
         logger.info(
-            "megalite: world %d = TP %d x PP %d x DP %d on %s (%s), %d micro-batches of %d per "
+            "megalite: world %d = TP %d%s x PP %d x DP %d on %s (%s), %d micro-batches of %d per "
             "DP rank per iteration",
-            ps.world_size, ps.tp_size, ps.pp_size, ps.dp_size, device, ps.backend,
+            ps.world_size, ps.tp_size, cp, ps.pp_size, ps.dp_size, device, ps.backend,
             num_microbatches, cfg.training.micro_batch_size,
         )  # fmt: skip
         run = build_run(cfg, ps, device, build_cache=launch.local_rank == 0, log=True)

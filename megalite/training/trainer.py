@@ -98,13 +98,14 @@ class Trainer:
         self.forward_backward_func = get_forward_backward_func(
             ps,
             pipeline_schedule=cfg.parallel.pipeline_schedule,
-            seq_length=cfg.model.seq_length,
+            seq_length=cfg.model.seq_length // ps.cp_size,  # issue 15: [s/cp(/tp), b, h]
             micro_batch_size=cfg.training.micro_batch_size,
             hidden_size=cfg.model.hidden_size,
             sequence_parallel=cfg.model.sequence_parallel,
             dtype=cfg.model.params_dtype,
         )
-        self.num_microbatches = cfg.training.num_microbatches(ps.size("dp", "cp"))  # the mesh's
+        # the mesh's; the cp ranks of a replica share its micro-batches (issue 15)
+        self.num_microbatches = cfg.training.num_microbatches(ps.dp_size)
         self.result = TrainResult()
         self.exit_signal: ExitSignalHandler | None = None  # --exit-signal-handler, set by pretrain
         self.is_log_rank = ps.rank() == ps.world_size - 1  # on the last stage

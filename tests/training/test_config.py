@@ -167,5 +167,8 @@ def test_flag_defaults_are_the_dataclass_defaults():
 def test_planned_megatron_flags_name_their_issue():
     with pytest.raises(ConfigError, match=r"^unknown flag --num-experts: .*issue 16"):
         parse_args([*BASE, "--num-experts", "8"], env={})
-    with pytest.raises(ConfigError, match=r"^unknown flag --context-parallel-size: .*issue 15"):
-        parse_args([*BASE, "--context-parallel-size", "2"], env={})
+    # issue 15 implemented --context-parallel-size: parsed, no longer refused
+    assert (
+        parse_args([*BASE, "--context-parallel-size", "1"], env={}).parallel.context_parallel_size
+        == 1
+    )
