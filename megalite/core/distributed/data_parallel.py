@@ -32,8 +32,9 @@ over the *expert* data-parallel group ``expert_dp_group`` (``ps.group("edp")``),
 ``dp_group``: such parameters get grad buffers of their own (one per dtype), whose buckets are
 summed (and, under ZeRO, sharded) over ``expert_dp_group`` and divided by the *dense* ``dp_size``:
 the token all-to-all already summed every EP peer's contribution into the expert's grad, so
-edp x ep covers the dp x cp loss sources once (Megatron scales expert grads the same way). ``buffers_by_key`` maps
-``(param dtype, is_expert)`` to the buffer; each ``GradBuffer`` carries its ``dp_group``.
+edp x ep covers the dp x cp loss sources once (Megatron scales expert grads the same way).
+``buffers_by_key`` maps ``(param dtype, is_expert)`` to the buffer; each ``GradBuffer`` carries
+its ``dp_group``.
 """
 
 from __future__ import annotations

@@ -116,8 +116,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     The norm, the inf/NaN flag and the zero count are reduced over DP (each rank holds a shard)
     then over the model-parallel group; for expert parameters (their own buffers, sharded over
-    ``model.expert_dp_group``) over the expert DP group then ``expert_mp_group``. ``build_inner(groups)`` must return ``torch.optim.Adam``
-    or ``AdamW``.
+    ``model.expert_dp_group``) over the expert DP group then ``expert_mp_group``.
+    ``build_inner(groups)`` must return ``torch.optim.Adam`` or ``AdamW``.
     """
 
     is_sharded = True  # each DP rank holds its shard: checkpoints write distrib_optim files
