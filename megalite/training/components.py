@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from megalite.core.distributed import DistributedDataParallel, ZeroDataParallel
+from megalite.core.distributed import DistributedDataParallel, wrapper_class
 from megalite.core.optimizer import (
     ConstantLossScaler,
     DynamicLossScaler,
@@ -69,6 +69,19 @@ def tied_embedding_params(model: GPTModel, ps: ParallelState) -> tuple[list, lis
     return [shared], duplicates
 
 
+def gpt_units(model: GPTModel) -> tuple[list, dict]:
+    """ZeRO-3's gather units of a GPT stage, forward order: the embedding, each transformer
+    layer, the final norm, the output layer; and the output layer's extra (the tied word embedding
+    it reads when this stage also holds the embedding)."""
+    units = [model.embedding, *model.decoder.layers, model.decoder.final_layernorm]
+    units += [model.output_layer]
+    units = [u for u in units if u is not None]
+    extras = {}
+    if model.output_layer is not None and model.output_layer.weight is None:
+        extras[model.output_layer] = [model.embedding.word_embeddings.weight]
+    return units, extras
+
+
 def wrap_and_build_optimizer(
     module: torch.nn.Module,
     ps: ParallelState,
@@ -80,11 +93,14 @@ def wrap_and_build_optimizer(
     bucket_size: int | None = None,
     overlap_grad_reduce: bool = False,
     overlap_param_gather: bool = False,
+    units=None,
+    unit_extras=None,
     **optimizer_options,
 ) -> tuple[DistributedDataParallel, MixedPrecisionOptimizer]:
     """The data-parallel wrapper of ``module`` for the rung ``strategy`` (``no_shard``: DDP,
-    ``optim``: ZeRO-1) and its optimizer (``build_optimizer``'s keywords in
-    ``optimizer_options``). Dense parameters are reduced over ``ps.group("dp", "cp")``, expert
+    ``optim``: ZeRO-1, ``optim_grads``: ZeRO-2, ``optim_grads_params``: ZeRO-3 gathering
+    ``units`` / ``unit_extras``, default: ``gpt_units`` for a GPTModel) and its optimizer
+    (``build_optimizer``'s keywords in ``optimizer_options``). Dense parameters are reduced over ``ps.group("dp", "cp")``, expert
     ones (``expert_parallel``) over ``ps.group("edp")``; the grad norm over ``ps.mp_group`` and
     ``ps.group("etp", "ep", "pp")``."""
     sharded = strategy != "no_shard"
@@ -94,7 +110,11 @@ def wrap_and_build_optimizer(
             "overlap_grad_reduce": overlap_grad_reduce,
             "overlap_param_gather": overlap_param_gather,
         }
-    model = (ZeroDataParallel if sharded else DistributedDataParallel)(
+    if strategy == "optim_grads_params":
+        if units is None and isinstance(module, GPTModel):
+            units, unit_extras = gpt_units(module)
+        wrapper_options.update(units=units, unit_extras=unit_extras)
+    model = wrapper_class(strategy)(
         module,
         dp_group=ps.group("dp", "cp"),
         tp_group=ps.tp_group,

@@ -129,7 +129,7 @@ def expert_case(rungs: list[str], steps: int) -> dict:
 
 
 def test_expert_params_reduce_and_shard_over_expert_dp():
-    rungs = ["no_shard", "optim"]
+    rungs = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
     for rank_out in run_distributed(expert_case, 4, rungs, 3):
         for rung, (param_err, norm_errs) in rank_out.items():
             assert param_err < 1e-6, (rung, param_err)

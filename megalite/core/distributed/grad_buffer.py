@@ -17,7 +17,8 @@ elements (the last bucket takes the rest; ``None`` = a single bucket). Each buck
 multiple of ``pad_multiple`` elements (ZeRO passes ``dp_size`` so a bucket splits evenly into
 per-rank shards for a reduce-scatter); padding stays zero. A parameter never straddles buckets.
 DP rank ``r`` of ``d`` owns elements ``[offset + r n/d, offset + (r+1) n/d)`` of a bucket of ``n``
-(padded) elements at ``offset``::
+(padded) elements at ``offset``. ZeRO-3 passes explicit ``groups`` instead: one bucket per
+parameter group (a gather unit: a transformer layer, the embedding, the output layer)::
 
     buffer.data   [numel_padded]             one flat tensor
     bucket.data   [bucket_numel_padded]      a view of buffer.data
@@ -53,7 +54,12 @@ class GradBufferLayout:
     """
 
     def __init__(
-        self, numels: Sequence[int], *, bucket_size: int | None = None, pad_multiple: int = 1
+        self,
+        numels: Sequence[int],
+        *,
+        bucket_size: int | None = None,
+        pad_multiple: int = 1,
+        groups: Sequence[Sequence[int]] | None = None,
     ):
         if bucket_size is not None and bucket_size < 1:
             raise ValueError(f"bucket_size must be >= 1 element, got {bucket_size}")
@@ -64,12 +70,23 @@ class GradBufferLayout:
         self.buckets: list[BucketRange] = []
         offset, current, current_numel = 0, [], 0
         order = list(reversed(range(len(numels))))
+        ends = set()  # ZeRO-3: ``groups`` (parameter indices, placement order) are the buckets
+        if groups is not None:
+            order = [i for g in groups for i in g]
+            if sorted(order) != list(range(len(numels))):
+                raise ValueError("bucket groups must hold every parameter index exactly once")
+            ends = {sum(len(g) for g in groups[: j + 1]) - 1 for j in range(len(groups))}
+            bucket_size = None
         for k, i in enumerate(order):
             start = offset + current_numel
             self.param_ranges[i] = (start, start + numels[i], len(self.buckets))
             current.append(i)
             current_numel += numels[i]
-            if k == len(order) - 1 or (bucket_size is not None and current_numel >= bucket_size):
+            if (
+                k == len(order) - 1
+                or k in ends
+                or (bucket_size is not None and current_numel >= bucket_size)
+            ):
                 padded = -(-current_numel // pad_multiple) * pad_multiple
                 self.buckets.append(BucketRange(len(self.buckets), offset, padded, tuple(current)))
                 offset += padded

@@ -107,12 +107,7 @@ class ZeroDataParallel(DistributedDataParallel):
         self.overlap_param_gather = overlap_param_gather
         self._scratch = ScratchBuffers()
         self.param_buffers: dict[BufferKey, torch.Tensor] = {}
-        for key, buffer in self.buffers_by_key.items():
-            data = torch.zeros(buffer.numel, dtype=key[0], device=buffer.data.device)
-            for param, (lo, hi, _) in buffer.param_ranges.items():
-                data[lo:hi].copy_(param.detach().reshape(-1))
-                param.data = data[lo:hi].view(param.shape)
-            self.param_buffers[key] = data
+        self._init_param_storage()
         self._deferred = {self._bucket_key[p] for p in self.shared_params}
         self._unwritten: set[nn.Parameter] = set(self._bucket_key)  # main_grad not yet this step
         # overlap_param_gather: works in flight per bucket, and the pre-hooks that wait for them
@@ -125,6 +120,20 @@ class ZeroDataParallel(DistributedDataParallel):
                     sub.register_forward_pre_hook(self._make_wait_hook(keys))
             module.register_state_dict_pre_hook(lambda *_: self.finish_param_sync())
         self._check_tp_layout()
+
+    def _init_param_storage(self) -> None:
+        """ZeRO-1/2: every parameter becomes a view of a whole param buffer per buffer key."""
+        for key, buffer in self.buffers_by_key.items():
+            data = torch.zeros(buffer.numel, dtype=key[0], device=buffer.data.device)
+            for param, (lo, hi, _) in buffer.param_ranges.items():
+                data[lo:hi].copy_(param.detach().reshape(-1))
+                param.data = data[lo:hi].view(param.shape)
+            self.param_buffers[key] = data
+
+    def param_shard_of(self, buffer: GradBuffer) -> torch.Tensor | None:
+        """ZeRO-3's flat param shard of ``buffer`` (None here: the param buffer is whole)."""
+        del buffer
+        return None
 
     def _check_tp_layout(self) -> None:
         """Step 3 sums shard slices over TP: every TP peer must have this rank's layout."""
@@ -227,7 +236,8 @@ class ZeroDataParallel(DistributedDataParallel):
             bucket, param_data = self._buckets[key], self.param_buffers[self._buffer_key(key)]
             if group_size(bucket.dp_group) == 1:
                 continue
-            view = param_data[bucket.offset : bucket.offset + bucket.data.numel()]
+            numel = self.grad_buffers[key[0]].layout.buckets[key[1]].numel
+            view = param_data[bucket.offset : bucket.offset + numel]
             if self.overlap_param_gather:
                 self._gathering[key] = all_gather_shard(view, bucket.dp_group, async_op=True)
             else:

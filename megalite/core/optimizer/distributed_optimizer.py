@@ -49,30 +49,45 @@ class _ShardedBuffer:
     ``(buffer_lo, buffer_hi, shard_lo)`` per bucket; the shard is their concatenation."""
 
     def __init__(
-        self, param_data: torch.Tensor, grad_buffer: GradBuffer, *, dp_size: int, dp_rank: int
+        self,
+        param_data: torch.Tensor | None,
+        grad_buffer: GradBuffer,
+        *,
+        dp_size: int,
+        dp_rank: int,
+        param_shard: torch.Tensor | None = None,
     ):
         self.param_data, self.grad_buffer = param_data, grad_buffer
+        self.param_shard = param_shard  # ZeRO-3: the flat param shard (param_data is None)
         self.segments = grad_buffer.layout.shard_segments(dp_size, dp_rank)
         self.numel = sum(hi - lo for lo, hi, _ in self.segments)
-        device = param_data.device
+        ref = param_data if param_shard is None else param_shard
+        self.param_dtype, self.device = ref.dtype, ref.device
+        device = self.device
         # fp32 params are their own masters: the shard of the param buffer is updated in place
         self.master = None
-        if param_data.dtype != torch.float32:
+        if self.param_dtype != torch.float32:
             self.master = torch.empty(self.numel, dtype=torch.float32, device=device)
-            for (lo, hi, _), m in zip(self.segments, self.master_segments()):
-                m.copy_(param_data[lo:hi])
+            for (lo, hi, s), m in zip(self.segments, self.master_segments()):
+                m.copy_(self.param_segment(lo, hi, s))
         self.exp_avg = torch.zeros(self.numel, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros(self.numel, dtype=torch.float32, device=device)
         self.grad_flat: torch.Tensor | None = None  # fp32 copy of 16-bit grads during step()
 
+    def param_segment(self, lo: int, hi: int, shard_lo: int) -> torch.Tensor:
+        """This rank's params ``[lo, hi)`` (buffer coordinates; at ``shard_lo`` in the shard)."""
+        if self.param_shard is None:
+            return self.param_data[lo:hi]
+        return self.param_shard[shard_lo : shard_lo + hi - lo]
+
     def master_segments(self) -> list[torch.Tensor]:
         if self.master is None:
-            return [self.param_data[lo:hi] for lo, hi, _ in self.segments]
+            return [self.param_segment(lo, hi, s) for lo, hi, s in self.segments]
         return [self.master[s : s + hi - lo] for lo, hi, s in self.segments]
 
     def master_view(self, buffer_lo: int, shard_lo: int, n: int) -> torch.Tensor:
         if self.master is None:
-            return self.param_data[buffer_lo : buffer_lo + n]
+            return self.param_segment(buffer_lo, buffer_lo + n, shard_lo)
         return self.master[shard_lo : shard_lo + n]
 
     def master_shard(self) -> torch.Tensor:
@@ -150,7 +165,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.expert_reduce_groups = (model.expert_dp_group, expert_mp_group)
         group_of = {p: i for i, g in enumerate(param_groups) for p in g["params"]}
         self.buffers = [
-            _ShardedBuffer(d, g, dp_size=g.dp_size, dp_rank=g.dp_rank)
+            _ShardedBuffer(
+                d, g, dp_size=g.dp_size, dp_rank=g.dp_rank, param_shard=model.param_shard_of(g)
+            )
             for d, g in model.buffer_pairs()
         ]
         self.pieces: list[_Piece] = []
@@ -198,7 +215,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _step_device(self, group: int) -> torch.device:
         g = self.optimizer.param_groups[group]
         on_device = g.get("fused") or g.get("capturable")
-        return self.buffers[0].param_data.device if on_device else torch.device("cpu")
+        return self.buffers[0].device if on_device else torch.device("cpu")
 
     @property
     def master_params(self) -> list[nn.Parameter]:
@@ -234,14 +251,14 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     @property
     def _device(self) -> torch.device:
-        return self.buffers[0].param_data.device if self.buffers else torch.device("cpu")
+        return self.buffers[0].device if self.buffers else torch.device("cpu")
 
     def update_model_params(self) -> None:
         """Masters -> this rank's shard of the param buffer (rounded), then all-gather over DP."""
         for sb in self.buffers:
             if sb.master is not None:
-                for (lo, hi, _), m in zip(sb.segments, sb.master_segments()):
-                    sb.param_data[lo:hi].copy_(m)
+                for (lo, hi, s), m in zip(sb.segments, sb.master_segments()):
+                    sb.param_segment(lo, hi, s).copy_(m)
         self.model.gather_params()
 
     def set_step(self, step: int) -> None:
@@ -266,7 +283,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             out.append(
                 ckpt.layout_entry(
                     sb.grad_buffer.layout,
-                    param_dtype=sb.param_data.dtype,
+                    param_dtype=sb.param_dtype,
                     names=[self.name_of[p] for p in params],
                     shapes=[p.shape for p in params],
                 )
@@ -319,7 +336,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for sb in self.buffers:
             fulls = {}
             for key in ckpt.STATE_KEYS:
-                if key == "master" and sb.master is None:  # fp32 params: the buffer is current
+                if key == "master" and sb.master is None and sb.param_shard is None:
+                    # fp32 params, whole param buffer: it is current
                     fulls[key] = sb.param_data.detach().clone()
                 else:
                     g = sb.grad_buffer
@@ -348,8 +366,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 getattr(sb, key)[pc.shard_lo : pc.shard_lo + n].copy_(
                     entry[key].reshape(-1)[pc.lo : pc.hi]
                 )
-        for p in self.model_params:  # every rank has the full masters: no gather needed
-            p.copy_(params[self.name_of[p]]["master"])
+        with self.model.gathered_params():  # every rank has the full masters: no gather needed
+            for p in self.model_params:
+                p.copy_(params[self.name_of[p]]["master"])
         self._load_step_and_scaler(sd["step"], sd.get("scaler"))
 
     def _load_step_and_scaler(self, step, scaler: dict | None) -> None:
