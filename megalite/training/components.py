@@ -100,9 +100,9 @@ def wrap_and_build_optimizer(
     """The data-parallel wrapper of ``module`` for the rung ``strategy`` (``no_shard``: DDP,
     ``optim``: ZeRO-1, ``optim_grads``: ZeRO-2, ``optim_grads_params``: ZeRO-3 gathering
     ``units`` / ``unit_extras``, default: ``gpt_units`` for a GPTModel) and its optimizer
-    (``build_optimizer``'s keywords in ``optimizer_options``). Dense parameters are reduced over ``ps.group("dp", "cp")``, expert
-    ones (``expert_parallel``) over ``ps.group("edp")``; the grad norm over ``ps.mp_group`` and
-    ``ps.group("etp", "ep", "pp")``."""
+    (``build_optimizer``'s keywords in ``optimizer_options``). Dense parameters are reduced over
+    ``ps.group("dp", "cp")``, expert ones (``expert_parallel``) over ``ps.group("edp")``; the grad
+    norm over ``ps.mp_group`` and ``ps.group("etp", "ep", "pp")``."""
     sharded = strategy != "no_shard"
     wrapper_options = {}
     if sharded:  # the grad hooks start a bucket's reduce-scatter after its last micro-batch
