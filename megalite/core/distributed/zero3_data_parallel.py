@@ -112,7 +112,7 @@ class Zero3DataParallel(Zero2DataParallel):
             )
         self._resident = set(self._full)
         self._gather_works: dict[BucketKey, list] = {}
-        self._param_peak = 0
+        self._param_peak, self._gathered_depth = 0, 0
         for key in list(self._full):
             self._release(key)
         for i, unit in enumerate(self.units):
@@ -259,13 +259,22 @@ class Zero3DataParallel(Zero2DataParallel):
     @contextlib.contextmanager
     def gathered_params(self) -> Iterator[None]:
         """Every unit gathered inside; on exit this rank's part of each is written back into the
-        shards (so loads into the params persist) and the units are released."""
+        shards (so loads into the params persist) and the units are released. Nests (the
+        outermost gathers and writes back)."""
+        self._gathered_depth += 1
+        if self._gathered_depth > 1:  # nested: the outermost gathers and writes back
+            try:
+                yield
+            finally:
+                self._gathered_depth -= 1
+            return
         keys = list(self._full)
         self._gather(keys)
         self._wait(keys)
         try:
             yield
         finally:
+            self._gathered_depth -= 1
             with torch.no_grad():
                 for key in keys:
                     mine, shard = self._own_part(key)
