@@ -15,6 +15,7 @@ from megalite.core.optimizer import (
     DynamicLossScaler,
     LossScaler,
     MixedPrecisionOptimizer,
+    OffloadSpec,
     build_distributed_optimizer,
     build_optimizer,
 )
@@ -67,6 +68,18 @@ def tied_embedding_params(model: GPTModel, ps: ParallelState) -> tuple[list, lis
         return [], []
     duplicates = [shared] if not ps.is_first_stage else []
     return [shared], duplicates
+
+
+def offload_spec(par) -> OffloadSpec | None:
+    """``--optimizer-cpu-offload`` / ``--optimizer-offload-dir`` as an ``OffloadSpec`` (None: the
+    optimizer state stays on the device)."""
+    if not par.offload:
+        return None
+    return OffloadSpec(
+        fraction=par.optimizer_offload_fraction,
+        directory=par.optimizer_offload_dir,
+        host_bytes=int(par.optimizer_offload_host_memory_mb * 2**20),
+    )
 
 
 def gpt_units(model: GPTModel) -> tuple[list, dict]:
@@ -167,6 +180,7 @@ def setup_model_and_optimizer(
         clip_grad=opt.clip_grad,
         loss_scaler=build_loss_scaler(opt, device=device),
         count_zeros=cfg.logging.log_num_zeros_in_grad,
+        offload=offload_spec(par),
     )
     decay_iters = opt.lr_decay_iters or cfg.training.train_iters
     scheduler = LRScheduler(

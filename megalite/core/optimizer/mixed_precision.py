@@ -164,6 +164,7 @@ class MixedPrecisionOptimizer:
         if self.clip_grad > 0:
             clip_grads_by_norm(grads.all, norm, self.clip_grad)
         num_zeros = self._count_zeros(grads) if self.count_zeros else None
+        self._before_inner_step()
         self.optimizer.step()
         self._update_model_params()
         return True, norm, num_zeros
@@ -175,6 +176,9 @@ class MixedPrecisionOptimizer:
 
     def _update_model_params(self) -> None:
         raise NotImplementedError
+
+    def _before_inner_step(self) -> None:
+        """After unscaling and clipping, before the inner step (the offload's grad copies)."""
 
     @property
     def _device(self) -> torch.device:
