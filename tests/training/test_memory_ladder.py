@@ -126,3 +126,79 @@ def test_flags_refuse_invalid_combinations_in_one_line():
         assert words in str(e.value) and "\n" not in str(e.value), (flags, str(e.value))
     assert config("--zero-stage", "2").parallel.sharding_strategy() == "optim_grads"
     assert config("--use-distributed-optimizer").parallel.sharding_strategy() == "optim"
+
+
+RUNG_FLAGS = {
+    0: [],
+    1: ["--zero-stage", "1"],
+    2: ["--zero-stage", "2"],
+    3: ["--zero-stage", "3"],
+    "offload": ["--zero-stage", "2", "--optimizer-cpu-offload", "--optimizer-offload-fraction",
+                "0.5"],
+}  # fmt: skip
+
+
+def memory_case(tmp: str) -> dict:
+    from megalite.core.optimizer.memory_report import log_model_state_memory
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for rung, flags in RUNG_FLAGS.items():
+        cfg = config(*FAMILIES["gpt2"], "--bf16", "--accumulate-allreduce-grads-in-fp32",
+                     "--ddp-bucket-size", "3000", *flags, world_size=world, rank=rank)  # fmt: skip
+        ps = _mesh(cfg)
+        try:
+            run = build_run(cfg, ps, torch.device("cpu"), resume=False)
+            model, opt = run.trainer.model[0], run.trainer.optimizer
+            rows = log_model_state_memory(model, opt, ps)
+            counted = _count_storages(model, opt)
+        finally:
+            ps.destroy()
+        out[rung] = (rows[rank], counted)
+    return out
+
+
+def _count_storages(model, opt) -> dict:
+    """Bytes by kind from the tensors' storages, independently of the report."""
+
+    def nbytes(tensors) -> int:
+        seen = {}
+        for t in tensors:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        return sum(seen.values())
+
+    shards = list(getattr(model, "param_shards", {}).values())
+    params = nbytes([*model.module.parameters(), *shards])
+    grads = nbytes(b.data for b in model.grad_buffers)
+    host = nbytes(t for sb in getattr(opt, "buffers", []) for t in sb.host.values())
+    state = [
+        t for sb in getattr(opt, "buffers", []) for t in (sb.master, sb.exp_avg, sb.exp_avg_sq)
+    ]
+    device = nbytes(t for t in state if t is not None)
+    if not hasattr(opt, "buffers"):  # the plain optimizer: masters + lazily created moments
+        device = nbytes(opt.master_params) + 8 * sum(m.numel() for m in opt.master_params)
+    return {"params": params, "grads": grads, "device_optim": device, "host": host}
+
+
+def test_memory_report_equals_storages_and_theory_for_every_rung(tmp_path):
+    dp = 2
+    for rank_out in run_distributed(memory_case, dp, str(tmp_path)):
+        for rung, (s, counted) in rank_out.items():
+            phi = s.num_params
+            stage = 2 if rung == "offload" else rung
+            pad = 4 * 18 * (phi // 3000 + 8)  # < dp elements per bucket, 18 bytes each
+            assert s.stage == stage
+            assert abs(s.params - 2 * phi / (dp if stage == 3 else 1)) <= pad, (rung, s)
+            assert abs(s.grads - 4 * phi / (dp if stage >= 2 else 1)) <= pad, (rung, s)
+            optim = 12 * phi / (dp if stage >= 1 else 1)
+            steps = 4 * 64
+            if rung == "offload":
+                assert abs(s.host - optim / 2) <= pad and abs(s.theory_off - optim / 2) <= 1
+                assert abs(s.master + s.optimizer - optim / 2) <= pad + steps
+            else:
+                assert s.host == 0 and abs(s.master + s.optimizer - optim) <= pad + steps
+            assert abs(s.total - s.theory) <= pad + steps, (rung, s.total, s.theory)
+            assert counted["params"] == s.params and counted["grads"] == s.grads, rung
+            assert counted["host"] == s.host, rung
+            assert abs(counted["device_optim"] - (s.master + s.optimizer)) <= steps, rung

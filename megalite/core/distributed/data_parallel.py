@@ -81,6 +81,8 @@ class DistributedDataParallel(nn.Module):
     docstring; None = a group of one).
     """
 
+    zero_stage = 0  # the rung of the ladder (memory report)
+
     def __init__(
         self,
         module: nn.Module,

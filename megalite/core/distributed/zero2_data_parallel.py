@@ -49,6 +49,8 @@ class Zero2DataParallel(ZeroDataParallel):
     leaves each bucket's reduce-scatter in flight until ``finish_grad_sync`` or the bucket's next
     grad (else it completes in the hook)."""
 
+    zero_stage = 2  # the rung of the ladder (memory report)
+
     bucket_groups = None  # ZeRO-3 sets explicit buckets (its gather units)
 
     def __init__(self, module: nn.Module, **kwargs):

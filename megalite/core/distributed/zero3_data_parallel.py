@@ -73,6 +73,8 @@ class Zero3DataParallel(Zero2DataParallel):
     ``default_units``), ``unit_extras`` ({unit: params it reads but does not own}) and
     ``prefetch``."""
 
+    zero_stage = 3  # the rung of the ladder (memory report)
+
     def __init__(
         self,
         module: nn.Module,

@@ -78,6 +78,8 @@ class ZeroDataParallel(DistributedDataParallel):
     base class (without ``pad_multiple``: always the buffer's DP group size; expert buffers are
     sharded over ``expert_dp_group``), plus ``overlap_param_gather``."""
 
+    zero_stage = 1  # the rung of the ladder (memory report)
+
     def __init__(
         self,
         module: nn.Module,
