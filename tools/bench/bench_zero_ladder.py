@@ -248,8 +248,8 @@ def main() -> None:
     for _ in range(args.rounds):
         for k in kinds:
             results[k].append(spawn(run_kind, k, args))
-    print(f"GPT {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, seq {args.seq}, "
-          f"micro-batch {args.micro_batch}; DP={DP} gloo; medians of {args.rounds} rounds")  # fmt: skip
+    shape = f"GPT {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, seq {args.seq}"
+    print(f"{shape}, micro-batch {args.micro_batch}; DP={DP} gloo; medians of {args.rounds} rounds")
     med = {k: statistics.median(r[1] for r in v) for k, v in results.items()}
     for k, v in results.items():
         rss = statistics.median(r[2] for r in v) / 2**20
