@@ -13,6 +13,7 @@ passed to the package as arguments; the run's ``PretrainConfig`` is recorded in 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -61,6 +62,22 @@ def save_checkpoint(trainer, iteration: int | None = None, *, save_dir: str | No
     ``optimizer``, ``scheduler``, ``result`` and ``rng_tracker``)."""
     t, r = trainer.cfg.training, trainer.result
     iteration = r.iteration if iteration is None else int(iteration)
+    with gathered_params(trainer.model):  # issue 13: ZeRO-3 params whole while saving
+        iter_dir = _save(trainer, iteration, save_dir, t, r)
+    trainer.last_saved_iteration = iteration
+    return iter_dir
+
+
+def gathered_params(model: list[nn.Module]) -> contextlib.ExitStack:  # issue 13
+    """Every chunk's parameters whole inside (ZeRO-3 gathers its shards and writes loads back);
+    a no-op for the other data-parallel rungs."""
+    stack = contextlib.ExitStack()
+    for chunk in model:
+        stack.enter_context(chunk.gathered_params())
+    return stack
+
+
+def _save(trainer, iteration: int, save_dir, t, r) -> str:
     iter_dir = checkpoint.save_checkpoint(
         save_dir or t.save,
         iteration,
@@ -76,7 +93,6 @@ def save_checkpoint(trainer, iteration: int | None = None, *, save_dir: str | No
         save_optim=not t.no_save_optim,
         keep_last_n=t.keep_last_n_checkpoints,
     )
-    trainer.last_saved_iteration = iteration
     return iter_dir
 
 
@@ -90,7 +106,20 @@ def load_checkpoint(
     ``trainer.result.iteration`` and the consumed samples (unless ``--finetune``); returns the
     RNG states to apply once the data loaders are built (``restore_rng``). Every rank calls it."""
     t, r = trainer.cfg.training, trainer.result
-    loaded = checkpoint.load_checkpoint(
+    with gathered_params(trainer.model):  # issue 13: ZeRO-3 loads into whole params
+        loaded = _load(trainer, load_dir, iteration, t)
+    if loaded is None:
+        return None
+    if loaded.progress is not None:
+        r.iteration = loaded.progress.iteration
+        r.consumed_train_samples = loaded.progress.consumed_train_samples
+        r.consumed_valid_samples = loaded.progress.consumed_valid_samples
+    trainer.last_saved_iteration = r.iteration
+    return loaded
+
+
+def _load(trainer, load_dir, iteration, t):
+    return checkpoint.load_checkpoint(
         load_dir or t.load,
         model_chunks=gpt_modules(trainer.model),
         optimizer=trainer.optimizer,
@@ -102,14 +131,6 @@ def load_checkpoint(
         load_rng=not t.no_load_rng,
         finetune=t.finetune,
     )
-    if loaded is None:
-        return None
-    if loaded.progress is not None:
-        r.iteration = loaded.progress.iteration
-        r.consumed_train_samples = loaded.progress.consumed_train_samples
-        r.consumed_valid_samples = loaded.progress.consumed_valid_samples
-    trainer.last_saved_iteration = r.iteration
-    return loaded
 
 
 def restore_rng(trainer, loaded: LoadedCheckpoint) -> None:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from megalite.core.distributed import DistributedDataParallel, ZeroDataParallel
+from megalite.core.distributed import DistributedDataParallel, wrapper_class
 from megalite.core.optimizer import (
     ConstantLossScaler,
     DynamicLossScaler,
     LossScaler,
     MixedPrecisionOptimizer,
+    OffloadSpec,
     build_distributed_optimizer,
     build_optimizer,
 )
@@ -69,6 +70,86 @@ def tied_embedding_params(model: GPTModel, ps: ParallelState) -> tuple[list, lis
     return [shared], duplicates
 
 
+def offload_spec(par) -> OffloadSpec | None:
+    """``--optimizer-cpu-offload`` / ``--optimizer-offload-dir`` as an ``OffloadSpec`` (None: the
+    optimizer state stays on the device)."""
+    if not par.offload:
+        return None
+    return OffloadSpec(
+        fraction=par.optimizer_offload_fraction,
+        directory=par.optimizer_offload_dir,
+        host_bytes=int(par.optimizer_offload_host_memory_mb * 2**20),
+    )
+
+
+def gpt_units(model: GPTModel) -> tuple[list, dict]:
+    """ZeRO-3's gather units of a GPT stage, forward order: the embedding, each transformer
+    layer, the final norm, the output layer; and the output layer's extra (the tied word embedding
+    it reads when this stage also holds the embedding)."""
+    units = [model.embedding, *model.decoder.layers, model.decoder.final_layernorm]
+    units += [model.output_layer]
+    units = [u for u in units if u is not None]
+    extras = {}
+    if model.output_layer is not None and model.output_layer.weight is None:
+        extras[model.output_layer] = [model.embedding.word_embeddings.weight]
+    return units, extras
+
+
+def wrap_and_build_optimizer(
+    module: torch.nn.Module,
+    ps: ParallelState,
+    *,
+    strategy: str = "no_shard",
+    shared_params=(),
+    duplicates=(),
+    accumulate_allreduce_grads_in_fp32: bool = False,
+    bucket_size: int | None = None,
+    overlap_grad_reduce: bool = False,
+    overlap_param_gather: bool = False,
+    units=None,
+    unit_extras=None,
+    **optimizer_options,
+) -> tuple[DistributedDataParallel, MixedPrecisionOptimizer]:
+    """The data-parallel wrapper of ``module`` for the rung ``strategy`` (``no_shard``: DDP,
+    ``optim``: ZeRO-1, ``optim_grads``: ZeRO-2, ``optim_grads_params``: ZeRO-3 gathering
+    ``units`` / ``unit_extras``, default: ``gpt_units`` for a GPTModel) and its optimizer
+    (``build_optimizer``'s keywords in ``optimizer_options``). Dense parameters are reduced over
+    ``ps.group("dp", "cp")``, expert ones (``expert_parallel``) over ``ps.group("edp")``; the grad
+    norm over ``ps.mp_group`` and ``ps.group("etp", "ep", "pp")``."""
+    sharded = strategy != "no_shard"
+    wrapper_options = {}
+    if sharded:  # the grad hooks start a bucket's reduce-scatter after its last micro-batch
+        wrapper_options = {
+            "overlap_grad_reduce": overlap_grad_reduce,
+            "overlap_param_gather": overlap_param_gather,
+        }
+    if strategy == "optim_grads_params":
+        if units is None and isinstance(module, GPTModel):
+            units, unit_extras = gpt_units(module)
+        wrapper_options.update(units=units, unit_extras=unit_extras)
+    model = wrapper_class(strategy)(
+        module,
+        dp_group=ps.group("dp", "cp"),
+        tp_group=ps.tp_group,
+        embedding_group=ps.embedding_group,
+        shared_params=shared_params,
+        accumulate_allreduce_grads_in_fp32=accumulate_allreduce_grads_in_fp32,
+        bucket_size=bucket_size,
+        expert_dp_group=ps.group("edp"),  # expert_parallel params: reduced over expert DP
+        **wrapper_options,
+    )
+    optimizer = (build_distributed_optimizer if sharded else build_optimizer)(
+        model,
+        mp_group=ps.mp_group,
+        tp_rank=ps.tp_rank,
+        duplicates=duplicates,
+        expert_mp_group=ps.group("etp", "ep", "pp"),
+        expert_tp_rank=ps.rank("etp"),
+        **optimizer_options,
+    )
+    return model, optimizer
+
+
 def setup_model_and_optimizer(
     cfg: PretrainConfig,
     ps: ParallelState,
@@ -81,37 +162,25 @@ def setup_model_and_optimizer(
     module = build_model(cfg, ps, device=device, rng_tracker=rng_tracker)
     shared, duplicates = tied_embedding_params(module, ps)
     par, opt = cfg.parallel, cfg.optimizer
-    # ZeRO-1 (--use-distributed-optimizer): grads reduce-scattered, optimizer state sharded over DP
-    zero = par.use_distributed_optimizer
-    wrapper_options = {}
-    if zero:  # the grad hooks start a bucket's reduce-scatter after its last micro-batch
-        wrapper_options = {
-            "overlap_grad_reduce": par.overlap_grad_reduce,
-            "overlap_param_gather": par.overlap_param_gather,
-        }
-    model = (ZeroDataParallel if zero else DistributedDataParallel)(
+    model, optimizer = wrap_and_build_optimizer(
         module,
-        dp_group=ps.group("dp", "cp"),
-        tp_group=ps.tp_group,
-        embedding_group=ps.embedding_group,
+        ps,
+        strategy=par.sharding_strategy(),
         shared_params=shared,
+        duplicates=duplicates,
         accumulate_allreduce_grads_in_fp32=par.accumulate_allreduce_grads_in_fp32,
         bucket_size=par.bucket_size(ps.dp_size),
-        **wrapper_options,
-    )
-    optimizer = (build_distributed_optimizer if zero else build_optimizer)(
-        model,
+        overlap_grad_reduce=par.overlap_grad_reduce,
+        overlap_param_gather=par.overlap_param_gather,
         lr=opt.lr,
         weight_decay=opt.weight_decay,
         adam_beta1=opt.adam_beta1,
         adam_beta2=opt.adam_beta2,
         adam_eps=opt.adam_eps,
         clip_grad=opt.clip_grad,
-        mp_group=ps.mp_group,
-        tp_rank=ps.tp_rank,
-        duplicates=duplicates,
         loss_scaler=build_loss_scaler(opt, device=device),
         count_zeros=cfg.logging.log_num_zeros_in_grad,
+        offload=offload_spec(par),
     )
     decay_iters = opt.lr_decay_iters or cfg.training.train_iters
     scheduler = LRScheduler(

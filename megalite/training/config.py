@@ -42,6 +42,9 @@ def _at_least(low: float, *named: tuple[str, float | None]) -> None:
             raise ConfigError(f"{name} must be >= {low}, got {value}")
 
 
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")  # issue 13
+
+
 @dataclass
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
@@ -60,6 +63,13 @@ class ParallelConfig:
     # issue 15: context parallel (the sequence split over cp ranks; shards no parameter)
     context_parallel_size: int = 1
     cp_comm_type: str = "p2p"  # p2p | a2a | all_gather
+    # issue 13: the ZeRO ladder and optimizer offload (validate_zero)
+    data_parallel_sharding_strategy: str | None = None  # no_shard|optim|optim_grads|..._params
+    zero_stage: int | None = None  # DeepSpeed's alias: 0 1 2 3
+    optimizer_cpu_offload: bool = False  # optimizer state and step on the host
+    optimizer_offload_fraction: float = 1.0  # share of the optimizer state offloaded
+    optimizer_offload_dir: str | None = None  # NVMe: the offloaded state in files there
+    optimizer_offload_host_memory_mb: float = 256.0  # host buffer bound of the NVMe stream
 
     @property
     def rank_order(self) -> str:
@@ -78,6 +88,66 @@ class ParallelConfig:
             return None
         return self.world_size // (self.model_parallel_size * self.context_parallel_size)
 
+    def sharding_strategy(self) -> str:  # issue 13
+        """The data-parallel rung: ``no_shard`` (DDP), ``optim`` (ZeRO-1), ``optim_grads``
+        (ZeRO-2) or ``optim_grads_params`` (ZeRO-3)."""
+        if self.data_parallel_sharding_strategy is not None:
+            return self.data_parallel_sharding_strategy
+        if self.zero_stage is not None:
+            return SHARDING_STRATEGIES[self.zero_stage]
+        return "optim" if self.use_distributed_optimizer else "no_shard"
+
+    @property
+    def offload(self) -> bool:  # issue 13
+        return self.optimizer_cpu_offload or self.optimizer_offload_dir is not None
+
+    def validate_zero(self) -> None:  # issue 13
+        """The rung and offload flags agree (one line each otherwise); sets
+        ``use_distributed_optimizer`` for every sharded rung."""
+        s, z = self.data_parallel_sharding_strategy, self.zero_stage
+        if s is not None and s not in SHARDING_STRATEGIES:
+            raise ConfigError(
+                f"data_parallel_sharding_strategy must be one of {', '.join(SHARDING_STRATEGIES)}, "
+                f"got {s!r}"
+            )
+        if z is not None and z not in range(4):
+            raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {z}")
+        if s is not None and z is not None and SHARDING_STRATEGIES[z] != s:
+            raise ConfigError(
+                f"zero_stage {z} is data_parallel_sharding_strategy {SHARDING_STRATEGIES[z]}, not "
+                f"{s}; pass one of the two"
+            )
+        chosen = s if s is not None else None if z is None else SHARDING_STRATEGIES[z]
+        if self.use_distributed_optimizer and chosen == "no_shard":
+            raise ConfigError(
+                "use_distributed_optimizer shards the optimizer state, data_parallel_sharding_"
+                "strategy no_shard (zero_stage 0) does not; drop one of them"
+            )
+        strategy = self.sharding_strategy()
+        if strategy == "optim_grads_params" and self.overlap_param_gather:
+            raise ConfigError(
+                "overlap_param_gather does not apply to ZeRO-3 (optim_grads_params), which "
+                "gathers each unit before its forward and prefetches the next; drop "
+                "overlap_param_gather"
+            )
+        if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
+            raise ConfigError(
+                f"optimizer_offload_fraction must be in [0, 1], got "
+                f"{self.optimizer_offload_fraction}"
+            )
+        if self.offload and strategy == "no_shard":
+            raise ConfigError(
+                "optimizer_cpu_offload / optimizer_offload_dir offload the sharded optimizer "
+                "state: add use_distributed_optimizer or a zero_stage >= 1"
+            )
+        if self.optimizer_offload_host_memory_mb <= 0:
+            raise ConfigError(
+                f"optimizer_offload_host_memory_mb must be > 0, got "
+                f"{self.optimizer_offload_host_memory_mb}"
+            )
+        if strategy != "no_shard":
+            self.use_distributed_optimizer = True
+
     def bucket_size(self, dp_size: int | None = None) -> int:
         """Elements per grad bucket: ``ddp_bucket_size``, else max(40M, 1M x ``dp_size``)."""
         if self.ddp_bucket_size is not None:
@@ -86,6 +156,7 @@ class ParallelConfig:
         return max(40_000_000, 1_000_000 * dp)
 
     def validate(self) -> None:
+        self.validate_zero()  # issue 13
         for name, value in (
             ("tensor_model_parallel_size", self.tensor_model_parallel_size),
             ("pipeline_model_parallel_size", self.pipeline_model_parallel_size),

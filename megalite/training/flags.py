@@ -20,6 +20,7 @@ from megalite.models.config import (
 from megalite.training.config import (
     DEVICES,
     PIPELINE_SCHEDULES,
+    SHARDING_STRATEGIES,
     ConfigError,
     LoggingConfig,
     OptimizerConfig,
@@ -36,11 +37,6 @@ ATTENTION_BACKEND_ALIASES = {
 
 # Megatron flags that an open issue brings; until then they are refused as unknown, saying which.
 PLANNED_FLAGS = {
-    **dict.fromkeys(
-        ("--zero-stage", "--data-parallel-sharding-strategy", "--optimizer-cpu-offload",
-         "--optimizer-offload-fraction"),
-        "issue 13 (ZeRO-2/3 and optimizer offload)",
-    ),
     **dict.fromkeys(
         ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
          "--microbatch-group-size-per-virtual-pipeline-stage"),
@@ -158,6 +154,19 @@ def build_parser() -> argparse.ArgumentParser:
            help="split each sequence over N ranks (2 x N load-balanced chunks)")  # fmt: skip
     cp.add("--cp-comm-type", choices=["p2p", "a2a", "all_gather"],
            help="p2p: K/V ring; a2a: Ulysses all-to-all; all_gather: K/V gathered")  # fmt: skip
+    z = _Group(p, "ZeRO ladder and optimizer offload (issue 13)", ParallelConfig)
+    z.add("--data-parallel-sharding-strategy", choices=list(SHARDING_STRATEGIES),
+          help="no_shard (DDP), optim (ZeRO-1), optim_grads (ZeRO-2), optim_grads_params "
+               "(ZeRO-3)")  # fmt: skip
+    z.add("--zero-stage", type=int, choices=[0, 1, 2, 3],
+          help="DeepSpeed's alias of --data-parallel-sharding-strategy")  # fmt: skip
+    z.switch("--optimizer-cpu-offload", help="fp32 masters, Adam moments and the step on the host")
+    z.add("--optimizer-offload-fraction", type=float,
+          help="share of the optimizer state (and step) offloaded, in [0, 1]")  # fmt: skip
+    z.add("--optimizer-offload-dir",
+          help="NVMe offload: the offloaded optimizer state in files under DIR")  # fmt: skip
+    z.add("--optimizer-offload-host-memory-mb", type=float,
+          help="bound on the host buffers that stream the NVMe state (MiB)")  # fmt: skip
 
     o = _Group(p, "optimizer", OptimizerConfig)
     o.plain("--optimizer", default="adam", choices=["adam"])

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.checkpoint import CheckpointError
-from megalite.core.optimizer.memory_report import log_model_state_memory
+from megalite.core.optimizer.memory_report import log_memory_after_step, log_model_state_memory
 from megalite.core.parallel_state import ParallelState, initialize_model_parallel
 from megalite.core.tensor_parallel.mappings import group_size
 from megalite.core.tensor_parallel.random import model_parallel_seed
@@ -82,6 +82,9 @@ def build_run(
         n_params = sum(p.numel() for chunk in trainer.model for p in chunk.parameters())
         logger.info("parameters on the last rank: %d", n_params)
         log_model_state_memory(trainer.model[0], trainer.optimizer, ps)
+        trainer.optimizer.after_first_step = lambda: log_memory_after_step(  # issue 13
+            trainer.model[0], trainer.optimizer, ps
+        )
     t = cfg.training
     try:
         loaded = checkpoint_io.load_checkpoint(trainer) if t.load and resume else None

@@ -3,6 +3,9 @@
     python tools/bench/bench_zero.py [--rounds 5] [--steps 3] [--layers 10] [--hidden 512]
     python tools/bench/bench_zero.py --collectives      # why the gloo collectives are p2p/broadcast
 
+(The whole ladder, ZeRO-2/3 and offload beside DeepSpeed and FSDP2, and ZeRO-3's communication
+volume: ``tools/bench/bench_zero_ladder.py``.)
+
 Three set-ups of the same ~50M-parameter GPT-2 (megalite's ``GPTModel``, fp32, seed-identical) on
 two gloo ranks, one thread each, alternating in one run (round-robin cancels this shared machine's
 drift):

@@ -17,7 +17,8 @@ elements (the last bucket takes the rest; ``None`` = a single bucket). Each buck
 multiple of ``pad_multiple`` elements (ZeRO passes ``dp_size`` so a bucket splits evenly into
 per-rank shards for a reduce-scatter); padding stays zero. A parameter never straddles buckets.
 DP rank ``r`` of ``d`` owns elements ``[offset + r n/d, offset + (r+1) n/d)`` of a bucket of ``n``
-(padded) elements at ``offset``::
+(padded) elements at ``offset``. ZeRO-3 passes explicit ``groups`` instead: one bucket per
+parameter group (a gather unit: a transformer layer, the embedding, the output layer)::
 
     buffer.data   [numel_padded]             one flat tensor
     bucket.data   [bucket_numel_padded]      a view of buffer.data
@@ -30,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from megalite.core.tensor_parallel.mappings import group_rank, group_size
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,12 @@ class GradBufferLayout:
     """
 
     def __init__(
-        self, numels: Sequence[int], *, bucket_size: int | None = None, pad_multiple: int = 1
+        self,
+        numels: Sequence[int],
+        *,
+        bucket_size: int | None = None,
+        pad_multiple: int = 1,
+        groups: Sequence[Sequence[int]] | None = None,
     ):
         if bucket_size is not None and bucket_size < 1:
             raise ValueError(f"bucket_size must be >= 1 element, got {bucket_size}")
@@ -62,12 +70,23 @@ class GradBufferLayout:
         self.buckets: list[BucketRange] = []
         offset, current, current_numel = 0, [], 0
         order = list(reversed(range(len(numels))))
+        ends = set()  # ZeRO-3: ``groups`` (parameter indices, placement order) are the buckets
+        if groups is not None:
+            order = [i for g in groups for i in g]
+            if sorted(order) != list(range(len(numels))):
+                raise ValueError("bucket groups must hold every parameter index exactly once")
+            ends = {sum(len(g) for g in groups[: j + 1]) - 1 for j in range(len(groups))}
+            bucket_size = None
         for k, i in enumerate(order):
             start = offset + current_numel
             self.param_ranges[i] = (start, start + numels[i], len(self.buckets))
             current.append(i)
             current_numel += numels[i]
-            if k == len(order) - 1 or (bucket_size is not None and current_numel >= bucket_size):
+            if (
+                k == len(order) - 1
+                or k in ends
+                or (bucket_size is not None and current_numel >= bucket_size)
+            ):
                 padded = -(-current_numel // pad_multiple) * pad_multiple
                 self.buckets.append(BucketRange(len(self.buckets), offset, padded, tuple(current)))
                 offset += padded
@@ -104,13 +123,16 @@ class Bucket:
     params: list[torch.nn.Parameter]
     data: torch.Tensor  # [numel] view of the buffer, padding included
     offset: int  # start of this bucket in the buffer (elements)
+    dp_group: object = None  # the group this bucket is reduced over (the buffer's)
 
 
 class GradBuffer:
     """Holds ``main_grad`` for ``params`` (all of one param dtype) in a buffer of ``grad_dtype``.
 
     ``layout`` is the ``GradBufferLayout``; ``param_ranges[param]`` = ``(start, end,
-    bucket_index)`` in buffer elements.
+    bucket_index)`` in buffer elements. ``dp_group``: the data-parallel group the buffer is reduced
+    (and, under ZeRO, sharded) over: ``dp x cp`` for dense parameters, ``edp`` for expert ones
+    (``expert`` True).
     """
 
     def __init__(
@@ -121,7 +143,11 @@ class GradBuffer:
         bucket_size: int | None = None,
         pad_multiple: int = 1,
         device: torch.device | None = None,
+        dp_group=None,
+        expert: bool = False,
     ):
+        self.dp_group, self.expert = dp_group, expert
+        self.dp_size, self.dp_rank = group_size(dp_group), group_rank(dp_group)
         self.layout = GradBufferLayout(
             [p.numel() for p in params], bucket_size=bucket_size, pad_multiple=pad_multiple
         )
@@ -130,7 +156,7 @@ class GradBuffer:
         self.param_ranges = {p: self.layout.param_ranges[i] for i, p in enumerate(self.params)}
         self.buckets = [
             Bucket(b.index, [self.params[i] for i in b.params], self.view(b.offset,
-                   b.offset + b.numel), b.offset)
+                   b.offset + b.numel), b.offset, dp_group)
             for b in self.layout.buckets
         ]  # fmt: skip
         for p, (lo, hi, _) in self.param_ranges.items():

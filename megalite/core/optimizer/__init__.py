@@ -14,6 +14,7 @@ from megalite.core.optimizer.distributed_optimizer import DistributedOptimizer
 from megalite.core.optimizer.grad_norm import clip_grads_by_norm, grad_norm, param_is_counted
 from megalite.core.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
 from megalite.core.optimizer.mixed_precision import MixedPrecisionOptimizer
+from megalite.core.optimizer.sharded_state import OffloadSpec
 from megalite.core.optimizer.unsharded_optimizer import UnshardedOptimizer
 from megalite.core.optimizer.zero1_checkpoint import full_state_from_shards
 
@@ -23,6 +24,7 @@ __all__ = [
     "DynamicLossScaler",
     "LossScaler",
     "MixedPrecisionOptimizer",
+    "OffloadSpec",
     "UnshardedOptimizer",
     "adamw_factory",
     "build_distributed_optimizer",

@@ -14,6 +14,7 @@ from torch import nn
 from megalite.core.distributed.zero_data_parallel import ZeroDataParallel
 from megalite.core.optimizer.distributed_optimizer import DistributedOptimizer
 from megalite.core.optimizer.loss_scaler import LossScaler
+from megalite.core.optimizer.sharded_state import OffloadSpec
 from megalite.core.optimizer.unsharded_optimizer import UnshardedOptimizer
 
 
@@ -64,17 +65,28 @@ def build_optimizer(
     duplicates: Iterable[torch.Tensor] = (),
     loss_scaler: LossScaler | None = None,
     count_zeros: bool = False,
+    expert_mp_group=None,
+    expert_tp_rank: int = 0,
+    offload: OffloadSpec | None = None,
 ) -> UnshardedOptimizer | DistributedOptimizer:
     """AdamW over fp32 masters of ``model``'s parameters: the state whole on every DP rank, or
     sharded over DP (ZeRO-1) when ``model`` is a ``ZeroDataParallel``.
 
     ``lr`` is the initial learning rate; the scheduler overwrites it every step.
+    ``expert_mp_group`` (``ps.group("etp", "ep", "pp")``) and ``expert_tp_rank``: where the grad
+    norm of expert (MoE) parameters is reduced and which expert-TP rank counts replicated ones.
+    ``offload``: part of the sharded state (and its step) on the host or in files (sharded only).
     """
     build_inner = adamw_factory(
         lr=lr, weight_decay=weight_decay, adam_beta1=adam_beta1, adam_beta2=adam_beta2,
         adam_eps=adam_eps,
     )  # fmt: skip
     sharded = isinstance(model, ZeroDataParallel)  # ZeRO-1: the optimizer state over DP
+    extra = {}
+    if offload is not None:
+        if not sharded:
+            raise ValueError("optimizer offload needs a sharded rung (ZeRO-1, 2 or 3)")
+        extra["offload"] = offload
     return (DistributedOptimizer if sharded else UnshardedOptimizer)(
         get_param_groups(model, weight_decay=weight_decay),
         build_inner,
@@ -85,6 +97,9 @@ def build_optimizer(
         duplicates=duplicates,
         loss_scaler=loss_scaler,
         count_zeros=count_zeros,
+        expert_mp_group=expert_mp_group,
+        expert_tp_rank=expert_tp_rank,
+        **extra,
     )
 
 

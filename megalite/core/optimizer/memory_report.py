@@ -1,24 +1,35 @@
-"""The model-state memory of every rank (params, grads, fp32 masters, optimizer states) at start-up.
+"""The model-state memory of every rank (params, grads, fp32 masters, optimizer states, buffers)
+at start-up, per rung of the ZeRO ladder, and the measured peak after the first step.
 
 Measured over tensor *storage*: each distinct storage counted once (a ZeRO-1 param buffer, the
-grad buffers, the flat master and Adam shards), so views and aliases are not double-counted, and a
-master that *is* the model parameter (fp32 training) costs nothing extra. Adam states that the
-plain ``torch.optim.AdamW`` creates lazily at its first step are counted at the size it will
-allocate (two fp32 tensors per master). ``step`` counters (4 bytes per tensor) are included.
+grad buffers or their shards, the flat master and Adam shards), so views and aliases are not
+double-counted, and a master that *is* the model parameter (fp32 training) costs nothing extra.
+Adam states that the plain ``torch.optim.AdamW`` creates lazily at its first step are counted at
+the size it will allocate (two fp32 tensors per master). ``step`` counters (4 bytes per tensor) are
+included. Offloaded optimizer state is reported apart: ``host`` (host storages, or the NVMe
+stream's host buffers) and ``disk`` (the state files). ``buffers``: grad buckets being staged
+(ZeRO-2/3) and whole ZeRO-3 units gathered, now; after the first step their peak.
 
-Theory for ``P`` parameters on this model-parallel rank, DP size ``d``, params of ``p`` bytes and
-grads of ``g`` bytes per element::
+Theory for ``P`` parameters on this model-parallel rank, DP size ``N``, params of ``p`` bytes,
+grads of ``g`` bytes and ``k = 8 + (4 if the params are 16-bit: the fp32 master)`` optimizer bytes
+per element; stage ``z`` divides by ``N`` the first ``z`` of (optimizer, grads, params)::
 
-    plain:   p P + g P + (m + 8) P          m = 4 for 16-bit params (fp32 master), 0 for fp32
-    ZeRO-1:  p P + g P + (m + 8) P / d      (e.g. bf16 params, fp32 grads: 2P + 4P + 12P/d)
+    stage 0 (no_shard):            p P   + g P   + k P
+    stage 1 (optim):               p P   + g P   + k P / N
+    stage 2 (optim_grads):         p P   + g P/N + k P / N
+    stage 3 (optim_grads_params):  p P/N + g P/N + k P / N
 
-ZeRO-1's measured optimizer bytes exceed the theory only by the bucket padding (< d elements per
-bucket) and the step counters.
+DeepSpeed's figures are the bf16-grad case (p = g = 2, k = 12): 16P, 4P + 12P/N, 2P + 14P/N,
+16P/N. megalite's fp32-grad variant (``--accumulate-allreduce-grads-in-fp32``, g = 4): 18P,
+6P + 12P/N, 2P + 16P/N, 18P/N. With offload, ``fraction`` of the optimizer part moves to the host
+(or disk). Measured bytes exceed the theory only by bucket padding (< N elements per bucket) and
+the step counters.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import astuple, dataclass
 
@@ -34,7 +45,8 @@ MIB = 2**20
 
 @dataclass
 class ModelStateBytes:
-    """Bytes on one rank; ``theory`` is the formula of the module docstring."""
+    """Bytes on one rank; ``theory`` is the device formula of the module docstring, ``theory_off``
+    the offloaded optimizer state's (host or disk)."""
 
     params: int
     grads: int
@@ -42,10 +54,16 @@ class ModelStateBytes:
     optimizer: int
     theory: int
     num_params: int
+    host: int = 0
+    disk: int = 0
+    buffers: int = 0
+    theory_off: int = 0
+    stage: int = 0
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.master + self.optimizer
+        """Device bytes: params + grads + masters + optimizer states + buffers."""
+        return self.params + self.grads + self.master + self.optimizer + self.buffers
 
 
 def _storages(tensors: Iterable[torch.Tensor], exclude: set[int] = frozenset()) -> dict[int, int]:
@@ -53,52 +71,84 @@ def _storages(tensors: Iterable[torch.Tensor], exclude: set[int] = frozenset()) 
     out: dict[int, int] = {}
     for t in tensors:
         storage = t.untyped_storage()
-        if storage.data_ptr() not in exclude:
+        if storage.data_ptr() not in exclude and storage.nbytes():
             out[storage.data_ptr()] = storage.nbytes()
     return out
+
+
+def zero_stage(model: nn.Module) -> int:
+    """The ladder rung of a data-parallel wrapper (0 = no_shard ... 3 = optim_grads_params)."""
+    return int(getattr(model, "zero_stage", 0))
 
 
 def model_state_bytes(model: nn.Module, optimizer, *, dp_size: int) -> ModelStateBytes:
     """Measure ``model`` (a DP wrapper with ``grad_buffers``) and ``optimizer`` (either optimizer:
     ``master_params`` and the inner ``optimizer``) on this rank; ``dp_size`` for the theory."""
     params = [p for p in model.parameters() if p.requires_grad]
-    param_st = _storages(params)
+    shards = list(getattr(model, "param_shards", {}).values())
+    param_st = _storages([*params, *shards])
     grad_st = _storages([b.data for b in model.grad_buffers])
-    master_st = _storages(optimizer.master_params, exclude=set(param_st))
-    seen = set(param_st) | set(master_st)
+    states = getattr(optimizer, "buffers", [])  # ShardState per buffer (sharded optimizer)
+    host_tensors = [t for sb in states for t in getattr(sb, "host", {}).values()]
+    host_tensors += [t for sb in states if sb.store is not None for t in sb.store.buffers.values()]
+    host_st = _storages(host_tensors)
+    stores = [sb.store for sb in states if sb.store is not None]
+    disk = sum(os.path.getsize(path) for store in stores for path in store.paths.values())
+    master_st = _storages(optimizer.master_params, exclude=set(param_st) | set(host_st))
+    seen = set(param_st) | set(master_st) | set(host_st)
     inner = optimizer.optimizer
     state_tensors, lazy = [], 0
     for master in optimizer.master_params:
         state = inner.state.get(master, {})
         if not state:  # plain AdamW: exp_avg + exp_avg_sq + step at the first step
             lazy += 2 * master.numel() * 4 + 4
-        state_tensors += [v for v in state.values() if torch.is_tensor(v)]
+        state_tensors += [v for k, v in state.items() if torch.is_tensor(v) and k != "step"]
     optim_st = _storages(state_tensors, exclude=seen)
+    steps = sum(4 for m in optimizer.master_params if "step" in inner.state.get(m, {}))
+    buffers = model.staged_bytes() if hasattr(model, "staged_bytes") else 0
 
-    zero = optimizer.is_sharded
-    num_params, theory = 0, 0.0
+    stage = zero_stage(model)
+    fraction = 0.0
+    if states and states[0].numel:
+        fraction = sum(sb.cut for sb in states) / sum(sb.numel for sb in states)
+    num_params, theory, theory_off = 0, 0.0, 0.0
     for p in params:
         n, p_size = p.numel(), p.element_size()
-        g_size = p.main_grad.element_size() if hasattr(p, "main_grad") else p_size
-        master = 0 if p.dtype == torch.float32 else 4
+        g_size = model._buffer_of(p).grad_dtype.itemsize if hasattr(model, "_buffer_of") else p_size
+        k = 8 + (0 if p.dtype == torch.float32 else 4)
         num_params += n
-        theory += n * (p_size + g_size) + n * (master + 8) / (dp_size if zero else 1)
+        theory += n * p_size / (dp_size if stage >= 3 else 1)
+        theory += n * g_size / (dp_size if stage >= 2 else 1)
+        optim = n * k / (dp_size if stage >= 1 else 1)
+        theory += optim * (1 - fraction)
+        theory_off += optim * fraction
     return ModelStateBytes(
         params=sum(param_st.values()),
         grads=sum(grad_st.values()),
         master=sum(master_st.values()),
-        optimizer=sum(optim_st.values()) + lazy,
+        optimizer=sum(optim_st.values()) + lazy + steps,
         theory=round(theory),
         num_params=num_params,
+        host=sum(host_st.values()),
+        disk=disk,
+        buffers=buffers,
+        theory_off=round(theory_off),
+        stage=stage,
     )
 
 
-def theory_formula(model: nn.Module, *, dp_size: int, zero: bool) -> str:
-    """The theory as text for the first parameter's dtypes, e.g. ``2P + 4P + 12P/4``."""
+def theory_formula(model: nn.Module, *, dp_size: int, zero: bool | None = None) -> str:
+    """The theory as text for the first parameter's dtypes, e.g. ``2P + 4P/4 + 12P/4``."""
+    stage = zero_stage(model) if zero is None or zero else 0
     p = next(p for p in model.parameters() if p.requires_grad)
-    g = p.main_grad.element_size() if hasattr(p, "main_grad") else p.element_size()
-    rest = (0 if p.dtype == torch.float32 else 4) + 8
-    return f"{p.element_size()}P + {g}P + {rest}P" + (f"/{dp_size}" if zero else "")
+    g = (
+        model._buffer_of(p).grad_dtype.itemsize
+        if hasattr(model, "_buffer_of")
+        else p.element_size()
+    )
+    k = (0 if p.dtype == torch.float32 else 4) + 8
+    parts = [(p.element_size(), 3), (g, 2), (k, 1)]
+    return " + ".join(f"{b}P" + (f"/{dp_size}" if stage >= z else "") for b, z in parts)
 
 
 def _gather_rows(row: torch.Tensor, groups) -> torch.Tensor:
@@ -113,27 +163,57 @@ def _gather_rows(row: torch.Tensor, groups) -> torch.Tensor:
     return rows
 
 
+STAGE_NAMES = ("no_shard", "ZeRO-1 (optim)", "ZeRO-2 (optim_grads)", "ZeRO-3 (optim_grads_params)")
+
+
 def log_model_state_memory(model: nn.Module, optimizer, ps) -> list[ModelStateBytes]:
     """Measure every rank (a collective over the model-parallel and DP groups) and log one line
     per rank on the logging rank. Returns the per-rank numbers, global-rank order."""
-    mine = model_state_bytes(model, optimizer, dp_size=ps.dp_size)
-    row = torch.tensor([ps.rank(), *astuple(mine)], dtype=torch.float64, device=ps.device)
-    rows = _gather_rows(row, (ps.mp_group, ps.dp_group)).cpu()
-    rows = rows[rows[:, 0].argsort()]
-    zero = optimizer.is_sharded
+    mine = model_state_bytes(model, optimizer, dp_size=ps.size("dp", "cp"))
+    rows = _rows(mine, ps)
     logger.info(
-        "model-state memory per rank (%s): params + grads + fp32 master + optimizer states "
-        "(MiB), measured vs theory %s (P = params on the rank)",
-        f"ZeRO-1 over DP {ps.dp_size}" if zero else "optimizer replicated over DP",
-        theory_formula(model, dp_size=ps.dp_size, zero=zero),
-    )
-    out = []
-    for r in rows.tolist():
-        s = ModelStateBytes(*(int(v) for v in r[1:]))
-        out.append(s)
+        "model-state memory per rank, %s over DP %d: params + grads + fp32 master + optimizer "
+        "states + buffers (MiB, device) [+ offloaded host / disk], measured vs theory %s "
+        "(P = params on the rank; DeepSpeed's rungs: 16P, 4P + 12P/N, 2P + 14P/N, 16P/N)",
+        STAGE_NAMES[mine.stage], ps.size("dp", "cp"),
+        theory_formula(model, dp_size=ps.size("dp", "cp")),
+    )  # fmt: skip
+    for r, s in rows:
+        off = f" [+ host {s.host / MIB:.2f}, disk {s.disk / MIB:.2f}]" if s.host or s.disk else ""
         logger.info(
-            "  rank %d: %.2f + %.2f + %.2f + %.2f = %.2f MiB (theory %.2f MiB, %d params)",
-            int(r[0]), s.params / MIB, s.grads / MIB, s.master / MIB, s.optimizer / MIB,
-            s.total / MIB, s.theory / MIB, s.num_params,
+            "  rank %d: %.2f + %.2f + %.2f + %.2f + %.2f = %.2f MiB%s "
+            "(theory %.2f MiB%s, %d params)",
+            r, s.params / MIB, s.grads / MIB, s.master / MIB, s.optimizer / MIB, s.buffers / MIB,
+            s.total / MIB, off, s.theory / MIB,
+            f" + {s.theory_off / MIB:.2f} off" if s.theory_off else "", s.num_params,
         )  # fmt: skip
-    return out
+    return [s for _, s in rows]
+
+
+def _rows(mine: ModelStateBytes, ps) -> list[tuple[int, ModelStateBytes]]:
+    row = torch.tensor([ps.rank(), *astuple(mine)], dtype=torch.float64, device=ps.device)
+    rows = _gather_rows(row, (ps.mp_group, ps.group("dp", "cp"))).cpu()
+    rows = rows[rows[:, 0].argsort()]
+    return [(int(r[0]), ModelStateBytes(*(int(v) for v in r[1:]))) for r in rows.tolist()]
+
+
+def log_memory_after_step(model: nn.Module, optimizer, ps) -> list[ModelStateBytes]:
+    """After the first step (a collective): per rank the measured bytes with ``buffers`` = the
+    peak of staged grad buckets + gathered ZeRO-3 units during it (and the CUDA allocator's peak
+    when on a GPU)."""
+    mine = model_state_bytes(model, optimizer, dp_size=ps.size("dp", "cp"))
+    mine.buffers = getattr(model, "staged_peak_bytes", 0) + getattr(model, "param_peak_bytes", 0)
+    rows = _rows(mine, ps)
+    cuda = ""
+    if torch.cuda.is_available() and ps.device.type == "cuda":
+        cuda = (
+            f"; CUDA peak allocated on this rank {torch.cuda.max_memory_allocated() / MIB:.1f} MiB"
+        )
+    logger.info("model-state memory measured after the first step (buffers = their peak)%s", cuda)
+    for r, s in rows:
+        logger.info(
+            "  rank %d: %.2f + %.2f + %.2f + %.2f + %.2f = %.2f MiB (theory %.2f MiB + buffers)",
+            r, s.params / MIB, s.grads / MIB, s.master / MIB, s.optimizer / MIB, s.buffers / MIB,
+            s.total / MIB, s.theory / MIB,
+        )  # fmt: skip
+    return [s for _, s in rows]

@@ -1,0 +1,235 @@
+"""One DP rank's shard of the optimizer state of one grad buffer, on the device, the host or disk.
+
+The shard is this rank's part of every bucket, concatenated (``segments``: one ``(buffer_lo,
+buffer_hi, shard_lo)`` per bucket). Its fp32 state (master params, ``exp_avg``, ``exp_avg_sq``)
+is cut at ``cut`` (``offload.fraction`` of the shard, Megatron's ``--optimizer-offload-fraction``):
+
+    [0, cut)        offloaded: on the host (pinned when the params are on CUDA), or with
+                    ``offload.directory`` in files (``NvmeStore``), streamed in sub-groups
+    [cut, numel)    on the device; fp32 params are their own masters there (the param buffer's
+                    shard, or ZeRO-3's param shard, is updated in place)
+
+Without offload ``cut`` is 0: ZeRO-1's layout exactly. ``param_at`` / ``master_at`` /
+``state_at`` take shard coordinates; a piece (part of one parameter in one bucket) never crosses
+a segment or ``cut`` (the optimizer splits them there).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from megalite.core.distributed.grad_buffer import GradBuffer
+from megalite.core.optimizer.full_state_format import ADAM_KEYS
+from megalite.core.optimizer.nvme_store import NvmeStore
+
+STATE_KEYS = ("master", *ADAM_KEYS)
+
+
+@dataclass(frozen=True)
+class OffloadSpec:
+    """``fraction`` of each shard's optimizer state (and its step) off the device: on the host,
+    or in files under ``directory`` streamed through ``host_bytes`` of host buffers."""
+
+    fraction: float = 1.0
+    directory: str | None = None
+    host_bytes: int = 256 << 20
+
+    def __post_init__(self):
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ValueError(f"offload fraction must be in [0, 1], got {self.fraction}")
+
+
+class ShardState:
+    def __init__(
+        self,
+        param_data: torch.Tensor | None,
+        grad_buffer: GradBuffer,
+        *,
+        dp_size: int,
+        dp_rank: int,
+        param_shard: torch.Tensor | None = None,
+        offload: OffloadSpec | None = None,
+        name: str = "b0",
+    ):
+        self.param_data, self.grad_buffer = param_data, grad_buffer
+        self.param_shard = param_shard  # ZeRO-3: the flat param shard (param_data is None)
+        self.segments = grad_buffer.layout.shard_segments(dp_size, dp_rank)
+        self._shard_starts = [s for _, _, s in self.segments]
+        self.numel = sum(hi - lo for lo, hi, _ in self.segments)
+        ref = param_data if param_shard is None else param_shard
+        self.param_dtype, self.device = ref.dtype, ref.device
+        self.cut = 0 if offload is None else round(offload.fraction * self.numel)
+        self.store: NvmeStore | None = None
+        self.host: dict[str, torch.Tensor] = {}
+        n_dev, f32 = self.numel - self.cut, torch.float32
+        self.master = None  # device masters of [cut, numel) (16-bit params only)
+        if self.param_dtype != f32:
+            self.master = torch.empty(n_dev, dtype=f32, device=self.device)
+            self.master.copy_(self._param_range(self.cut, self.numel))
+        self.exp_avg = torch.zeros(n_dev, dtype=f32, device=self.device)
+        self.exp_avg_sq = torch.zeros(n_dev, dtype=f32, device=self.device)
+        if self.cut and offload.directory is not None:
+            prefix = f"rank{_global_rank()}_{name}_{os.getpid()}"
+            self.store = NvmeStore(
+                offload.directory, prefix, self.cut, host_bytes=int(offload.host_bytes)
+            )
+            for a, b in self.store.chunks(0, self.cut):  # the masters, streamed in
+                self.store.buffers["master"][: b - a].copy_(self._param_range(a, b))
+                self.store.save(a, b, keys=("master",))
+        elif self.cut:
+            pin = self.device.type == "cuda"
+            for key in STATE_KEYS:
+                self.host[key] = torch.zeros(self.cut, dtype=f32, pin_memory=pin)
+            self.host["master"].copy_(self._param_range(0, self.cut))
+        self.grad_flat: torch.Tensor | None = None  # fp32 copy of 16-bit grads during step()
+
+    # --- where things are (shard coordinates) -----------------------------------------------------
+
+    def _segment(self, shard_lo: int) -> tuple[int, int, int]:
+        return self.segments[bisect.bisect_right(self._shard_starts, shard_lo) - 1]
+
+    def param_at(self, shard_lo: int, n: int) -> torch.Tensor:
+        """The model params (param dtype) of shard elements ``[shard_lo, shard_lo + n)``."""
+        if self.param_shard is not None:
+            return self.param_shard[shard_lo : shard_lo + n]
+        lo, _, s = self._segment(shard_lo)
+        return self.param_data[lo + shard_lo - s : lo + shard_lo - s + n]
+
+    def _param_range(self, a: int, b: int) -> torch.Tensor:
+        """Params of shard ``[a, b)`` as fp32, across segments (a copy)."""
+        parts = []
+        for lo, hi, s in self.segments:
+            x, y = max(a, s), min(b, s + hi - lo)
+            if x < y:
+                parts.append(self.param_at(x, y - x).float())
+        return torch.cat(parts) if parts else torch.empty(0, device=self.device)
+
+    def where(self, shard_lo: int) -> str:
+        if shard_lo >= self.cut:
+            return "device"
+        return "disk" if self.store is not None else "host"
+
+    def master_at(self, shard_lo: int, n: int) -> torch.Tensor | None:
+        """The fp32 masters of ``[shard_lo, shard_lo + n)`` (None on disk)."""
+        where = self.where(shard_lo)
+        if where == "host":
+            return self.host["master"][shard_lo : shard_lo + n]
+        if where == "disk":
+            return None
+        if self.master is None:
+            return self.param_at(shard_lo, n)
+        return self.master[shard_lo - self.cut : shard_lo - self.cut + n]
+
+    def state_at(self, key: str, shard_lo: int, n: int) -> torch.Tensor | None:
+        where = self.where(shard_lo)
+        if where == "host":
+            return self.host[key][shard_lo : shard_lo + n]
+        if where == "disk":
+            return None
+        return getattr(self, key)[shard_lo - self.cut : shard_lo - self.cut + n]
+
+    # --- grads ------------------------------------------------------------------------------------
+
+    def fp32_grad_segments(self) -> list[torch.Tensor]:
+        """The DP-reduced grads of this shard in fp32 (views of the grad buffer when it is fp32)."""
+        views = [self.grad_buffer.view(lo, hi) for lo, hi, _ in self.segments]
+        if self.grad_buffer.grad_dtype == torch.float32:
+            return views
+        self.grad_flat = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+        out = [self.grad_flat[s : s + hi - lo] for lo, hi, s in self.segments]
+        for g, v in zip(out, views):
+            g.copy_(v)
+        return out
+
+    def grad_at(self, shard_lo: int, n: int) -> torch.Tensor:
+        if self.grad_flat is not None:
+            return self.grad_flat[shard_lo : shard_lo + n]
+        lo, _, s = self._segment(shard_lo)
+        return self.grad_buffer.view(lo + shard_lo - s, lo + shard_lo - s + n)
+
+    # --- whole-shard access (checkpoints) ---------------------------------------------------------
+
+    def read_shard(self, key: str) -> torch.Tensor:
+        """The flat fp32 shard [numel] of ``key`` (a copy, on the device)."""
+        if self.store is not None:
+            off = self.store.read(key).to(self.device)
+        elif self.cut:
+            off = self.host[key].to(self.device)
+        else:
+            off = torch.empty(0, device=self.device)
+        if key == "master" and self.master is None:
+            dev = self._param_range(self.cut, self.numel)
+        else:
+            dev = (self.master if key == "master" else getattr(self, key)).float().clone()
+        return torch.cat([off, dev])
+
+    @torch.no_grad()
+    def write_shard(self, key: str, values: torch.Tensor) -> None:
+        """Inverse of ``read_shard`` (the model params are not touched: ``masters_to_params``)."""
+        values = values.to(self.device, torch.float32)
+        if self.store is not None:
+            self.store.write(key, values[: self.cut])
+        elif self.cut:
+            self.host[key].copy_(values[: self.cut])
+        rest = values[self.cut :]
+        if key == "master" and self.master is None:
+            for lo, hi, s in self.segments:
+                x, y = max(self.cut, s), s + hi - lo
+                if x < y:
+                    self.param_at(x, y - x).copy_(rest[x - self.cut : y - self.cut])
+        else:
+            (self.master if key == "master" else getattr(self, key)).copy_(rest)
+
+    @torch.no_grad()
+    def masters_to_params(self, *, include_disk: bool = True) -> None:
+        """Round every master into the model params of this shard (disk: streamed)."""
+        if self.master is not None:
+            self.copy_to_params(self.cut, self.master)
+        if self.store is not None and include_disk:
+            for a, b in self.store.chunks(0, self.cut):
+                master, _ = self.store.load(a, b, keys=("master",))
+                self.copy_to_params(a, master)
+        elif self.cut and self.store is None:
+            self.copy_to_params(0, self.host["master"])
+
+    def copy_to_params(self, start: int, values: torch.Tensor) -> None:
+        """``values`` (fp32, shard elements from ``start``) into the params, per segment."""
+        end = start + values.numel()
+        for lo, hi, s in self.segments:
+            x, y = max(start, s), min(end, s + hi - lo)
+            if x < y:
+                self.param_at(x, y - x).copy_(values[x - start : y - start], non_blocking=True)
+
+    def bytes_by_place(self) -> dict[str, int]:
+        """Optimizer-state bytes on the device (masters that are not the params, moments), the
+        host (offloaded state, or the NVMe stream buffers) and disk."""
+        dev = (self.exp_avg.numel() + self.exp_avg_sq.numel()) * 4
+        dev += 0 if self.master is None else self.master.numel() * 4
+        host = sum(t.numel() * 4 for t in self.host.values())
+        disk = 0
+        if self.store is not None:
+            host, disk = self.store.host_bytes, self.store.disk_bytes
+        return {"device": dev, "host": host, "disk": disk}
+
+
+def adamw_chunk(p, g, m, v, *, step: int, lr, weight_decay, betas, eps) -> None:
+    """torch's single-tensor AdamW update of one streamed chunk, in place (fp32 host tensors)."""
+    beta1, beta2 = betas
+    p.mul_(1 - lr * weight_decay)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = math.sqrt(1 - beta2**step)
+    denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+    p.addcdiv_(m, denom, value=-lr / bias_correction1)
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0

@@ -1,0 +1,267 @@
+"""The ZeRO ladder at DP=2 on CPU/gloo: step time and bytes per rank of every rung, beside
+DeepSpeed ZeRO-2/3 and torch FSDP2 on the same model; and ZeRO-3's communication volume.
+
+    python tools/bench/bench_zero_ladder.py [--rounds 3] [--steps 3] [--layers 6] [--hidden 384]
+    /tmp/venv-ds/bin/python tools/bench/bench_zero_ladder.py        # with DeepSpeed importable
+    python tools/bench/bench_zero_ladder.py --volume                # bytes sent, ZeRO-3 vs DDP
+    python tools/bench/bench_zero_ladder.py --tiny                  # a seconds-long smoke run
+
+The same GPT-2 (megalite's ``GPTModel`` on ``ParallelState.single()``, fp32, seed-identical) on
+two gloo ranks, one thread each. Every set-up runs in a fresh 2-process world of its own (so the
+peak RSS is its own), one after the other, ``--rounds`` times in round-robin order; reported are
+the medians over rounds of each round's median step time (the slower rank's), and per rank:
+megalite's model-state bytes (``memory_report``) and the process's peak RSS growth over the
+step loop's baseline (params + grads + optimizer + activations + buffers, all set-ups alike).
+
+A step: zero-grad, forward + backward of one micro-batch per rank, grad sync, clipping at 1.0,
+AdamW, param sync. Peers: ``deepspeed.initialize`` with ``zero_optimization.stage`` 2 / 3 and
+``gradient_clipping`` 1.0 (torch AdamW as a client optimizer); torch FSDP2 (``fully_shard`` of
+every transformer layer, then the root) with ``clip_grad_norm_`` and AdamW.
+
+``--volume``: bytes each rank sends per step, counted at the collectives (p2p sends exactly; an
+all-reduce as a ring's 2 (d-1)/d of its buffer), for megalite DDP and ZeRO-3: theory 1.5x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from megalite.core.distributed import wrapper_class  # noqa: E402
+from megalite.core.optimizer import OffloadSpec, build_optimizer  # noqa: E402
+from megalite.core.optimizer.memory_report import model_state_bytes  # noqa: E402
+from megalite.core.parallel_state import ParallelState  # noqa: E402
+from megalite.models import GPTConfig, GPTModel  # noqa: E402
+from megalite.training.components import gpt_units  # noqa: E402
+
+DP = 2
+LR, WD, CLIP = 1e-4, 0.01, 1.0
+MEGALITE = {
+    "ddp": ("no_shard", None),
+    "zero1": ("optim", None),
+    "zero2": ("optim_grads", None),
+    "zero3": ("optim_grads_params", None),
+    "zero2-offload": ("optim_grads", OffloadSpec(fraction=1.0)),
+    "zero3-offload": ("optim_grads_params", OffloadSpec(fraction=1.0)),
+}
+PEERS = ("fsdp2", "deepspeed-zero2", "deepspeed-zero3")
+
+
+def config(args) -> GPTConfig:
+    return GPTConfig(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.hidden // 64,
+        vocab_size=args.vocab, seq_length=args.seq, hidden_dropout=0.0, attention_dropout=0.0,
+        use_fused_kernels=False,
+    )  # fmt: skip
+
+
+def build(kind: str, cfg: GPTConfig, args):
+    """(forward+backward+step closure, model-state bytes or None) for ``kind`` on this rank."""
+    torch.manual_seed(0)
+    module = GPTModel(cfg, ParallelState.single()).train()
+    g = torch.Generator().manual_seed(dist.get_rank())
+    tokens = torch.randint(0, cfg.vocab_size, (args.micro_batch, cfg.seq_length), generator=g)
+    labels = torch.randint(0, cfg.vocab_size, (args.micro_batch, cfg.seq_length), generator=g)
+    if kind in MEGALITE:
+        strategy, offload = MEGALITE[kind]
+        extra = {}
+        if strategy == "optim_grads_params":
+            units, extras = gpt_units(module)
+            extra = {"units": units, "unit_extras": extras}
+        model = wrapper_class(strategy)(
+            module, dp_group=dist.group.WORLD, bucket_size=args.bucket, **extra
+        )
+        opt = build_optimizer(model, lr=LR, weight_decay=WD, clip_grad=CLIP, offload=offload)
+
+        def step() -> None:
+            model.zero_grad_buffer()
+            opt.zero_grad()
+            model(tokens, None, labels=labels).mean().backward()
+            model.finish_grad_sync()
+            opt.step()
+
+        return step, lambda: model_state_bytes(model, opt, dp_size=DP)
+    if kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (DP,))
+        for layer in module.decoder.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(module, mesh=mesh)
+        opt = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=WD)
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            module(tokens, None, labels=labels).mean().backward()
+            torch.nn.utils.clip_grad_norm_(module.parameters(), CLIP)
+            opt.step()
+
+        return step, None
+    import deepspeed
+
+    stage = int(kind[-1])
+    engine, *_ = deepspeed.initialize(
+        model=module,
+        optimizer=torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=WD),
+        config={
+            "train_micro_batch_size_per_gpu": args.micro_batch,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": CLIP,
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": args.bucket},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9,
+        },
+    )
+
+    def step() -> None:
+        loss = engine(tokens, None, labels=labels).mean()
+        engine.backward(loss)
+        engine.step()
+
+    return step, None
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def timed(step) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    step()
+    t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slower rank's time
+    return float(t.item())
+
+
+def run_kind(kind: str, args, out) -> None:
+    cfg = config(args)
+    base = _rss()
+    step, state_bytes = build(kind, cfg, args)
+    step()  # warm-up: lazy optimizer state, allocator, gloo buffers
+    times = [timed(step) for _ in range(args.steps)]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    if dist.get_rank() == 0:
+        s = state_bytes() if state_bytes else None
+        out.put((kind, statistics.median(times), peak, None if s is None else s.total + s.host))
+
+
+# --- communication volume -------------------------------------------------------------------------
+
+
+def run_volume(kind: str, args, out) -> None:
+    sent = [0]
+    real_batch, real_all_reduce = dist.batch_isend_irecv, dist.all_reduce
+
+    def batch(ops):
+        for op in ops:
+            if op.op in (dist.isend, getattr(dist, "isend", None)):
+                sent[0] += op.tensor.numel() * op.tensor.element_size()
+        return real_batch(ops)
+
+    def all_reduce(tensor, *a, **k):
+        d = dist.get_world_size(k.get("group"))
+        if d > 1 and tensor.numel() > 1:  # a ring: 2 (d-1)/d of the buffer leaves each rank
+            sent[0] += 2 * (d - 1) * tensor.numel() * tensor.element_size() // d
+        return real_all_reduce(tensor, *a, **k)
+
+    dist.batch_isend_irecv, dist.all_reduce = batch, all_reduce
+    step, _ = build(kind, config(args), args)
+    step()
+    sent[0] = 0
+    step()
+    if dist.get_rank() == 0:
+        out.put((kind, sent[0]))
+
+
+def worker(rank: int, init_file: str, fn, kind: str, args, out) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getppid() % 1000))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(DP), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=DP)
+    try:
+        fn(kind, args, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, kind: str, args):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(os.path.join(tmp, "rdv"), fn, kind, args, out), nprocs=DP)
+    return out.get()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--hidden", type=int, default=384)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--bucket", type=int, default=4_000_000, help="grad bucket (elements)")
+    p.add_argument("--volume", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="2 layers, hidden 64: a smoke run")
+    p.add_argument("--kinds", default=None, help="comma-separated subset")
+    args = p.parse_args()
+    if args.tiny:
+        args.layers, args.hidden, args.vocab, args.seq, args.rounds, args.steps = (
+            2,
+            64,
+            128,
+            16,
+            1,
+            1,
+        )
+    if args.volume:
+        vol = dict(spawn(run_volume, k, args) for k in ("ddp", "zero3"))
+        print(f"bytes sent per rank per step: DDP {vol['ddp'] / 2**20:.2f} MiB, ZeRO-3 "
+              f"{vol['zero3'] / 2**20:.2f} MiB, ratio {vol['zero3'] / vol['ddp']:.3f} "
+              "(theory 1.5)")  # fmt: skip
+        return
+    kinds = list(MEGALITE) + list(PEERS)
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        kinds = [k for k in kinds if not k.startswith("deepspeed")]
+        print("DeepSpeed not importable: its rows are skipped (see the usage)")
+    if args.kinds:
+        kinds = [k for k in kinds if k in args.kinds.split(",")]
+    results = {k: [] for k in kinds}
+    for _ in range(args.rounds):
+        for k in kinds:
+            results[k].append(spawn(run_kind, k, args))
+    shape = f"GPT {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, seq {args.seq}"
+    print(f"{shape}, micro-batch {args.micro_batch}; DP={DP} gloo; medians of {args.rounds} rounds")
+    med = {k: statistics.median(r[1] for r in v) for k, v in results.items()}
+    for k, v in results.items():
+        rss = statistics.median(r[2] for r in v) / 2**20
+        state = v[0][3]
+        state_txt = f"{state / 2**20:8.1f}" if state is not None else "       -"
+        ratio = " ".join(
+            f"{med[k] / med[b]:.2f}x {b}" for b in ("deepspeed-zero2", "deepspeed-zero3")
+            if b in med
+        )  # fmt: skip
+        print(f"  {k:16s} step {med[k] * 1000:8.1f} ms  model state {state_txt} MiB  "
+              f"peak RSS growth {rss:8.1f} MiB  {ratio}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
