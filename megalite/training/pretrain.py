@@ -137,6 +137,8 @@ def pretrain(
     ps = initialize_model_parallel(
         cfg.parallel.tensor_model_parallel_size,
         cfg.parallel.pipeline_model_parallel_size,
+        expert_model_parallel_size=cfg.parallel.expert_model_parallel_size,  # issue 16
+        expert_tensor_parallel_size=cfg.parallel.expert_tensor_parallel_size,
         order=cfg.parallel.rank_order,
         device=device,
         timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes),

@@ -7,9 +7,11 @@ experts see each token once either way. Groups (from ``ParallelState``): ``tp_gr
 ``seq_group`` (tp x cp: one micro-batch's tokens, for the router's statistics), ``ep_group``,
 ``etp_group`` and ``expert_group`` (etp x ep, the allgather dispatcher's).
 
-``expert_grad_scale`` multiplies the experts' grads: an expert sees the tokens of every rank of its
-ETP x EP group, and the data-parallel layer averages expert grads over edp, whereas the true grad is
-the mean over dp x cp; the model passes ``edp / (dp * cp)`` (1 in a single process).
+Expert grads: an expert sees the tokens of every rank of its ETP x EP group, so its grad is already
+summed over them; the data-parallel layer sums it over edp and divides by the dense dp x cp size
+(Megatron's scaling), which makes it the mean over dp x cp like every dense grad.
+``expert_grad_scale`` (default 1) multiplies the experts' grads for a data-parallel layer that
+averages over edp instead (it would pass ``edp / (dp * cp)``).
 """
 
 from __future__ import annotations
