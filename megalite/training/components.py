@@ -69,6 +69,54 @@ def tied_embedding_params(model: GPTModel, ps: ParallelState) -> tuple[list, lis
     return [shared], duplicates
 
 
+def wrap_and_build_optimizer(
+    module: torch.nn.Module,
+    ps: ParallelState,
+    *,
+    strategy: str = "no_shard",
+    shared_params=(),
+    duplicates=(),
+    accumulate_allreduce_grads_in_fp32: bool = False,
+    bucket_size: int | None = None,
+    overlap_grad_reduce: bool = False,
+    overlap_param_gather: bool = False,
+    **optimizer_options,
+) -> tuple[DistributedDataParallel, MixedPrecisionOptimizer]:
+    """The data-parallel wrapper of ``module`` for the rung ``strategy`` (``no_shard``: DDP,
+    ``optim``: ZeRO-1) and its optimizer (``build_optimizer``'s keywords in
+    ``optimizer_options``). Dense parameters are reduced over ``ps.group("dp", "cp")``, expert
+    ones (``expert_parallel``) over ``ps.group("edp")``; the grad norm over ``ps.mp_group`` and
+    ``ps.group("etp", "ep", "pp")``."""
+    sharded = strategy != "no_shard"
+    wrapper_options = {}
+    if sharded:  # the grad hooks start a bucket's reduce-scatter after its last micro-batch
+        wrapper_options = {
+            "overlap_grad_reduce": overlap_grad_reduce,
+            "overlap_param_gather": overlap_param_gather,
+        }
+    model = (ZeroDataParallel if sharded else DistributedDataParallel)(
+        module,
+        dp_group=ps.group("dp", "cp"),
+        tp_group=ps.tp_group,
+        embedding_group=ps.embedding_group,
+        shared_params=shared_params,
+        accumulate_allreduce_grads_in_fp32=accumulate_allreduce_grads_in_fp32,
+        bucket_size=bucket_size,
+        expert_dp_group=ps.group("edp"),  # expert_parallel params: reduced over expert DP
+        **wrapper_options,
+    )
+    optimizer = (build_distributed_optimizer if sharded else build_optimizer)(
+        model,
+        mp_group=ps.mp_group,
+        tp_rank=ps.tp_rank,
+        duplicates=duplicates,
+        expert_mp_group=ps.group("etp", "ep", "pp"),
+        expert_tp_rank=ps.rank("etp"),
+        **optimizer_options,
+    )
+    return model, optimizer
+
+
 def setup_model_and_optimizer(
     cfg: PretrainConfig,
     ps: ParallelState,
@@ -81,35 +129,22 @@ def setup_model_and_optimizer(
     module = build_model(cfg, ps, device=device, rng_tracker=rng_tracker)
     shared, duplicates = tied_embedding_params(module, ps)
     par, opt = cfg.parallel, cfg.optimizer
-    # ZeRO-1 (--use-distributed-optimizer): grads reduce-scattered, optimizer state sharded over DP
-    zero = par.use_distributed_optimizer
-    wrapper_options = {}
-    if zero:  # the grad hooks start a bucket's reduce-scatter after its last micro-batch
-        wrapper_options = {
-            "overlap_grad_reduce": par.overlap_grad_reduce,
-            "overlap_param_gather": par.overlap_param_gather,
-        }
-    model = (ZeroDataParallel if zero else DistributedDataParallel)(
+    model, optimizer = wrap_and_build_optimizer(
         module,
-        dp_group=ps.group("dp", "cp"),
-        tp_group=ps.tp_group,
-        embedding_group=ps.embedding_group,
+        ps,
+        strategy=par.sharding_strategy(),
         shared_params=shared,
+        duplicates=duplicates,
         accumulate_allreduce_grads_in_fp32=par.accumulate_allreduce_grads_in_fp32,
         bucket_size=par.bucket_size(ps.dp_size),
-        **wrapper_options,
-    )
-    optimizer = (build_distributed_optimizer if zero else build_optimizer)(
-        model,
+        overlap_grad_reduce=par.overlap_grad_reduce,
+        overlap_param_gather=par.overlap_param_gather,
         lr=opt.lr,
         weight_decay=opt.weight_decay,
         adam_beta1=opt.adam_beta1,
         adam_beta2=opt.adam_beta2,
         adam_eps=opt.adam_eps,
         clip_grad=opt.clip_grad,
-        mp_group=ps.mp_group,
-        tp_rank=ps.tp_rank,
-        duplicates=duplicates,
         loss_scaler=build_loss_scaler(opt, device=device),
         count_zeros=cfg.logging.log_num_zeros_in_grad,
     )

@@ -74,6 +74,10 @@ class ParallelConfig:
             return None
         return self.world_size // self.model_parallel_size
 
+    def sharding_strategy(self) -> str:  # issue 13
+        """The data-parallel rung: ``no_shard`` (DDP) or ``optim`` (ZeRO-1)."""
+        return "optim" if self.use_distributed_optimizer else "no_shard"
+
     def bucket_size(self, dp_size: int | None = None) -> int:
         """Elements per grad bucket: ``ddp_bucket_size``, else max(40M, 1M x ``dp_size``)."""
         if self.ddp_bucket_size is not None:

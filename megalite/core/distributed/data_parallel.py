@@ -26,6 +26,15 @@ backward run outside ``no_sync`` before the last micro-batch) is an error, not a
    ``s/tp`` positions);
 3. sum over the embedding group the grads of ``shared_params`` (the word embedding held by the
    first and the last pipeline stage when input and output embeddings are tied and PP > 1).
+
+Expert parameters. A parameter with ``expert_parallel = True`` (set by MoE layers) is replicated
+over the *expert* data-parallel group ``expert_dp_group`` (``ps.group("edp")``), not over
+``dp_group``: such parameters get grad buffers of their own (one per dtype), whose buckets are
+summed (and, under ZeRO, sharded) over ``expert_dp_group`` and divided by the *dense* ``dp_size``:
+the token all-to-all already summed every EP peer's contribution into the expert's grad, so
+edp x ep covers the dp x cp loss sources once (Megatron scales expert grads the same way).
+``buffers_by_key`` maps ``(param dtype, is_expert)`` to the buffer; each ``GradBuffer`` carries
+its ``dp_group``.
 """
 
 from __future__ import annotations
@@ -42,6 +51,12 @@ from megalite.core.distributed.sp_grads import sequence_parallel_params
 from megalite.core.tensor_parallel.mappings import group_size
 
 BucketKey = tuple[int, int]  # (buffer index, bucket index)
+BufferKey = tuple[torch.dtype, bool]  # (param dtype, expert parameter)
+
+
+def is_expert_param(param: torch.Tensor) -> bool:
+    """Whether ``param`` belongs to an expert (MoE): reduced over the expert DP group."""
+    return bool(getattr(param, "expert_parallel", False))
 
 
 def all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
@@ -60,8 +75,10 @@ class DistributedDataParallel(nn.Module):
     """Wraps one model chunk; ``forward`` is the module's. See the module docstring for the step.
 
     ``bucket_size``: elements per bucket (None: one bucket per dtype). ``pad_multiple``: bucket
-    padding (1 for all-reduce; ``dp_size`` for ZeRO's reduce-scatter). ``overlap_grad_reduce``:
-    start each bucket's reduction from the grad hook once it is ready (DP > 1 only).
+    padding (1 for all-reduce; ZeRO pads to its group's size for the reduce-scatter).
+    ``overlap_grad_reduce``: start each bucket's reduction from the grad hook once it is ready
+    (DP > 1 only). ``expert_dp_group``: the group of ``expert_parallel`` parameters (module
+    docstring; None = a group of one).
     """
 
     def __init__(
@@ -76,26 +93,31 @@ class DistributedDataParallel(nn.Module):
         bucket_size: int | None = None,
         pad_multiple: int = 1,
         overlap_grad_reduce: bool = False,
+        expert_dp_group=None,
     ):
         super().__init__()
         self.module = module
         self.dp_group, self.tp_group, self.embedding_group = dp_group, tp_group, embedding_group
+        self.expert_dp_group = expert_dp_group
         self.dp_size = group_size(dp_group)
         self.shared_params = list(shared_params)
         self.overlap_grad_reduce = overlap_grad_reduce
         params = [p for p in module.parameters() if p.requires_grad]
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        by_key: dict[BufferKey, list[nn.Parameter]] = {}
         for p in params:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        self.buffers_by_dtype: dict[torch.dtype, GradBuffer] = {}
-        for dtype, group_params in by_dtype.items():
+            by_key.setdefault((p.dtype, is_expert_param(p)), []).append(p)
+        self.buffers_by_key: dict[BufferKey, GradBuffer] = {}
+        for (dtype, expert), group_params in sorted(by_key.items(), key=lambda kv: kv[0][1]):
             grad_dtype = torch.float32 if accumulate_allreduce_grads_in_fp32 else dtype
-            self.buffers_by_dtype[dtype] = GradBuffer(
+            group = expert_dp_group if expert else dp_group
+            self.buffers_by_key[dtype, expert] = self._make_buffer(
                 group_params,
                 grad_dtype=grad_dtype,
                 bucket_size=bucket_size,
-                pad_multiple=pad_multiple,
+                pad_multiple=self._pad_multiple(group, pad_multiple),
                 device=group_params[0].device,
+                dp_group=group,
+                expert=expert,
             )
         self._buckets: dict[BucketKey, Bucket] = {
             (i, b.index): b for i, buf in enumerate(self.grad_buffers) for b in buf.buckets
@@ -113,15 +135,22 @@ class DistributedDataParallel(nn.Module):
         self._reducing: dict[BucketKey, object] = {}  # reductions in flight (``.wait()``)
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in params]
 
+    def _pad_multiple(self, group, pad_multiple: int) -> int:
+        del group
+        return pad_multiple
+
+    def _make_buffer(self, params: list[nn.Parameter], **kwargs) -> GradBuffer:
+        return GradBuffer(params, **kwargs)
+
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     @property
     def grad_buffers(self) -> list[GradBuffer]:
-        return list(self.buffers_by_dtype.values())
+        return list(self.buffers_by_key.values())
 
     def _buffer_of(self, param: nn.Parameter) -> GradBuffer:
-        return self.buffers_by_dtype[param.dtype]
+        return self.buffers_by_key[param.dtype, is_expert_param(param)]
 
     # --- accumulation and the last micro-batch ----------------------------------------------------
 
@@ -154,7 +183,7 @@ class DistributedDataParallel(nn.Module):
         ready.add(param)
         if (
             self.overlap_grad_reduce
-            and self.dp_size > 1
+            and group_size(self._buckets[key].dp_group) > 1
             and len(ready) == len(self._buckets[key].params)
             and key not in self._deferred
         ):
@@ -181,30 +210,38 @@ class DistributedDataParallel(nn.Module):
     def _start_reduce(self, bucket: Bucket):
         """Launch ``_reduce_bucket`` asynchronously; returns what ``_finish_reduce`` waits on."""
         bucket.data.div_(self.dp_size)
-        return dist.all_reduce(bucket.data, group=self.dp_group, async_op=True)
+        return dist.all_reduce(bucket.data, group=bucket.dp_group, async_op=True)
 
     def _finish_reduce(self, bucket: Bucket, pending) -> None:
         del bucket
         pending.wait()
 
     def _reduce_bucket(self, bucket: Bucket) -> None:
-        """Average ``bucket.data`` over the DP group (blocking)."""
+        """Sum ``bucket.data`` over its DP group, divided by ``dp_size`` (blocking)."""
         bucket.data.div_(self.dp_size)
-        dist.all_reduce(bucket.data, group=self.dp_group)
+        dist.all_reduce(bucket.data, group=bucket.dp_group)
 
     def _reduce_all_buckets(self) -> None:
-        """Every bucket reduced over DP: waits for those the hooks started, runs the rest."""
+        """Every bucket reduced over its DP group: waits for those the hooks started, runs the
+        rest. A bucket over a group of one is only divided by ``dp_size`` (an expert bucket when
+        EP spans the whole DP group)."""
         if self.dp_size == 1:
             return
+        buckets = {}
+        for key, bucket in self._buckets.items():
+            if group_size(bucket.dp_group) > 1:
+                buckets[key] = bucket
+            else:
+                bucket.data.div_(self.dp_size)
         if self.overlap_grad_reduce:
-            for key, bucket in self._buckets.items():
+            for key, bucket in buckets.items():
                 if key not in self._reducing:
                     self._reducing[key] = self._start_reduce(bucket)
             for key, pending in self._reducing.items():
                 self._finish_reduce(self._buckets[key], pending)
             self._reducing.clear()
         else:
-            for bucket in self._buckets.values():
+            for bucket in buckets.values():
                 self._reduce_bucket(bucket)
 
     def finish_grad_sync(self) -> None:
@@ -215,6 +252,12 @@ class DistributedDataParallel(nn.Module):
         for grads in by_dtype.values():
             all_reduce_flat(grads, self.tp_group)
         all_reduce_flat([p.main_grad for p in self.shared_params], self.embedding_group)
+
+    @contextlib.contextmanager
+    def gathered_params(self) -> Iterator[None]:
+        """Every parameter of ``module`` whole and current inside (ZeRO-3 gathers its shards
+        here; a no-op for the rungs that keep whole parameters)."""
+        yield
 
     def state_dict(self, *args, **kwargs):
         return self.module.state_dict(*args, **kwargs)

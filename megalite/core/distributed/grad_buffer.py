@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megalite.core.tensor_parallel.mappings import group_rank, group_size
+
 
 @dataclass(frozen=True)
 class BucketRange:
@@ -104,13 +106,16 @@ class Bucket:
     params: list[torch.nn.Parameter]
     data: torch.Tensor  # [numel] view of the buffer, padding included
     offset: int  # start of this bucket in the buffer (elements)
+    dp_group: object = None  # the group this bucket is reduced over (the buffer's)
 
 
 class GradBuffer:
     """Holds ``main_grad`` for ``params`` (all of one param dtype) in a buffer of ``grad_dtype``.
 
     ``layout`` is the ``GradBufferLayout``; ``param_ranges[param]`` = ``(start, end,
-    bucket_index)`` in buffer elements.
+    bucket_index)`` in buffer elements. ``dp_group``: the data-parallel group the buffer is reduced
+    (and, under ZeRO, sharded) over: ``dp x cp`` for dense parameters, ``edp`` for expert ones
+    (``expert`` True).
     """
 
     def __init__(
@@ -121,7 +126,11 @@ class GradBuffer:
         bucket_size: int | None = None,
         pad_multiple: int = 1,
         device: torch.device | None = None,
+        dp_group=None,
+        expert: bool = False,
     ):
+        self.dp_group, self.expert = dp_group, expert
+        self.dp_size, self.dp_rank = group_size(dp_group), group_rank(dp_group)
         self.layout = GradBufferLayout(
             [p.numel() for p in params], bucket_size=bucket_size, pad_multiple=pad_multiple
         )
@@ -130,7 +139,7 @@ class GradBuffer:
         self.param_ranges = {p: self.layout.param_ranges[i] for i, p in enumerate(self.params)}
         self.buckets = [
             Bucket(b.index, [self.params[i] for i in b.params], self.view(b.offset,
-                   b.offset + b.numel), b.offset)
+                   b.offset + b.numel), b.offset, dp_group)
             for b in self.layout.buckets
         ]  # fmt: skip
         for p, (lo, hi, _) in self.param_ranges.items():

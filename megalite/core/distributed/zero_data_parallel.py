@@ -48,7 +48,8 @@ Overlap (both off by default):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,7 @@ from torch import nn
 
 from megalite.core.distributed.data_parallel import (
     BucketKey,
+    BufferKey,
     DistributedDataParallel,
     all_reduce_flat,
 )
@@ -73,7 +75,8 @@ from megalite.core.tensor_parallel.mappings import group_rank, group_size
 class ZeroDataParallel(DistributedDataParallel):
     """``DistributedDataParallel`` whose grad sync is a reduce-scatter into per-rank shards (the
     ZeRO rungs); pair it with ``megalite.core.optimizer.DistributedOptimizer``. Arguments as the
-    base class (without ``pad_multiple``: always ``dp_size``), plus ``overlap_param_gather``."""
+    base class (without ``pad_multiple``: always the buffer's DP group size; expert buffers are
+    sharded over ``expert_dp_group``), plus ``overlap_param_gather``."""
 
     def __init__(
         self,
@@ -87,6 +90,7 @@ class ZeroDataParallel(DistributedDataParallel):
         bucket_size: int | None = None,
         overlap_grad_reduce: bool = False,
         overlap_param_gather: bool = False,
+        expert_dp_group=None,
     ):
         super().__init__(
             module,
@@ -96,19 +100,19 @@ class ZeroDataParallel(DistributedDataParallel):
             shared_params=shared_params,
             accumulate_allreduce_grads_in_fp32=accumulate_allreduce_grads_in_fp32,
             bucket_size=bucket_size,
-            pad_multiple=group_size(dp_group),
             overlap_grad_reduce=overlap_grad_reduce,
+            expert_dp_group=expert_dp_group,
         )
         self.dp_rank = group_rank(dp_group)
         self.overlap_param_gather = overlap_param_gather
         self._scratch = ScratchBuffers()
-        self.param_buffers: dict[torch.dtype, torch.Tensor] = {}
-        for dtype, buffer in self.buffers_by_dtype.items():
-            data = torch.zeros(buffer.numel, dtype=dtype, device=buffer.data.device)
+        self.param_buffers: dict[BufferKey, torch.Tensor] = {}
+        for key, buffer in self.buffers_by_key.items():
+            data = torch.zeros(buffer.numel, dtype=key[0], device=buffer.data.device)
             for param, (lo, hi, _) in buffer.param_ranges.items():
                 data[lo:hi].copy_(param.detach().reshape(-1))
                 param.data = data[lo:hi].view(param.shape)
-            self.param_buffers[dtype] = data
+            self.param_buffers[key] = data
         self._deferred = {self._bucket_key[p] for p in self.shared_params}
         self._unwritten: set[nn.Parameter] = set(self._bucket_key)  # main_grad not yet this step
         # overlap_param_gather: works in flight per bucket, and the pre-hooks that wait for them
@@ -138,13 +142,18 @@ class ZeroDataParallel(DistributedDataParallel):
 
     # --- layout -----------------------------------------------------------------------------------
 
+    def _pad_multiple(self, group, pad_multiple: int) -> int:
+        del pad_multiple
+        return group_size(group)  # buckets split into equal shards over the buffer's group
+
     def shard_range(self, buffer: GradBuffer, bucket: int) -> tuple[int, int]:
-        """``[lo, hi)`` in buffer elements of this DP rank's shard of bucket ``bucket``."""
-        return buffer.layout.shard_range(bucket, self.dp_size, self.dp_rank)
+        """``[lo, hi)`` in buffer elements of this rank's shard of bucket ``bucket`` (over the
+        buffer's DP group)."""
+        return buffer.layout.shard_range(bucket, buffer.dp_size, buffer.dp_rank)
 
     def buffer_pairs(self) -> list[tuple[torch.Tensor, GradBuffer]]:
-        """``(param_buffer, grad_buffer)`` per param dtype, in a fixed order."""
-        return [(self.param_buffers[d], g) for d, g in self.buffers_by_dtype.items()]
+        """``(param_buffer, grad_buffer)`` per buffer key, in a fixed order."""
+        return [(self.param_buffers[k], g) for k, g in self.buffers_by_key.items()]
 
     # --- grads ------------------------------------------------------------------------------------
 
@@ -166,7 +175,7 @@ class ZeroDataParallel(DistributedDataParallel):
     def _start_reduce(self, bucket: Bucket) -> PendingReduceScatter:
         if bucket.data.dtype == torch.float16:  # fp16 range: divide before summing
             bucket.data.div_(self.dp_size)
-        return start_reduce_scatter_shard(bucket.data, self.dp_group)
+        return start_reduce_scatter_shard(bucket.data, bucket.dp_group)
 
     def _finish_reduce(self, bucket: Bucket, pending: PendingReduceScatter) -> None:
         pending.wait()
@@ -181,7 +190,7 @@ class ZeroDataParallel(DistributedDataParallel):
         """This rank's shard of ``bucket.data`` <- its mean over the DP group (blocking)."""
         if bucket.data.dtype == torch.float16:
             bucket.data.div_(self.dp_size)
-        reduce_scatter_shard(bucket.data, self.dp_group, scratch=self._scratch)
+        reduce_scatter_shard(bucket.data, bucket.dp_group, scratch=self._scratch)
         self._shard_mean(bucket)
 
     def finish_grad_sync(self) -> None:
@@ -213,19 +222,19 @@ class ZeroDataParallel(DistributedDataParallel):
     def gather_params(self) -> None:
         """Every rank's updated shard of every parameter bucket -> all DP ranks (with
         ``overlap_param_gather``: started in forward order, waited for by the forward)."""
-        if self.dp_size == 1:
-            return
         self.finish_param_sync()
         for key in reversed(list(self._buckets)):  # buckets are in reverse forward order
-            bucket, param_data = self._buckets[key], self.param_buffers[self._dtype_of(key)]
+            bucket, param_data = self._buckets[key], self.param_buffers[self._buffer_key(key)]
+            if group_size(bucket.dp_group) == 1:
+                continue
             view = param_data[bucket.offset : bucket.offset + bucket.data.numel()]
             if self.overlap_param_gather:
-                self._gathering[key] = all_gather_shard(view, self.dp_group, async_op=True)
+                self._gathering[key] = all_gather_shard(view, bucket.dp_group, async_op=True)
             else:
-                all_gather_shard(view, self.dp_group)
+                all_gather_shard(view, bucket.dp_group)
 
-    def _dtype_of(self, key: BucketKey) -> torch.dtype:
-        return list(self.buffers_by_dtype)[key[0]]
+    def _buffer_key(self, key: BucketKey) -> BufferKey:
+        return list(self.buffers_by_key)[key[0]]
 
     def _make_wait_hook(self, keys: list[BucketKey]):
         def wait_for_params(module, args):
@@ -234,6 +243,11 @@ class ZeroDataParallel(DistributedDataParallel):
                     work.wait()
 
         return wait_for_params
+
+    @contextlib.contextmanager
+    def gathered_params(self) -> Iterator[None]:
+        self.finish_param_sync()
+        yield
 
     def finish_param_sync(self) -> None:
         """Wait for every parameter all-gather still in flight."""

@@ -64,11 +64,15 @@ def build_optimizer(
     duplicates: Iterable[torch.Tensor] = (),
     loss_scaler: LossScaler | None = None,
     count_zeros: bool = False,
+    expert_mp_group=None,
+    expert_tp_rank: int = 0,
 ) -> UnshardedOptimizer | DistributedOptimizer:
     """AdamW over fp32 masters of ``model``'s parameters: the state whole on every DP rank, or
     sharded over DP (ZeRO-1) when ``model`` is a ``ZeroDataParallel``.
 
     ``lr`` is the initial learning rate; the scheduler overwrites it every step.
+    ``expert_mp_group`` (``ps.group("etp", "ep", "pp")``) and ``expert_tp_rank``: where the grad
+    norm of expert (MoE) parameters is reduced and which expert-TP rank counts replicated ones.
     """
     build_inner = adamw_factory(
         lr=lr, weight_decay=weight_decay, adam_beta1=adam_beta1, adam_beta2=adam_beta2,
@@ -85,6 +89,8 @@ def build_optimizer(
         duplicates=duplicates,
         loss_scaler=loss_scaler,
         count_zeros=count_zeros,
+        expert_mp_group=expert_mp_group,
+        expert_tp_rank=expert_tp_rank,
     )
 
 

@@ -41,6 +41,7 @@ class _Piece:
     master: nn.Parameter  # fp32 [hi - lo]: a view of the master shard (or of the fp32 param)
     counted: bool  # enters the grad norm (MixedPrecisionOptimizer.is_counted)
     zeros_counted: bool  # enters num_zeros_in_grad
+    expert: bool = False  # an expert parameter (sharded over the expert DP group)
 
 
 class _ShardedBuffer:
@@ -114,8 +115,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     - after the update each rank's shard of the param buffer is all-gathered over DP.
 
     The norm, the inf/NaN flag and the zero count are reduced over DP (each rank holds a shard)
-    then over the model-parallel group. ``build_inner(groups)`` must return ``torch.optim.Adam``
-    or ``AdamW``.
+    then over the model-parallel group; for expert parameters (their own buffers, sharded over
+    ``model.expert_dp_group``) over the expert DP group then ``expert_mp_group``.
+    ``build_inner(groups)`` must return ``torch.optim.Adam`` or ``AdamW``.
     """
 
     is_sharded = True  # each DP rank holds its shard: checkpoints write distrib_optim files
@@ -132,19 +134,23 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         duplicates: Iterable[torch.Tensor] = (),
         loss_scaler: LossScaler | None = None,
         count_zeros: bool = False,
+        expert_mp_group=None,
+        expert_tp_rank: int = 0,
     ):
         if not isinstance(model, ZeroDataParallel):
             raise TypeError("DistributedOptimizer needs the model wrapped in ZeroDataParallel")
         super().__init__(
             param_groups, model=model, clip_grad=clip_grad, tp_rank=tp_rank,
             duplicates=duplicates, loss_scaler=loss_scaler, count_zeros=count_zeros,
+            expert_tp_rank=expert_tp_rank,
         )  # fmt: skip
         self.model, self.dp_group, self.dp_size = model, model.dp_group, model.dp_size
         self.mp_group = mp_group
         self.reduce_groups = (self.dp_group, mp_group)
+        self.expert_reduce_groups = (model.expert_dp_group, expert_mp_group)
         group_of = {p: i for i, g in enumerate(param_groups) for p in g["params"]}
         self.buffers = [
-            _ShardedBuffer(d, g, dp_size=self.dp_size, dp_rank=model.dp_rank)
+            _ShardedBuffer(d, g, dp_size=g.dp_size, dp_rank=g.dp_rank)
             for d, g in model.buffer_pairs()
         ]
         self.pieces: list[_Piece] = []
@@ -164,7 +170,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     _Piece(
                         param, b, group_of[param], lo - p_lo, hi - p_lo, lo,
                         shard_lo + lo - s_lo, master, self.is_counted(param),
-                        self.zeros_counted(param),
+                        self.zeros_counted(param), sb.grad_buffer.expert,
                     )
                 )  # fmt: skip
         if len(seen) != len(group_of):
@@ -187,6 +193,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 "exp_avg_sq": sb.exp_avg_sq[s : s + n],
             }
         self.steps = 0
+        self._agree_on_experts()
 
     def _step_device(self, group: int) -> torch.device:
         g = self.optimizer.param_groups[group]
@@ -215,9 +222,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         ]
         for pc, g in zip(self.pieces, grads):
             pc.master.grad = g
-        counted = [g for pc, g in zip(self.pieces, grads) if pc.counted]
-        zeros = [g for pc, g in zip(self.pieces, grads) if pc.zeros_counted]
-        return StepGrads(segments, counted, zeros)
+        counted = [g for pc, g in zip(self.pieces, grads) if pc.counted and not pc.expert]
+        zeros = [g for pc, g in zip(self.pieces, grads) if pc.zeros_counted and not pc.expert]
+        counted_expert = [g for pc, g in zip(self.pieces, grads) if pc.counted and pc.expert]
+        zeros_expert = [g for pc, g in zip(self.pieces, grads) if pc.zeros_counted and pc.expert]
+        return StepGrads(segments, counted, zeros, counted_expert, zeros_expert)
 
     def _update_model_params(self) -> None:
         self.steps += 1
@@ -313,9 +322,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 if key == "master" and sb.master is None:  # fp32 params: the buffer is current
                     fulls[key] = sb.param_data.detach().clone()
                 else:
+                    g = sb.grad_buffer
                     fulls[key] = ckpt.gather_full(
-                        sb.grad_buffer.layout, sb.shard_of(key), dp_group=self.dp_group,
-                        dp_size=self.dp_size, dp_rank=self.model.dp_rank,
+                        g.layout, sb.shard_of(key), dp_group=g.dp_group, dp_size=g.dp_size,
+                        dp_rank=g.dp_rank,
                     )  # fmt: skip
             for param, (lo, hi, _) in sb.grad_buffer.param_ranges.items():
                 params[self.name_of[param]] = {

@@ -10,7 +10,12 @@ The global norm is that of the unsharded model, each parameter counted once
 
 then the local sums are reduced over each of ``groups`` in turn: the model-parallel group (TP x PP)
 for replicated optimizer state (after the DP all-reduce every replica holds the same grads), the
-DP group then the model-parallel group under ZeRO (each DP rank holds a shard of the grads). The
+DP group then the model-parallel group under ZeRO (each DP rank holds a shard of the grads).
+
+Expert (MoE) parameters live on another mesh view (etp x ep x edp x pp): their squares are summed
+over ``expert_groups`` (the expert model-parallel group ``etp x ep x pp``, preceded by ``edp``
+under ZeRO), the dense ones over ``groups``, and the two totals added, so each parameter is
+counted once (an expert parameter replicated over expert TP only from expert-TP rank 0). The
 clip multiplies every grad (counted or not) by ``min(1, max_norm / (norm + 1e-6))``, as
 ``torch.nn.utils.clip_grad_norm_`` does, without a host synchronisation.
 """
@@ -27,11 +32,17 @@ from megalite.core.tensor_parallel.mappings import group_size
 
 
 def param_is_counted(
-    param: torch.Tensor, *, tp_rank: int, duplicates: Iterable[torch.Tensor] = ()
+    param: torch.Tensor,
+    *,
+    tp_rank: int,
+    duplicates: Iterable[torch.Tensor] = (),
+    expert_tp_rank: int = 0,
 ) -> bool:
     """Whether this rank's ``param`` enters the global norm (see the module docstring)."""
     if any(param is d for d in duplicates):
         return False
+    if getattr(param, "expert_parallel", False):
+        return bool(getattr(param, "tensor_model_parallel", False)) or expert_tp_rank == 0
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
 
@@ -43,26 +54,38 @@ def all_reduce_over(t: torch.Tensor, groups: Sequence, op=dist.ReduceOp.SUM) -> 
     return t
 
 
+def _local(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """This rank's sum of squares (or max) of ``grads``, an fp32 0-d tensor."""
+    local = torch.zeros((), dtype=torch.float32, device=device)
+    if grads:
+        norms = torch.stack(torch._foreach_norm(grads, norm_type)).float().to(device)
+        local = norms.max() if norm_type == math.inf else norms.square().sum()
+    return local
+
+
 def grad_norm(
     grads: list[torch.Tensor],
     *,
     groups: Sequence = (),
     norm_type: float = 2.0,
     device: torch.device | None = None,
+    expert_grads: list[torch.Tensor] | None = None,
+    expert_groups: Sequence = (),
 ) -> torch.Tensor:
     """The ``norm_type`` (2 or inf) norm, an fp32 0-d tensor, of ``grads`` (the ones this rank
-    counts) combined over ``groups``. Non-finite grads give a non-finite norm. No host sync."""
+    counts) combined over ``groups``, and with ``expert_grads`` (not None) those combined over
+    ``expert_groups``. Non-finite grads give a non-finite norm. No host sync."""
     if device is None:
-        device = grads[0].device if grads else torch.device("cpu")
+        first = grads or expert_grads or []
+        device = first[0].device if first else torch.device("cpu")
     if norm_type not in (2.0, math.inf):
         raise ValueError(f"norm_type must be 2 or inf, got {norm_type}")
-    local = torch.zeros((), dtype=torch.float32, device=device)
-    if grads:
-        norms = torch.stack(torch._foreach_norm(grads, norm_type)).float()
-        local = norms.max() if norm_type == math.inf else norms.square().sum()
-    if norm_type == math.inf:
-        return all_reduce_over(local, groups, dist.ReduceOp.MAX)
-    return all_reduce_over(local, groups).sqrt()
+    op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+    total = all_reduce_over(_local(grads, norm_type, device), groups, op)
+    if expert_grads is not None:
+        expert = all_reduce_over(_local(expert_grads, norm_type, device), expert_groups, op)
+        total = torch.maximum(total, expert) if norm_type == math.inf else total + expert
+    return total if norm_type == math.inf else total.sqrt()
 
 
 def clip_grads_by_norm(

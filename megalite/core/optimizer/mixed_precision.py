@@ -21,17 +21,23 @@ is a host decision.
 
 ``reduce_groups`` (set by the subclass): the model-parallel group for replicated state; the DP
 group then the model-parallel group for ZeRO, whose ranks each hold a shard of the grads.
+``expert_reduce_groups``: the same for expert (MoE) parameters (``expert_parallel``): the expert
+model-parallel group ``etp x ep x pp``, preceded by ``edp`` under ZeRO. Dense and expert squares
+are reduced over their own groups and added (``grad_norm``); the inf/NaN flag is max-reduced over
+both; the expert reductions run only when some rank of the model holds an expert parameter
+(``has_experts``, agreed once at construction).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalite.core.distributed.data_parallel import is_expert_param
 from megalite.core.optimizer.full_state_format import param_names
 from megalite.core.optimizer.grad_norm import (
     all_reduce_over,
@@ -40,6 +46,7 @@ from megalite.core.optimizer.grad_norm import (
     param_is_counted,
 )
 from megalite.core.optimizer.loss_scaler import LossScaler
+from megalite.core.tensor_parallel.mappings import group_size
 
 
 @dataclass
@@ -50,6 +57,8 @@ class StepGrads:
     all: list[torch.Tensor]
     counted: list[torch.Tensor]
     zeros: list[torch.Tensor]
+    counted_expert: list[torch.Tensor] = field(default_factory=list)
+    zeros_expert: list[torch.Tensor] = field(default_factory=list)
 
 
 class MixedPrecisionOptimizer:
@@ -64,6 +73,8 @@ class MixedPrecisionOptimizer:
     is_sharded = False
     optimizer: torch.optim.Optimizer
     reduce_groups: tuple = ()
+    expert_reduce_groups: tuple = ()
+    has_experts = False
 
     def __init__(
         self,
@@ -75,8 +86,9 @@ class MixedPrecisionOptimizer:
         duplicates: Iterable[torch.Tensor] = (),
         loss_scaler: LossScaler | None = None,
         count_zeros: bool = False,
+        expert_tp_rank: int = 0,
     ):
-        self.clip_grad, self.tp_rank = clip_grad, tp_rank
+        self.clip_grad, self.tp_rank, self.expert_tp_rank = clip_grad, tp_rank, expert_tp_rank
         self.duplicates = list(duplicates)
         self.loss_scaler, self.count_zeros = loss_scaler, count_zeros
         self.model_params: list[nn.Parameter] = [p for g in param_groups for p in g["params"]]
@@ -109,11 +121,32 @@ class MixedPrecisionOptimizer:
 
     def is_counted(self, param: nn.Parameter) -> bool:
         """Whether ``param`` enters the grad norm on this rank (each parameter counted once)."""
-        return param_is_counted(param, tp_rank=self.tp_rank, duplicates=self.duplicates)
+        return param_is_counted(
+            param, tp_rank=self.tp_rank, duplicates=self.duplicates,
+            expert_tp_rank=self.expert_tp_rank,
+        )  # fmt: skip
 
     def zeros_counted(self, param: nn.Parameter) -> bool:
         """Whether ``param`` enters ``num_zeros_in_grad`` (TP-replicated ones on TP rank 0)."""
-        return bool(getattr(param, "tensor_model_parallel", False)) or self.tp_rank == 0
+        tp_rank = self.expert_tp_rank if is_expert_param(param) else self.tp_rank
+        return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+    def _agree_on_experts(self) -> None:
+        """``has_experts``: whether any rank of the model holds an expert parameter (one MAX
+        all-reduce at construction when expert groups are given; subclasses call it once their
+        groups are set)."""
+        local = any(is_expert_param(p) for p in self.model_params)
+        groups = [*self.reduce_groups, *self.expert_reduce_groups]
+        if not any(group_size(g) > 1 for g in groups):
+            self.has_experts = local
+            return
+        flag = torch.tensor([1.0 if local else 0.0], device=self._device)
+        self.has_experts = bool(all_reduce_over(flag, groups, dist.ReduceOp.MAX).item() > 0)
+
+    def _split_expert(self, grads: list, params: list) -> tuple[list, list]:
+        """(dense grads, expert grads) of ``grads`` by their ``params``."""
+        dense = [g for g, p in zip(grads, params) if not is_expert_param(p)]
+        return dense, [g for g, p in zip(grads, params) if is_expert_param(p)]
 
     @torch.no_grad()
     def step(self) -> tuple[bool, torch.Tensor | None, torch.Tensor | None]:
@@ -123,10 +156,14 @@ class MixedPrecisionOptimizer:
             self.loss_scaler.update(found_inf)
             if found_inf:
                 return False, None, None
-        norm = grad_norm(grads.counted, groups=self.reduce_groups, device=self._device)
+        norm = grad_norm(
+            grads.counted, groups=self.reduce_groups, device=self._device,
+            expert_grads=grads.counted_expert if self.has_experts else None,
+            expert_groups=self.expert_reduce_groups,
+        )  # fmt: skip
         if self.clip_grad > 0:
             clip_grads_by_norm(grads.all, norm, self.clip_grad)
-        num_zeros = self._count_zeros(grads.zeros) if self.count_zeros else None
+        num_zeros = self._count_zeros(grads) if self.count_zeros else None
         self.optimizer.step()
         self._update_model_params()
         return True, norm, num_zeros
@@ -155,12 +192,21 @@ class MixedPrecisionOptimizer:
             torch._amp_foreach_non_finite_check_and_unscale_(
                 grads, found_inf, scaler.inv_scale.to(device)
             )
-        all_reduce_over(found_inf, self.reduce_groups, dist.ReduceOp.MAX)
+        groups = [*self.reduce_groups, *(self.expert_reduce_groups if self.has_experts else ())]
+        all_reduce_over(found_inf, groups, dist.ReduceOp.MAX)
         return bool(found_inf.item() > 0)
 
-    def _count_zeros(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """Zero elements of ``grads`` summed over ``reduce_groups`` (int64 0-d, no host sync)."""
-        zeros = torch.zeros((), dtype=torch.int64, device=self._device)
-        for g in grads:
-            zeros = zeros + (g == 0).sum()
-        return all_reduce_over(zeros, self.reduce_groups)
+    def _count_zeros(self, grads: StepGrads) -> torch.Tensor:
+        """Zero elements of ``grads.zeros`` summed over ``reduce_groups`` (plus the expert ones
+        over ``expert_reduce_groups``); int64 0-d, no host sync."""
+
+        def local(tensors: list[torch.Tensor]) -> torch.Tensor:
+            zeros = torch.zeros((), dtype=torch.int64, device=self._device)
+            for g in tensors:
+                zeros = zeros + (g == 0).sum().to(self._device)
+            return zeros
+
+        total = all_reduce_over(local(grads.zeros), self.reduce_groups)
+        if self.has_experts:
+            total = total + all_reduce_over(local(grads.zeros_expert), self.expert_reduce_groups)
+        return total

@@ -30,7 +30,8 @@ class UnshardedOptimizer(MixedPrecisionOptimizer):
     """Wraps ``build_inner(master_param_groups) -> torch.optim.Optimizer``.
 
     ``param_groups``: torch-style groups of *model* parameters (``{"params": [...], **options}``).
-    ``mp_group``: the model-parallel group (TP x PP) the norm and the inf/NaN flag reduce over.
+    ``mp_group``: the model-parallel group (TP x PP) the norm and the inf/NaN flag reduce over;
+    ``expert_mp_group`` (etp x ep x pp) / ``expert_tp_rank``: the same for expert parameters.
     """
 
     is_sharded = False  # the optimizer state is whole on every DP rank
@@ -47,13 +48,17 @@ class UnshardedOptimizer(MixedPrecisionOptimizer):
         duplicates: Iterable[torch.Tensor] = (),
         loss_scaler: LossScaler | None = None,
         count_zeros: bool = False,
+        expert_mp_group=None,
+        expert_tp_rank: int = 0,
     ):
         super().__init__(
             param_groups, model=model, clip_grad=clip_grad, tp_rank=tp_rank,
             duplicates=duplicates, loss_scaler=loss_scaler, count_zeros=count_zeros,
+            expert_tp_rank=expert_tp_rank,
         )  # fmt: skip
         self.mp_group = mp_group
         self.reduce_groups = (mp_group,)
+        self.expert_reduce_groups = (expert_mp_group,)
         self.master_params: list[nn.Parameter] = []
         master_groups = []
         for group in param_groups:
@@ -65,6 +70,7 @@ class UnshardedOptimizer(MixedPrecisionOptimizer):
         self.optimizer = build_inner(master_groups)
         self._counted = [self.is_counted(p) for p in self.model_params]
         self._zeros_counted = [self.zeros_counted(p) for p in self.model_params]
+        self._agree_on_experts()
 
     @staticmethod
     def _make_master(param: nn.Parameter) -> nn.Parameter:
@@ -82,9 +88,11 @@ class UnshardedOptimizer(MixedPrecisionOptimizer):
                 grad = torch.zeros_like(master)
             master.grad = grad if grad.dtype == torch.float32 else grad.float()
             grads.append(master.grad)
-        counted = [g for g, c in zip(grads, self._counted) if c]
-        zeros = [g for g, c in zip(grads, self._zeros_counted) if c]
-        return StepGrads(grads, counted, zeros)
+        counted = [(g, p) for g, p, c in zip(grads, self.model_params, self._counted) if c]
+        zeros = [(g, p) for g, p, c in zip(grads, self.model_params, self._zeros_counted) if c]
+        counted_dense, counted_expert = self._split_expert(*zip(*counted) if counted else ([], []))
+        zeros_dense, zeros_expert = self._split_expert(*zip(*zeros) if zeros else ([], []))
+        return StepGrads(grads, counted_dense, zeros_dense, counted_expert, zeros_expert)
 
     def _update_model_params(self) -> None:
         for model, master in zip(self.model_params, self.master_params):
