@@ -108,3 +108,25 @@ def test_moe_whole_model_ep_tp_dp_pp_and_aux_invariant_equal_single_process():
     ]
     results = run_distributed(_layouts_case, 8, layouts, timeout=600)
     _check(layouts, results)
+
+
+def test_moe_flag_errors_are_one_line_before_process_groups():
+    from megalite.training.config import ConfigError
+
+    cases = [
+        (["--num-experts", "4", "--expert-model-parallel-size", "3"], 3,
+         "--num-experts 4 is not divisible by --expert-model-parallel-size 3"),
+        (["--moe-aux-loss-coeff", "0.1"], 1, "need --num-experts"),
+        (["--num-experts", "4", "--moe-layer-freq", "[1,0,1]"], 1, "--moe-layer-freq has 3"),
+        (["--num-experts", "4", "--expert-model-parallel-size", "4"], 2,
+         "world size 2 is not divisible by --expert-tensor-parallel-size 1 x"),
+        (["--num-experts", "4", "--moe-ffn-hidden-size", "6", "--tensor-model-parallel-size",
+          "4", "--sequence-parallel"], 4, "--moe-ffn-hidden-size 6 is not divisible"),
+    ]  # fmt: skip
+    for flags, world, message in cases:
+        try:
+            config(*flags, "--global-batch-size", str(2 * world * 4), world_size=world)
+        except ConfigError as e:
+            assert message in str(e) and "\n" not in str(e), (flags, str(e))
+        else:
+            raise AssertionError(f"{flags} was accepted")
