@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalite.checkpoint.experts import save_experts  # issue 16
 from megalite.checkpoint.files import (
     MODEL_FILE,
     CheckpointError,
@@ -161,6 +162,7 @@ def save_checkpoint(
             rng_state=rng,
         )
         written += save_file(header, os.path.join(folder, MODEL_FILE))
+    written += save_experts(iter_dir, module, optimizer if save_optim else None, ps)  # issue 16
     if written:
         fsync_dir(folder)
         fsync_dir(iter_dir)
