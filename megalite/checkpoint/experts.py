@@ -166,3 +166,24 @@ def expert_states(
                 for k in ("master", "exp_avg", "exp_avg_sq")
             }
     return model, optim
+
+
+def write_expert_files(
+    state: dict[str, torch.Tensor], iter_dir: str, layer_ranges: list[tuple[int, int]], swiglu: bool
+) -> None:
+    """A converted model's experts (logical stacked tensors ``decoder.layers.{L}.mlp.experts.
+    weight1/2`` # [E, ...] in ``state``) as the expert files of EP 1 x ETP 1, one per stage."""
+    per_stage: dict[int, dict] = {}
+    for name, full in state.items():
+        m = _LOCAL.match(name)
+        if m is None:
+            continue
+        layer, kind = int(m.group(1)), m.group(2)
+        stage = per_stage.setdefault(stage_of(name, layer_ranges), {})
+        for e in range(full.shape[0]):
+            stage[f"decoder.layers.{layer}.mlp.experts.{e}.{_KINDS[kind]}.weight"] = full[e].clone()
+    os.makedirs(os.path.join(iter_dir, EXPERTS_DIR), exist_ok=True)
+    for pp, model in per_stage.items():
+        record = {"layout": {"ep_size": 1, "etp_size": 1, "swiglu": swiglu}, "model": model,
+                  "optimizer": None}  # fmt: skip
+        save_file(record, _file(iter_dir, pp, 0, 0))

@@ -144,8 +144,10 @@ class Trainer:
     def step(self, forward_step_func: Callable, data_iterator) -> StepResult:
         """One iteration over every model chunk (``data_iterator``: one per chunk, or one)."""
         # issue 16: aux losses get the lm loss's grad scale (loss scale / micro-batches)
-        scale = self.optimizer.get_loss_scale().reshape(()) / self.num_microbatches
-        set_aux_loss_scale(self.model, scale if self.optimizer.loss_scaler else float(scale))
+        scale = 1.0 / self.num_microbatches  # no host read: the fp16 scale stays a tensor
+        if self.optimizer.loss_scaler is not None:
+            scale = self.optimizer.get_loss_scale().reshape(()) * scale
+        set_aux_loss_scale(self.model, scale)
         result = train_step(
             forward_step_func,
             as_list(data_iterator),
