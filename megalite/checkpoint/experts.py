@@ -182,6 +182,8 @@ def write_expert_files(
         stage = per_stage.setdefault(stage_of(name, layer_ranges), {})
         for e in range(full.shape[0]):
             stage[f"decoder.layers.{layer}.mlp.experts.{e}.{_KINDS[kind]}.weight"] = full[e].clone()
+    if not per_stage:  # a dense model: no expert files
+        return
     os.makedirs(os.path.join(iter_dir, EXPERTS_DIR), exist_ok=True)
     for pp, model in per_stage.items():
         record = {"layout": {"ep_size": 1, "etp_size": 1, "swiglu": swiglu}, "model": model,
