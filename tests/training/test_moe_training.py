@@ -7,6 +7,8 @@ whole global batch. On 8 ranks:
 
 - EP2 x TP2 (sequence parallel) x DP2, and EP2 x PP2 (x DP4): the 5 losses, the load-balancing and
   z losses (``TrainResult.moe_losses``) and the grad norms equal the oracle's.
+- ZeRO-1 (``--use-distributed-optimizer``) at TP2 (SP) x EP2 x ETP1: expert state sharded over
+  edp 2, dense state over dp 4; the same numbers.
 - the aux-loss gradient invariant across more layouts: DP 1 (TP4 x PP2 x EP4, 4 micro-batches per
   rank), DP 2, DP 4 (TP2 without sequence parallel x EP4 x ETP1, 1 micro-batch per rank) with a
   large aux coefficient so that a mis-scaled aux grad moves the losses: losses, aux losses and grad
@@ -109,6 +111,8 @@ def test_moe_whole_model_ep_tp_dp_pp_and_aux_invariant_equal_single_process():
         ("llama", (), _sizes(pp=2, ep=2)),
         ("gpt2", STRONG_AUX, _sizes(tp=4, pp=2, ep=4, etp=1)),  # DP1, 4 micro-batches per rank
         ("gpt2", STRONG_AUX, _sizes(tp=2, ep=4, etp=1)),  # DP4, TP without SP, 1 micro-batch
+        # ZeRO-1: expert optimizer state sharded over edp 2, dense over dp 4
+        ("llama", ("--use-distributed-optimizer",), _sizes(tp=2, ep=2, etp=1, sp=True)),
     ]
     results = run_distributed(_layouts_case, 8, layouts, timeout=600)
     _check(layouts, results)
