@@ -17,6 +17,7 @@ import re
 
 import torch
 
+from megalite.checkpoint.experts import ExpertReader, expert_states, has_experts
 from megalite.checkpoint.files import (
     RELEASE,
     TRACKER_FILE,
@@ -90,9 +91,15 @@ def load_model(path: str, iteration: int | str | None = None) -> CausalLM:
     tracker.add(TP_RNG, config.seed + 2718)
     with torch.device("cpu"):
         model = CausalLM(config, ParallelState.single(), rng_tracker=tracker)
+    experts = {}  # issue 16: MoE experts from their own files, by global expert index
+    if has_experts(model):
+        experts, _ = expert_states(
+            ExpertReader(reader.iter_dir, reader.layer_ranges), model, ParallelState.single(),
+            with_optimizer=False,
+        )  # fmt: skip
     with torch.no_grad():
         for name, param in model.state_dict().items():
-            full = reader.model_tensor(name)
+            full = experts[name] if name in experts else reader.model_tensor(name)
             if tuple(full.shape) != tuple(param.shape):
                 raise CheckpointError(
                     f"{reader.iter_dir}: {name} has shape {tuple(full.shape)}, the model its "

@@ -24,6 +24,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megalite.checkpoint.experts import (  # issue 16
+    ExpertReader,
+    expert_states,
+    has_experts,
+    is_expert_name,
+)
 from megalite.checkpoint.files import (
     RELEASE,
     TRACKER_FILE,
@@ -105,7 +111,13 @@ def _load_model(module: nn.Module, state: dict, where: str) -> None:
 
 
 def _load_optimizer(
-    optimizer, module: nn.Module, reader: CheckpointReader, ps: ParallelState, *, same_mp: bool
+    optimizer,
+    module: nn.Module,
+    reader: CheckpointReader,
+    ps: ParallelState,
+    *,
+    same_mp: bool,
+    experts: ExpertReader | None = None,
 ) -> None:
     dp_rank, dp_size = ps.rank("dp", "cp"), ps.size("dp", "cp")
     if same_mp and optimizer.is_sharded and reader.distributed_optimizer:
@@ -121,12 +133,15 @@ def _load_optimizer(
     else:
         state = reshard_optimizer(
             reader,
-            [n for n, _ in module.named_parameters()],
+            [n for n, _ in module.named_parameters() if not is_expert_name(n)],
             layer_offset=module.layer_range[0],
             tp_size=ps.tp_size,
             tp_rank=ps.tp_rank,
             padded_vocab_size=module.padded_vocab_size,
         )
+    if experts is not None:  # issue 16: this rank's experts, from the expert files
+        state = {**state, "params": dict(state["params"])}
+        state["params"].update(expert_states(experts, module, ps, with_optimizer=True)[1])
     try:
         optimizer.load_full_state_dict(state)
     except ValueError as e:
@@ -191,17 +206,26 @@ def load_checkpoint(
         and reader.layer_ranges == [tuple(x) for x in module.config.stage_layer_ranges(ps.pp_size)]
         and reader.meta["layout"]["padded_vocab_size"] == module.padded_vocab_size
     )
-    if same_mp:
+    experts = None  # issue 16: MoE experts come from their own files, by global expert index
+    if has_experts(module):
+        experts = ExpertReader(iter_dir, reader.layer_ranges)
+    if same_mp and experts is None:
         _load_model(module, reader.shard(ps.tp_rank, ps.pp_rank)["model"], iter_dir)
+    elif same_mp:
+        state = dict(reader.shard(ps.tp_rank, ps.pp_rank)["model"])
+        state.update(expert_states(experts, module, ps, with_optimizer=False)[0])
+        _load_model(module, state, iter_dir)
     else:
         state = reshard_model(
             reader,
-            module.state_dict().keys(),
+            [k for k in module.state_dict().keys() if not is_expert_name(k)],
             layer_offset=module.layer_range[0],
             tp_size=ps.tp_size,
             tp_rank=ps.tp_rank,
             padded_vocab_size=module.padded_vocab_size,
         )
+        if experts is not None:
+            state.update(expert_states(experts, module, ps, with_optimizer=False)[0])
         _load_model(module, state, iter_dir)
     header = reader.meta
     finetune = finetune or iteration == RELEASE
@@ -213,7 +237,7 @@ def load_checkpoint(
                     f"checkpoint {iter_dir} holds no optimizer state (saved with "
                     "--no-save-optim, or converted); pass --no-load-optim or --finetune"
                 )
-            _load_optimizer(optimizer, module, reader, ps, same_mp=same_mp)
+            _load_optimizer(optimizer, module, reader, ps, same_mp=same_mp, experts=experts)
         _load_scheduler(scheduler, header.get("scheduler"), int(header["iteration"]))
         progress = Progress(
             iteration=int(header["iteration"]),

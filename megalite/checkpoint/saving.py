@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalite.checkpoint.experts import save_experts  # issue 16
 from megalite.checkpoint.files import (
     MODEL_FILE,
     CheckpointError,
@@ -218,6 +219,11 @@ def save_checkpoint(
         )
         try:
             written += save_file(header, os.path.join(folder, MODEL_FILE))
+        except CheckpointError as e:
+            failure = e
+    if failure is None:  # issue 16: experts by global expert index
+        try:
+            written += save_experts(iter_dir, module, optimizer if save_optim else None, ps)
         except CheckpointError as e:
             failure = e
     try:

@@ -18,7 +18,7 @@ import shutil
 import torch
 
 from megalite.checkpoint.files import RELEASE, read_tracker
-from megalite.conversion import gpt2, llama
+from megalite.conversion import gpt2, llama, mixtral  # mixtral: issue 16
 from megalite.conversion.errors import ConversionError
 from megalite.conversion.hf_files import (
     load_hf_config,
@@ -33,8 +33,8 @@ from megalite.models.config import GPTConfig
 
 logger = logging.getLogger(__name__)
 
-FAMILIES = {"gpt2": gpt2, "llama": llama}
-HF_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama"}  # config.json model_type -> family
+FAMILIES = {"gpt2": gpt2, "llama": llama, "mixtral": mixtral}
+HF_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama", "mixtral": "mixtral"}  # model_type -> family
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 __all__ = [
@@ -49,6 +49,9 @@ __all__ = [
 
 def family_of(config: GPTConfig) -> str:
     """ "gpt2" or "llama"; ConversionError naming what disagrees with both otherwise."""
+    if config.num_experts is not None:  # issue 16
+        mixtral.check(config)
+        return "mixtral"
     if config.position_embedding_type == "rope":
         llama.check(config)
         return "llama"
@@ -179,6 +182,11 @@ def megalite_flags(config: GPTConfig) -> list[str]:
         flags.append("--disable-bias-linear")
     if c.untie_embeddings_and_output_weights:
         flags.append("--untie-embeddings-and-output-weights")
+    if c.num_experts is not None:  # issue 16
+        flags += [
+            "--num-experts", str(c.num_experts), "--moe-router-topk", str(c.moe_router_topk),
+            "--moe-ffn-hidden-size", str(c.moe_ffn_hidden_size or c.ffn_hidden_size),
+        ]  # fmt: skip
     return flags
 
 

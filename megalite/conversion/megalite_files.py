@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from megalite.checkpoint.experts import is_expert_name, write_expert_files  # issue 16
 from megalite.checkpoint.files import (
     MODEL_FILE,
     RELEASE,
@@ -64,7 +65,7 @@ def write_checkpoint(
     except ValueError as e:
         raise ValueError(str(e)) from None
     tied = not config.untie_embeddings_and_output_weights
-    names = [n for n in state if logical_name(n, tied=tied) == n]
+    names = [n for n in state if logical_name(n, tied=tied) == n and not is_expert_name(n)]
     if WORD_EMBEDDING not in state:
         raise ValueError(f"the weights have no {WORD_EMBEDDING}")
     ranges = config.stage_layer_ranges(pp_size)
@@ -94,6 +95,7 @@ def write_checkpoint(
             os.makedirs(folder, exist_ok=True)
             save_file(header, os.path.join(folder, MODEL_FILE))
             fsync_dir(folder)
+    write_expert_files(state, iter_dir, ranges, config.swiglu)  # issue 16: by global expert
     fsync_dir(iter_dir)
     write_tracker(save_dir, iteration)
     return iter_dir

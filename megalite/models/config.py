@@ -70,6 +70,25 @@ class GPTConfig:
     params_dtype: torch.dtype = torch.float32
     seed: int = 1234
     cp_comm_type: str = "p2p"  # issue 15: p2p | a2a | all_gather (used when cp > 1)
+    # issue 16: mixture of experts (Megatron's --num-experts, --moe-*; models/moe_config.py)
+    num_experts: int | None = None  # None: dense MLPs everywhere
+    moe_ffn_hidden_size: int | None = None  # per expert; None: ffn_hidden_size
+    moe_router_topk: int = 2
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_expert_capacity_factor: float | None = None  # None: dropless
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = "probs"
+    moe_token_dispatcher_type: str = "allgather"
+    moe_grouped_gemm: bool = False
+    moe_layer_freq: int | str = 1
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False
 
     def __post_init__(self) -> None:
         for name, value in (
@@ -139,6 +158,9 @@ class GPTConfig:
         _check_sizes(self)
         _check_parallel(self, tp_size=tp_size, pp_size=pp_size)
         _check_recompute(self)
+        from megalite.models.moe_config import check_moe  # issue 16
+
+        check_moe(self, tp_size=tp_size)
 
 
 def _check_choices(c: GPTConfig) -> None:

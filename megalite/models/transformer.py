@@ -32,7 +32,7 @@ from megalite.core.tensor_parallel.random import RNGStatesTracker, checkpoint
 from megalite.models.attention import SelfAttention
 from megalite.models.common import tp_rng_region
 from megalite.models.config import GPTConfig
-from megalite.models.mlp import MLP
+from megalite.models.moe_layer import build_mlp  # issue 16: MoE or dense per layer
 
 
 def _norm(config: GPTConfig, device: torch.device | None) -> nn.Module:
@@ -69,7 +69,7 @@ class TransformerLayer(nn.Module):
             config, ps, layer_number=layer_number, rng_tracker=rng_tracker, device=device
         )
         self.pre_mlp_layernorm = _norm(config, device)
-        self.mlp = MLP(config, ps, layer_number=layer_number, device=device)
+        self.mlp = build_mlp(config, ps, layer_number=layer_number, device=device)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
 
     def _dropout_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

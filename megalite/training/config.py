@@ -70,6 +70,9 @@ class ParallelConfig:
     optimizer_offload_fraction: float = 1.0  # share of the optimizer state offloaded
     optimizer_offload_dir: str | None = None  # NVMe: the offloaded state in files there
     optimizer_offload_host_memory_mb: float = 256.0  # host buffer bound of the NVMe stream
+    # issue 16: the expert view of the mesh (etp x ep x edp x pp); ETP None = the TP size
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
 
     @property
     def rank_order(self) -> str:
@@ -463,11 +466,35 @@ class PretrainConfig:
                 f"model.sequence_parallel {m.sequence_parallel} differs from "
                 f"parallel.sequence_parallel {par.sequence_parallel}; set both"
             )
+        self._validate_experts()  # issue 16
         vocab = getattr(self.tokenizer, "vocab_size", None)
         if vocab is not None and vocab != m.vocab_size:
             raise ConfigError(
                 f"model.vocab_size {m.vocab_size} differs from the tokenizer's {vocab}; build "
                 "the config with with_tokenizer()"
+            )
+
+    def _validate_experts(self) -> None:
+        """Issue 16: the expert-parallel sizes against the model and the world (one line)."""
+        from megalite.models.moe_config import check_moe_parallel
+
+        par = self.parallel
+        ep, etp = par.expert_model_parallel_size, par.expert_tensor_parallel_size
+        etp = par.tensor_model_parallel_size if etp is None else etp
+        for name, value in (("expert_model_parallel_size", ep),
+                            ("expert_tensor_parallel_size", etp)):  # fmt: skip
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        try:
+            check_moe_parallel(self.model, ep_size=ep, etp_size=etp)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        view = etp * ep * par.pipeline_model_parallel_size
+        if par.world_size is not None and par.world_size % view:
+            raise ConfigError(
+                f"world size {par.world_size} is not divisible by expert_tensor_parallel_size "
+                f"{etp} x expert_model_parallel_size {ep} x pipeline_model_parallel_size "
+                f"{par.pipeline_model_parallel_size} = {view}; change the expert sizes"
             )
 
     def check_world(self, world_size: int, dp_size: int) -> int:

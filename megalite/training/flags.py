@@ -10,6 +10,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from megalite.core.moe.config import (
+    DISPATCHERS,
+    DROP_POLICIES,
+    LOAD_BALANCING_TYPES,
+    SCORE_FUNCTIONS,
+)
 from megalite.data.config import DataConfig
 from megalite.models.config import (
     ATTENTION_BACKENDS,
@@ -43,17 +49,16 @@ PLANNED_FLAGS = {
         "issue 14 (interleaved and zero-bubble pipeline schedules)",
     ),
     **dict.fromkeys(
-        ("--num-experts", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
-         "--moe-router-topk", "--moe-ffn-hidden-size", "--moe-grouped-gemm",
-         "--moe-token-dispatcher-type", "--moe-aux-loss-coeff"),
-        "issue 16 (mixture of experts)",
-    ),
-    **dict.fromkeys(
         ("--rampup-batch-size", "--lr-warmup-samples",
          "--lr-decay-samples", "--transformer-impl", "--use-mcore-models", "--ckpt-format"),
         "issue 18 (Megatron migration)",
     ),
 }  # fmt: skip
+
+
+def _int_or_list(text: str) -> int | str:
+    """``--moe-layer-freq``: an integer, or a list expression kept as text (checked later)."""
+    return int(text) if text.strip().isdigit() else text
 
 
 class _Parser(argparse.ArgumentParser):
@@ -204,6 +209,27 @@ def build_parser() -> argparse.ArgumentParser:
     t.add("--exit-duration-in-mins", type=float)
     t.add("--keep-last-n-checkpoints", type=int,
           help="megalite's own: delete older iter_* folders after each save")  # fmt: skip
+
+    # issue 16: mixture of experts and expert parallelism
+    moe = _Group(p, "mixture of experts", GPTConfig)
+    for flag in ("--num-experts", "--moe-ffn-hidden-size", "--moe-router-topk",
+                 "--moe-shared-expert-intermediate-size"):  # fmt: skip
+        moe.add(flag, type=int)
+    moe.add("--moe-router-score-function", choices=SCORE_FUNCTIONS)
+    moe.add("--moe-router-load-balancing-type", choices=LOAD_BALANCING_TYPES)
+    for flag in ("--moe-aux-loss-coeff", "--moe-z-loss-coeff", "--moe-router-bias-update-rate",
+                 "--moe-expert-capacity-factor"):  # fmt: skip
+        moe.add(flag, type=float)
+    moe.add("--moe-token-drop-policy", choices=DROP_POLICIES)
+    moe.add("--moe-token-dispatcher-type", choices=DISPATCHERS)
+    moe.add("--moe-layer-freq", type=_int_or_list, help="N (every N-th layer) or [1,0,1,0]")
+    for flag in ("--moe-router-pre-softmax", "--moe-router-enable-expert-bias",
+                 "--moe-pad-expert-input-to-capacity", "--moe-grouped-gemm",
+                 "--moe-shared-expert-gate"):  # fmt: skip
+        moe.switch(flag)
+    ep = _Group(p, "expert parallelism", ParallelConfig)
+    ep.add("--expert-model-parallel-size", type=int)
+    ep.add("--expert-tensor-parallel-size", type=int)
 
     d = _Group(p, "data", DataConfig)
     for flag in ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"):

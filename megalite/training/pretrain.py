@@ -143,6 +143,8 @@ def pretrain(
         cfg.parallel.tensor_model_parallel_size,
         cfg.parallel.pipeline_model_parallel_size,
         context_parallel_size=cfg.parallel.context_parallel_size,  # issue 15
+        expert_model_parallel_size=cfg.parallel.expert_model_parallel_size,  # issue 16
+        expert_tensor_parallel_size=cfg.parallel.expert_tensor_parallel_size,
         order=cfg.parallel.rank_order,
         device=device,
         timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes),

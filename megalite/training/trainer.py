@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megalite.core.moe import set_aux_loss_scale, update_expert_bias
 from megalite.core.parallel_state import ParallelState
 from megalite.core.tensor_parallel.mappings import group_size
+from megalite.models.moe_layer import read_moe_stats
 from megalite.training import checkpoint_io
 from megalite.training.checkpoint_io import exit_duration_reached
 from megalite.training.components import setup_model_and_optimizer
@@ -58,6 +60,9 @@ class TrainResult:
     validation: dict[str, float] = field(default_factory=dict)  # the last evaluation
     test: dict[str, float] = field(default_factory=dict)
     exited_on_signal: bool = False  # --exit-signal-handler: stopped early, checkpoint saved
+    # issue 16: per read of the numbers (each --log-interval), MoE models only: the mean over MoE
+    # layers of each layer's load-balancing and z loss (per micro-batch, coefficient included)
+    moe_losses: list[dict[str, float]] = field(default_factory=list)
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -139,7 +144,12 @@ class Trainer:
 
     def step(self, forward_step_func: Callable, data_iterator) -> StepResult:
         """One iteration over every model chunk (``data_iterator``: one per chunk, or one)."""
-        return train_step(
+        # issue 16: aux losses get the lm loss's grad scale (loss scale / micro-batches)
+        scale = 1.0 / self.num_microbatches  # no host read: the fp16 scale stays a tensor
+        if self.optimizer.loss_scaler is not None:
+            scale = self.optimizer.get_loss_scale().reshape(()) * scale
+        set_aux_loss_scale(self.model, scale)
+        result = train_step(
             forward_step_func,
             as_list(data_iterator),
             self.model,
@@ -147,6 +157,8 @@ class Trainer:
             self.scheduler,
             **self._schedule_kwargs(),
         )
+        update_expert_bias(self.model, self.ps.group("tp", "dp", "cp"))  # aux-loss-free balancing
+        return result
 
     # --- reading the device-side numbers ----------------------------------------------------------
 
@@ -154,6 +166,7 @@ class Trainer:
         """Read the interval's numbers (collective over the world: every rank, same iteration),
         fold them into ``result`` and stop the run on a non-finite loss or grad norm."""
         snap = self.stats.read(self.ps.group())
+        self._read_moe_stats()  # issue 16
         r = self.result
         r.losses.extend(snap.per_step_losses)
         r.grad_norms.extend(snap.per_step_grad_norms)
@@ -172,6 +185,34 @@ class Trainer:
                     f"the check after iteration {r.iteration}); lower --lr or {flag}"
                 )
         return snap
+
+    def _read_moe_stats(self) -> None:
+        """Issue 16: aux / z loss into the result, the log and TensorBoard (with a histogram of
+        tokens per expert per layer). Collective over the world; nothing for a dense model."""
+        if self.cfg.model.num_experts is None:
+            return
+        layers = read_moe_stats(self.model, self.ps, self.cfg.model.num_layers)
+        if not layers:
+            return
+        aux = sum(v[0] for v in layers.values()) / len(layers)
+        z = sum(v[1] for v in layers.values()) / len(layers)
+        self.result.moe_losses.append({"load_balancing_loss": aux, "z_loss": z})
+        if not self.is_log_rank:
+            return
+        logger.info(" moe: load_balancing_loss %.6E | z_loss %.6E", aux, z)
+        writer, it = self.tensorboard.writer, self.result.iteration
+        if writer is not None:
+            writer.add_scalar("load_balancing_loss", aux, it)
+            writer.add_scalar("z_loss", z, it)
+            for layer, (_, _, counts) in layers.items():
+                experts = torch.arange(counts.numel(), dtype=torch.float64)
+                writer.add_histogram_raw(
+                    f"tokens-per-expert/layer-{layer}", min=0, max=counts.numel(),
+                    num=float(counts.sum()), sum=float((experts * counts).sum()),
+                    sum_squares=float((experts**2 * counts).sum()),
+                    bucket_limits=(experts + 1).tolist(), bucket_counts=counts.tolist(),
+                    global_step=it,
+                )  # fmt: skip
 
     # --- the loop ---------------------------------------------------------------------------------
 
