@@ -248,7 +248,7 @@ class _Run:
             if a.op in ("B", "I", "W"):
                 last[a.chunk] = i
         for c, chunk in enumerate(self.model):
-            attach_weight_grad_store(chunk, self.stores[c])
+            attach_weight_grad_store(unwrap(chunk), self.stores[c])
         try:
             for i, a in enumerate(actions):
                 self._poll_sends()
@@ -256,7 +256,7 @@ class _Run:
             self._poll_sends(wait=True)
         finally:
             for chunk in self.model:
-                attach_weight_grad_store(chunk, None)
+                attach_weight_grad_store(unwrap(chunk), None)
         if any(s.pending() for s in self.stores):
             raise RuntimeError("the action list left weight grads queued: an I without its W")
         return [self.losses[mb] for mb in sorted(self.losses)]
