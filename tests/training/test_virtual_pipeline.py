@@ -77,22 +77,27 @@ def _cases(pp):
         j = 0
         for v in vs:
             for m in (pp, 2 * pp, 2 * pp + 1):
+                # interleaved with m = 2p + 1: one group of all (Megatron's rule on the remainder)
+                g = m if schedule == "interleaved-1f1b" and m % pp else None
                 try:
-                    check_schedule(schedule, pp_size=pp, num_microbatches=m, num_chunks=v)
+                    check_schedule(
+                        schedule, pp_size=pp, num_microbatches=m, num_chunks=v,
+                        microbatch_group_size=g,
+                    )  # fmt: skip
                 except ValueError:
                     continue
                 pair = (COMBOS[0], COMBOS[3]) if j % 2 == 0 else (COMBOS[1], COMBOS[2])
                 j += 1
                 for k, (family, tied) in enumerate(pair):
                     overlap = not (m == 2 * pp and k == 0)
-                    yield schedule, v, m, family, tied, overlap
+                    yield schedule, v, m, g, family, tied, overlap
 
 
 def _world(pp):
     ps = initialize_model_parallel(1, pp)
     oracles = {}
     failures, count = [], 0
-    for schedule, v, m, family, tied, overlap in _cases(pp):
+    for schedule, v, m, g, family, tied, overlap in _cases(pp):
         key = (family, tied, m)
         if key not in oracles:
             oracles[key] = _oracle(family, tied, m)
@@ -107,11 +112,14 @@ def _world(pp):
         losses = forward_backward_pipelining(
             schedule=schedule, forward_step_func=_forward_step, data_iterator=[it] * len(chunks),
             model=chunks, num_microbatches=m, p2p=p2p, pp_rank=ps.pp_rank, pp_size=pp,
+            microbatch_group_size=g,
         )  # fmt: skip
         shared, _ = tied_params(chunks, ps)  # copies on two ranks (not a V's one Parameter)
         for w in shared:
             dist.all_reduce(w.grad, group=ps.embedding_group)
-        label = f"{schedule} v{v} m{m} {family} {'tied' if tied else 'untied'} overlap={overlap}"
+        label = (
+            f"{schedule} v{v} m{m} g{g} {family} {'tied' if tied else 'untied'} overlap={overlap}"
+        )
         count += 1
         try:
             if ps.is_last_stage:

@@ -13,11 +13,12 @@ ValueErrors naming the numbers and the fix).
 - ``interleaved-1f1b`` (Megatron): ``v`` chunks per rank in the loop layout; the forwards follow
   Megatron's schedule table (groups of ``g`` micro-batches per chunk, ``p <= g <= m``), the
   backwards the same table with the chunks reversed; ``2 (p - r - 1) + (v - 1) g`` warmup
-  forwards.
+  forwards; the last group must hold 0 or >= p micro-batches (``m % g``), as Megatron requires.
 - ``zb-h1`` (zero bubble, Qi et al. 2023): B split into I and W; an event-driven list schedule
   at unit F = I = W cost: an I as soon as it is ready, else an F while fewer than 1F1B's
-  ``p - r`` micro-batches are in flight (interleaved: Megatron's warmup + 1), else a queued W.
-  W fills what would be the bubble. Any ``v`` (v > 1 is the interleaved zero-bubble schedule).
+  ``p - r`` micro-batches are in flight, else a queued W. W fills what would be the bubble.
+  Any ``v``: v > 1 is an interleaved zero-bubble schedule holding ``v p`` chunk-micro-batches
+  (1F1B's memory), whose bubble beats interleaved 1F1B's (a heuristic, not a closed form).
 - ``zbv``: the same list scheduling over the V layout (two chunks per rank), at most ``2p``
   chunk-micro-batches in flight: 1F1B's peak activation memory on every rank.
 - ``dualpipev`` (DeepSeek's DualPipeV, V layout): the 8 phases of the published schedule; each
@@ -72,6 +73,13 @@ def check_schedule(
                 f"num_microbatches {m}] for the interleaved schedule; raise the global batch "
                 "size or lower the group size"
             )
+        if 0 < m % g < p:
+            raise ValueError(
+                f"num_microbatches {m} leaves a last group of {m % g} < pp {p} micro-batches with "
+                f"--microbatch-group-size-per-virtual-pipeline-stage {g} (the interleaved "
+                "schedule would wait on itself); make num_microbatches a multiple of the group "
+                "size, or the remainder >= pp (e.g. group size = num_microbatches)"
+            )
     if schedule in V_SHAPED and v != 2:
         raise ValueError(
             f"--pipeline-schedule {schedule} holds exactly 2 chunks per rank in a V, got "
@@ -118,10 +126,11 @@ def generate(
     if schedule == "dualpipev":
         return [dualpipev(p, rank, m) for rank in range(p)]
     if schedule == "zbv":
-        return list_schedule(layout, m, [2 * p] * p, max_deferred=[p - 1] * p)
-    limits = [p - r if num_chunks == 1 else _interleaved_warmup(p, r, m, num_chunks, p) + 1
-              for r in range(p)]  # fmt: skip
-    return list_schedule(layout, m, limits, max_deferred=[p - 1] * p)
+        return list_schedule(layout, m, [2 * p] * p, max_deferred=[2 * p] * p)
+    if num_chunks == 1:  # 1F1B's p - r in flight, at most p - 1 weight grads waiting
+        return list_schedule(layout, m, [p - r for r in range(p)], max_deferred=[p - 1] * p)
+    vp = num_chunks * p  # interleaved: 1F1B's memory of p whole stages, in chunk units
+    return list_schedule(layout, m, [vp] * p, max_deferred=[vp] * p)
 
 
 def forward_order(layout: StageLayout, rank: int, m: int) -> list[Action]:
@@ -182,7 +191,7 @@ def list_schedule(
     """Zero-bubble order by event-driven list scheduling at unit F = I = W cost (p2p free).
 
     A rank that is free picks: the ready I of the oldest micro-batch (the deepest stage first);
-    else the ready F of the oldest micro-batch (the deepest stage first) while fewer than
+    else the ready F of its deepest stage (oldest micro-batch first) while fewer than
     ``limits[rank]`` chunk-micro-batches are in flight (forward done, W not yet); else the oldest
     queued W; else it waits for the next completion."""
     p, S = layout.pp_size, layout.num_stages
@@ -197,7 +206,9 @@ def list_schedule(
     total = 3 * m * S
     done = 0
     t = 0
+    relax = False  # set when every rank is idle and blocked by its limit: let an F through
     while done < total:
+        chose = False
         for r in range(p):
             if free_at[r] > t:
                 continue
@@ -216,14 +227,14 @@ def list_schedule(
                 w_queue[r].append((i, c))
                 in_flight[r] -= 1
             backlog = max_deferred is not None and len(w_queue[r]) > max_deferred[r]
-            if choice is None and not backlog and in_flight[r] < limits[r]:
+            if choice is None and (relax or (not backlog and in_flight[r] < limits[r])):
                 ready_f = []
                 for c in range(layout.num_chunks):
                     i, s = next_f[r][c], layout.stage(r, c)
                     if i < m and (s == 0 or f_done.get((i, s - 1), t + 1) <= t):
-                        ready_f.append((i, -s, c))
+                        ready_f.append((-s, i, c))
                 if ready_f:
-                    i, _, c = min(ready_f)
+                    _, i, c = min(ready_f)
                     choice = Action("F", i, c)
                     next_f[r][c] += 1
                     f_done[(i, layout.stage(r, c))] = t + 1
@@ -231,11 +242,15 @@ def list_schedule(
             if choice is None and w_queue[r]:
                 i, c = w_queue[r].pop(0)
                 choice = Action("W", i, c)
-
             if choice is not None:
                 out[r].append(choice)
                 free_at[r] = t + 1
                 done += 1
+                chose = True
+        if not chose and all(f <= t for f in free_at) and not relax:
+            relax = True  # retry this instant without the limits
+            continue
+        relax = False
         t += 1
         if t > 10 * total + 10:
             raise RuntimeError("list scheduling made no progress (limits too small?)")

@@ -166,7 +166,7 @@ def theory(schedule: str, *, pp_size: int, num_microbatches: int, num_chunks: in
         peak = min(2 * (p - 1) + (v - 1) * p + 1, m * v)
     elif schedule == "zb-h1":  # (p - 1)(F + I - W): a third of 1F1B's at F = I = W
         bubble = (p - 1) / (3 * v * m + p - 1)
-        peak = min(p, m) if v == 1 else min(2 * (p - 1) + (v - 1) * p + 1, m * v)
+        peak = min(p, m) if v == 1 else min(v * p, m * v)  # v > 1: the bubble is a lower bound
     elif schedule in ("zbv", "dualpipev"):  # in chunk units (a chunk is half a stage)
         bubble = (p - 1) / (6 * m + p - 1)
         peak = 2 * p if schedule == "zbv" else 2 * p + 1
