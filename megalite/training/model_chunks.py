@@ -205,6 +205,8 @@ def check_pipeline_config(cfg) -> None:
     if v_flag is not None and v_flag < 1:
         raise ConfigError(f"--num-virtual-stages-per-pipeline-rank must be >= 1, got {v_flag}")
     v = num_model_chunks(cfg)
+    if sched in ("zbv", "dualpipev") and v_flag is not None:
+        v = v_flag  # a V holds exactly 2: check_schedule names any other number
     if pp == 1:
         if sched not in ("1f1b", "gpipe") or v > 1:
             raise ConfigError(

@@ -158,3 +158,28 @@ def test_every_schedule_equals_no_pipelining_pp2():
 
 def test_every_schedule_equals_no_pipelining_pp4():
     _check(4)
+
+
+def test_schedule_flags_are_checked_with_one_line_errors():
+    import pytest
+
+    from megalite.training.config import ConfigError
+    from tests.training.common import config
+
+    pp4 = ("--pipeline-model-parallel-size", "4", "--num-layers", "8")
+    cases = [
+        ((*pp4, "--pipeline-schedule", "dualpipev"), "num_microbatches >= 2 x pp = 8, got 4"),
+        ((*pp4, "--num-layers-per-virtual-pipeline-stage", "3"), "not divisible by"),
+        ((*pp4, "--num-virtual-stages-per-pipeline-rank", "2",
+          "--microbatch-group-size-per-virtual-pipeline-stage", "3"), "must lie in [pp 4"),
+        ((*pp4, "--pipeline-schedule", "zbv", "--num-virtual-stages-per-pipeline-rank", "3"),
+         "exactly 2 chunks"),
+        ((*pp4, "--num-layers-per-virtual-pipeline-stage", "1",
+          "--num-virtual-stages-per-pipeline-rank", "2"), "mutually exclusive"),
+    ]  # fmt: skip
+    for flags, words in cases:
+        with pytest.raises(ConfigError) as e:
+            config(*flags, world_size=4)
+        assert words in str(e.value) and "\n" not in str(e.value), (flags, str(e.value))
+    ok = config(*pp4, "--num-virtual-stages-per-pipeline-rank", "2", world_size=4)
+    assert ok.parallel.num_virtual_stages_per_pipeline_rank == 2
