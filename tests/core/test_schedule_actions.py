@@ -119,7 +119,8 @@ def test_zero_bubble_fills_a_third_of_1f1b_bubble():
 @pytest.mark.parametrize(
     "kwargs, words",
     [
-        (dict(schedule="dualpipev", pp_size=4, num_microbatches=6), "num_microbatches >= 2 x pp"),
+        (dict(schedule="dualpipev", pp_size=4, num_microbatches=6, num_chunks=2),
+         "num_microbatches >= 2 x pp"),
         (dict(schedule="interleaved-1f1b", pp_size=4, num_microbatches=3, num_chunks=2),
          "must lie in [pp 4, num_microbatches 3]"),
         (dict(schedule="interleaved-1f1b", pp_size=2, num_microbatches=8, num_chunks=2,
