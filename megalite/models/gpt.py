@@ -110,6 +110,13 @@ class GPTModel(nn.Module):
             layer.weight = None  # forward receives the embedding's weight
         return layer
 
+    def borrow_embedding(self, owner: GPTModel) -> None:
+        """Tie this last stage's output layer to ``owner``'s word embedding on the same rank (two
+        chunks of a V-shaped pipeline): the output layer uses that Parameter, holds no copy.
+        # issue 14"""
+        self.output_layer.weight = None
+        self.__dict__["_embedding_owner"] = owner  # not a submodule: its params stay owner's
+
     def set_input_tensor(self, t: torch.Tensor | None) -> None:
         """Non-first stages: the hidden states received from the previous stage,
         # [s, b, h] ([s/tp, b, h] under sequence parallel)."""
@@ -122,7 +129,7 @@ class GPTModel(nn.Module):
         if self.pre_process:
             return self.embedding.word_embeddings.weight
         if self.post_process:
-            return self.output_layer.weight
+            return self.output_layer.weight  # None when borrowed from a chunk of this rank
         return None
 
     def forward(
@@ -167,7 +174,10 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return hidden
 
-        weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
+        weight = None
+        if self.output_layer.weight is None:  # tied: the (borrowed) word embedding
+            owner = self.__dict__.get("_embedding_owner", self)
+            weight = owner.embedding.word_embeddings.weight
         logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, V_pad/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()

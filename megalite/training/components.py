@@ -24,6 +24,13 @@ from megalite.core.tensor_parallel.random import RNGStatesTracker
 from megalite.models.gpt import GPTModel
 from megalite.training.config import OptimizerConfig, PretrainConfig
 from megalite.training.lr_schedule import LRScheduler
+from megalite.training.model_chunks import (  # issue 14: several model chunks per rank
+    ModelChunks,
+    build_gpt_chunks,
+    effective_schedule,
+    num_model_chunks,
+    tied_params,
+)
 
 
 def build_loss_scaler(opt: OptimizerConfig, *, device: torch.device) -> LossScaler | None:
@@ -47,22 +54,22 @@ def build_model(
     *,
     device: torch.device,
     rng_tracker: RNGStatesTracker | None,
-) -> GPTModel:
-    """This rank's pipeline stage of the GPT model (the whole model when PP = 1)."""
-    return GPTModel(
-        cfg.model,
-        ps,
-        pre_process=ps.is_first_stage,
-        post_process=ps.is_last_stage,
-        rng_tracker=rng_tracker,
-        device=device,
-    )
+) -> GPTModel | ModelChunks:
+    """This rank's pipeline stage of the GPT model (the whole model when PP = 1); with several
+    chunks per rank (virtual stages, V schedules) a ``ModelChunks`` of them."""
+    chunks = build_gpt_chunks(
+        cfg.model, ps, schedule=effective_schedule(cfg), num_chunks=num_model_chunks(cfg),
+        rng_tracker=rng_tracker, device=device,
+    )  # fmt: skip
+    return chunks[0] if len(chunks) == 1 else ModelChunks(chunks)
 
 
 def tied_embedding_params(model: GPTModel, ps: ParallelState) -> tuple[list, list]:
     """(params whose grads are summed over the embedding group, params not counted in the grad
     norm): with PP > 1 and tied embeddings, the first and last stage each hold the word embedding;
     the last stage's copy is the duplicate. Both empty when PP = 1 (one shared Parameter)."""
+    if isinstance(model, ModelChunks):
+        return tied_params(list(model.chunks), ps)
     shared = model.shared_embedding_or_output_weight()
     if shared is None or ps.pp_size == 1:
         return [], []

@@ -25,7 +25,7 @@ from megalite.models.config import VOCAB_FROM_TOKENIZER, GPTConfig
 from megalite.training.lr_schedule import DECAY_STYLES
 from megalite.training.signals import parse_signal
 
-PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")  # issue 14
 CP_COMM_TYPES = ("p2p", "a2a", "all_gather")  # issue 15
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -50,6 +50,11 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     pipeline_schedule: str = "1f1b"  # or "gpipe"
+    # issue 14: virtual pipeline stages (Megatron's flags) and p2p overlap
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    num_virtual_stages_per_pipeline_rank: int | None = None
+    microbatch_group_size_per_virtual_pipeline_stage: int | None = None  # None: pp
+    no_overlap_p2p_communication: bool = False
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     ddp_bucket_size: int | None = None  # elements; None: max(40M, 1M x dp)
@@ -446,6 +451,9 @@ class PretrainConfig:
         if par.world_size is not None:
             t.num_microbatches(par.data_parallel_size)  # issue 15: world / (tp x pp x cp)
         _check_cp(par, m)  # issue 15
+        from megalite.training.model_chunks import check_pipeline_config  # issue 14
+
+        check_pipeline_config(self)
         self.optimizer.validate(train_iters=t.train_iters)
         self.logging.validate()
         for what, a, b in (

@@ -44,11 +44,6 @@ ATTENTION_BACKEND_ALIASES = {
 # Megatron flags that an open issue brings; until then they are refused as unknown, saying which.
 PLANNED_FLAGS = {
     **dict.fromkeys(
-        ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
-         "--microbatch-group-size-per-virtual-pipeline-stage"),
-        "issue 14 (interleaved and zero-bubble pipeline schedules)",
-    ),
-    **dict.fromkeys(
         ("--rampup-batch-size", "--lr-warmup-samples",
          "--lr-decay-samples", "--transformer-impl", "--use-mcore-models", "--ckpt-format"),
         "issue 18 (Megatron migration)",
@@ -149,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
         par.switch(flag)
     par.switch("--use-tp-pp-dp-mapping",
                help="rank order tp-cp-ep-pp-dp: DP the slowest axis instead of PP")  # fmt: skip
+    # issue 14: virtual pipeline stages
+    par.add("--num-layers-per-virtual-pipeline-stage", type=int)
+    par.add("--num-virtual-stages-per-pipeline-rank", type=int)
+    par.add("--microbatch-group-size-per-virtual-pipeline-stage", type=int)
+    par.switch("--no-overlap-p2p-communication",
+               help="wait for each stage-to-stage receive where it is posted")  # fmt: skip
     par.add("--ddp-bucket-size", type=int)
     par.add("--distributed-timeout-minutes", type=float)
     par.plain("--distributed-backend", choices=["nccl", "gloo"])

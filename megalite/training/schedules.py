@@ -15,31 +15,32 @@ from functools import partial
 import torch
 
 from megalite.core.parallel_state import ParallelState
+from megalite.core.pipeline_parallel.generators import SCHEDULES
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.core.pipeline_parallel.schedules import (
     forward_backward_no_pipelining,
-    forward_backward_pipelining_1f1b,
-    forward_backward_pipelining_gpipe,
+    forward_backward_pipelining,
 )
 
-PIPELINE_SCHEDULES = {
-    "1f1b": forward_backward_pipelining_1f1b,
-    "gpipe": forward_backward_pipelining_gpipe,
-}
+PIPELINE_SCHEDULES = SCHEDULES
 
 
 def get_forward_backward_func(
     ps: ParallelState,
     *,
     pipeline_schedule: str = "1f1b",
+    num_chunks: int = 1,
+    microbatch_group_size: int | None = None,
+    overlap_p2p: bool = True,
     seq_length: int | None = None,
     micro_batch_size: int | None = None,
     hidden_size: int | None = None,
     sequence_parallel: bool = False,
     dtype: torch.dtype = torch.float32,
 ) -> Callable[..., list[dict]]:
-    """The schedule for this layout: no pipelining on one stage; 1F1B (or GPipe) otherwise, with
-    one ``P2PCommunicator`` for the run. Activations between stages are ``[s, b, h]``, or
+    """The schedule for this layout: no pipelining on one stage; otherwise ``pipeline_schedule``
+    (``generators.SCHEDULES``) over ``num_chunks`` chunks per rank, with one ``P2PCommunicator``
+    for the run. Activations between stages are ``[s, b, h]``, or
     ``[s/tp, b, h]`` under sequence parallel, in the model's dtype."""
     if ps.pp_size == 1:
         return forward_backward_no_pipelining
@@ -58,7 +59,14 @@ def get_forward_backward_func(
         dtype=dtype,
         device=ps.device,
         group=ps.pp_group,
+        pp_ranks=ps.pp_ranks,
+        overlap=overlap_p2p,
     )
     return partial(
-        PIPELINE_SCHEDULES[pipeline_schedule], p2p=p2p, pp_rank=ps.pp_rank, pp_size=ps.pp_size
+        forward_backward_pipelining,
+        schedule=pipeline_schedule,
+        microbatch_group_size=microbatch_group_size,
+        p2p=p2p,
+        pp_rank=ps.pp_rank,
+        pp_size=ps.pp_size,
     )

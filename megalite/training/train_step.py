@@ -3,10 +3,11 @@
     result = train_step(forward_step_func, [data_iterator], [model], optimizer, scheduler, ps=ps,
                         num_microbatches=n, forward_backward_func=get_forward_backward_func(ps))
 
-``model`` is the list of this rank's model chunks (data-parallel wrappers) and ``data_iterator``
-one iterator per chunk (one of each today). Global batch = ``micro_batch_size x num_microbatches x
-dp_size``. The reported losses are the mean over this rank's micro-batches, averaged over the DP
-group: equal to the mean over all micro-batches of the global batch (last stage; empty elsewhere).
+``model`` is the list of this rank's model chunks (data-parallel wrappers, or views of one wrapper
+over several chunks) and ``data_iterator`` one iterator per chunk. Global batch =
+``micro_batch_size x num_microbatches x dp_size``. The reported losses are the mean over this
+rank's micro-batches, averaged over the DP group: equal to the mean over all micro-batches of the
+global batch (last stage; empty elsewhere).
 The LR schedule advances only when the optimizer actually stepped (an fp16 overflow skips both).
 Nothing here reads the device: losses, grad norm and zero count stay tensors (the fp16 skip
 decision inside ``optimizer.step()`` is the only host sync, and only with a loss scaler).
@@ -25,6 +26,7 @@ from megalite.core.optimizer import MixedPrecisionOptimizer
 from megalite.core.parallel_state import ParallelState
 from megalite.core.tensor_parallel.mappings import group_size
 from megalite.training.lr_schedule import LRScheduler
+from megalite.training.model_chunks import grad_wrappers
 
 
 @dataclass
@@ -66,8 +68,9 @@ def train_step(
     seq_length: int | None = None,
     micro_batch_size: int | None = None,
 ) -> StepResult:
-    for chunk in model:
-        chunk.zero_grad_buffer()
+    wrappers = grad_wrappers(model)  # chunks of a rank may share one wrapper
+    for wrapper in wrappers:
+        wrapper.zero_grad_buffer()
     optimizer.zero_grad()
     reported = forward_backward_func(
         forward_step_func=forward_step_func,
@@ -79,8 +82,8 @@ def train_step(
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
     )
-    for chunk in model:
-        chunk.finish_grad_sync()
+    for wrapper in wrappers:
+        wrapper.finish_grad_sync()
     learning_rate = optimizer.param_groups[0]["lr"]
     update_successful, grad_norm, num_zeros = optimizer.step()
     if update_successful:

@@ -35,6 +35,7 @@ from megalite.training.config import PretrainConfig
 from megalite.training.evaluate import evaluate_and_log
 from megalite.training.flops import model_flops_per_iteration, peak_tflops, throughput
 from megalite.training.logging import IntervalStats, format_iteration_line
+from megalite.training.model_chunks import effective_schedule, schedule_chunks
 from megalite.training.schedules import get_forward_backward_func
 from megalite.training.signals import ExitSignalHandler, any_rank_signalled
 from megalite.training.step_stats import DeviceStats, IntervalSnapshot
@@ -99,10 +100,13 @@ class Trainer:
         model, self.optimizer, self.scheduler = setup_model_and_optimizer(
             cfg, ps, device=device, rng_tracker=tracker
         )
-        self.model: list[torch.nn.Module] = [model]  # one chunk until virtual stages (issue 14)
+        self.model: list[torch.nn.Module] = schedule_chunks(model)  # a view per chunk (issue 14)
         self.forward_backward_func = get_forward_backward_func(
             ps,
-            pipeline_schedule=cfg.parallel.pipeline_schedule,
+            pipeline_schedule=effective_schedule(cfg),
+            num_chunks=len(self.model),
+            microbatch_group_size=cfg.parallel.microbatch_group_size_per_virtual_pipeline_stage,
+            overlap_p2p=not cfg.parallel.no_overlap_p2p_communication,
             seq_length=cfg.model.seq_length // ps.cp_size,  # issue 15: [s/cp(/tp), b, h]
             micro_batch_size=cfg.training.micro_batch_size,
             hidden_size=cfg.model.hidden_size,

@@ -1,7 +1,16 @@
-"""Pipeline schedule benchmark on CPU/gloo: megalite's 1F1B and GPipe vs
-torch.distributed.pipelining.
+"""Pipeline schedule benchmark on CPU/gloo: megalite's schedules vs torch.distributed.pipelining
+and vs megalite's own 1F1B, and the simulator's prediction vs the measurement.
 
-    python tools/bench/bench_pipeline.py [--steps 7] [--timeline-dir DIR]
+    python tools/bench/bench_pipeline.py --all [--pp 4] [--m 8] [--steps 5] [--timeline-dir DIR]
+    python tools/bench/bench_pipeline.py [--steps 7] [--timeline-dir DIR]   # 1F1B / GPipe only
+
+``--all``: every schedule (1f1b, gpipe, interleaved-1f1b v2, zb-h1, zbv, dualpipev) at PP ``--pp``
+and ``--m`` micro-batches on a stack of 8 MLP blocks (megalite's column/row-parallel linears, so
+the weight grads really defer), medians of ``--steps`` steps; torch's class of the same name where
+it has one (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble,
+ScheduleDualPipeV; its error is printed when it cannot run); the simulator fed with F / I / W times
+profiled from one ZB-H1 step. With ``--timeline-dir`` it writes each schedule's measured and
+predicted timelines as SVG.
 
 One process per stage (2 stages by default, one core each), the same compute-bound stack of residual
 MLP blocks on every side, the same micro-batches. Prints per-step medians and the ratio megalite /
@@ -183,11 +192,19 @@ def _worker(rank, pp, init_file, args, results):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--all", action="store_true", help="every schedule at --pp / --m")
+    parser.add_argument("--m", type=int, default=8)
+    parser.add_argument("--pp", type=int, default=None)
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[8, 1, 2, 4, 16])
     parser.add_argument("--timeline-dir", default=None)
     args = parser.parse_args()
+    if args.all:
+        from tools.bench.bench_pipeline_all import run_all
+
+        run_all(pp=args.pp or 4, m=args.m, steps=args.steps, timeline_dir=args.timeline_dir)
+        return
+    args.pp = args.pp or 2
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     init_file = os.path.join(tempfile.mkdtemp(), "rdzv")

@@ -8,6 +8,12 @@ wrong is checked instead of hanging:
 - every send checks the tensor against the declared shape and dtype before it leaves.
 Paired operations (send one way, receive the other) are issued together with ``batch_isend_irecv``
 so two neighbours calling them at the same time cannot deadlock; this works on gloo and nccl.
+
+The action-list executor (``executor.py``) uses the same object for its asynchronous, tagged
+sends and receives between any two stages of the pipeline: ``pp_ranks`` (the global ranks of the
+pipeline group in stage order) lets it reach non-neighbours (the wrap-around of an interleaved
+schedule), ``overlap`` says whether a posted receive may wait until its consumer runs
+(``--no-overlap-p2p-communication`` turns it off).
 """
 
 from __future__ import annotations
@@ -39,8 +45,11 @@ class P2PCommunicator:
         device: torch.device,
         group,
         timeline=None,
+        pp_ranks: list[int] | None = None,
+        overlap: bool = True,
     ):
         self.prev_rank, self.next_rank = prev_rank, next_rank
+        self.pp_ranks, self.overlap = (list(pp_ranks) if pp_ranks else None), overlap
         self.shape, self.dtype, self.device = tuple(tensor_shape), dtype, device
         self.group = group
         self.timeline = timeline
@@ -84,6 +93,26 @@ class P2PCommunicator:
                     "the same seq_length, micro_batch_size, hidden_size, sequence_parallel and "
                     "params dtype"
                 )
+
+    def global_rank(self, target: int, me: int) -> int:
+        """Global rank of pipeline rank ``target``, seen from pipeline rank ``me``."""
+        if self.pp_ranks is not None:
+            return self.pp_ranks[target]
+        if target == me - 1 and self.prev_rank is not None:
+            return self.prev_rank
+        if target == me + 1 and self.next_rank is not None:
+            return self.next_rank
+        raise ValueError(
+            f"pipeline rank {me} must reach rank {target}, which is not a neighbour: build the "
+            "P2PCommunicator with pp_ranks"
+        )
+
+    def empty(self) -> torch.Tensor:
+        """A receive buffer of the declared shape and dtype."""
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+
+    def validate(self, t: torch.Tensor, what: str) -> None:
+        self._validate(t, what)
 
     def _validate(self, t: torch.Tensor, what: str) -> None:
         if tuple(t.shape) != self.shape or t.dtype != self.dtype:

@@ -20,7 +20,10 @@ without one, e.g. a bare module, are left alone), so a wrapper may start its buc
 soon as the last backward delivers a bucket's grads.
 
 Pipeline schedules also take a ``P2PCommunicator``; a non-first stage's input is the received
-activation, set on the chunk (``set_input_tensor``) before ``forward_step_func`` runs.
+activation, set on the chunk (``set_input_tensor``) before ``forward_step_func`` runs. Every
+pipeline schedule is an action-list generator (``generators.py``) run by the one executor
+(``executor.py``); ``forward_backward_pipelining`` takes the schedule's name, the functions
+below are the named entry points for one chunk per rank (1F1B, GPipe).
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
-from torch.autograd import Variable
 
+from megalite.core.pipeline_parallel.actions import with_p2p
+from megalite.core.pipeline_parallel.executor import execute, no_sync
+from megalite.core.pipeline_parallel.generators import generate, layout_of
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.core.pipeline_parallel.timeline import Timeline
 
@@ -44,20 +49,10 @@ def _check_chunks(model, data_iterator) -> tuple[list[nn.Module], list[Iterator 
         )
     if len(model) != 1 or len(data_iterator) != 1:
         raise ValueError(
-            f"these schedules run one model chunk with one data iterator, got {len(model)} "
+            f"this schedule runs one model chunk with one data iterator, got {len(model)} "
             f"chunks and {len(data_iterator)} iterators"
         )
     return list(model), list(data_iterator)
-
-
-def no_sync(model: Sequence[nn.Module]) -> contextlib.ExitStack:
-    """Every chunk's ``no_sync()`` at once (chunks without one are skipped)."""
-    stack = contextlib.ExitStack()
-    for chunk in model:
-        chunk_no_sync = getattr(chunk, "no_sync", None)
-        if chunk_no_sync is not None:
-            stack.enter_context(chunk_no_sync())
-    return stack
 
 
 def _grad_sync_context(model: Sequence[nn.Module], backward_index: int, num_microbatches: int):
@@ -99,87 +94,9 @@ def forward_backward_no_pipelining(
     return losses
 
 
-class _Stage:
-    """What one pipeline stage does to one micro-batch: forward, backward, with the bookkeeping."""
-
-    def __init__(
-        self, *, forward_step_func, data_iterator, model, num_microbatches, is_last_stage,
-        forward_only, grad_scale_func, timeline,
-    ):  # fmt: skip
-        self.forward_step_func, self.data_iterator, self.model = (
-            forward_step_func,
-            data_iterator,
-            model,
-        )
-        self.num_microbatches, self.is_last_stage = num_microbatches, is_last_stage
-        self.forward_only, self.grad_scale_func = forward_only, grad_scale_func
-        self.timeline = timeline or Timeline()
-        self.losses: list[dict] = []
-        self.backwards = 0  # run so far: the last one of the step runs outside no_sync
-
-    def forward(self, input_tensor: torch.Tensor | None) -> torch.Tensor:
-        """Run one micro-batch; return the activation to send (scaled loss on the last stage)."""
-        if input_tensor is not None and not self.forward_only:
-            input_tensor.requires_grad_()
-        grad_ctx = torch.no_grad() if self.forward_only else contextlib.nullcontext()
-        with self.timeline.span("forward"), grad_ctx:
-            _unwrap(self.model[0]).set_input_tensor(input_tensor)
-            output, loss_func = self.forward_step_func(self.data_iterator[0], self.model[0])
-            if not self.is_last_stage:
-                return output
-            loss, reported = loss_func(output)
-            self.losses.append(reported)
-            return loss / self.num_microbatches
-
-    def backward(
-        self,
-        input_tensor: torch.Tensor | None,
-        output_tensor: torch.Tensor,
-        output_grad: torch.Tensor | None,
-    ) -> torch.Tensor | None:
-        """Backpropagate one micro-batch; return the grad of its input (None on the first stage)."""
-        sync = _grad_sync_context(self.model, self.backwards, self.num_microbatches)
-        self.backwards += 1
-        with self.timeline.span("backward"), sync:
-            if output_grad is None:  # last stage: the output is the loss
-                if self.grad_scale_func is not None:
-                    output_tensor = self.grad_scale_func(output_tensor)
-                output_tensor.backward()
-            else:
-                _backward_freed_output(output_tensor, output_grad)
-        return None if input_tensor is None else input_tensor.grad
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The module under the wrappers of one chunk (the one with ``set_input_tensor``)."""
-    while not hasattr(model, "set_input_tensor") and hasattr(model, "module"):
-        model = model.module
-    return model
-
-
-def free_output_storage(output: torch.Tensor | None) -> None:
-    """After an activation is sent, keep its autograd node but drop its data: the next stage has a
-    copy, and backward needs only the node. Saves one ``[s, b, h]`` per in-flight micro-batch."""
-    if output is not None and output.grad_fn is not None:
-        output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
-
-
-def _backward_freed_output(output: torch.Tensor, grad: torch.Tensor) -> None:
-    """``output.backward(grad)`` for an output whose storage was freed (autograd's Python entry
-    point would reject the shape mismatch; the engine itself only needs the node)."""
-    Variable._execution_engine.run_backward(
-        tensors=(output,),
-        grad_tensors=(grad,),
-        keep_graph=False,
-        create_graph=False,
-        inputs=tuple(),
-        allow_unreachable=True,
-        accumulate_grad=True,
-    )
-
-
-def forward_backward_pipelining_1f1b(
+def forward_backward_pipelining(
     *,
+    schedule: str,
     forward_step_func: Callable,
     data_iterator: list[Iterator | None],
     model: list[nn.Module],
@@ -187,104 +104,45 @@ def forward_backward_pipelining_1f1b(
     p2p: P2PCommunicator,
     pp_rank: int,
     pp_size: int,
+    microbatch_group_size: int | None = None,
     forward_only: bool = False,
     grad_scale_func: Callable | None = None,
     timeline: Timeline | None = None,
     **_unused,
 ) -> list[dict]:
-    """1F1B without interleaving (PipeDream-Flush): after a warmup of forwards, each stage
-    alternates one forward and one backward, so it holds at most ``pp_size - pp_rank``
-    micro-batches of activations instead of all of them. Works for any ``num_microbatches >= 1``
-    (with fewer micro-batches than stages the warmup simply covers all of them)."""
-    if num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    model, data_iterator = _check_chunks(model, data_iterator)
-    stage = _Stage(
-        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-        num_microbatches=num_microbatches, is_last_stage=pp_rank == pp_size - 1,
-        forward_only=forward_only, grad_scale_func=grad_scale_func, timeline=timeline,
+    """Any schedule of ``generators.SCHEDULES`` over this rank's ``len(model)`` chunks:
+    generate every rank's action list, run this rank's. Losses on the last pipeline rank."""
+    if not isinstance(model, (list, tuple)) or not isinstance(data_iterator, (list, tuple)):
+        _check_chunks(model, data_iterator)  # raises the TypeError
+    num_chunks = len(model)
+    compute = generate(
+        schedule, pp_size=pp_size, num_microbatches=num_microbatches, num_chunks=num_chunks,
+        microbatch_group_size=microbatch_group_size, forward_only=forward_only,
     )  # fmt: skip
-    # warmup: stage r runs forwards until the first backward can reach it
-    num_warmup = min(pp_size - pp_rank - 1, num_microbatches)
-    num_steady = num_microbatches - num_warmup
-    inputs: list[torch.Tensor | None] = []  # FIFO of in-flight micro-batches
-    outputs: list[torch.Tensor] = []
-
-    for _ in range(num_warmup):
-        input_tensor = p2p.recv_forward()
-        output = stage.forward(input_tensor)
-        p2p.send_forward(None if stage.is_last_stage else output)
-        if not forward_only:
-            inputs.append(input_tensor)
-            outputs.append(output)
-            if not stage.is_last_stage:
-                free_output_storage(output)
-
-    # steady state: one forward, one backward
-    input_tensor = p2p.recv_forward() if num_steady > 0 else None
-    for i in range(num_steady):
-        last = i == num_steady - 1
-        output = stage.forward(input_tensor)
-        send = None if stage.is_last_stage else output
-        if forward_only:
-            p2p.send_forward(send)
-            input_tensor = None if last else p2p.recv_forward()
-            continue
-        output_grad = p2p.send_forward_recv_backward(send)
-        inputs.append(input_tensor)
-        outputs.append(output)
-        if not stage.is_last_stage:
-            free_output_storage(output)
-        input_tensor = stage.backward(inputs.pop(0), outputs.pop(0), output_grad)
-        if last:
-            p2p.send_backward(input_tensor)
-            input_tensor = None
-        else:
-            input_tensor = p2p.send_backward_recv_forward(input_tensor)
-
-    # cooldown: drain the backwards of the warmup micro-batches
-    if not forward_only:
-        for _ in range(num_warmup):
-            output_grad = p2p.recv_backward()
-            p2p.send_backward(stage.backward(inputs.pop(0), outputs.pop(0), output_grad))
-    return stage.losses
-
-
-def forward_backward_pipelining_gpipe(
-    *,
-    forward_step_func: Callable,
-    data_iterator: list[Iterator | None],
-    model: list[nn.Module],
-    num_microbatches: int,
-    p2p: P2PCommunicator,
-    pp_rank: int,
-    pp_size: int,
-    forward_only: bool = False,
-    grad_scale_func: Callable | None = None,
-    timeline: Timeline | None = None,
-    **_unused,
-) -> list[dict]:
-    """GPipe: all forwards, then all backwards (in reverse). Holds every micro-batch's activations;
-    kept beside 1F1B for comparison (``--pipeline-schedule gpipe``)."""
-    if num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    model, data_iterator = _check_chunks(model, data_iterator)
-    stage = _Stage(
-        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-        num_microbatches=num_microbatches, is_last_stage=pp_rank == pp_size - 1,
-        forward_only=forward_only, grad_scale_func=grad_scale_func, timeline=timeline,
+    layout = layout_of(schedule, pp_size, num_chunks)
+    lists = with_p2p(compute, layout, overlap=p2p.overlap)
+    return execute(
+        lists[pp_rank], layout=layout, pp_rank=pp_rank, forward_step_func=forward_step_func,
+        model=list(model), data_iterator=list(data_iterator), num_microbatches=num_microbatches,
+        p2p=p2p, forward_only=forward_only, grad_scale_func=grad_scale_func, timeline=timeline,
     )  # fmt: skip
-    inputs, outputs = [], []
-    for _ in range(num_microbatches):
-        input_tensor = p2p.recv_forward()
-        output = stage.forward(input_tensor)
-        p2p.send_forward(None if stage.is_last_stage else output)
-        inputs.append(input_tensor)
-        outputs.append(output)
-        if not stage.is_last_stage:
-            free_output_storage(output)
-    if not forward_only:
-        for _ in range(num_microbatches):
-            output_grad = p2p.recv_backward()
-            p2p.send_backward(stage.backward(inputs.pop(), outputs.pop(), output_grad))
-    return stage.losses
+
+
+def forward_backward_pipelining_1f1b(**kwargs) -> list[dict]:
+    """1F1B without interleaving (PipeDream-Flush): after a warmup of ``min(p - r - 1, m)``
+    forwards, each stage alternates one forward and one backward, so it holds at most
+    ``min(p - r, m)`` micro-batches of activations. Any ``num_microbatches >= 1``. Keyword
+    arguments as ``forward_backward_pipelining`` without ``schedule``."""
+    if kwargs.get("num_microbatches", 0) < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {kwargs.get('num_microbatches')}")
+    _check_chunks(kwargs["model"], kwargs["data_iterator"])
+    return forward_backward_pipelining(schedule="1f1b", **kwargs)
+
+
+def forward_backward_pipelining_gpipe(**kwargs) -> list[dict]:
+    """GPipe: all forwards, then all backwards (in reverse). Holds every micro-batch's
+    activations; kept beside 1F1B for comparison (``--pipeline-schedule gpipe``)."""
+    if kwargs.get("num_microbatches", 0) < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {kwargs.get('num_microbatches')}")
+    _check_chunks(kwargs["model"], kwargs["data_iterator"])
+    return forward_backward_pipelining(schedule="gpipe", **kwargs)

@@ -8,9 +8,25 @@ Each parameter carries attributes the rest of megalite reads:
 ``tensor_model_parallel`` (True if sharded over TP), ``partition_dim`` (the dim it is sharded
 along), and ``sequence_parallel`` (True for replicated parameters that see only a sequence shard;
 their grads must be all-reduced over TP).
+
+Deferred weight grads (zero-bubble pipeline schedules). Both linear layers run ``linear`` (below),
+whose backward computes the input grad and, unless a ``WeightGradStore`` attached to the layer is
+deferring, the weight and bias grads, exactly as autograd would. While the store defers, the
+weight-grad GEMM ``dW = dY^T X`` (and ``db = sum dY``) waits in the store, holding ``X`` and ``dY``;
+``store.flush(key)`` later computes it with the same operations and hands it to autograd's
+accumulation (``torch.autograd.backward`` on the parameter), so the grads -- and the data-parallel
+hooks -- see bit-identical values. Under sequence parallelism ``X`` of a column-parallel layer is
+the all-gathered ``[s, b, h]`` input: the store keeps it (no second all-gather; it is the tensor
+the fused backward saves anyway, held until W instead of until I: ``s x b x h`` elements per
+column-parallel layer per micro-batch between I and W, a tp-fold more than the ``[s/tp, b, h]``
+shard a regather would keep, and one all-gather less). Other parameters (norms, embeddings, a
+weight passed in at call time such as the tied output layer) get their grads at I.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Hashable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +87,94 @@ def _sharded_parameter(
     return param
 
 
+class WeightGradStore:
+    """Queue of deferred weight-grad computations, one list per key (e.g. (micro-batch,
+    chunk)). Attach it to the linear layers of a module with ``attach_weight_grad_store``."""
+
+    def __init__(self) -> None:
+        self._key: Hashable | None = None
+        self._queues: dict[Hashable, list[Callable[[], tuple[list, list]]]] = {}
+
+    @property
+    def deferring(self) -> bool:
+        return self._key is not None
+
+    @contextlib.contextmanager
+    def defer(self, key: Hashable) -> Iterator[None]:
+        """Weight grads computed by the backward run inside are queued under ``key``."""
+        previous, self._key = self._key, key
+        self._queues.setdefault(key, [])
+        try:
+            yield
+        finally:
+            self._key = previous
+
+    def put(self, compute: Callable[[], tuple[list, list]]) -> None:
+        self._queues[self._key].append(compute)
+
+    def pending(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def flush(self, key: Hashable) -> None:
+        """Compute the weight grads queued under ``key`` and accumulate them (one engine call)."""
+        params, grads = [], []
+        for compute in self._queues.pop(key, []):
+            p, g = compute()
+            params += p
+            grads += g
+        if params:
+            torch.autograd.backward(params, grads)
+
+
+def attach_weight_grad_store(module: nn.Module, store: WeightGradStore | None) -> None:
+    """Every column/row-parallel linear layer under ``module`` defers into ``store`` (None:
+    never defers)."""
+    for m in module.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            m.weight_grad_store = store
+
+
+class _Linear(torch.autograd.Function):
+    """``F.linear`` whose weight-grad GEMM may be deferred into a ``WeightGradStore``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, store):
+        ctx.save_for_backward(x, weight)
+        ctx.bias, ctx.store = bias, store
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        bias, store = ctx.bias, ctx.store
+        grad_in = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        want_w, want_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
+
+        def weight_grads() -> tuple[list, list]:
+            dy = grad_out.reshape(-1, grad_out.shape[-1])  # [s*b, h_out]
+            params, grads = [], []
+            if want_w:
+                params.append(weight)
+                grads.append(dy.t().mm(x.reshape(-1, x.shape[-1])))  # [h_out, h_in]
+            if want_b:
+                params.append(bias)
+                grads.append(dy.sum(0))
+            return params, grads
+
+        if store is not None and store.deferring and (want_w or want_b):
+            store.put(weight_grads)
+            return grad_in, None, None, None
+        _, grads = weight_grads()
+        grad_w = grads.pop(0) if want_w else None
+        grad_b = grads.pop(0) if want_b else None
+        return grad_in, grad_w, grad_b, None
+
+
+def linear(x, weight, bias=None, store: WeightGradStore | None = None) -> torch.Tensor:
+    """``x @ weight^T + bias`` whose backward may defer the weight grads into ``store``."""
+    return _Linear.apply(x, weight, bias, store)
+
+
 class ColumnParallelLinear(nn.Module):
     """``Y = X A^T + b`` with A split by output rows: rank r holds ``A[r*o/tp:(r+1)*o/tp, :]``.
 
@@ -103,6 +207,7 @@ class ColumnParallelLinear(nn.Module):
                 "ColumnParallelLinear: gather_output is not allowed with sequence_parallel"
             )
         tp = group_size(tp_group)
+        self.weight_grad_store: WeightGradStore | None = None
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = (
             divide(output_size, tp * stride, what="output size") * stride
@@ -137,7 +242,8 @@ class ColumnParallelLinear(nn.Module):
         else:
             x = copy_to_tp_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        y = F.linear(x, weight, bias)  # [s, b, h_out/tp]
+        store = self.weight_grad_store if weight is self.weight else None  # a borrowed: at I
+        y = linear(x, weight, bias, store)  # [s, b, h_out/tp]
         if self.gather_output:
             y = gather_from_tp_region(y, self.tp_group)
         return y, (self.bias if self.skip_bias_add else None)
@@ -169,6 +275,7 @@ class RowParallelLinear(nn.Module):
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
         tp = group_size(tp_group)
+        self.weight_grad_store: WeightGradStore | None = None
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = divide(input_size, tp, what="input size")
         self.tp_group, self.input_is_parallel = tp_group, input_is_parallel
@@ -191,9 +298,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
+        store = self.weight_grad_store
         if group_size(self.tp_group) == 1 and not self.skip_bias_add:
-            return F.linear(x, self.weight, self.bias), None  # nothing to reduce: fuse the bias
-        partial = F.linear(x, self.weight)  # [s, b, h_out], a partial sum on each TP rank
+            return linear(x, self.weight, self.bias, store), None  # nothing to reduce: fuse bias
+        partial = linear(x, self.weight, None, store)  # [s, b, h_out], a partial sum per TP rank
         if self.sequence_parallel:
             y = reduce_scatter_to_sp_region(partial, self.tp_group)  # [s/tp, b, h_out]
         else:

@@ -1,0 +1,175 @@
+"""Predict a schedule's step from its action lists: step time, bubble, activations in flight.
+
+    costs = Costs(forward=1.0, backward_input=1.0, backward_weight=1.0, p2p=0.05)
+    sim = simulate(lists, layout, costs)
+    sim.step_time, sim.bubble, sim.peak_in_flight   # per rank: chunk-micro-batches held
+    sim.spans                                        # per rank [(label, start, end)], drawable
+
+The replay follows the executor's rules: each rank runs its list in order; a compute action starts
+when the rank is free and its inputs have arrived (a receive lands ``p2p`` after the matching
+send, which leaves when the producing action ends; sends and posted receives cost the rank
+nothing); B costs ``backward_input + backward_weight``. Costs may be given per chunk (a list) when
+chunks differ (the first holds the embedding, the last the output layer). A list that cannot run
+(a receive with no send, or a wait cycle) raises ``ScheduleDeadlock`` naming the stuck actions, so
+every generator is checked without processes.
+
+Activations in flight on a rank: chunk-micro-batches whose forward ran and whose B (or I) has not;
+one unit is one micro-batch's activations of one chunk. After I only what W needs stays (each
+linear layer's input and output grad): ``peak_until_w`` counts those too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megalite.core.pipeline_parallel.actions import Action, StageLayout
+
+
+class ScheduleDeadlock(RuntimeError):
+    pass
+
+
+@dataclass
+class Costs:
+    forward: float | list[float] = 1.0
+    backward_input: float | list[float] = 1.0
+    backward_weight: float | list[float] = 1.0
+    p2p: float = 0.0
+
+    def of(self, op: str, chunk: int) -> float:
+        def pick(v):
+            return v[chunk] if isinstance(v, (list, tuple)) else v
+
+        if op == "F":
+            return pick(self.forward)
+        if op == "I":
+            return pick(self.backward_input)
+        if op == "W":
+            return pick(self.backward_weight)
+        if op == "B":
+            return pick(self.backward_input) + pick(self.backward_weight)
+        return 0.0
+
+
+@dataclass
+class Simulation:
+    step_time: float
+    busy: list[float]
+    peak_in_flight: list[int]  # chunk-micro-batches between F and B / I
+    peak_until_w: list[int]  # between F and B / W (W keeps the linear layers' inputs)
+    spans: list[list[tuple[str, float, float]]] = field(default_factory=list)
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction of ``pp_size x step_time``."""
+        p = len(self.busy)
+        return 1.0 - sum(self.busy) / (p * self.step_time) if self.step_time > 0 else 0.0
+
+
+LABELS = {"F": "forward", "B": "backward", "I": "backward-input", "W": "backward-weight"}
+
+
+def simulate(lists: list[list[Action]], layout: StageLayout, costs: Costs) -> Simulation:
+    p, S = layout.pp_size, layout.num_stages
+    pos = [0] * p
+    free = [0.0] * p
+    busy = [0.0] * p
+    in_flight, peak = [0] * p, [0] * p
+    waiting_w, peak_w = [0] * p, [0] * p
+    spans: list[list[tuple[str, float, float]]] = [[] for _ in range(p)]
+    arrival: dict[tuple[str, int, int], float] = {}  # (kind, mb, receiving stage) -> time
+    done: dict[tuple[str, int, int], float] = {}  # (op, mb, stage) -> end time
+    remaining = sum(len(a) for a in lists)
+    while remaining:
+        moved = False
+        for r in range(p):
+            while pos[r] < len(lists[r]):
+                a = lists[r][pos[r]]
+                s = layout.stage(r, a.chunk)
+                start = free[r]
+                if a.op in ("RECV_F", "RECV_B"):
+                    pass  # posted: costs nothing; the consumer waits for the arrival
+                elif a.op == "SEND_F":
+                    t = done.get(("F", a.microbatch, s))
+                    if t is None:
+                        break
+                    arrival[("F", a.microbatch, s + 1)] = t + costs.p2p
+                elif a.op == "SEND_B":
+                    t = done.get(("IB", a.microbatch, s))
+                    if t is None:
+                        break
+                    arrival[("B", a.microbatch, s - 1)] = t + costs.p2p
+                else:
+                    ready = _inputs_ready(a, s, r, layout, arrival, done)
+                    if ready is None:
+                        break
+                    start = max(free[r], ready)
+                    end = start + costs.of(a.op, a.chunk)
+                    free[r] = end
+                    busy[r] += end - start
+                    spans[r].append((f"{LABELS[a.op]} {a.microbatch}.{a.chunk}", start, end))
+                    key = "IB" if a.op in ("I", "B") else a.op
+                    done[(key, a.microbatch, s)] = end
+                    if a.op == "F":
+                        in_flight[r] += 1
+                        peak[r] = max(peak[r], in_flight[r])
+                        if s < S - 1 and layout.place(s + 1)[0] == r:  # the turn of a V
+                            arrival[("F", a.microbatch, s + 1)] = end
+                    if a.op in ("B", "I"):
+                        in_flight[r] -= 1
+                    if a.op in ("F", "B", "W"):
+                        waiting_w[r] += {"F": 1, "B": -1, "W": -1}[a.op]
+                        peak_w[r] = max(peak_w[r], waiting_w[r])
+                    if a.op in ("B", "I") and s > 0 and layout.place(s - 1)[0] == r:
+                        arrival[("B", a.microbatch, s - 1)] = end
+                pos[r] += 1
+                remaining -= 1
+                moved = True
+        if not moved:
+            stuck = [
+                str(lists[r][pos[r]]) + f"@rank{r}" for r in range(p) if pos[r] < len(lists[r])
+            ]
+            raise ScheduleDeadlock(f"the action lists cannot proceed: stuck at {', '.join(stuck)}")
+    return Simulation(max(free), busy, peak, peak_w, spans)
+
+
+def _inputs_ready(a: Action, s: int, r: int, layout, arrival, done) -> float | None:
+    S = layout.num_stages
+    if a.op == "F":
+        if s == 0:
+            return 0.0
+        return arrival.get(("F", a.microbatch, s))
+    if a.op in ("B", "I"):
+        if ("F", a.microbatch, s) not in done:
+            raise ScheduleDeadlock(f"{a} at rank {r} runs before its forward")
+        if s == S - 1:
+            return done[("F", a.microbatch, s)]
+        return arrival.get(("B", a.microbatch, s))
+    if a.op == "W":
+        t = done.get(("IB", a.microbatch, s))
+        if t is None:
+            raise ScheduleDeadlock(f"{a} at rank {r} runs before its I")
+        return t
+    return 0.0
+
+
+def theory(schedule: str, *, pp_size: int, num_microbatches: int, num_chunks: int = 1) -> dict:
+    """The textbook numbers at F = I = W = 1 (B = 2), p2p free: bubble fraction and the peak
+    activations of rank 0 in chunk-micro-batches (1F1B: ``p``; one chunk-micro-batch of a V or
+    interleaved chunk holds ``1/v`` of a stage's layers)."""
+    p, m, v = pp_size, num_microbatches, num_chunks
+    if schedule in ("1f1b", "gpipe"):
+        bubble = (p - 1) / (m + p - 1)
+        peak = min(p, m) if schedule == "1f1b" else m
+    elif schedule == "interleaved-1f1b":
+        bubble = (p - 1) / (v * m + p - 1)
+        peak = min(2 * (p - 1) + (v - 1) * p + 1, m * v)
+    elif schedule == "zb-h1":  # (p - 1)(F + I - W): a third of 1F1B's at F = I = W
+        bubble = (p - 1) / (3 * v * m + p - 1)
+        peak = min(p, m) if v == 1 else min(v * p, m * v)  # v > 1: the bubble is a lower bound
+    elif schedule in ("zbv", "dualpipev"):  # in chunk units (a chunk is half a stage)
+        bubble = (p - 1) / (6 * m + p - 1)
+        peak = 2 * p if schedule == "zbv" else 2 * p + 1
+    else:
+        raise ValueError(f"unknown schedule {schedule!r}")
+    return {"bubble": bubble, "peak_in_flight": peak}
