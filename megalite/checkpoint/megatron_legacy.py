@@ -4,13 +4,14 @@
     SAVE/iter_0000500/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt
 
 Each file is ``torch.save`` of a dict: ``args`` (the run's argparse Namespace),
-``checkpoint_version`` 3.0, ``iteration``, ``model`` (the stage's state dict, local layer numbers, TE ``_extra_state``
-entries), ``optimizer`` (torch Adam's state dict: state keyed by the parameter's index in the
-param groups; Megatron's fp16/bf16 optimizer nests it under ``optimizer`` beside
-``fp32_from_fp16_params``), ``opt_param_scheduler`` (``num_steps`` in samples), ``rng_state``
-(one dict per DP rank) and ``num_floating_point_operations_so_far``. The names of the tensors are
-megalite's (DESIGN §5), so a shard converts to megalite's per-stage form by dropping the extra
-states and keying the Adam state by name: the parameters in module order, split into Megatron's
+``checkpoint_version`` 3.0, ``iteration``, ``model`` (the stage's state dict, local layer
+numbers, TE ``_extra_state`` entries), ``optimizer`` (torch Adam's state dict: state keyed by
+the parameter's index in the param groups; Megatron's fp16/bf16 optimizer nests it under
+``optimizer`` beside ``fp32_from_fp16_params``), ``opt_param_scheduler`` (``num_steps`` in
+samples), ``rng_state`` (one dict per DP rank) and ``num_floating_point_operations_so_far``. The
+names of the tensors are megalite's (DESIGN §5), so a shard converts to megalite's per-stage
+form by dropping the extra states and keying the Adam state by name: the parameters in module
+order, split into Megatron's
 two default groups (with weight decay; without: biases and 1-D tensors).
 
 A Megatron file holds pickled classes (the Namespace, Megatron's enums): it is read with an

@@ -75,6 +75,7 @@ def save_checkpoint(trainer, iteration: int | None = None, *, save_dir: str | No
         config_record=config_record(trainer.cfg),
         save_optim=not t.no_save_optim,
         keep_last_n=t.keep_last_n_checkpoints,
+        ckpt_format=t.ckpt_format,  # issue 18
     )
     trainer.last_saved_iteration = iteration
     return iter_dir
