@@ -7,9 +7,10 @@ math and that megalite does not implement is refused (``REFUSED_FLAGS``, or ``fl
 for those an open issue of this wave brings), one line naming the flag and the issue. None is
 silently ignored.
 
-Issue 18's implemented flags: ``--ckpt-format`` (``checkpoint.megatron_save``), the sample-based
-schedule ``--lr-warmup-samples`` / ``--lr-decay-samples`` (with ``--train-samples``, the decay
-spans the samples, not whole iterations, as Megatron's), and ``--use-rotary-position-embeddings``
+Issue 18's implemented flags: ``--ckpt-format`` (``checkpoint.megatron_save``),
+``--rotary-percent 1.0`` (other values refused), the sample-based schedule
+``--lr-warmup-samples`` / ``--lr-decay-samples`` (with ``--train-samples``, the decay spans the
+samples, not whole iterations, as Megatron's), and ``--use-rotary-position-embeddings``
 (Megatron's old alias of ``--position-embedding-type rope``).
 """
 
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+
+from megalite.training.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -114,11 +117,12 @@ ISSUE_18 = "issue 18 (Megatron migration), not implemented yet"
 # Megatron flags that change the math and that megalite does not implement: refused, naming why.
 REFUSED_FLAGS: dict[str, str] = {
     **dict.fromkeys(
-        ("--rotary-percent", "--apply-layernorm-1p", "--calculate-per-token-loss",
+        ("--apply-layernorm-1p", "--calculate-per-token-loss",
          "--reset-position-ids", "--reset-attention-mask", "--decoupled-lr", "--decoupled-min-lr",
          "--rampup-batch-size", "--step-batch-size-schedule", "--qk-layernorm",
          "--rotary-interleaved", "--squared-relu", "--data-args-path", "--per-split-data-args-path",
-         "--split-sentences", "--rotary-scaling-factor", "--use-rope-scaling"),
+         "--split-sentences", "--rotary-scaling-factor", "--use-rope-scaling",
+         "--grad-reduce-in-bf16"),
         ISSUE_18,
     ),
     **dict.fromkeys(
@@ -146,6 +150,7 @@ def add_megatron_flags(parser: argparse.ArgumentParser, group) -> None:
     g.add_argument("--lr-warmup-samples", type=int, default=None)
     g.add_argument("--lr-decay-samples", type=int, default=None)
     g.add_argument("--use-rotary-position-embeddings", action="store_true")
+    g.add_argument("--rotary-percent", type=float, default=None)
     for flag in IGNORED_FLAGS:
         dest = "ignored_" + flag[2:].replace("-", "_")
         if flag in VALUED_FLAGS:
@@ -176,9 +181,17 @@ def warn_ignored(a: argparse.Namespace, *, rank: int) -> None:
 
 
 def position_embedding_alias(a: argparse.Namespace) -> None:
-    """``--use-rotary-position-embeddings``: Megatron's old spelling of RoPE."""
+    """``--use-rotary-position-embeddings``: Megatron's old spelling of RoPE.
+    ``--rotary-percent 1.0`` is RoPE on every channel, what megalite computes; a partial rotary
+    embedding is refused."""
     if getattr(a, "use_rotary_position_embeddings", False):
         a.position_embedding_type = "rope"
+    percent = getattr(a, "rotary_percent", None)
+    if percent is not None and percent != 1.0:
+        raise ConfigError(
+            f"--rotary-percent {percent}: a partial rotary embedding is not implemented yet, "
+            f"planned in {ISSUE_18}; use --rotary-percent 1.0 (or drop it) to run"
+        )
 
 
 def apply_sample_schedule(cfg, a: argparse.Namespace, *, train_samples: int | None) -> None:
