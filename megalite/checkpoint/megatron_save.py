@@ -29,6 +29,8 @@ import shutil
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.planner import WriteItemType
 
 from megalite.checkpoint.files import (
     MODEL_FILE,
@@ -228,9 +230,17 @@ def _object(obj) -> io.BytesIO:
     return buf
 
 
-def _write_dist(reader: CheckpointReader, dst: str) -> None:
-    import torch.distributed.checkpoint as dcp
+class _RawBytesPlanner(dcp.DefaultSavePlanner):
+    """Writes a ``BytesIO`` value as its bytes (megatron-core's sharded objects are
+    ``torch.save([obj])``), where torch's default planner would pickle the BytesIO itself."""
 
+    def transform_object(self, write_item, object):  # noqa: A002 (torch's signature)
+        if write_item.type == WriteItemType.BYTE_IO and isinstance(object, io.BytesIO):
+            return object
+        return super().transform_object(write_item, object)
+
+
+def _write_dist(reader: CheckpointReader, dst: str) -> None:
     from megalite.checkpoint.megatron_dist import (
         MASTER_PREFIX,
         OPTIM_PREFIX,
@@ -291,7 +301,8 @@ def _write_dist(reader: CheckpointReader, dst: str) -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save(out, storage_writer=dcp.FileSystemWriter(dst), no_dist=True)
+        dcp.save(out, storage_writer=dcp.FileSystemWriter(dst), planner=_RawBytesPlanner(),
+                 no_dist=True)  # fmt: skip
     common = {
         "args": megatron_args(meta, reader, use_dist_ckpt=True),
         "checkpoint_version": CHECKPOINT_VERSION,
