@@ -1,6 +1,7 @@
 """Write Megatron-LM checkpoints with Megatron's own save path (tests/fixtures/megatron_ckpt/).
 
-    # megatron-core 0.16 (wheel) + megatron/training of Megatron-LM's core_r0.16.0 branch
+    # megatron-core 0.16 (wheel) + megatron/{training,rl,post_training,legacy} of Megatron-LM's
+    # core_r0.16.0 branch in /tmp/mlm016; psutil in the interpreter (a venv); no GPU needed
     PYTHONPATH=/tmp/mcore/site:/tmp/mlm016 python tools/make_megatron_fixtures.py [--output DIR]
     PYTHONPATH=/tmp/mcore/site:/tmp/mlm016 python tools/make_megatron_fixtures.py \
         --check-load DIR --ckpt-format torch_dist      # megalite's files through Megatron's loader
