@@ -163,6 +163,38 @@ def _load_scheduler(scheduler, saved: dict | None, iteration: int) -> None:
     scheduler.load_state_dict({**current, "num_steps": steps})
 
 
+def _load_if_megatron(
+    iter_dir, iteration, module, optimizer, scheduler, ps, seed, *, load_optim, finetune
+) -> LoadedCheckpoint | None:
+    """Issue 18: a checkpoint Megatron-LM wrote (``torch`` or ``torch_dist``) goes through
+    ``megatron.load_megatron_checkpoint``; None for megalite's own files."""
+    from megalite.checkpoint import megatron
+
+    fmt = megatron.detect_format(iter_dir)
+    if fmt is None:
+        return None
+    meta, reseed, reader = megatron.load_megatron_checkpoint(
+        iter_dir, fmt, module=module, optimizer=optimizer, scheduler=scheduler, ps=ps,
+        seed=seed, load_optim=load_optim, finetune=finetune or iteration == RELEASE,
+        load_model_state=_load_model,
+    )  # fmt: skip
+    progress = None
+    if meta is not None:
+        progress = Progress(
+            iteration=int(meta["iteration"]),
+            consumed_train_samples=int(meta["consumed_train_samples"]),
+            consumed_valid_samples=int(meta["consumed_valid_samples"]),
+        )
+    logger.info(
+        "loaded Megatron-LM checkpoint %s (%s format, TP %d x PP %d) into TP %d x PP %d: "
+        "iteration %d, %d samples consumed%s",
+        iter_dir, fmt, reader.tp_size, reader.pp_size, ps.tp_size, ps.pp_size,
+        progress.iteration if progress else 0, progress.consumed_train_samples if progress else 0,
+        " (--finetune: weights only)" if progress is None else "",
+    )  # fmt: skip
+    return LoadedCheckpoint(iter_dir, iteration, progress, None, reseed)
+
+
 def load_checkpoint(
     load_dir: str,
     *,
@@ -199,6 +231,10 @@ def load_checkpoint(
         return None
     started = time.perf_counter()
     iter_dir = iteration_dir(load_dir, iteration)
+    megatron = _load_if_megatron(iter_dir, iteration, module, optimizer, scheduler, ps, seed,
+                                 load_optim=load_optim, finetune=finetune)  # fmt: skip  # issue 18
+    if megatron is not None:
+        return megatron
     reader = CheckpointReader(iter_dir, full_distributed=_full_from_distributed)
     check_model_compatible(reader.model_config, module.config, where=iter_dir)
     same_mp = (

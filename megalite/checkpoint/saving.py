@@ -163,6 +163,7 @@ def save_checkpoint(
     config_record: dict | None = None,
     save_optim: bool = True,
     keep_last_n: int | None = None,
+    ckpt_format: str = "megalite",
 ) -> str:
     """Write the checkpoint of ``iteration`` under ``save_dir``; returns its directory.
 
@@ -172,9 +173,27 @@ def save_checkpoint(
     settings as plain data, recorded as ``header["config"]`` (its ``"model"`` entry defaults to
     the stage's GPTConfig). ``save_optim=False`` (``--no-save-optim``) writes the model, RNG and
     counters only; ``keep_last_n`` (``--keep-last-n-checkpoints``) then deletes older iterations.
-    Collective over the world (module docstring)."""
+    ``ckpt_format`` (``--ckpt-format``, issue 18): ``"megalite"`` (these files), or Megatron-LM's
+    ``"torch"`` / ``"torch_dist"`` (``megatron_save``). Collective over the world (module
+    docstring)."""
     if not save_dir:
         raise CheckpointError("save_checkpoint needs a directory: pass --save DIR")
+    if ckpt_format != "megalite":  # issue 18: Megatron's formats, converted from a staged save
+        from megalite.checkpoint import megatron_save
+
+        save_checkpoint(
+            megatron_save.staging_dir(save_dir), iteration, model_chunks=model_chunks,
+            optimizer=optimizer, scheduler=scheduler, ps=ps, rng_tracker=rng_tracker,
+            device=device, consumed_train_samples=consumed_train_samples,
+            consumed_valid_samples=consumed_valid_samples, config_record=config_record,
+            save_optim=save_optim,
+        )  # fmt: skip
+        if ps.rank() == 0:
+            megatron_save.finish_megatron_save(save_dir, iteration, ckpt_format)
+            if keep_last_n:
+                remove_old_checkpoints(save_dir, keep=keep_last_n, latest=int(iteration))
+        world_sum(0.0, ps)
+        return iteration_dir(save_dir, iteration)
     module = single_chunk(model_chunks)
     iteration = int(iteration)
     started = time.perf_counter()

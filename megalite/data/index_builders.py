@@ -23,17 +23,23 @@ BLEND_WEIGHT_SCALE = 1 << 40  # blending weights are made integers summing to th
 def compute_split_ranges(
     num_documents: int, split: tuple[float, float, float]
 ) -> list[tuple[int, int]]:
-    """Megatron's split arithmetic: document ranges [lo, hi) for train, valid and test.
+    """Megatron-core's split arithmetic: document ranges [lo, hi) for train, valid and test.
 
-    Bounds are running sums of ``round(weight * num_documents)``, then shifted so the last bound is
-    ``num_documents`` exactly. ``split`` is normalised (sums to 1).
+    The normalised weights are summed into book-ends ``[0, w0, w0 + w1, w0 + w1 + w2]``; split
+    ``i`` holds the documents ``round(end_i * D) - round(start_i * D)`` from ``round(start_i * D)``
+    (Python's round, half to even, as Megatron's ``int(round(...))``), an empty range where its
+    weight is 0. E.g. 73 documents at ``--split 90,5,5`` give train 66, valid 3, test 4 (the
+    older ``get_split_indices`` rule, rounding each size and then shifting, gave train 65).
     """
-    bounds = [0]
+    ends = [0.0]
     for w in split:
-        bounds.append(bounds[-1] + int(round(w * float(num_documents))))
-    excess = bounds[-1] - num_documents
-    bounds = [bounds[0]] + [max(0, b - excess) for b in bounds[1:]]
-    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+        ends.append(ends[-1] + w)
+    out = []
+    for i in range(3):
+        lo = int(round(ends[i] * float(num_documents)))
+        hi = int(round(ends[i + 1] * float(num_documents))) if ends[i + 1] > ends[i] else lo
+        out.append((lo, min(max(lo, hi), num_documents)))
+    return out
 
 
 def num_epochs_for(tokens_per_epoch: int, seq_length: int, num_samples: int | None) -> int:

@@ -28,6 +28,7 @@ import torch
 
 from megalite.data.config import DataConfig
 from megalite.models.config import VOCAB_FROM_TOKENIZER, GPTConfig
+from megalite.training import megatron_flags
 from megalite.training.config import (
     ConfigError,
     LoggingConfig,
@@ -186,6 +187,8 @@ def build_config(a: argparse.Namespace, *, world_size: int, rank: int = 0) -> Pr
     """Map parsed flags onto a ``PretrainConfig`` for a ``world_size``-rank launch and validate it
     (warnings are logged on ``rank`` 0 only, once per job). Errors name fields (``parse_args``
     rewrites them into flags)."""
+    megatron_flags.position_embedding_alias(a)  # issue 18
+    megatron_flags.warn_ignored(a, rank=rank)  # issue 18
     parallel = ParallelConfig(**_fields(ParallelConfig, a, world_size=world_size))
     if a.distributed_backend is not None:
         wanted = "cuda" if a.distributed_backend == "nccl" else "cpu"
@@ -228,6 +231,10 @@ def build_config(a: argparse.Namespace, *, world_size: int, rank: int = 0) -> Pr
         ),
         logging=LoggingConfig(**_fields(LoggingConfig, a)),
     )
+    try:  # issue 18: --lr-warmup-samples / --lr-decay-samples / --train-samples decay
+        megatron_flags.apply_sample_schedule(cfg, a, train_samples=a.train_samples)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if rank == 0 and not a.fp16 and a.loss_scale is not None:
         logger.warning("--loss-scale applies to --fp16 only; it is ignored in this run")
     if cfg.data.tokenizer_type == "NullTokenizer":  # no file to load: the vocab is --vocab-size

@@ -92,6 +92,7 @@ def _save(trainer, iteration: int, save_dir, t, r) -> str:
         config_record=config_record(trainer.cfg),
         save_optim=not t.no_save_optim,
         keep_last_n=t.keep_last_n_checkpoints,
+        ckpt_format=t.ckpt_format,  # issue 18
     )
     return iter_dir
 

@@ -337,6 +337,7 @@ class TrainingConfig:
     keep_last_n_checkpoints: int | None = None
     exit_signal_handler: bool = False  # --exit-signal-handler: save and exit 0 on the signal
     exit_signal: str = "SIGTERM"  # --exit-signal
+    ckpt_format: str = "megalite"  # issue 18: megalite (own) | torch | torch_dist (Megatron's)
 
     def num_microbatches(self, dp_size: int) -> int:
         """Micro-batches per DP rank per iteration: gbs / (mbs x ``dp_size``), the mesh's DP size;

@@ -34,6 +34,7 @@ from megalite.training.config import (
     TrainingConfig,
 )
 from megalite.training.lr_schedule import DECAY_STYLES
+from megalite.training.megatron_flags import REFUSED_FLAGS, add_megatron_flags
 
 # Megatron's --attention-backend values map onto the two megalite implements.
 ATTENTION_BACKEND_ALIASES = {
@@ -43,11 +44,7 @@ ATTENTION_BACKEND_ALIASES = {
 
 # Megatron flags that an open issue brings; until then they are refused as unknown, saying which.
 PLANNED_FLAGS = {
-    **dict.fromkeys(
-        ("--rampup-batch-size", "--lr-warmup-samples",
-         "--lr-decay-samples", "--transformer-impl", "--use-mcore-models", "--ckpt-format"),
-        "issue 18 (Megatron migration)",
-    ),
+    **REFUSED_FLAGS,  # issue 18: megatron_flags.py
 }  # fmt: skip
 
 
@@ -258,4 +255,5 @@ def build_parser() -> argparse.ArgumentParser:
     lg.switch("--log-num-zeros-in-grad")
     lg.plain("--log-throughput", action="store_true",
              help="accepted for Megatron scripts; throughput is always logged")  # fmt: skip
+    add_megatron_flags(p, _Group(p, "Megatron migration (issue 18)", TrainingConfig))
     return p

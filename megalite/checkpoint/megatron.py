@@ -1,0 +1,330 @@
+"""Checkpoints written by Megatron-LM, loaded at any layout (DESIGN §5), and the format choice.
+
+    fmt = detect_format(iter_dir)          # "torch" (legacy), "torch_dist", or None (megalite's)
+    loaded = load_megatron_checkpoint(iter_dir, fmt, model_chunks=..., optimizer=..., ...)
+
+Both of Megatron's formats are served as megalite's logical form (``resharding``: full tensors by
+global name) by a ``CheckpointReader`` subclass: ``LegacyReader`` converts each
+``model_optim_rng.pt`` into megalite's per-stage shard form, ``DistReader`` (``megatron_dist``)
+reads the global tensors of a ``torch_dist`` directory. The load then goes through the same
+resharding as a megalite checkpoint of another layout: model, Adam state (fp32 masters, moments,
+step), scheduler position, iteration and consumed samples. Megatron's RNG states are not
+restored (their generators differ from megalite's): the run is re-seeded from ``--seed`` +
+iteration, with a warning, as after a reshard.
+
+Megatron's model settings come from the checkpoint's ``args`` (``model_config_from_args``) and are
+checked against this run's as a megalite checkpoint's are. Refused with one line: expert or
+virtual pipeline parallel checkpoints, and the distributed optimizer's flat ``distrib_optim.pt``
+(its byte layout follows Megatron's grad-buffer bucketing).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+from megalite.checkpoint.files import CheckpointError
+from megalite.checkpoint.megatron_legacy import (
+    adam_state_by_name,
+    find_megatron_shard,
+    load_megatron_file,
+)
+from megalite.checkpoint.records import check_model_compatible
+from megalite.checkpoint.resharding import CheckpointReader, reshard_model, reshard_optimizer
+from megalite.core.pipeline_parallel.stages import stage_layer_ranges
+
+logger = logging.getLogger(__name__)
+
+CKPT_FORMATS = ("megalite", "torch", "torch_dist")
+
+
+def detect_format(iter_dir: str) -> str | None:
+    """``"torch_dist"`` (a ``metadata.json`` naming a sharded backend), ``"torch"`` (a Megatron
+    ``model_optim_rng.pt``), or None (megalite's own files, or nothing there)."""
+    meta = os.path.join(iter_dir, "metadata.json")
+    if os.path.isfile(meta):
+        import json
+
+        with open(meta, encoding="utf-8") as f:
+            backend = json.load(f).get("sharded_backend")
+        if backend != "torch_dist":
+            raise CheckpointError(
+                f"{meta}: Megatron's sharded backend {backend!r} is not read (only torch_dist); "
+                "convert it with Megatron's checkpoint converter to torch_dist or torch"
+            )
+        return "torch_dist"
+    return "torch" if find_megatron_shard(iter_dir) else None
+
+
+def _arg(args, name: str, default=None):
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def model_config_from_args(args) -> dict:
+    """The GPTConfig fields a Megatron run's ``args`` fix (for ``check_model_compatible``)."""
+    heads = int(args.num_attention_heads)
+    groups = int(args.num_query_groups) if getattr(args, "group_query_attention", False) else heads
+    hidden = int(args.hidden_size)
+    if _arg(args, "num_experts"):
+        raise CheckpointError(
+            "a Megatron MoE checkpoint (--num-experts) is not read here yet (issue 16)"
+        )
+    return {
+        "num_layers": int(args.num_layers),
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_query_groups": groups,
+        "kv_channels": int(_arg(args, "kv_channels", hidden // heads)),
+        "ffn_hidden_size": int(_arg(args, "ffn_hidden_size", 4 * hidden)),
+        "max_position_embeddings": int(_arg(args, "max_position_embeddings", args.seq_length)),
+        "position_embedding_type": _arg(args, "position_embedding_type", "learned_absolute"),
+        "normalization": _arg(args, "normalization", "LayerNorm"),
+        "swiglu": bool(_arg(args, "swiglu", False)),
+        "add_bias_linear": bool(_arg(args, "add_bias_linear", True)),
+        "untie_embeddings_and_output_weights": bool(
+            _arg(args, "untie_embeddings_and_output_weights", False)
+        ),
+        "rotary_base": int(_arg(args, "rotary_base", 10000)),
+        "norm_epsilon": float(_arg(args, "norm_epsilon", 1e-5)),
+        "openai_gelu": bool(_arg(args, "openai_gelu", False)),
+    }
+
+
+def layer_ranges_from_args(args) -> list[tuple[int, int]]:
+    pp = int(_arg(args, "pipeline_model_parallel_size", 1))
+    if _arg(args, "num_layers_per_virtual_pipeline_stage") or _arg(
+        args, "num_virtual_stages_per_pipeline_rank"
+    ):
+        raise CheckpointError(
+            "a Megatron checkpoint with virtual pipeline stages (model0, model1, ... per file) is "
+            "not read yet (issue 18); save it from Megatron without them, or convert it"
+        )
+    uneven = pp > 1
+    return [
+        tuple(r)
+        for r in stage_layer_ranges(
+            int(args.num_layers),
+            pp,
+            first_stage_layers=_arg(args, "decoder_first_pipeline_num_layers") if uneven else None,
+            last_stage_layers=_arg(args, "decoder_last_pipeline_num_layers") if uneven else None,
+        )
+    ]
+
+
+class MegatronReader(CheckpointReader):
+    """The common part of both Megatron formats: sizes and settings from the saved ``args``."""
+
+    format = ""
+
+    def _init_from_args(self, iter_dir: str, args, *, iteration: int, scheduler: dict | None):
+        self.iter_dir = iter_dir
+        self.args = args
+        if int(_arg(args, "expert_model_parallel_size", 1)) > 1:
+            raise CheckpointError(
+                f"{iter_dir}: a Megatron checkpoint with --expert-model-parallel-size > 1 is not "
+                "read here yet (issue 16)"
+            )
+        self.tp_size = int(_arg(args, "tensor_model_parallel_size", 1))
+        self.pp_size = int(_arg(args, "pipeline_model_parallel_size", 1))
+        self.dp_size = int(_arg(args, "data_parallel_size", 1))
+        self.layer_ranges = layer_ranges_from_args(args)
+        self.model_config = model_config_from_args(args)
+        self.padded_vocab_size = int(_arg(args, "padded_vocab_size", 0))
+        self.vocab_size = int(_arg(args, "vocab_size", self.padded_vocab_size) or 0)
+        self.swiglu = self.model_config["swiglu"]
+        self.tied = not self.model_config["untie_embeddings_and_output_weights"]
+        self.distributed_optimizer = bool(_arg(args, "use_distributed_optimizer", False))
+        self._full_distributed = None
+        self._shards, self._optim = {}, {}
+        self.meta = {
+            "iteration": iteration,
+            "consumed_train_samples": int(_arg(args, "consumed_train_samples", 0)),
+            "consumed_valid_samples": int(_arg(args, "consumed_valid_samples", 0)),
+            "megatron_scheduler": scheduler,
+            "layout": {"padded_vocab_size": self.padded_vocab_size},
+        }
+
+    def use_vocab(self, vocab_size: int) -> None:
+        """Serve the first ``vocab_size`` rows of the (Megatron-padded) vocabulary tensors."""
+        if self.padded_vocab_size and vocab_size > self.padded_vocab_size:
+            raise CheckpointError(
+                f"{self.iter_dir}: this run's vocabulary of {vocab_size} ids exceeds the "
+                f"checkpoint's {self.padded_vocab_size} rows; check --vocab-size / the tokenizer"
+            )
+        self.vocab_size = vocab_size
+
+
+class LegacyReader(MegatronReader):
+    """Megatron's ``torch`` format, one ``model_optim_rng.pt`` per (TP, PP) rank."""
+
+    format = "torch"
+
+    def __init__(self, iter_dir: str):
+        first = find_megatron_shard(iter_dir)
+        self._raw: dict[tuple[int, int], dict] = {}
+        head = load_megatron_file(first)
+        if "args" not in head:
+            raise CheckpointError(f"{first} holds no 'args': not a Megatron-LM training checkpoint")
+        if any(k.startswith("model") and k != "model" for k in head):
+            raise CheckpointError(
+                f"{first}: a Megatron checkpoint with virtual pipeline stages is not read yet "
+                "(issue 18)"
+            )
+        self._init_from_args(
+            iter_dir,
+            head["args"],
+            iteration=int(head.get("iteration", 0)),
+            scheduler=head.get("opt_param_scheduler"),
+        )
+        self._raw[(0, 0)] = head
+        self.meta["checkpoint_version"] = head.get("checkpoint_version")
+        if float(head.get("checkpoint_version", 0)) < 3.0:
+            raise CheckpointError(
+                f"{first}: Megatron checkpoint_version {head.get('checkpoint_version')} predates "
+                "3.0 (another QKV order); load and save it once with a recent Megatron-LM"
+            )
+        missing = [
+            self.path(t, p)
+            for t in range(self.tp_size)
+            for p in range(self.pp_size)
+            if not os.path.isfile(self.path(t, p))
+        ]
+        if missing:
+            raise CheckpointError(
+                f"Megatron checkpoint {iter_dir} is incomplete: {len(missing)} shard file(s) "
+                f"missing, e.g. {missing[0]}"
+            )
+
+    def _raw_shard(self, tp_rank: int, pp_rank: int) -> dict:
+        key = (tp_rank, pp_rank)
+        if key not in self._raw:
+            self._raw[key] = load_megatron_file(self.path(tp_rank, pp_rank))
+        return self._raw[key]
+
+    def shard(self, tp_rank: int, pp_rank: int) -> dict:
+        key = (tp_rank, pp_rank)
+        if key not in self._shards:
+            raw = self._raw_shard(tp_rank, pp_rank)
+            model = {
+                k: v
+                for k, v in raw["model"].items()
+                if isinstance(v, torch.Tensor) and not k.endswith("._extra_state")
+            }
+            self._shards[key] = {"model": model, "optimizer": raw.get("optimizer")}
+        return self._shards[key]
+
+    def has_optimizer(self) -> bool:
+        return self._raw_shard(0, 0).get("optimizer") is not None or self.distributed_optimizer
+
+    def optimizer_state(self, tp_rank: int, pp_rank: int) -> dict:
+        key = (tp_rank, pp_rank)
+        if key not in self._optim:
+            if self.distributed_optimizer:
+                raise CheckpointError(
+                    f"{self.path(tp_rank, pp_rank, 'distrib_optim.pt')}: Megatron's distributed "
+                    "optimizer state in the torch format (flat grad-buffer ranges) is not read "
+                    "(issue 18); pass --no-load-optim, or save it from Megatron with "
+                    "--ckpt-format torch_dist"
+                )
+            raw = self._raw_shard(tp_rank, pp_rank)
+            if raw.get("optimizer") is None:
+                raise CheckpointError(
+                    f"{self.path(tp_rank, pp_rank)} holds no optimizer state (saved with "
+                    "--no-save-optim); pass --no-load-optim or --finetune"
+                )
+            self._optim[key] = adam_state_by_name(
+                raw["optimizer"], raw["model"], where=self.path(tp_rank, pp_rank)
+            )
+        return self._optim[key]
+
+
+def open_reader(iter_dir: str, fmt: str) -> MegatronReader:
+    if fmt == "torch":
+        return LegacyReader(iter_dir)
+    from megalite.checkpoint.megatron_dist import DistReader
+
+    return DistReader(iter_dir)
+
+
+def load_megatron_checkpoint(
+    iter_dir: str,
+    fmt: str,
+    *,
+    module: nn.Module,
+    optimizer,
+    scheduler,
+    ps,
+    seed: int,
+    load_optim: bool,
+    finetune: bool,
+    load_model_state,
+):
+    """Load a Megatron checkpoint into this rank's stage ``module`` (any layout; module doc).
+
+    ``load_model_state(module, state, where)`` sets the module (``loading._load_model``). Returns
+    ``(progress_fields | None, reseed | None, reader)`` for ``loading.load_checkpoint``."""
+    reader = open_reader(iter_dir, fmt)
+    check_model_compatible(reader.model_config, module.config, where=iter_dir)
+    reader.use_vocab(module.config.vocab_size)
+    state = reshard_model(
+        reader,
+        module.state_dict().keys(),
+        layer_offset=module.layer_range[0],
+        tp_size=ps.tp_size,
+        tp_rank=ps.tp_rank,
+        padded_vocab_size=module.padded_vocab_size,
+    )
+    load_model_state(module, state, iter_dir)
+    if finetune:
+        return None, None, reader
+    if load_optim:
+        full = reshard_optimizer(
+            reader,
+            [n for n, _ in module.named_parameters()],
+            layer_offset=module.layer_range[0],
+            tp_size=ps.tp_size,
+            tp_rank=ps.tp_rank,
+            padded_vocab_size=module.padded_vocab_size,
+        )
+        try:
+            optimizer.load_full_state_dict(full)
+        except ValueError as e:
+            raise CheckpointError(f"{str(e).splitlines()[0]}; or pass --no-load-optim") from None
+    iteration = int(reader.meta["iteration"])
+    scheduler.load_state_dict({**scheduler.state_dict(), "num_steps": iteration})
+    saved = reader.meta.get("megatron_scheduler") or {}
+    current = scheduler.state_dict()
+    if saved and float(saved.get("max_lr", current["max_lr"])) != float(current["max_lr"]):
+        logger.warning(
+            "the Megatron checkpoint's --lr %s differs from this run's %s; this run's is used",
+            saved.get("max_lr"), current["max_lr"],
+        )  # fmt: skip
+    reseed = seed + iteration
+    logger.warning(
+        "Megatron checkpoint %s (%s format, TP %d x PP %d): its RNG states are not restored "
+        "(Megatron's generators differ); re-seeded with --seed + iteration = %d",
+        iter_dir, fmt, reader.tp_size, reader.pp_size, reseed,
+    )  # fmt: skip
+    return reader.meta, reseed, reader
+
+
+def scheduler_num_steps_in_samples(num_steps: int, samples_per_step: int) -> int:
+    """megalite's scheduler counts iterations, Megatron's samples."""
+    return int(num_steps) * int(samples_per_step)
+
+
+__all__ = [
+    "CKPT_FORMATS",
+    "LegacyReader",
+    "MegatronReader",
+    "detect_format",
+    "load_megatron_checkpoint",
+    "model_config_from_args",
+    "open_reader",
+]
+
+_ = torch  # torch is used by the readers' tensors

@@ -1,0 +1,215 @@
+"""Megatron-LM flags that change nothing in megalite, Megatron flags refused, and issue 18's group.
+
+A Megatron user's script runs unchanged (DESIGN §6): a flag that only switches an implementation,
+a fusion, an I/O strategy or a log Megatron writes elsewhere (``IGNORED_FLAGS``) is accepted, and
+one warning line lists those a run passed and why nothing changes; a flag that would change the
+math and that megalite does not implement is refused (``REFUSED_FLAGS``, or ``flags.PLANNED_FLAGS``
+for those an open issue of this wave brings), one line naming the flag and the issue. None is
+silently ignored.
+
+Issue 18's implemented flags: ``--ckpt-format`` (``checkpoint.megatron_save``),
+``--rotary-percent 1.0`` (other values refused), the sample-based schedule
+``--lr-warmup-samples`` / ``--lr-decay-samples`` (with ``--train-samples``, the decay spans the
+samples, not whole iterations, as Megatron's), and ``--use-rotary-position-embeddings``
+(Megatron's old alias of ``--position-embedding-type rope``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from megalite.training.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+_FUSION = "a kernel-fusion switch: megalite picks its Triton kernels or their PyTorch reference"
+_TE = "an implementation switch: megalite has one implementation (no Transformer Engine)"
+_CKPT_IO = "a Megatron checkpoint I/O strategy: megalite writes each file synchronously"
+_LOG = "a Megatron log toggle: megalite logs its own fixed set of progress lines"
+_PERF = "a performance knob of Megatron's kernels or overlap: the numbers do not change"
+_CKPT_ARGS = "megalite checks the model flags against the checkpoint's and stops on any difference"
+
+# flag -> why nothing changes in megalite. Values: flags in VALUED_FLAGS take one value.
+IGNORED_FLAGS: dict[str, str] = {
+    "--transformer-impl": _TE,
+    "--use-mcore-models": _TE,
+    "--use-legacy-models": _TE,
+    "--no-gradient-accumulation-fusion": _FUSION,
+    "--gradient-accumulation-fusion": _FUSION,
+    "--no-bias-gelu-fusion": _FUSION,
+    "--no-bias-swiglu-fusion": _FUSION,
+    "--no-bias-dropout-fusion": _FUSION,
+    "--no-rope-fusion": _FUSION,
+    "--cross-entropy-loss-fusion": _FUSION,
+    "--cross-entropy-fusion-impl": _FUSION,
+    "--use-flashinfer-fused-rope": _FUSION,
+    "--no-async-tensor-model-parallel-allreduce": _PERF,
+    "--tp-comm-overlap": _PERF,
+    "--overlap-p2p-communication-warmup-flush": _PERF,
+    "--defer-embedding-wgrad-compute": _PERF,
+    "--wgrad-deferral-limit": _PERF,
+    "--enable-cuda-graph": _PERF,
+    "--cuda-graph-impl": _PERF,
+    "--empty-unused-memory-level": _PERF,
+    "--manual-gc": "Python garbage-collection timing: no effect on the numbers",
+    "--manual-gc-interval": "Python garbage-collection timing: no effect on the numbers",
+    "--ddp-average-in-collective": "megalite divides the summed gradient by DP itself: the "
+    "same average",
+    "--num-distributed-optimizer-instances": "how Megatron groups its optimizer shards: the "
+    "same update",
+    "--attention-softmax-in-fp32": "megalite's softmax statistics are always fp32",
+    "--apply-query-key-layer-scaling": "an fp16 overflow guard that scales and unscales by the "
+    "layer number: the same function",
+    "--deterministic-mode": "megalite's CPU path is deterministic; on GPU it selects "
+    "deterministic algorithms only through torch's own settings",
+    "--no-create-attention-mask-in-dataloader": "megalite's attention is causal without a "
+    "dataloader mask",
+    "--no-mmap-bin-files": "how .bin files are read: the same tokens",
+    "--async-save": _CKPT_IO,
+    "--use-persistent-ckpt-worker": _CKPT_IO,
+    "--ckpt-fully-parallel-save": _CKPT_IO,
+    "--no-ckpt-fully-parallel-save": _CKPT_IO,
+    "--ckpt-fully-parallel-load": _CKPT_IO,
+    "--ckpt-assume-constant-structure": _CKPT_IO,
+    "--async-strategy": _CKPT_IO,
+    "--dist-ckpt-strictness": _CKPT_IO,
+    "--dist-ckpt-optim-fully-reshardable": "megalite reads and writes Megatron's optimizer "
+    "state in model space, reshardable at any layout",
+    "--auto-detect-ckpt-format": "megalite always detects the format it loads",
+    "--use-checkpoint-args": _CKPT_ARGS,
+    "--no-use-tokenizer-model-from-checkpoint-args": "the tokenizer always comes from the flags",
+    "--use-checkpoint-opt_param-scheduler": "megalite resumes the schedule from the saved "
+    "iteration; the LR settings come from the flags, with a warning where the checkpoint's "
+    "differ",
+    "--save-retain-interval": "which old checkpoints Megatron deletes (megalite: "
+    "--keep-last-n-checkpoints)",
+    "--check-weight-hash-across-dp-replicas-interval": "a Megatron consistency check",
+    "--rerun-mode": "Megatron's fault re-run machine",
+    "--verify-integrity": "a Megatron consistency check",
+    "--log-timers-to-tensorboard": _LOG,
+    "--log-memory-to-tensorboard": _LOG,
+    "--log-validation-ppl-to-tensorboard": _LOG,
+    "--log-params-norm": _LOG,
+    "--log-progress": _LOG,
+    "--log-straggler": _LOG,
+    "--straggler-minmax-count": _LOG,
+    "--timing-log-level": _LOG,
+    "--timing-log-option": _LOG,
+    "--log-loss-scale-to-tensorboard": _LOG,
+    "--log-world-size-to-tensorboard": _LOG,
+    "--wandb-project": _LOG + " (Weights & Biases is not wired: use --tensorboard-dir)",
+    "--wandb-entity": _LOG,
+    "--wandb-exp-name": _LOG,
+    "--wandb-save-dir": _LOG,
+    "--test-mode": "Megatron's functional-test switch",
+}
+VALUED_FLAGS = {
+    "--transformer-impl", "--cross-entropy-fusion-impl", "--wgrad-deferral-limit",
+    "--cuda-graph-impl", "--empty-unused-memory-level", "--manual-gc-interval",
+    "--num-distributed-optimizer-instances", "--async-strategy", "--dist-ckpt-strictness",
+    "--save-retain-interval", "--check-weight-hash-across-dp-replicas-interval", "--rerun-mode",
+    "--straggler-minmax-count", "--timing-log-level", "--timing-log-option", "--wandb-project",
+    "--wandb-entity", "--wandb-exp-name", "--wandb-save-dir",
+}  # fmt: skip
+
+ISSUE_18 = "issue 18 (Megatron migration), not implemented yet"
+# Megatron flags that change the math and that megalite does not implement: refused, naming why.
+REFUSED_FLAGS: dict[str, str] = {
+    **dict.fromkeys(
+        ("--apply-layernorm-1p", "--calculate-per-token-loss",
+         "--reset-position-ids", "--reset-attention-mask", "--decoupled-lr", "--decoupled-min-lr",
+         "--rampup-batch-size", "--step-batch-size-schedule", "--qk-layernorm",
+         "--rotary-interleaved", "--squared-relu", "--data-args-path", "--per-split-data-args-path",
+         "--split-sentences", "--rotary-scaling-factor", "--use-rope-scaling",
+         "--grad-reduce-in-bf16"),
+        ISSUE_18,
+    ),
+    **dict.fromkeys(
+        ("--fp8-format", "--fp8-recipe", "--fp8-param-gather", "--first-last-layers-bf16"),
+        "no issue yet (FP8 training needs Transformer Engine)",
+    ),
+    **dict.fromkeys(
+        ("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
+         "--qk-pos-emb-head-dim", "--v-head-dim", "--experimental-attention-variant",
+         "--attention-output-gate"),
+        "no issue yet (attention variants: MLA, gated attention)",
+    ),
+}  # fmt: skip
+
+
+def add_megatron_flags(parser: argparse.ArgumentParser, group) -> None:
+    """Issue 18's group: ``group`` (a ``flags._Group`` over ``TrainingConfig``) gets
+    ``--ckpt-format``; the ignored flags and the sample-based schedule go in as plain flags."""
+    group.add(
+        "--ckpt-format",
+        choices=["megalite", "torch", "torch_dist"],
+        help="megalite's own files (default) or Megatron-LM's torch / torch_dist",
+    )
+    g = group.group
+    g.add_argument("--lr-warmup-samples", type=int, default=None)
+    g.add_argument("--lr-decay-samples", type=int, default=None)
+    g.add_argument("--use-rotary-position-embeddings", action="store_true")
+    g.add_argument("--rotary-percent", type=float, default=None)
+    for flag in IGNORED_FLAGS:
+        dest = "ignored_" + flag[2:].replace("-", "_")
+        if flag in VALUED_FLAGS:
+            g.add_argument(flag, dest=dest, default=None, help=argparse.SUPPRESS)
+        else:
+            g.add_argument(flag, dest=dest, action="store_true", help=argparse.SUPPRESS)
+
+
+def ignored_given(a: argparse.Namespace) -> list[str]:
+    """The ignored flags this command line passed."""
+    return [
+        f for f in IGNORED_FLAGS if getattr(a, "ignored_" + f[2:].replace("-", "_"), None) not in
+        (None, False)
+    ]  # fmt: skip
+
+
+def warn_ignored(a: argparse.Namespace, *, rank: int) -> None:
+    given = ignored_given(a)
+    if given and rank == 0:
+        reasons: dict[str, list[str]] = {}
+        for f in given:
+            reasons.setdefault(IGNORED_FLAGS[f], []).append(f)
+        logger.warning(
+            "ignored %d Megatron flag(s) that change nothing in megalite: %s",
+            len(given),
+            "; ".join(f"{' '.join(fs)} ({why})" for why, fs in reasons.items()),
+        )
+
+
+def position_embedding_alias(a: argparse.Namespace) -> None:
+    """``--use-rotary-position-embeddings``: Megatron's old spelling of RoPE.
+    ``--rotary-percent 1.0`` is RoPE on every channel, what megalite computes; a partial rotary
+    embedding is refused."""
+    if getattr(a, "use_rotary_position_embeddings", False):
+        a.position_embedding_type = "rope"
+    percent = getattr(a, "rotary_percent", None)
+    if percent is not None and percent != 1.0:
+        raise ConfigError(
+            f"--rotary-percent {percent}: a partial rotary embedding is not implemented yet, "
+            f"planned in {ISSUE_18}; use --rotary-percent 1.0 (or drop it) to run"
+        )
+
+
+def apply_sample_schedule(cfg, a: argparse.Namespace, *, train_samples: int | None) -> None:
+    """Megatron's sample-based LR schedule, in megalite's (fractional) iterations: warmup and
+    decay lengths are ``samples / global_batch_size``; with ``--train-samples`` and no decay
+    length the decay spans exactly the training samples."""
+    gbs = cfg.training.global_batch_size
+    opt = cfg.optimizer
+    decay_samples = a.lr_decay_samples
+    if decay_samples is None and train_samples is not None and a.lr_decay_iters is None:
+        decay_samples = train_samples
+    if decay_samples is not None:
+        if a.lr_decay_iters is not None:
+            raise ValueError("give one of --lr-decay-iters and --lr-decay-samples")
+        opt.lr_decay_iters = decay_samples / gbs
+    if a.lr_warmup_samples is not None:
+        if a.lr_warmup_iters or a.lr_warmup_fraction is not None:
+            raise ValueError(
+                "give one of --lr-warmup-samples, --lr-warmup-iters and --lr-warmup-fraction"
+            )
+        opt.lr_warmup_iters = a.lr_warmup_samples / gbs

@@ -1,0 +1,192 @@
+"""Checkpoints across Megatron-LM and megalite, both ways (issue 18).
+
+Fixtures (tests/fixtures/megatron_ckpt/, written by megatron-core's and Megatron-LM's own save
+path, ``tools/make_megatron_fixtures.py``): a 4-layer Llama-style model at TP 2 x PP 2 after two
+Adam steps, saved as iteration 2 in Megatron's ``torch`` (legacy) and ``torch_dist`` formats, and
+``reference.pt``: the logits of fixed tokens computed by Megatron's GPTModel after Megatron's own
+``load_checkpoint`` of the torch_dist files at TP 1 x PP 1.
+
+1. Both formats load into megalite at TP 1 x PP 1 (one process), TP 2 x PP 1 and TP 1 x PP 2
+   (two ranks): the logits equal the reference within 1e-5 relative (fp32; the sums are ordered
+   differently), the counters are Megatron's (iteration 2, 8 samples), and the Adam state is
+   Megatron's (the legacy files' moments, read back by name, equal the torch_dist ones).
+2. Training continues: two more iterations from either format at TP 1 and at TP 2 x PP 1 give the
+   same losses (1e-5); the control run without the optimizer state (--no-load-optim) differs.
+3. megalite's ``--ckpt-format torch`` / ``torch_dist`` files load back into megalite with the same
+   logits, and, when megatron-core is importable, into Megatron's own ``load_checkpoint``
+   (``tools/make_megatron_fixtures.py --check-load``) without --finetune.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megalite.checkpoint.files import CheckpointError
+from megalite.core.parallel_state import ParallelState, initialize_model_parallel
+from megalite.training import checkpoint_io
+from megalite.training.forward_step import make_forward_step
+from tests.harness import run_distributed
+from tests.training.common import assert_close_rel, config, trainer_and_data
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "megatron_ckpt")
+REL = 1e-5
+MODEL = (
+    "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --group-query-attention "
+    "--num-query-groups 2 --ffn-hidden-size 48 --seq-length 16 --max-position-embeddings 16 "
+    "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
+    "--untie-embeddings-and-output-weights --vocab-size 127 --make-vocab-size-divisible-by 16 "
+    "--global-batch-size 4 --micro-batch-size 2 --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 1 "
+    "--train-iters 4 --weight-decay 0.1 --clip-grad 1.0"
+).split()
+FORMATS = {"torch": "legacy_tp2_pp2", "torch_dist": "dist_tp2_pp2"}
+
+
+def _reference() -> dict:
+    return torch.load(os.path.join(FIXTURES, "reference.pt"), weights_only=True)
+
+
+def _logits(trainer, tokens: torch.Tensor, ps: ParallelState) -> torch.Tensor | None:
+    """The full-vocabulary logits of the last stage (None elsewhere); PP by hand, no schedule."""
+    module = trainer.model[0].module
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    with torch.no_grad():
+        hidden = None
+        if not module.pre_process:
+            hidden = torch.empty(tokens.shape[1], tokens.shape[0], module.config.hidden_size)
+            dist.recv(hidden, src=ps.ranks("pp")[ps.pp_rank - 1])
+            module.set_input_tensor(hidden)
+        out = module(tokens, positions)
+        if not module.post_process:
+            dist.send(out.contiguous(), dst=ps.ranks("pp")[ps.pp_rank + 1])
+            return None
+    if ps.tp_size > 1:
+        parts = [torch.empty_like(out) for _ in range(ps.tp_size)]
+        dist.all_gather(parts, out.contiguous(), group=ps.tp_group)
+        out = torch.cat(parts, dim=-1)
+    return out[..., : module.config.vocab_size]
+
+
+def _load(fmt_dir: str, ps: ParallelState, *extra: str, world_size: int = 1, rank: int = 0):
+    cfg = config(*MODEL, "--load", os.path.join(FIXTURES, fmt_dir), *extra,
+                 world_size=world_size, rank=rank)  # fmt: skip
+    trainer, data = trainer_and_data(cfg, ps)
+    loaded = checkpoint_io.load_checkpoint(trainer)
+    return trainer, data, loaded
+
+
+def _case(layouts_extra: list[str]) -> dict:
+    """On this world: load each format, logits, then two more iterations."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    flags = layouts_extra
+    tp = int(flags[flags.index("--tensor-model-parallel-size") + 1])
+    pp = int(flags[flags.index("--pipeline-model-parallel-size") + 1])
+    ps = initialize_model_parallel(tp, pp)
+    out = {}
+    try:
+        ref = _reference()
+        for fmt, name in FORMATS.items():
+            trainer, data, loaded = _load(name, ps, *flags, world_size=world, rank=rank)
+            logits = _logits(trainer, ref["tokens"], ps)
+            result = trainer.train(make_forward_step(torch.device("cpu")), data)
+            out[fmt] = (
+                None if logits is None else logits.clone(),
+                loaded.progress,
+                result.losses,
+            )
+    finally:
+        ps.destroy()
+    return out
+
+
+def _check_logits(logits: torch.Tensor, what: str) -> None:
+    ref = _reference()["logits"]
+    err = ((logits - ref).abs().max() / ref.abs().max()).item()
+    assert err < REL, f"{what}: logits differ from Megatron's by {err:.2e} (relative)"
+
+
+def test_megatron_checkpoints_load_at_any_layout_and_continue():
+    single = ParallelState.single()
+    losses = {}
+    for fmt, name in FORMATS.items():
+        trainer, data, loaded = _load(name, single)
+        _check_logits(_logits(trainer, _reference()["tokens"], single), f"{fmt} at TP1 PP1")
+        assert loaded.progress.iteration == 2 and loaded.progress.consumed_train_samples == 8
+        assert trainer.scheduler.num_steps == 2
+        losses[fmt] = trainer.train(make_forward_step(torch.device("cpu")), data).losses
+        assert len(losses[fmt]) == 2, losses[fmt]
+    assert_close_rel(losses["torch_dist"], losses["torch"], REL, "torch_dist vs torch at TP1")
+    fresh_trainer, fresh_data, _ = _load(FORMATS["torch"], single, "--no-load-optim")
+    fresh = fresh_trainer.train(make_forward_step(torch.device("cpu")), fresh_data).losses
+    gap = max(abs(a - b) / abs(b) for a, b in zip(fresh, losses["torch"]))
+    assert gap > 10 * REL, f"the Megatron optimizer state makes no difference ({gap})"
+
+    tp2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1"]
+    pp2 = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
+    for flags, what in ((tp2, "TP2 PP1"), (pp2, "TP1 PP2")):
+        results = run_distributed(_case, 2, flags, timeout=300)
+        for fmt in FORMATS:
+            logits, progress, got = results[-1][fmt]
+            _check_logits(logits, f"{fmt} at {what}")
+            assert progress.iteration == 2 and progress.consumed_train_samples == 8
+            assert_close_rel(got, losses["torch"], REL, f"{fmt} continued at {what}")
+
+
+def test_megalite_writes_megatron_formats_that_load_back(tmp_path):
+    """--ckpt-format torch / torch_dist: megalite's files of the loaded fixture load back into
+    megalite with the same logits and counters."""
+    single = ParallelState.single()
+    for fmt in FORMATS:
+        save = str(tmp_path / fmt)
+        trainer, _, _ = _load(FORMATS["torch"], single, "--save", save, "--ckpt-format", fmt)
+        checkpoint_io.save_checkpoint(trainer)
+        back, _, loaded = _load("", single, "--load", save)
+        assert loaded.progress.iteration == 2 and loaded.progress.consumed_train_samples == 8
+        _check_logits(_logits(back, _reference()["tokens"], single), f"megalite {fmt} back")
+
+
+def _megatron_importable() -> bool:
+    try:
+        import megatron.core  # noqa: F401
+        import megatron.training.checkpointing  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _megatron_importable(), reason="megatron-core/Megatron-LM not importable")
+def test_megalite_files_load_in_megatrons_loader(tmp_path):
+    single = ParallelState.single()
+    tool = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "make_megatron_fixtures.py")
+    for fmt in FORMATS:
+        save = str(tmp_path / fmt)
+        # the schedule of the Megatron run that loads it (tools/make_megatron_fixtures.py)
+        trainer, _, _ = _load(FORMATS["torch"], single, "--save", save, "--ckpt-format", fmt,
+                              "--train-iters", "10")  # fmt: skip
+        checkpoint_io.save_checkpoint(trainer)
+        shutil.copy(os.path.join(FIXTURES, "reference.pt"), os.path.join(save, "reference.pt"))
+        proc = subprocess.run(
+            [sys.executable, "-W", "ignore", tool, "--check-load", save, "--ckpt-format", fmt],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_a_corrupt_megatron_file_is_one_line(tmp_path):
+    bad = tmp_path / "ckpt"
+    shutil.copytree(os.path.join(FIXTURES, FORMATS["torch"]), bad)
+    path = bad / "iter_0000002" / "mp_rank_01_001" / "model_optim_rng.pt"
+    path.write_bytes(path.read_bytes()[:4000])
+    with pytest.raises(CheckpointError, match="Megatron checkpoint") as e:
+        _load("", ParallelState.single(), "--load", str(bad))
+    assert "\n" not in str(e.value)
+
+
+_ = tempfile

@@ -1,0 +1,290 @@
+"""Write Megatron-LM checkpoints with Megatron's own save path (tests/fixtures/megatron_ckpt/).
+
+    # megatron-core 0.16 (wheel) + megatron/{training,rl,post_training,legacy} of Megatron-LM's
+    # core_r0.16.0 branch in /tmp/mlm016; psutil in the interpreter (a venv); no GPU needed
+    PYTHONPATH=/tmp/mcore/site:/tmp/mlm016 python tools/make_megatron_fixtures.py [--output DIR]
+    PYTHONPATH=/tmp/mcore/site:/tmp/mlm016 python tools/make_megatron_fixtures.py \
+        --check-load DIR --ckpt-format torch_dist      # megalite's files through Megatron's loader
+
+Neither is a dependency of megalite: the tests read only the committed files. On 4 CPU processes
+(gloo) a tiny Llama-style GPTModel (local layer spec: RoPE, RMSNorm, SwiGLU, GQA, untied output)
+is built at TP 2 x PP 2, its Adam state made non-trivial by two optimizer steps on seeded random
+gradients, and ``megatron.training.checkpointing.save_checkpoint`` writes iteration 2 twice:
+``legacy_tp2_pp2`` (``--ckpt-format torch``: ``model_optim_rng.pt`` per (TP, PP) rank) and
+``dist_tp2_pp2`` (``--ckpt-format torch_dist``). Then one process loads ``dist_tp2_pp2`` at
+TP 1 x PP 1 with Megatron's ``load_checkpoint`` and writes the logits of fixed tokens to
+``reference.pt``: the source model's function, which every megalite load must reproduce.
+
+``--check-load DIR`` runs only that last step on a checkpoint megalite wrote and compares its
+logits with ``DIR``'s ``reference.pt`` (written beside it by the caller); exit status 0 on a match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+
+FLAGS = [
+    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "48",
+    "--seq-length", "16",
+    "--max-position-embeddings", "16", "--position-embedding-type", "rope",
+    "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights", "--vocab-size", "128",
+    "--make-vocab-size-divisible-by", "16", "--tokenizer-type", "NullTokenizer",
+    "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--min-lr", "1e-4",
+    "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--train-iters", "10",
+    "--weight-decay", "0.1", "--clip-grad", "1.0", "--attention-dropout", "0.0",
+    "--hidden-dropout", "0.0", "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+    "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion", "--no-rope-fusion",
+    "--no-persist-layer-norm",
+    "--use-cpu-initialization", "--distributed-backend", "gloo", "--seed", "1234",
+    "--init-method-std", "0.02", "--attention-backend", "unfused",
+]  # fmt: skip
+ITERATION = 2
+CONSUMED = ITERATION * 4
+TOKENS_SEED = 7
+VOCAB = 128  # a multiple of 16 x TP: no padding rows at TP 1, 2, 4 (Megatron pads per TP)
+
+
+def _cpu_patches() -> None:
+    """Megatron asks CUDA for a device and RNG state; on this CPU-only build answer for the CPU."""
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda *a, **k: None
+    torch.cuda.manual_seed = lambda *a, **k: None
+    torch.cuda.synchronize = lambda *a, **k: None
+    for name in ("tensor", "zeros", "empty", "ones", "full", "arange"):
+        setattr(torch, name, _on_cpu(getattr(torch, name)))
+
+
+class _InlineProcess:
+    """Runs its target in this process at start(): Megatron's forked checkpoint writers hang in
+    a spawned gloo process on this machine."""
+
+    exitcode = 0
+
+    def __init__(self, target, kwargs=None, **_):
+        self.target, self.kwargs = target, kwargs or {}
+
+    def start(self):
+        self.target(**self.kwargs)
+
+    def join(self, *a):
+        pass
+
+    def is_alive(self):
+        return False
+
+
+class _InlineContext:
+    Process = _InlineProcess
+
+    def Queue(self):  # noqa: N802 (multiprocessing's names)
+        import queue
+
+        return queue.Queue()
+
+    JoinableQueue = Queue
+
+    def Manager(self):  # noqa: N802
+        return self
+
+
+def _inline_writers() -> None:
+    import types
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async.mp = types.SimpleNamespace(
+        get_context=lambda *_: _InlineContext(), SimpleQueue=None, JoinableQueue=None
+    )
+
+
+def _on_cpu(factory):
+    def make(*args, **kwargs):
+        device = kwargs.get("device")
+        if device is not None and "cuda" in str(device):
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    return make
+
+
+def _megatron_args(extra: list[str]):
+    import megatron.training.arguments as margs
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.global_vars import set_global_variables
+
+    margs.get_device_arch_version = lambda: 10  # no GPU to ask
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+
+    known = FLAGS
+    sys.argv = ["make_megatron_fixtures", *known, *extra]
+    args = parse_args()
+    validate_args(args)
+    set_global_variables(args, build_tokenizer=False)
+    args.padded_vocab_size = VOCAB
+    _inline_writers()
+    return args
+
+
+def _build(args, tp: int, pp: int):
+    """The model chunk (in Megatron's DDP), its optimizer and scheduler on this rank."""
+    import megatron.core.tensor_parallel.random as mrandom
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.training.arguments import core_transformer_config_from_args
+    from megatron.training.training import get_optimizer_param_scheduler
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
+    mpu.initialize_model_parallel(tp, pp)
+    torch.manual_seed(args.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    config = core_transformer_config_from_args(args)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=mpu.is_pipeline_first_stage(),
+        post_process=mpu.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+    )
+    ddp = DistributedDataParallel(
+        config, DistributedDataParallelConfig(use_distributed_optimizer=False), model
+    )
+    opt_config = OptimizerConfig(
+        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        clip_grad=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
+    )  # fmt: skip
+    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    scheduler = get_optimizer_param_scheduler(optimizer)
+    return ddp, optimizer, scheduler
+
+
+def _train_on_random_grads(ddp, optimizer, scheduler, args) -> None:
+    from megatron.core import parallel_state as mpu
+
+    gen = torch.Generator().manual_seed(100 + mpu.get_tensor_model_parallel_rank())
+    for _ in range(ITERATION):
+        for p in ddp.module.parameters():
+            g = torch.randn(p.shape, generator=gen) * 0.01
+            p.main_grad.copy_(g)
+        optimizer.step()
+        scheduler.step(increment=args.global_batch_size)
+    args.consumed_train_samples = CONSUMED
+
+
+def _save_rank(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
+    os.environ.update(WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    _cpu_patches()
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    args = _megatron_args(
+        ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    )
+    ddp, optimizer, scheduler = _build(args, 2, 2)
+    _train_on_random_grads(ddp, optimizer, scheduler, args)
+    from megatron.training.checkpointing import save_checkpoint
+
+    for fmt, name in (("torch", "legacy_tp2_pp2"), ("torch_dist", "dist_tp2_pp2")):
+        args.ckpt_format, args.use_dist_ckpt = fmt, fmt != "torch"
+        args.save = os.path.join(out, name)
+        save_checkpoint(ITERATION, [ddp], optimizer, scheduler, 0)
+    torch.distributed.destroy_process_group()
+
+
+def _logits_rank(port: int, load: str, fmt: str, result: str) -> None:
+    """One process: Megatron's load_checkpoint of ``load`` at TP 1 x PP 1, logits -> result."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    _cpu_patches()
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    args = _megatron_args(["--load", load, "--ckpt-format", fmt])
+    ddp, optimizer, scheduler = _build(args, 1, 1)
+    from megatron.training.checkpointing import load_checkpoint
+
+    iteration, _ = load_checkpoint([ddp], optimizer, scheduler)
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(TOKENS_SEED))
+    positions = torch.arange(16).unsqueeze(0).expand(2, 16)
+    with torch.no_grad():
+        logits = ddp.module(tokens, positions, None)  # [b, s, V_pad]
+    torch.save(
+        {
+            "tokens": tokens,
+            "logits": logits[..., :VOCAB].clone(),
+            "iteration": iteration,
+            "consumed_train_samples": args.consumed_train_samples,
+            "lr": optimizer.param_groups[0]["lr"],
+            "num_steps": scheduler.num_steps,
+        },
+        result,
+    )
+    torch.distributed.destroy_process_group()
+
+
+def _spawn(target, world: int, *args) -> None:
+    import random
+
+    import torch.multiprocessing as mp
+
+    port = random.randint(20000, 40000)
+    if world == 1:
+        ctx = mp.get_context("spawn")
+        p = ctx.Process(target=target, args=(port, *args))
+        p.start()
+        p.join()
+        if p.exitcode:
+            raise SystemExit(f"megatron process failed ({p.exitcode})")
+        return
+    mp.start_processes(
+        lambda_rank_entry, args=(target, world, port, *args), nprocs=world, start_method="spawn"
+    )
+
+
+def lambda_rank_entry(rank: int, target, world: int, port: int, *args) -> None:
+    target(rank, world, port, *args)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    here = os.path.dirname(os.path.abspath(__file__))
+    parser.add_argument(
+        "--output", default=os.path.join(here, "..", "tests", "fixtures", "megatron_ckpt")
+    )
+    parser.add_argument("--check-load", default=None, help="a checkpoint megalite wrote")
+    parser.add_argument("--ckpt-format", default="torch_dist", choices=("torch", "torch_dist"))
+    cli = parser.parse_args()
+    if cli.check_load:
+        result = os.path.join(tempfile.mkdtemp(), "logits.pt")
+        _spawn(_logits_rank, 1, cli.check_load, cli.ckpt_format, result)
+        got = torch.load(result, weights_only=False)
+        want = torch.load(os.path.join(cli.check_load, "reference.pt"), weights_only=False)
+        err = ((got["logits"] - want["logits"]).abs().max() / want["logits"].abs().max()).item()
+        it, seen = got["iteration"], got["consumed_train_samples"]
+        print(f"Megatron loaded {cli.check_load} at iteration {it}: logits max rel err {err:.2e}, "
+              f"consumed {seen}")  # fmt: skip
+        raise SystemExit(0 if err < 1e-5 and got["iteration"] == want["iteration"] else 1)
+    out = os.path.abspath(cli.output)
+    for name in ("legacy_tp2_pp2", "dist_tp2_pp2"):
+        shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+    os.makedirs(out, exist_ok=True)
+    _spawn(_save_rank, 4, out)
+    _spawn(_logits_rank, 1, os.path.join(out, "dist_tp2_pp2"), "torch_dist",
+           os.path.join(out, "reference.pt"))  # fmt: skip
+    print(f"fixtures -> {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""How many of Megatron-LM's flag uses ``pretrain_gpt.py`` accepts (issue 18).
+
+    python tools/megatron_flag_coverage.py MEGATRON_LM_CHECKOUT [--missing N]
+
+Reads the flags of Megatron's GPT-3 and Llama example scripts
+(``examples/gpt3/train_gpt3_175b_distributed.sh``, ``examples/llama/*.sh``) and of its GPT
+functional-test configurations (``tests/functional_tests/test_cases/gpt/*/model_config.yaml``,
+``MODEL_ARGS``; a ``false`` value is a flag not passed) and sorts every use into: implemented
+(megalite's parser knows it), ignored (accepted with the one warning line of
+``megatron_flags.IGNORED_FLAGS``), refused (``flags.PLANNED_FLAGS``: an issue brings it) and
+unknown. Prints the share of uses accepted (implemented + ignored) and the most used others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import re
+
+_FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9_-]*[a-z0-9])")
+# torchrun's own flags on the launch line of the scripts: not pretrain_gpt.py's
+LAUNCHER = {"--nproc_per_node", "--nnodes", "--node_rank", "--master_addr", "--master_port",
+            "--nproc-per-node", "--node-rank", "--master-addr", "--master-port"}  # fmt: skip
+
+
+def script_flags(path: str) -> list[str]:
+    """The ``--flags`` of a shell script (comments dropped)."""
+    flags = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.split("#", 1)[0]
+            flags += [f for f in _FLAG.findall(line) if f not in LAUNCHER]
+    return flags
+
+
+def yaml_flags(path: str) -> list[str]:
+    """The flags of a functional test's ``MODEL_ARGS`` (a ``false`` value: not passed)."""
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        doc = yaml.safe_load(f) or {}
+    args = doc.get("MODEL_ARGS") or {}
+    return [k for k, v in args.items() if k.startswith("--") and v is not False]
+
+
+def sources(root: str) -> dict[str, list[str]]:
+    out = {}
+    for path in [os.path.join(root, "examples/gpt3/train_gpt3_175b_distributed.sh"),
+                 *sorted(glob.glob(os.path.join(root, "examples/llama/*.sh")))]:  # fmt: skip
+        if os.path.isfile(path):
+            out[os.path.relpath(path, root)] = script_flags(path)
+    pattern = os.path.join(root, "tests/functional_tests/test_cases/gpt/*/model_config.yaml")
+    for path in sorted(glob.glob(pattern)):
+        out[os.path.relpath(path, root)] = yaml_flags(path)
+    return out
+
+
+def is_inference(flags: list[str]) -> bool:
+    """A functional test of Megatron's inference or RL entry points, not of pretrain_gpt.py."""
+    return any(f.startswith(("--inference-", "--grpo-", "--rl-")) or f in INFERENCE for f in flags)
+
+
+INFERENCE = {"--prompts", "--prompt-file", "--num-tokens-to-generate", "--perform-rl-step"}
+
+
+def classify(flag: str) -> str:
+    from megalite.training.flags import PLANNED_FLAGS, build_parser
+    from megalite.training.megatron_flags import IGNORED_FLAGS, REFUSED_FLAGS
+
+    known = build_parser()._option_string_actions
+    if flag in IGNORED_FLAGS:
+        return "ignored"
+    if flag in known:
+        return "implemented"
+    if flag in PLANNED_FLAGS or flag in REFUSED_FLAGS:
+        return "refused"
+    return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("megatron_lm", help="a checkout of NVIDIA/Megatron-LM")
+    parser.add_argument("--missing", type=int, default=25, help="list this many others")
+    cli = parser.parse_args()
+    everything = sources(cli.megatron_lm)
+    training = {k: v for k, v in everything.items() if not is_inference(v)}
+    print(f"all {len(everything)} sources:")
+    report({k: v for k, v in everything.items()}, 0)
+    print(f"\nthe {len(training)} pretraining sources (without {len(everything) - len(training)} "
+          "inference / RL tests, which run other entry points):")  # fmt: skip
+    report(training, cli.missing)
+
+
+def report(found: dict[str, list[str]], missing: int) -> None:
+    uses = collections.Counter(f for flags in found.values() for f in flags)
+    kinds = {f: classify(f) for f in uses}
+    by_kind = collections.Counter()
+    for f, n in uses.items():
+        by_kind[kinds[f]] += n
+    total = sum(uses.values())
+    accepted = by_kind["implemented"] + by_kind["ignored"]
+    distinct_ok = sum(1 for f in uses if kinds[f] in ("implemented", "ignored"))
+    print(f"{len(found)} sources, {total} flag uses, {len(uses)} distinct flags")
+    for kind in ("implemented", "ignored", "refused", "unknown"):
+        print(f"  {kind:12s} {by_kind[kind]:5d} uses ({100 * by_kind[kind] / total:.1f}%)")
+    print(f"accepted: {100 * accepted / total:.1f}% of uses, {distinct_ok}/{len(uses)} flags")
+    others = [(n, f, kinds[f]) for f, n in uses.most_common() if kinds[f] not in
+              ("implemented", "ignored")]  # fmt: skip
+    for n, f, kind in others[:missing]:
+        print(f"  {n:4d}  {f}  ({kind})")
+
+
+if __name__ == "__main__":
+    main()
