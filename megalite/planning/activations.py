@@ -13,7 +13,8 @@ activation dtype's bytes, ``n, g`` heads and query groups per TP rank, ``d`` the
     attention (sdpa)          q, k, v (3 [T, n d] e; RoPE with k = v heads: +2 [T, n d] e for
                               the rotated q, k besides the fused qkv) + logsumexp [n T] fp32 +
                               output [T, n d] e
-    attention (unfused)       q, k copies + fp32 scores, exp, probs [b n s s] + probs in e + v
+    attention (unfused)       fp32 scores, exp [b n s s] + probs in e + the context [T, n d] e
+    attention (sdpa, dropout) on CPU the math path: scaled q, k^T, v + 3 [b n s s] e + context
     MLP (GELU)                fc1 output [T, f] e + GELU output [T, f] e
     MLP (SwiGLU)              fc1 output [T, 2f] e + silu(gate) [T, f] e + product [T, f] e
     dropout (p > 0)           a bool mask per dropout: 2 [Tn, h] per layer (+ embedding)
@@ -85,7 +86,15 @@ def _norm_bytes(c: GPTConfig, tn: int, e: int) -> int:
 
 
 def layer_bytes(
-    c: GPTConfig, *, tokens: int, b: int, tp: int, e: int, selective: bool, mask_bytes: int
+    c: GPTConfig,
+    *,
+    tokens: int,
+    b: int,
+    tp: int,
+    e: int,
+    selective: bool,
+    mask_bytes: int,
+    cpu: bool = False,
 ) -> int:
     """Saved bytes of one transformer layer on one TP rank for ``tokens = s b`` tokens."""
     sp = c.sequence_parallel and tp > 1
@@ -99,13 +108,16 @@ def layer_bytes(
     total = 2 * (_norm_bytes(c, tn, e) + linear_in)
     qkv = tokens * n * d * e
     rope = c.position_embedding_type == "rope"
-    total += 3 * qkv + (2 * qkv if rope and k == 1 else 0)
-    if c.attention_backend == "sdpa":
+    scores = b * n * s * s
+    if c.attention_backend == "sdpa" and cpu and c.attention_dropout > 0 and not selective:
+        # CPU sdpa with dropout runs the math path: scaled q, k^T copy, v (a view of the fused
+        # qkv when each group has one head), softmax, noise, dropped probs; the context
+        total += 2 * qkv + (3 * qkv if k == 1 else qkv) + 3 * scores * e + qkv
+    elif c.attention_backend == "sdpa":
+        total += 3 * qkv + (2 * qkv if rope and k == 1 else 0)
         total += qkv + (0 if selective else n * tokens * 4)  # output (+ logsumexp)
-        if c.attention_dropout > 0:
-            total += 0 if selective else b * n * s * s * mask_bytes
     else:
-        scores = b * n * s * s
+        total += 3 * qkv + (2 * qkv if rope and k == 1 else 0)
         if not selective:  # fp32 masked scores, exp, probs in e; the mask, row statistics
             total += scores * (4 + 4 + e) + s * s + b * n * s * 13
             total += scores * mask_bytes if c.attention_dropout > 0 else 0
@@ -159,7 +171,14 @@ def stage_activations(
     n_layers = end - start
     selective = c.recompute_granularity == "selective"
     per_layer = layer_bytes(
-        c, tokens=tokens, b=b, tp=tp, e=e, selective=selective, mask_bytes=mask_bytes
+        c,
+        tokens=tokens,
+        b=b,
+        tp=tp,
+        e=e,
+        selective=selective,
+        mask_bytes=mask_bytes,
+        cpu=device == "cpu",
     )
     first, last = pp_rank == 0, pp_rank == pp - 1
     common = dict(tokens=tokens, tp=tp, e=e, mask_bytes=mask_bytes)

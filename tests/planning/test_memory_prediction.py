@@ -24,6 +24,8 @@ from tests.training.common import FAMILIES, config
 
 ACT_REL = 0.05  # the bar for activations; model state is exact
 LLAMA = tuple(FAMILIES["llama"])
+GQA = ("--group-query-attention", "--num-query-groups", "2")
+LLAMA_MHA = tuple(f for f in LLAMA if f not in GQA)  # every head its own key/value
 FULL = ("--recompute-granularity", "full", "--recompute-method", "uniform",
         "--recompute-num-layers")  # fmt: skip
 
@@ -41,6 +43,10 @@ SINGLE = {
     "gpt2 unfused": ("--attention-backend", "unfused"),
     "gpt2 unfused selective": ("--attention-backend", "unfused", "--recompute-activations"),
     "gpt2 dropout": ("--hidden-dropout", "0.1"),
+    "gpt2 attention dropout": ("--attention-dropout", "0.1", "--hidden-dropout", "0.1"),
+    "llama attention dropout": (*LLAMA, "--attention-dropout", "0.1"),
+    "llama no-GQA unfused": (*LLAMA_MHA, "--attention-backend", "unfused"),
+    "llama no-GQA attention dropout": (*LLAMA_MHA, "--attention-dropout", "0.1"),
     "gpt2 zero1 bf16": ("--use-distributed-optimizer", "--bf16"),
 }  # fmt: skip
 
