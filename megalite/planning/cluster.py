@@ -52,14 +52,16 @@ class Cluster:
 
 # Vendors' data sheets (dense bf16; NVLink per GPU one direction) and common fabrics (one
 # 400 Gb/s NIC per H100/H200 GPU = 50 GB/s; 200 Gb/s per A100 = 25 GB/s). Achieved bus bandwidth
-# is lower than the link's rating; these are the usual measured figures (nccl-tests).
+# is lower than the link's rating; these are the usual measured figures (nccl-tests). The default
+# efficiency (share of peak the model's GEMMs reach, other ops folded in) is an assumption, not a
+# fit: calibrate on the GPUs you plan for.
 PRESETS: dict[str, dict] = {
     "H100": dict(gpu_memory_gib=80, peak_tflops=989.0, intra_node_gbps=360.0,
-                 inter_node_gbps=45.0, gpus_per_node=8),
+                 inter_node_gbps=45.0, gpus_per_node=8, efficiency=0.6),
     "H200": dict(gpu_memory_gib=141, peak_tflops=989.0, intra_node_gbps=360.0,
-                 inter_node_gbps=45.0, gpus_per_node=8),
+                 inter_node_gbps=45.0, gpus_per_node=8, efficiency=0.6),
     "A100": dict(gpu_memory_gib=80, peak_tflops=312.0, intra_node_gbps=230.0,
-                 inter_node_gbps=22.0, gpus_per_node=8),
+                 inter_node_gbps=22.0, gpus_per_node=8, efficiency=0.7),
 }  # fmt: skip
 
 

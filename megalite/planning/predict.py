@@ -47,6 +47,8 @@ class Layout:
         if self.pp > 1 and self.schedule != "1f1b":
             out += ["--pipeline-schedule", self.schedule]
         out += list(ZERO_RUNGS[self.rung].flags)
+        if self.rung != "no_shard":  # hide the grad reduce-scatter / param all-gather
+            out += ["--overlap-grad-reduce", "--overlap-param-gather"]
         if self.recompute == "selective":
             out += ["--recompute-granularity", "selective"]
         elif self.recompute == "full":
