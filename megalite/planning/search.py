@@ -12,7 +12,7 @@ per-rank batch; recompute none / selective / full.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from megalite.core.mesh_layout import mesh_sizes
 from megalite.planning.activations import IN_FLIGHT
@@ -176,15 +176,3 @@ def explain(result: SearchResult, cluster: Cluster) -> list[str]:
             f"{cluster.usable_bytes / 2**30:.1f} GiB usable per GPU"
         )
     return lines
-
-
-def with_layout_model(cfg_model, layout: Layout):
-    """``cfg_model`` (GPTConfig) with the layout's model-side options."""
-    rc = layout.recompute
-    return replace(
-        cfg_model,
-        sequence_parallel=layout.sequence_parallel,
-        recompute_granularity=rc,
-        recompute_method="uniform" if rc == "full" else None,
-        recompute_num_layers=1 if rc == "full" else None,
-    )

@@ -90,3 +90,25 @@ def test_presets_override():
     assert (c.gpu_memory_gib, c.peak_tflops, c.gpus_per_node) == (40, 312.0, 8)
     with pytest.raises(ValueError, match="unknown GPU preset"):
         preset("Z9", 8)
+
+
+def test_calibration_file_round_trip(tmp_path):
+    from megalite.planning.cluster import calibrated, load_calibration, save_calibration
+
+    path = tmp_path / "calib.json"
+    figures = {"device": "cpu", "peak_tflops": 0.05, "efficiency": 0.5, "layer_overhead_s": 1e-3,
+               "optimizer_s_per_param": 1e-8,
+               "collectives": {"all_reduce": {"gbps": 0.8, "latency_s": 5e-4}}}  # fmt: skip
+    save_calibration(path, figures)
+    c = calibrated(preset("H100", 2), load_calibration(path))
+    assert (c.peak_tflops, c.efficiency, c.intra_node_gbps, c.collective_latency_s) == (
+        0.05,
+        0.5,
+        0.8,
+        5e-4,
+    )
+    path.write_text('{"format": "other"}')
+    with pytest.raises(ValueError, match="run tools/plan.py --calibrate again"):
+        load_calibration(path)
+    rc, _ = _run("--model", "gpt2-125m", "--calibration", str(tmp_path / "missing.json"))
+    assert rc == 2
