@@ -26,12 +26,18 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megalite.planning.calibrate import REFERENCE, calibrate  # noqa: E402
+from megalite.planning.calibrate import (  # noqa: E402
+    REFERENCE,
+    calibrate,
+    fit_compute,
+    optimizer_seconds_per_param,
+)
 from megalite.planning.cluster import Cluster, calibrated, load_calibration  # noqa: E402
 from megalite.planning.predict import Layout  # noqa: E402
 from megalite.planning.search import evaluate  # noqa: E402
 
 WORLD = 2
+PEAK = 1.0  # TFLOP/s: on CPU the efficiency is then the achieved rate itself
 MODEL = [a for a in REFERENCE if a not in ("--vocab-size", "1024")]
 VOCAB = 1024
 LAYOUTS = [
@@ -44,7 +50,9 @@ LAYOUTS = [
 ]
 
 
-def _worker(rank: int, init: str, argvs: list[list[str]], steps: int, queue) -> None:
+def _worker(
+    rank: int, init: str, argvs: list[list[str]], steps: int, queue, reference: list[str]
+) -> None:
     from megalite.core.parallel_state import initialize_model_parallel
     from megalite.training.arguments import parse_args
     from megalite.training.config import with_tokenizer
@@ -54,6 +62,12 @@ def _worker(rank: int, init: str, argvs: list[list[str]], steps: int, queue) -> 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD)
     env = {"WORLD_SIZE": str(WORLD), "RANK": str(rank)}
+    # compute calibration with every rank busy, as in the layouts: ranks share this CPU's cores
+    device = torch.device("cpu")
+    opt = optimizer_seconds_per_param(device)
+    dist.barrier()
+    fit = fit_compute(reference, device, peak_tflops=PEAK, optimizer_s_per_param=opt)
+    calibration = {**fit, "optimizer_s_per_param": opt}
     out = []
     for argv in argvs:
         cfg = with_tokenizer(parse_args(argv, env=env))
@@ -75,17 +89,18 @@ def _worker(rank: int, init: str, argvs: list[list[str]], steps: int, queue) -> 
         out.append(statistics.median(times))
         ps.destroy()
     if rank == 0:
-        queue.put(out)
+        queue.put((calibration, out))
     dist.destroy_process_group()
 
 
-def measure(argvs: list[list[str]], steps: int) -> list[float]:
+def measure(argvs: list[list[str]], steps: int, reference: list[str]) -> tuple[dict, list]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "init")
         procs = [
-            ctx.Process(target=_worker, args=(r, init, argvs, steps, queue)) for r in range(WORLD)
+            ctx.Process(target=_worker, args=(r, init, argvs, steps, queue, reference))
+            for r in range(WORLD)
         ]
         for p in procs:
             p.start()
@@ -112,25 +127,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         model = [*model, "--num-layers", "2", "--hidden-size", "64", "--seq-length", "32"]
         layouts, args.steps = LAYOUTS[:2], 1
-    data = (
-        load_calibration(args.calibration)
-        if args.calibration
-        else calibrate(argv=[*model, "--vocab-size", str(VOCAB)])
-    )
-    cluster = calibrated(
-        Cluster(gpus=WORLD, gpus_per_node=WORLD, gpu_memory_gib=64, peak_tflops=1.0,
-                intra_node_gbps=1.0, inter_node_gbps=1.0, device="cpu", name="cpu"),
-        data,
-    )  # fmt: skip
+    reference = [*model, "--vocab-size", str(VOCAB)]
+    data = load_calibration(args.calibration) if args.calibration else calibrate(argv=reference)
+    base = Cluster(gpus=WORLD, gpus_per_node=WORLD, gpu_memory_gib=64, peak_tflops=PEAK,
+                   intra_node_gbps=1.0, inter_node_gbps=1.0, device="cpu", name="cpu")  # fmt: skip
     gbs = args.global_batch_size
+    argvs = []
+    for lay in layouts:
+        c = evaluate(model, lay, base, vocab_size=VOCAB, global_batch_size=gbs)
+        if c.error:
+            raise SystemExit(f"error: {lay.name()}: {c.error}")
+        argvs.append([*c.argv, "--train-iters", str(args.steps + 2)])  # data for every step
+    concurrent, measured = measure(argvs, args.steps, reference)
+    # links from the calibration; compute and optimizer from the run with every rank busy
+    cluster = calibrated(base, {**data, "peak_tflops": PEAK, **concurrent})
     cands = [
         evaluate(model, lay, cluster, vocab_size=VOCAB, global_batch_size=gbs) for lay in layouts
     ]
-    for c in cands:
-        if c.error:
-            raise SystemExit(f"error: {c.layout.name()}: {c.error}")
-    iters = ["--train-iters", str(args.steps + 2)]  # data for the measured steps
-    measured = measure([[*c.argv, *iters] for c in cands], args.steps)
     print(
         f"calibration: efficiency {cluster.efficiency:.2f} of {cluster.peak_tflops:.3g} TFLOP/s, "
         f"layer overhead {cluster.layer_overhead_s * 1e6:.0f} us, all-reduce "
