@@ -35,8 +35,8 @@ def watch_first_step(trainer) -> RankMemory | None:
     """Log the prediction; make the next ``trainer.step`` log the measured figures beside it."""
     try:
         predicted = predicted_for_rank(trainer)
-    except (ValueError, NotImplementedError) as e:  # a layout the planner does not cover yet
-        logger.info("planner: no prediction for this layout (%s)", e)
+    except Exception as e:  # noqa: BLE001 - a layout the planner does not cover must still train
+        logger.info("planner: no prediction for this layout (%s: %s)", type(e).__name__, e)
         return None
     ps, a, s = trainer.ps, predicted.activations, predicted.state
     logger.info(
@@ -62,8 +62,11 @@ def watch_first_step(trainer) -> RankMemory | None:
             with SavedTensorMeter(params) as meter:
                 result = original(forward_step_func, data_iterator)
             measured_act, peak = meter.peak, None
-        state = model_state_bytes(trainer.model[0], trainer.optimizer, dp_size=ps.dp_size)
-        _report(trainer, predicted, state.total, measured_act, peak)
+        try:
+            state = model_state_bytes(trainer.model[0], trainer.optimizer, dp_size=ps.dp_size)
+            _report(trainer, predicted, state.total, measured_act, peak)
+        except Exception as e:  # noqa: BLE001 - the report must never stop a run
+            logger.info("planner: could not measure the first step (%s)", e)
         return result
 
     trainer.step = first_step

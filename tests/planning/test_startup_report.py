@@ -48,3 +48,15 @@ def test_pretrain_prints_and_logs_prediction_beside_measurement(tmp_path, capsys
     }  # fmt: skip
     assert [e.step for e in scalars["planner/measured-activations-mib"]] == [1]
     assert scalars["planner/measured-state-mib"][0].value == pytest.approx(state_m, abs=0.01)
+
+
+def test_a_layout_the_planner_cannot_predict_still_trains(capsys, restore_logging, monkeypatch):
+    from megalite.planning import startup
+
+    def unknown(trainer):
+        raise KeyError("interleaved")  # e.g. a schedule added before the planner knows it
+
+    monkeypatch.setattr(startup, "predicted_for_rank", unknown)
+    result = pretrain(config("--train-iters", "1"), env={})
+    assert result.iteration == 1
+    assert "planner: no prediction for this layout (KeyError" in capsys.readouterr().out
