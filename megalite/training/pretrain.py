@@ -26,6 +26,7 @@ from megalite.core.parallel_state import ParallelState, initialize_model_paralle
 from megalite.core.tensor_parallel.mappings import group_size
 from megalite.core.tensor_parallel.random import model_parallel_seed
 from megalite.data.builders import build_data_loaders, train_valid_test_num_samples
+from megalite.planning.startup import watch_first_step  # issue 19
 from megalite.training import checkpoint_io
 from megalite.training.config import PretrainConfig, with_tokenizer
 from megalite.training.forward_step import make_forward_step
@@ -165,6 +166,7 @@ def pretrain(
         run = build_run(cfg, ps, device, build_cache=launch.local_rank == 0, log=True)
         trainer, t = run.trainer, cfg.training
         trainer.exit_signal = exit_signal
+        watch_first_step(trainer)  # issue 19: the planner's prediction vs the first step
         forward_step = forward_step_func or make_forward_step(device)
         valid_iter = run.valid_iter if t.eval_iters else None
         result = trainer.train(forward_step, run.train_iter, valid_iter)

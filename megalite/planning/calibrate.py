@@ -1,0 +1,211 @@
+"""``tools/plan.py --calibrate``: measure this machine and save the figures the planner uses.
+
+- matmul throughput (``[n, n] x [n, n]`` in the training dtype) at a few sizes; the largest is
+  the machine's ``peak_tflops`` on CPU (on a GPU the data sheet's peak stays, see below);
+- attention throughput (``scaled_dot_product_attention``, causal);
+- a reference training step of a small GPT in one process, at two micro-batch sizes: the model
+  FLOPs over the time give the achieved rate, the two sizes split it into ``efficiency`` (of peak)
+  and a fixed ``layer_overhead_s`` per layer per pass;
+- the optimizer step's seconds per parameter;
+- all-reduce latency and bus bandwidth between two local processes (gloo on CPU, NCCL on GPUs).
+
+Medians of several repetitions. The file format is in ``planning.cluster``.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+
+from megalite.planning.cluster import save_calibration
+
+REFERENCE = (
+    "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 128 "
+    "--lr 1e-4 --train-iters 1000 --mock-data --tokenizer-type NullTokenizer --vocab-size 1024 "
+    "--hidden-dropout 0 --attention-dropout 0 --log-interval 1000 --eval-iters 0"
+).split()
+
+
+def _median_time(fn: Callable[[], None], *, repeat: int, sync: Callable[[], None]) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def matmul_tflops(device: torch.device, dtype: torch.dtype, sizes=(256, 512, 1024)) -> dict:
+    out = {}
+    for n in sizes:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        t = _median_time(lambda a=a, b=b: a @ b, repeat=5, sync=_sync(device))
+        out[str(n)] = 2 * n**3 / t / 1e12
+    return out
+
+
+def attention_tflops(device: torch.device, dtype: torch.dtype, *, s: int = 512) -> float:
+    q, k, v = (torch.randn(1, 8, s, 64, device=device, dtype=dtype) for _ in range(3))
+    t = _median_time(
+        lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+        repeat=5,
+        sync=_sync(device),
+    )
+    return 4 * 8 * s * s * 64 / t / 1e12
+
+
+def reference_step(
+    argv: list[str], device: torch.device, *, repeat: int = 5
+) -> tuple[float, object]:
+    """Median seconds of one training step of the model ``argv`` in one process, and its config."""
+    from megalite.core.parallel_state import ParallelState
+    from megalite.training.arguments import parse_args
+    from megalite.training.config import with_tokenizer
+    from megalite.training.forward_step import make_forward_step
+    from megalite.training.pretrain import build_run
+
+    cfg = with_tokenizer(parse_args(argv, env={}))
+    run = build_run(cfg, ParallelState.single(device), device, seed_rng=True, resume=False)
+    step = make_forward_step(device)
+    t = _median_time(
+        lambda: run.trainer.step(step, run.train_iter), repeat=repeat, sync=_sync(device)
+    )
+    return t, cfg
+
+
+def fit_compute(
+    argv: list[str], device: torch.device, *, peak_tflops: float, optimizer_s_per_param: float
+) -> dict[str, float]:
+    """``efficiency`` and ``layer_overhead_s`` from steps at micro-batch 1 and 4 (global batch =
+    micro-batch: one pass each), minus the optimizer step."""
+    from megalite.planning.model_state import param_numels
+    from megalite.training.flops import model_flops_per_iteration
+
+    points = []
+    for b in (1, 4):
+        t, cfg = reference_step([*argv, "--micro-batch-size", str(b),
+                                 "--global-batch-size", str(b)], device)  # fmt: skip
+        m = cfg.model
+        flops = model_flops_per_iteration(
+            num_layers=m.num_layers, hidden_size=m.hidden_size, seq_length=m.seq_length,
+            global_batch_size=b, padded_vocab_size=m.padded_vocab_size(1),
+            ffn_hidden_size=m.ffn_hidden_size, num_attention_heads=m.num_attention_heads,
+            kv_channels=m.kv_channels, num_query_groups=m.num_query_groups, swiglu=m.swiglu,
+        )  # fmt: skip
+        params = sum(n for _, n in param_numels(m, tp=1, pp=1, pp_rank=0))
+        points.append((flops, t, m.num_layers, params))
+    (f1, t1, layers, params), (f4, t4, _, _) = points
+    rate = (f4 - f1) / max(t4 - t1, 1e-9)  # FLOP/s of the marginal work
+    # what the work does not explain: 3 passes (forward, 2 x backward) per layer
+    fixed = max(t1 - f1 / rate - params * optimizer_s_per_param, 0.0)
+    return {"efficiency": rate / (peak_tflops * 1e12), "layer_overhead_s": fixed / (3 * layers)}
+
+
+def optimizer_seconds_per_param(device: torch.device, n: int = 4_000_000) -> float:
+    p = torch.nn.Parameter(torch.randn(n, device=device))
+    p.grad = torch.randn(n, device=device)
+    opt = torch.optim.AdamW([p], lr=1e-4)
+    return _median_time(opt.step, repeat=5, sync=_sync(device)) / n
+
+
+def _all_reduce_worker(rank: int, world: int, init_file: str, backend: str, sizes, queue) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    out = {}
+    for n in sizes:
+        x = torch.ones(n // 4, device=device)
+        t = _median_time(lambda x=x: dist.all_reduce(x), repeat=7, sync=_sync(device))
+        out[n] = t
+    if rank == 0:
+        queue.put(out)
+    dist.destroy_process_group()
+
+
+def all_reduce_figures(backend: str, *, sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 23)) -> dict:
+    """Latency (s) and bus bandwidth (GB/s) of a 2-rank all-reduce: ``t = lat + bytes / bw``
+    (for two ranks the bus factor 2 (n-1)/n is 1)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "init")
+        procs = [
+            ctx.Process(target=_all_reduce_worker, args=(r, 2, init, backend, sizes, queue))
+            for r in range(2)
+        ]
+        for p in procs:
+            p.start()
+        times = queue.get(timeout=300)
+        for p in procs:
+            p.join()
+    small, large = min(sizes), max(sizes)
+    bw = (large - small) / max(times[large] - times[small], 1e-9)
+    return {
+        "latency_s": max(times[small] - small / bw, 0.0),
+        "gbps": bw / 1e9,
+        "seconds": {str(k): v for k, v in times.items()},
+    }
+
+
+def calibrate(*, device: torch.device | None = None, argv: list[str] = REFERENCE) -> dict:
+    """Every figure, as the calibration file holds them."""
+    from megalite.training.flops import peak_tflops
+
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    mm = matmul_tflops(device, dtype, sizes=(1024, 4096, 8192) if cuda else (256, 512, 1024))
+    peak = (peak_tflops(name, "bf16") if cuda else None) or max(mm.values())
+    data = {
+        "device": name,
+        "peak_tflops": peak,
+        "matmul_tflops": mm,
+        "attention_tflops": attention_tflops(device, dtype),
+        "optimizer_s_per_param": optimizer_seconds_per_param(device),
+    }
+    ref = argv if not cuda else [*argv, "--bf16"]
+    data.update(
+        fit_compute(
+            ref, device, peak_tflops=peak, optimizer_s_per_param=data["optimizer_s_per_param"]
+        )
+    )
+    backend = "nccl" if cuda and torch.cuda.device_count() >= 2 else "gloo"
+    if cuda and backend == "gloo":
+        data["collectives"] = {}  # one GPU: keep the cluster's link figures
+    else:
+        data["collectives"] = {"all_reduce": all_reduce_figures(backend)}
+    return data
+
+
+def calibrate_and_save(path: str, *, out) -> dict:
+    data = calibrate()
+    save_calibration(path, data)
+    print(
+        f"calibrated {data['device']}: peak {data['peak_tflops']:.3g} TFLOP/s, efficiency "
+        f"{data['efficiency']:.2f}, layer overhead {data['layer_overhead_s'] * 1e6:.0f} us, "
+        f"all-reduce {data['collectives'].get('all_reduce', {}).get('gbps', float('nan')):.2f} "
+        f"GB/s -> {path}",
+        file=out,
+    )
+    return data

@@ -1,0 +1,115 @@
+"""The hardware a plan is for: GPUs, memory, peak FLOP/s, link bandwidths, and calibration.
+
+Bandwidths are bus bandwidths per GPU in GB/s (10^9 bytes/s), the figure NCCL's tests report: a
+ring all-reduce of ``B`` bytes over ``n`` ranks takes ``2 (n-1)/n B / bw``, an all-gather or a
+reduce-scatter ``(n-1)/n B / bw``. ``efficiency`` is the achieved share of peak of the model's
+matrix multiplications (calibrated: ``tools/plan.py --calibrate``), ``layer_overhead_s`` a fixed
+cost per layer per micro-batch pass (kernel launches on GPU, op dispatch on CPU).
+
+Calibration file (JSON, written by ``calibrate.calibrate`` and read by ``load_calibration``)::
+
+    {"format": "megalite-plan-calibration/1", "device": "...", "peak_tflops": 989.0,
+     "efficiency": 0.62, "layer_overhead_s": 2e-5, "optimizer_s_per_param": 1e-11,
+     "matmul_tflops": {"1024": 410.0, ...}, "attention_tflops": 300.0,
+     "collectives": {"all_reduce": {"gbps": 80.0, "latency_s": 3e-5}, "p2p": {...}}}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+CALIBRATION_FORMAT = "megalite-plan-calibration/1"
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpus_per_node: int
+    gpu_memory_gib: float
+    peak_tflops: float  # dense, for the training precision
+    intra_node_gbps: float
+    inter_node_gbps: float
+    efficiency: float = 0.6
+    layer_overhead_s: float = 2e-5
+    collective_latency_s: float = 2e-5
+    optimizer_s_per_param: float = 16.0 / 2.0e12  # ~16 bytes read+written per param at HBM speed
+    memory_reserve_gib: float = 4.0  # CUDA context, allocator fragmentation, NCCL buffers
+    device: str = "cuda"  # "cpu": activations as the CPU kernels save them
+    name: str = "custom"
+    calibration: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def usable_bytes(self) -> float:
+        return (self.gpu_memory_gib - self.memory_reserve_gib) * GIB
+
+    def link_gbps(self, span: int) -> float:
+        """Bandwidth of a group whose ranks span ``span`` consecutive global ranks."""
+        return self.intra_node_gbps if span <= self.gpus_per_node else self.inter_node_gbps
+
+
+# Vendors' data sheets (dense bf16; NVLink per GPU one direction) and common fabrics (one
+# 400 Gb/s NIC per H100/H200 GPU = 50 GB/s; 200 Gb/s per A100 = 25 GB/s). Achieved bus bandwidth
+# is lower than the link's rating; these are the usual measured figures (nccl-tests). The default
+# efficiency (share of peak the model's GEMMs reach, other ops folded in) is an assumption, not a
+# fit: calibrate on the GPUs you plan for.
+PRESETS: dict[str, dict] = {
+    "H100": dict(gpu_memory_gib=80, peak_tflops=989.0, intra_node_gbps=360.0,
+                 inter_node_gbps=45.0, gpus_per_node=8, efficiency=0.6),
+    "H200": dict(gpu_memory_gib=141, peak_tflops=989.0, intra_node_gbps=360.0,
+                 inter_node_gbps=45.0, gpus_per_node=8, efficiency=0.6),
+    "A100": dict(gpu_memory_gib=80, peak_tflops=312.0, intra_node_gbps=230.0,
+                 inter_node_gbps=22.0, gpus_per_node=8, efficiency=0.7),
+}  # fmt: skip
+
+
+def preset(name: str, gpus: int, **overrides) -> Cluster:
+    if name not in PRESETS:
+        raise ValueError(f"unknown GPU preset {name!r}; choose one of {', '.join(PRESETS)}")
+    values = {**PRESETS[name], **{k: v for k, v in overrides.items() if v is not None}}
+    return Cluster(gpus=gpus, name=name, **values)
+
+
+def save_calibration(path: str | Path, data: dict) -> None:
+    Path(path).write_text(json.dumps({"format": CALIBRATION_FORMAT, **data}, indent=1) + "\n")
+
+
+def load_calibration(path: str | Path) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(
+            f"--calibration {path}: cannot read it ({e}); run --calibrate first"
+        ) from None
+    if data.get("format") != CALIBRATION_FORMAT:
+        raise ValueError(
+            f"--calibration {path}: format {data.get('format')!r} is not {CALIBRATION_FORMAT!r}; "
+            "run tools/plan.py --calibrate again"
+        )
+    return data
+
+
+def calibrated(cluster: Cluster, data: dict) -> Cluster:
+    """``cluster`` with the measured figures of a calibration file."""
+    coll = data.get("collectives", {})
+    ar = coll.get("all_reduce", {})
+    values = dict(
+        efficiency=data.get("efficiency", cluster.efficiency),
+        layer_overhead_s=data.get("layer_overhead_s", cluster.layer_overhead_s),
+        optimizer_s_per_param=data.get("optimizer_s_per_param", cluster.optimizer_s_per_param),
+        collective_latency_s=ar.get("latency_s", cluster.collective_latency_s),
+        calibration=data,
+    )
+    if "peak_tflops" in data:
+        values["peak_tflops"] = data["peak_tflops"]
+    if "gbps" in ar:
+        values["intra_node_gbps"] = ar["gbps"]
+    return replace(cluster, **values)
+
+
+def as_dict(cluster: Cluster) -> dict:
+    d = asdict(cluster)
+    d.pop("calibration")
+    return d

@@ -1,0 +1,99 @@
+"""pretrain_gpt.py's side-by-side: the planner's prediction for the run's own layout at start-up,
+and what the first training step measured, logged and written to TensorBoard.
+
+    watch_first_step(trainer)    # after build_run, before train
+
+logs the prediction at once and wraps the trainer's first ``step``: on CPU it runs under a
+``SavedTensorMeter`` (saved-activation peak) and the model state is counted from the tensor
+storages (``memory_report``); on CUDA the allocator's peak over the step is the measured figure
+(it includes what the prediction leaves out: the logits' transient, workspace, fragmentation).
+Every rank measures its own; the logging rank (the last) prints its line.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from megalite.planning.measure import SavedTensorMeter
+from megalite.planning.predict import RankMemory, predict_for_config
+
+logger = logging.getLogger(__name__)
+MIB = 2**20
+
+
+def predicted_for_rank(trainer) -> RankMemory:
+    ps = trainer.ps
+    rows = predict_for_config(
+        trainer.cfg, dp=ps.dp_size, dp_ranks=[ps.dp_rank], device=trainer.device.type
+    )
+    return next(r for r in rows if r.pp_rank == ps.pp_rank)
+
+
+def watch_first_step(trainer) -> RankMemory | None:
+    """Log the prediction; make the next ``trainer.step`` log the measured figures beside it."""
+    try:
+        predicted = predicted_for_rank(trainer)
+    except Exception as e:  # noqa: BLE001 - a layout the planner does not cover must still train
+        logger.info("planner: no prediction for this layout (%s: %s)", type(e).__name__, e)
+        return None
+    ps, a, s = trainer.ps, predicted.activations, predicted.state
+    logger.info(
+        "planner: predicted per rank (pp rank %d): model state %.2f MiB (params %.2f, grads %.2f,"
+        " master %.2f, optimizer %.2f) + activations %.2f MiB (%d micro-batch(es) in flight) = "
+        "%.2f MiB",
+        ps.pp_rank, s.total / MIB, s.params / MIB, s.grads / MIB, s.master / MIB,
+        s.optimizer / MIB, a.peak / MIB, a.in_flight, predicted.total / MIB,
+    )  # fmt: skip
+    original = trainer.step
+
+    def first_step(forward_step_func, data_iterator):
+        trainer.step = original
+        from megalite.core.optimizer.memory_report import model_state_bytes
+
+        cuda = trainer.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(trainer.device)
+            result = original(forward_step_func, data_iterator)
+            measured_act, peak = None, torch.cuda.max_memory_allocated(trainer.device)
+        else:
+            params = [p for chunk in trainer.model for p in chunk.parameters()]
+            with SavedTensorMeter(params) as meter:
+                result = original(forward_step_func, data_iterator)
+            measured_act, peak = meter.peak, None
+        try:
+            state = model_state_bytes(trainer.model[0], trainer.optimizer, dp_size=ps.dp_size)
+            _report(trainer, predicted, state.total, measured_act, peak)
+        except Exception as e:  # noqa: BLE001 - the report must never stop a run
+            logger.info("planner: could not measure the first step (%s)", e)
+        return result
+
+    trainer.step = first_step
+    return predicted
+
+
+def _report(trainer, predicted: RankMemory, state: int, act: int | None, peak: int | None) -> None:
+    p_state, p_act = predicted.state.total, predicted.activations.peak
+    values = {
+        "planner/predicted-state-mib": p_state / MIB,
+        "planner/measured-state-mib": state / MIB,
+        "planner/predicted-activations-mib": p_act / MIB,
+        "planner/predicted-peak-mib": predicted.total / MIB,
+    }
+    line = (
+        f"planner vs first step (pp rank {trainer.ps.pp_rank}): model state predicted "
+        f"{p_state / MIB:.2f} MiB, measured {state / MIB:.2f} MiB; activations predicted "
+        f"{p_act / MIB:.2f} MiB"
+    )
+    if act is not None:
+        values["planner/measured-activations-mib"] = act / MIB
+        line += f", measured {act / MIB:.2f} MiB (saved tensors, {p_act / max(act, 1) - 1:+.1%})"
+    if peak is not None:
+        values["planner/measured-peak-mib"] = peak / MIB
+        line += (
+            f"; peak predicted {predicted.total / MIB:.2f} MiB, measured {peak / MIB:.2f} MiB "
+            f"(allocator)"
+        )
+    logger.info(line)
+    trainer.tensorboard.scalars(values, trainer.result.iteration + 1)

@@ -1,0 +1,114 @@
+"""tools/plan.py and the planner's pure parts: search, explain, schedules, the bytes table."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from megalite.planning.activations import IN_FLIGHT
+from megalite.planning.cluster import preset
+from megalite.planning.model_state import ZERO_RUNGS, bytes_per_param
+from megalite.planning.step_time import SCHEDULE_ORDERS, simulate
+from megalite.training.arguments import parse_args
+from tools.plan import main
+
+
+def _run(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    return main(list(argv), out=out), out.getvalue()
+
+
+def test_plan_prints_ranked_layouts_whose_flags_pretrain_gpt_accepts():
+    rc, out = _run("--model", "gpt2-125m", "--gpus", "8", "--global-batch-size", "32", "--top", "2")
+    assert rc == 0
+    commands = [
+        x.split("pretrain_gpt.py ", 1)[1] for x in out.splitlines() if "pretrain_gpt.py " in x
+    ]
+    assert len(commands) == 2
+    for command in commands:  # the printed flags run as they are (data flags added)
+        data = "--lr 1e-4 --train-iters 1 --mock-data --tokenizer-type NullTokenizer"
+        argv = command.split() + data.split() + ["--vocab-size", "50257"]
+        cfg = parse_args(argv, env={"WORLD_SIZE": "8", "RANK": "0"})
+        assert cfg.parallel.world_size == 8
+    rows = [x for x in out.splitlines() if x[:4].strip() in ("1", "2")]
+    speeds = [float(r.split()[-4].replace(",", "")) for r in rows]
+    assert speeds == sorted(speeds, reverse=True)
+
+
+def test_explain_names_refusals_and_misfits():
+    rc, out = _run("--model", "llama3-8b", "--gpus", "8", "--gpu-memory-gib", "24",
+                   "--global-batch-size", "8", "--explain")  # fmt: skip
+    assert rc == 0
+    explained = out.split("why each", 1)[1]
+    assert "TP1 PP1 DP8: does not fit" in explained and "GiB usable per GPU" in explained
+    assert (
+        "refused by pretrain_gpt.py" in _run("--model", "gpt2-125m", "--gpus", "8", "--explain")[1]
+    )  # 12 heads over TP 8
+
+
+def test_one_line_errors(capsys):
+    assert _run("--model", "mixtral-8x7b")[0] == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "issue 16" in err
+    assert _run("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                "--seq-length", "32")[0] == 2  # fmt: skip
+    assert "--vocab-size" in capsys.readouterr().err
+
+
+def test_bytes_per_param_table_is_designs():
+    assert bytes_per_param("no_shard", 8, param_bytes=2, grad_bytes=2) == 16
+    assert bytes_per_param("optim", 8, param_bytes=2, grad_bytes=2) == 4 + 12 / 8
+    assert bytes_per_param("optim_grads", 8, param_bytes=2, grad_bytes=2) == 2 + 14 / 8
+    assert bytes_per_param("optim_grads_params", 8, param_bytes=2, grad_bytes=2) == 16 / 8
+    assert [r for r, v in ZERO_RUNGS.items() if v.available] == ["no_shard", "optim"]
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULE_ORDERS))
+def test_simulated_pipeline_has_the_textbook_bubble(schedule):
+    pp, m, f, b = 4, 8, 1.0, 2.0
+    orders = [SCHEDULE_ORDERS[schedule](r, pp, m) for r in range(pp)]
+    assert simulate(orders, [f] * pp, [b] * pp, 0.0) == pytest.approx((m + pp - 1) * (f + b))
+    # each rank's order holds at most IN_FLIGHT micro-batches between their F and B
+    for r, order in enumerate(orders):
+        live = peak = 0
+        for kind, _ in order:
+            live += 1 if kind == "F" else -1
+            peak = max(peak, live)
+        assert peak == IN_FLIGHT[schedule](r, pp, m, 1)
+
+
+def test_uneven_stages_slow_the_pipeline():
+    orders = [SCHEDULE_ORDERS["1f1b"](r, 2, 4) for r in range(2)]
+    even = simulate(orders, [1.0, 1.0], [2.0, 2.0], 0.0)
+    uneven = simulate(orders, [0.5, 1.5], [1.0, 3.0], 0.0)
+    assert uneven > even
+
+
+def test_presets_override():
+    c = preset("A100", 16, gpu_memory_gib=40, gpus_per_node=None)
+    assert (c.gpu_memory_gib, c.peak_tflops, c.gpus_per_node) == (40, 312.0, 8)
+    with pytest.raises(ValueError, match="unknown GPU preset"):
+        preset("Z9", 8)
+
+
+def test_calibration_file_round_trip(tmp_path):
+    from megalite.planning.cluster import calibrated, load_calibration, save_calibration
+
+    path = tmp_path / "calib.json"
+    figures = {"device": "cpu", "peak_tflops": 0.05, "efficiency": 0.5, "layer_overhead_s": 1e-3,
+               "optimizer_s_per_param": 1e-8,
+               "collectives": {"all_reduce": {"gbps": 0.8, "latency_s": 5e-4}}}  # fmt: skip
+    save_calibration(path, figures)
+    c = calibrated(preset("H100", 2), load_calibration(path))
+    assert (c.peak_tflops, c.efficiency, c.intra_node_gbps, c.collective_latency_s) == (
+        0.05,
+        0.5,
+        0.8,
+        5e-4,
+    )
+    path.write_text('{"format": "other"}')
+    with pytest.raises(ValueError, match="run tools/plan.py --calibrate again"):
+        load_calibration(path)
+    rc, _ = _run("--model", "gpt2-125m", "--calibration", str(tmp_path / "missing.json"))
+    assert rc == 2

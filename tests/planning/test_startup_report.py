@@ -1,0 +1,62 @@
+"""pretrain_gpt.py logs the planner's prediction for its own layout and, after the first step, the
+measured figures beside it, and writes both to TensorBoard (read back with tensorboard's reader)."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from megalite.training.pretrain import pretrain
+from tests.training.common import config
+
+
+@pytest.fixture
+def restore_logging():
+    root = logging.getLogger("megalite")
+    saved = (list(root.handlers), root.level, root.propagate)
+    yield
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
+    root.propagate = saved[2]
+
+
+def test_pretrain_prints_and_logs_prediction_beside_measurement(tmp_path, capsys, restore_logging):
+    tb = tmp_path / "tb"
+    cfg = config(
+        "--train-iters", "2", "--tensorboard-dir", str(tb), "--hidden-dropout", "0.1",
+        "--attention-dropout", "0.1", "--recompute-activations",
+    )  # fmt: skip
+    pretrain(cfg, env={})
+    out = capsys.readouterr().out
+    assert "planner: predicted per rank (pp rank 0): model state" in out
+    line = next(x for x in out.splitlines() if "planner vs first step" in x)
+    numbers = [float(v) for v in re.findall(r"(?:predicted|measured) ([\d.]+) MiB", line)]
+    state_p, state_m, act_p, act_m = numbers
+    assert state_p == state_m
+    assert abs(act_p - act_m) <= 0.05 * act_m
+
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    scalars = {t: events.Scalars(t) for t in events.Tags()["scalars"] if t.startswith("planner/")}
+    assert set(scalars) == {
+        "planner/predicted-state-mib", "planner/measured-state-mib",
+        "planner/predicted-activations-mib", "planner/measured-activations-mib",
+        "planner/predicted-peak-mib",
+    }  # fmt: skip
+    assert [e.step for e in scalars["planner/measured-activations-mib"]] == [1]
+    assert scalars["planner/measured-state-mib"][0].value == pytest.approx(state_m, abs=0.01)
+
+
+def test_a_layout_the_planner_cannot_predict_still_trains(capsys, restore_logging, monkeypatch):
+    from megalite.planning import startup
+
+    def unknown(trainer):
+        raise KeyError("interleaved")  # e.g. a schedule added before the planner knows it
+
+    monkeypatch.setattr(startup, "predicted_for_rank", unknown)
+    result = pretrain(config("--train-iters", "1"), env={})
+    assert result.iteration == 1
+    assert "planner: no prediction for this layout (KeyError" in capsys.readouterr().out

@@ -1,0 +1,77 @@
+r"""The planner on published training configurations: does its memory fit, is its MFU in range?
+
+    python tools/bench/planner_published.py            # prints the table of docs/PLANNER.md
+
+Each row is a published run (model, GPUs, layout, batch, and the MFU its authors report, cited in
+docs/PLANNER.md), mapped onto the nearest layout megalite runs today (no interleaving, CP or
+ZeRO-3 yet: the row says what was changed). The planner's default efficiency per GPU preset is
+used, no calibration on those GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from megalite.planning.cluster import preset  # noqa: E402
+from megalite.planning.predict import Layout  # noqa: E402
+from megalite.planning.presets import MODEL_PRESETS  # noqa: E402
+from megalite.planning.search import evaluate  # noqa: E402
+
+# (name, preset, gpu, gpus, layout, global batch, extra model flags, published MFU range %, note)
+ROWS = [
+    ("Megatron-Core GPT-3 175B", "gpt3-175b", "H100", 128,
+     Layout(tp=4, pp=8, dp=4, sequence_parallel=True, rung="optim", micro_batch_size=1),
+     256, [], (47.0, 47.0), "VP 6 -> plain 1F1B"),
+    ("Llama 3 405B (Meta, 8K GPUs)", "llama3-405b", "H100", 8192,
+     Layout(tp=8, pp=16, dp=64, sequence_parallel=True, rung="optim", micro_batch_size=1),
+     2048, ["--decoder-first-pipeline-num-layers", "7", "--decoder-last-pipeline-num-layers", "7"],
+     (38.0, 43.0), "interleaving -> plain 1F1B"),
+    ("  same, full recompute", "llama3-405b", "H100", 8192,
+     Layout(tp=8, pp=16, dp=64, sequence_parallel=True, rung="optim", micro_batch_size=1,
+            recompute="full"),
+     2048, ["--decoder-first-pipeline-num-layers", "7", "--decoder-last-pipeline-num-layers", "7"],
+     (38.0, 43.0), "megalite keeps SP's gathered inputs"),
+    ("Megatron-Core Llama 3 70B", "llama-70b", "H100", 64,
+     Layout(tp=4, pp=4, dp=4, sequence_parallel=True, rung="optim", micro_batch_size=1),
+     128, [], (41.0, 47.0), "CP 2 -> DP (issue 15)"),
+    ("  same, full recompute", "llama-70b", "H100", 64,
+     Layout(tp=4, pp=4, dp=4, sequence_parallel=True, rung="optim", micro_batch_size=1,
+            recompute="full"),
+     128, [], (41.0, 47.0), "CP 2 -> DP (issue 15)"),
+    ("torchtitan Llama 3 8B", "llama3-8b", "A100", 64,
+     Layout(tp=1, pp=1, dp=64, rung="optim", micro_batch_size=1, recompute="selective"),
+     64, [], (56.3, 58.2), "FSDP -> ZeRO-1 (issue 13)"),
+    ("torchtitan Llama 3 70B", "llama-70b", "A100", 64,
+     Layout(tp=8, pp=4, dp=2, sequence_parallel=True, rung="optim", micro_batch_size=1,
+            recompute="full"),
+     64, [], (50.5, 51.7), "FSDP 64 -> TP8 PP4 DP2 (issue 13)"),
+]  # fmt: skip
+
+
+def main() -> int:
+    print("| run | GPUs | megalite layout | peak GiB / usable | fits | predicted MFU | "
+          "published MFU | in range | note |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, model, gpu, gpus, layout, gbs, extra, (lo, hi), note in ROWS:
+        cluster = preset(gpu, gpus)
+        p = MODEL_PRESETS[model]
+        c = evaluate([*p["argv"], "--bf16", *extra], layout, cluster,
+                     vocab_size=p["vocab_size"], global_batch_size=gbs)  # fmt: skip
+        if c.error:
+            print(f"| {name} | {gpus} x {gpu} | {layout.name()} | refused: {c.error} |")
+            continue
+        mfu = c.step.mfu
+        inside = lo - 5 <= mfu <= hi + 5
+        print(
+            f"| {name} | {gpus} x {gpu} | {layout.name()} | {c.peak_bytes / 2**30:.1f} / "
+            f"{cluster.usable_bytes / 2**30:.0f} | {'yes' if c.fits else 'NO'} | {mfu:.1f}% | "
+            f"{lo:g}-{hi:g}% | {'yes' if inside else 'no'} | {note} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

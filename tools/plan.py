@@ -1,0 +1,141 @@
+r"""Plan a pretraining job: predicted memory and step time of every layout, ranked.
+
+Usage:
+    python tools/plan.py --model llama3-8b --gpus 64 --gpu H100 --global-batch-size 512
+    python tools/plan.py --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \
+        --seq-length 2048 --vocab-size 50257 --gpus 16 --gpu A100 --global-batch-size 256 --explain
+    python tools/plan.py --calibrate --calibration-out calib.json     # this machine's figures
+    python tools/plan.py --model gpt2-125m --gpus 8 --calibration calib.json ...
+
+Model: ``--model PRESET`` (gpt2-125m ... gpt3-175b, llama2-7b ... llama3-405b; mixtral-8x7b is
+refused until MoE lands) or pretrain_gpt.py's model flags with ``--vocab-size``; ``--bf16`` is the
+default precision (``--fp16``/``--fp32`` to change). Cluster: ``--gpu H100|H200|A100`` presets,
+each figure overridable (``--gpu-memory-gib --peak-tflops --intra-node-gbps --inter-node-gbps``,
+bus bandwidth per GPU in GB/s). Prints the top layouts (``--top N``) with a breakdown and the
+exact pretrain_gpt.py flags; ``--explain`` says why each rejected (TP, PP, DP) family was
+rejected. docs/PLANNER.md explains the model and its measured accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megalite.planning.cluster import calibrated, load_calibration, preset
+from megalite.planning.presets import MODEL_PRESETS, REFUSED_PRESETS
+from megalite.planning.report import breakdown, ranking_table
+from megalite.planning.search import explain, search
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tools/plan.py", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help=f"preset: {', '.join([*MODEL_PRESETS, *REFUSED_PRESETS])}")
+    p.add_argument("--vocab-size", type=int, help="with model flags (presets know theirs)")
+    p.add_argument("--gpu", default="H100", help="H100, H200 or A100 (figures below override)")
+    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument("--gpus-per-node", type=int)
+    p.add_argument("--gpu-memory-gib", type=float)
+    p.add_argument("--peak-tflops", type=float)
+    p.add_argument("--intra-node-gbps", type=float, help="GB/s bus bandwidth per GPU in a node")
+    p.add_argument("--inter-node-gbps", type=float, help="GB/s bus bandwidth per GPU across nodes")
+    p.add_argument("--efficiency", type=float, help="achieved share of peak in matmuls")
+    p.add_argument("--calibration", help="a file written by --calibrate")
+    p.add_argument("--global-batch-size", type=int, default=None)
+    p.add_argument("--seq-length", type=int, help="override the model's")
+    precision = p.add_mutually_exclusive_group()
+    precision.add_argument("--fp16", action="store_true")
+    precision.add_argument("--fp32", action="store_true")
+    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--explain", action="store_true")
+    p.add_argument("--calibrate", action="store_true", help="measure this machine, then exit")
+    p.add_argument("--calibration-out", default="plan_calibration.json")
+    return p
+
+
+def model_argv(args, rest: list[str]) -> tuple[list[str], int]:
+    """(model flags, vocab size) from ``--model`` or the pass-through flags; ValueError if not."""
+    if args.model in REFUSED_PRESETS:
+        raise ValueError(REFUSED_PRESETS[args.model])
+    if args.model is not None:
+        if args.model not in MODEL_PRESETS:
+            raise ValueError(
+                f"--model {args.model} is not a preset; choose one of "
+                f"{', '.join(MODEL_PRESETS)} or give the model flags"
+            )
+        if rest:
+            raise ValueError(f"--model {args.model} takes no model flags, got {' '.join(rest)}")
+        p = MODEL_PRESETS[args.model]
+        argv, vocab = list(p["argv"]), p["vocab_size"]
+    else:
+        if not rest:
+            raise ValueError(
+                "give --model PRESET or pretrain_gpt.py's model flags (--num-layers ...)"
+            )
+        if args.vocab_size is None:
+            raise ValueError("model flags need --vocab-size N (the tokenizer's vocabulary)")
+        argv, vocab = list(rest), args.vocab_size
+    if args.seq_length is not None:
+        if "--seq-length" in argv:
+            i = argv.index("--seq-length")
+            argv[i + 1] = str(args.seq_length)
+        else:
+            argv += ["--seq-length", str(args.seq_length)]
+        if "--max-position-embeddings" in argv:
+            i = argv.index("--max-position-embeddings")
+            argv[i + 1] = str(max(int(argv[i + 1]), args.seq_length))
+    if not args.fp32:
+        argv.append("--fp16" if args.fp16 else "--bf16")
+    return argv, vocab
+
+
+def main(argv: list[str] | None = None, out=None) -> int:
+    out = out or sys.stdout
+    args, rest = build_parser().parse_known_args(argv)
+    try:
+        if args.calibrate:
+            from megalite.planning.calibrate import calibrate_and_save
+
+            calibrate_and_save(args.calibration_out, out=out)
+            return 0
+        margv, vocab = model_argv(args, rest)
+        cluster = preset(
+            args.gpu,
+            args.gpus,
+            gpus_per_node=args.gpus_per_node,
+            gpu_memory_gib=args.gpu_memory_gib,
+            peak_tflops=args.peak_tflops,
+            intra_node_gbps=args.intra_node_gbps,
+            inter_node_gbps=args.inter_node_gbps,
+            efficiency=args.efficiency,
+        )
+        if args.calibration:
+            cluster = calibrated(cluster, load_calibration(args.calibration))
+        gbs = args.global_batch_size or cluster.gpus
+        result = search(margv, cluster, vocab_size=vocab, global_batch_size=gbs)
+    except ValueError as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(
+        f"{args.model or 'model'} on {cluster.gpus} x {cluster.name} "
+        f"({cluster.gpu_memory_gib:g} GiB, {cluster.peak_tflops:g} TFLOP/s peak, efficiency "
+        f"{cluster.efficiency:.2f}), global batch {gbs}: {len(result.ranked)} layouts fit, "
+        f"{len(result.rejected)} rejected",
+        file=out,
+    )
+    if not result.ranked:
+        print("no layout fits; --explain says why", file=out)
+    for line in ranking_table(result.ranked, args.top):
+        print(line, file=out)
+    for c in result.ranked[: args.top]:
+        print("", file=out)
+        for line in breakdown(c):
+            print(line, file=out)
+    if args.explain:
+        print("\nwhy each (TP, PP, DP) family ranks where it does:", file=out)
+        for line in explain(result, cluster):
+            print("  " + line, file=out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
