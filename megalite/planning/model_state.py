@@ -164,6 +164,7 @@ def model_state_bytes(
         optimizer=optimizer,
         theory=round(theory),
         num_params=total,
+        stage=list(ZERO_RUNGS).index(r.name),  # the ZeRO stage, as memory_report records it
     )
 
 

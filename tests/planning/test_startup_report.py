@@ -60,3 +60,18 @@ def test_a_layout_the_planner_cannot_predict_still_trains(capsys, restore_loggin
     result = pretrain(config("--train-iters", "1"), env={})
     assert result.iteration == 1
     assert "planner: no prediction for this layout (KeyError" in capsys.readouterr().out
+
+
+def test_features_the_planner_does_not_model_are_named_not_predicted():
+    from megalite.planning.startup import uncovered_features
+
+    cfg = config()
+    assert uncovered_features(cfg) == []
+    cfg.parallel.zero_stage = 3
+    cfg.parallel.context_parallel_size = 2
+    cfg.model.num_experts = 4
+    assert uncovered_features(cfg) == [
+        "--data-parallel-sharding-strategy optim_grads_params",
+        "--context-parallel-size",
+        "--num-experts",
+    ]
