@@ -139,6 +139,9 @@ class ChunkView:
     def parameters(self):
         return self.module.parameters()
 
+    def modules(self):
+        return self.module.modules()
+
 
 def schedule_chunks(wrapper: nn.Module) -> list:
     """The list of chunks the schedule runs: the wrapper itself for one chunk, else a view per
