@@ -95,7 +95,9 @@ def _start(tmp_path: Path, *extra: str, env_extra: dict | None = None):
     save = ["--save", str(tmp_path / "ckpt")]
     cmd = [*launcher, "2", str(ROOT / "pretrain_gpt.py"), *FLAGS, *save, *extra]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+        )  # its own process group: _finish can end the workers even if the launcher is stuck
     return proc, log
 
 
@@ -131,8 +133,8 @@ def _finish(proc: subprocess.Popen, timeout: float) -> int:
     except subprocess.TimeoutExpired:
         return -999
     finally:
-        if proc.poll() is None:  # never leave the launcher (it ends its workers) behind
-            proc.kill()
+        if proc.poll() is None:  # never leave the launcher or its workers behind
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
 
 
