@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megalite.core.moe import set_aux_loss_scale, update_expert_bias
+from megalite.core.moe import routers_of, set_aux_loss_scale, update_expert_bias
 from megalite.core.parallel_state import ParallelState
 from megalite.core.tensor_parallel.mappings import group_size
 from megalite.models.moe_layer import read_moe_stats
@@ -101,6 +101,7 @@ class Trainer:
             cfg, ps, device=device, rng_tracker=tracker
         )
         self.model: list[torch.nn.Module] = schedule_chunks(model)  # a view per chunk (issue 14)
+        self.routers = routers_of(self.model)  # issue 16: found once; none in a dense model
         self.forward_backward_func = get_forward_backward_func(
             ps,
             pipeline_schedule=effective_schedule(cfg),
@@ -148,11 +149,11 @@ class Trainer:
 
     def step(self, forward_step_func: Callable, data_iterator) -> StepResult:
         """One iteration over every model chunk (``data_iterator``: one per chunk, or one)."""
-        # issue 16: aux losses get the lm loss's grad scale (loss scale / micro-batches)
-        scale = 1.0 / self.num_microbatches  # no host read: the fp16 scale stays a tensor
-        if self.optimizer.loss_scaler is not None:
-            scale = self.optimizer.get_loss_scale().reshape(()) * scale
-        set_aux_loss_scale(self.model, scale)
+        if self.routers:  # issue 16: aux losses get the lm loss's grad scale (/ micro-batches)
+            scale = 1.0 / self.num_microbatches  # no host read: the fp16 scale stays a tensor
+            if self.optimizer.loss_scaler is not None:
+                scale = self.optimizer.get_loss_scale().reshape(()) * scale
+            set_aux_loss_scale(self.routers, scale)
         result = train_step(
             forward_step_func,
             as_list(data_iterator),
@@ -161,7 +162,8 @@ class Trainer:
             self.scheduler,
             **self._schedule_kwargs(),
         )
-        update_expert_bias(self.model, self.ps.group("tp", "dp", "cp"))  # aux-loss-free balancing
+        if self.routers:  # aux-loss-free balancing
+            update_expert_bias(self.routers, self.ps.group("tp", "dp", "cp"))
         return result
 
     # --- reading the device-side numbers ----------------------------------------------------------
