@@ -41,7 +41,7 @@ from megalite.checkpoint.files import (
 )
 from megalite.checkpoint.records import check_model_compatible, restore_rng_state
 from megalite.checkpoint.resharding import CheckpointReader, reshard_model, reshard_optimizer
-from megalite.checkpoint.saving import single_chunk
+from megalite.checkpoint.saving import check_chunks
 from megalite.core.optimizer import full_state_from_shards
 from megalite.core.parallel_state import ParallelState
 from megalite.core.tensor_parallel.random import model_parallel_seed
@@ -110,9 +110,15 @@ def _load_model(module: nn.Module, state: dict, where: str) -> None:
             v.copy_(state[k])
 
 
+def chunk_prefix(chunks: list[nn.Module], c: int) -> str:
+    """The prefix of chunk ``c``'s parameter names in the optimizer: several chunks of a rank
+    share one optimizer over a ``ModelChunks`` container (``chunks.{c}.``). # issue 14"""
+    return "" if len(chunks) == 1 else f"chunks.{c}."
+
+
 def _load_optimizer(
     optimizer,
-    module: nn.Module,
+    chunks: list[nn.Module],
     reader: CheckpointReader,
     ps: ParallelState,
     *,
@@ -131,17 +137,22 @@ def _load_optimizer(
     if same_mp:
         state = reader.optimizer_state(ps.tp_rank, ps.pp_rank)
     else:
-        state = reshard_optimizer(
-            reader,
-            [n for n, _ in module.named_parameters() if not is_expert_name(n)],
-            layer_offset=module.layer_range[0],
-            tp_size=ps.tp_size,
-            tp_rank=ps.tp_rank,
-            padded_vocab_size=module.padded_vocab_size,
-        )
+        state = {"params": {}}
+        for c, module in enumerate(chunks):
+            part = reshard_optimizer(
+                reader,
+                [n for n, _ in module.named_parameters() if not is_expert_name(n)],
+                layer_offset=module.layer_range[0],
+                tp_size=ps.tp_size,
+                tp_rank=ps.tp_rank,
+                padded_vocab_size=module.padded_vocab_size,
+            )
+            prefix = chunk_prefix(chunks, c)
+            state["params"].update({prefix + k: v for k, v in part.pop("params").items()})
+            state.update(part)
     if experts is not None:  # issue 16: this rank's experts, from the expert files
         state = {**state, "params": dict(state["params"])}
-        state["params"].update(expert_states(experts, module, ps, with_optimizer=True)[1])
+        state["params"].update(expert_states(experts, chunks[0], ps, with_optimizer=True)[1])
     try:
         optimizer.load_full_state_dict(state)
     except ValueError as e:
@@ -161,6 +172,12 @@ def _load_scheduler(scheduler, saved: dict | None, iteration: int) -> None:
                 steps,
             )
     scheduler.load_state_dict({**current, "num_steps": steps})
+
+
+def _megatron_format(iter_dir: str) -> str | None:
+    from megalite.checkpoint import megatron
+
+    return megatron.detect_format(iter_dir)
 
 
 def _load_if_megatron(
@@ -207,12 +224,17 @@ def load_checkpoint(
     load_optim: bool = True,
     load_rng: bool = True,
     finetune: bool = False,
+    layer_ranges: list[tuple[int, int]] | None = None,
 ) -> LoadedCheckpoint | None:
     """Load ``load_dir`` at ``iteration`` (``--ckpt-step``; default: the tracker's) into this
     rank's pieces; None (and a warning) when there is no checkpoint there yet.
 
-    ``model_chunks``: this rank's GPT stage modules (one today; not the data-parallel wrappers),
-    whose ``config`` is checked against the checkpoint's. Sets the model, and unless
+    ``model_chunks``: this rank's GPT chunk modules, chunk 0 first (not the data-parallel
+    wrappers), whose ``config`` is checked against the checkpoint's; any number per rank, from
+    a checkpoint of any chunk layout (issue 14). ``layer_ranges``: the layers of every global
+    stage of this run in stage order (default: the config's split with one chunk; with several
+    and none given, this rank's chunks alone decide whether the layout is unchanged). Sets the
+    model, and unless
     ``finetune`` (or a ``release`` checkpoint: weights only) the scheduler and, with
     ``load_optim``, the optimizer; returns the saved counters (``progress``) for the caller to
     continue from and the RNG states to apply once the data loaders are built (``restore_rng``;
@@ -220,7 +242,8 @@ def load_checkpoint(
     the layout changed)."""
     if not load_dir:
         raise CheckpointError("load_checkpoint needs a directory: pass --load DIR")
-    module = single_chunk(model_chunks)
+    chunks = check_chunks(model_chunks)  # issue 14: several chunks per rank
+    module = chunks[0]
     if iteration is None:
         iteration = read_tracker(load_dir)
     if iteration is None:
@@ -231,38 +254,46 @@ def load_checkpoint(
         return None
     started = time.perf_counter()
     iter_dir = iteration_dir(load_dir, iteration)
+    if len(chunks) > 1 and _megatron_format(iter_dir) is not None:
+        raise CheckpointError(
+            f"{iter_dir} is a Megatron-LM checkpoint: it loads into one model chunk per rank; "
+            f"this run holds {len(chunks)} (virtual stages / a V schedule): load it once without "
+            "them, save with --ckpt-format megalite, then resume from that"
+        )
     megatron = _load_if_megatron(iter_dir, iteration, module, optimizer, scheduler, ps, seed,
                                  load_optim=load_optim, finetune=finetune)  # fmt: skip  # issue 18
     if megatron is not None:
         return megatron
     reader = CheckpointReader(iter_dir, full_distributed=_full_from_distributed)
     check_model_compatible(reader.model_config, module.config, where=iter_dir)
+    if layer_ranges is None and len(chunks) == 1:
+        layer_ranges = module.config.stage_layer_ranges(ps.pp_size)
     same_mp = (
         reader.tp_size == ps.tp_size
-        and reader.layer_ranges == [tuple(x) for x in module.config.stage_layer_ranges(ps.pp_size)]
+        and reader.pp_size == ps.pp_size
+        and reader.num_chunks == len(chunks)
+        and reader.chunk_ranges(ps.pp_rank) == [tuple(m.layer_range) for m in chunks]
+        and (layer_ranges is None or reader.layer_ranges == [tuple(x) for x in layer_ranges])
         and reader.meta["layout"]["padded_vocab_size"] == module.padded_vocab_size
     )
     experts = None  # issue 16: MoE experts come from their own files, by global expert index
     if has_experts(module):
         experts = ExpertReader(iter_dir, reader.layer_ranges)
-    if same_mp and experts is None:
-        _load_model(module, reader.shard(ps.tp_rank, ps.pp_rank)["model"], iter_dir)
-    elif same_mp:
-        state = dict(reader.shard(ps.tp_rank, ps.pp_rank)["model"])
-        state.update(expert_states(experts, module, ps, with_optimizer=False)[0])
-        _load_model(module, state, iter_dir)
-    else:
-        state = reshard_model(
-            reader,
-            [k for k in module.state_dict().keys() if not is_expert_name(k)],
-            layer_offset=module.layer_range[0],
-            tp_size=ps.tp_size,
-            tp_rank=ps.tp_rank,
-            padded_vocab_size=module.padded_vocab_size,
-        )
+    for c, chunk in enumerate(chunks):
+        if same_mp:
+            state = dict(reader.chunk_model(ps.tp_rank, ps.pp_rank, c))
+        else:
+            state = reshard_model(
+                reader,
+                [k for k in chunk.state_dict().keys() if not is_expert_name(k)],
+                layer_offset=chunk.layer_range[0],
+                tp_size=ps.tp_size,
+                tp_rank=ps.tp_rank,
+                padded_vocab_size=chunk.padded_vocab_size,
+            )
         if experts is not None:
-            state.update(expert_states(experts, module, ps, with_optimizer=False)[0])
-        _load_model(module, state, iter_dir)
+            state.update(expert_states(experts, chunk, ps, with_optimizer=False)[0])
+        _load_model(chunk, state, iter_dir)
     header = reader.meta
     finetune = finetune or iteration == RELEASE
     progress, rng_state, reseed = None, None, None
@@ -273,7 +304,7 @@ def load_checkpoint(
                     f"checkpoint {iter_dir} holds no optimizer state (saved with "
                     "--no-save-optim, or converted); pass --no-load-optim or --finetune"
                 )
-            _load_optimizer(optimizer, module, reader, ps, same_mp=same_mp, experts=experts)
+            _load_optimizer(optimizer, chunks, reader, ps, same_mp=same_mp, experts=experts)
         _load_scheduler(scheduler, header.get("scheduler"), int(header["iteration"]))
         progress = Progress(
             iteration=int(header["iteration"]),

@@ -61,10 +61,18 @@ def layout_record(
     layer_ranges: list[tuple[int, int]],
     padded_vocab_size: int,
     distributed_optimizer: bool,
+    stage_ranks: list[tuple[int, int]] | None = None,
 ) -> dict:
     """``header["layout"]``: the layout a shard was saved under (``layer_ranges``: the layers of
     every stage, by index in the whole model; ``dp_size``: the ranks of the data-parallel group,
-    ``ps.size("dp", "cp")``)."""
+    ``ps.size("dp", "cp")``). Several chunks per rank (issue 14): ``layer_ranges`` lists every
+    GLOBAL stage in stage order and ``stage_ranks`` the (pp rank, chunk) holding each."""
+    chunks = {}
+    if stage_ranks is not None:
+        chunks = {
+            "num_chunks": 1 + max(c for _, c in stage_ranks),
+            "stage_ranks": [list(x) for x in stage_ranks],
+        }
     return {
         "tp_size": tp_size,
         "pp_size": pp_size,
@@ -74,6 +82,7 @@ def layout_record(
         "layer_ranges": [list(r) for r in layer_ranges],
         "padded_vocab_size": padded_vocab_size,
         "distributed_optimizer": distributed_optimizer,
+        **chunks,
     }
 
 

@@ -13,6 +13,11 @@ exp_avg_sq) has the same form as its parameter. Any layout is a pure function of
   PP > 1 the last stage's ``output_layer.weight`` is the word embedding (the logical form keeps only
   ``embedding.word_embeddings.weight``).
 - DP: the model and the plain optimizer are replicated; ZeRO-1 ranges are cut by the optimizer.
+- Several model chunks per rank (virtual stages, the V schedules; issue 14): the layout records the
+  layers of every GLOBAL stage (stage order) and which (pp rank, chunk) holds it; a shard file then
+  holds ``model0``, ``model1``, ... (Megatron's keys), each numbered from 0 locally, and the plain
+  optimizer's names carry the container's ``chunks.{c}.`` prefix. A global name is found by its
+  stage whatever the split, so any chunk layout reshards into any other.
 
 ``CheckpointReader`` serves a saved iteration of any layout in this form, reading each shard file
 once, memory-mapped, and only the stages a caller asks about.
@@ -157,6 +162,9 @@ class CheckpointReader:
         self.tp_size, self.pp_size = int(lay["tp_size"]), int(lay["pp_size"])
         self.dp_size = int(lay["dp_size"])
         self.layer_ranges = [tuple(r) for r in lay["layer_ranges"]]
+        self.num_chunks = int(lay.get("num_chunks", 1))  # issue 14
+        if lay.get("stage_ranks") is not None:
+            self.stage_ranks = [tuple(x) for x in lay["stage_ranks"]]
         self.distributed_optimizer = bool(lay.get("distributed_optimizer", False))
         self.model_config = self.meta["config"]["model"]
         self.vocab_size = int(self.model_config["vocab_size"])
@@ -204,6 +212,45 @@ class CheckpointReader:
             for d in range(self.dp_size)
         ]
 
+    # --- chunks (issue 14) ---------------------------------------------------------------------
+
+    num_chunks = 1  # model chunks per rank
+    stage_ranks: list[tuple[int, int]] | None = None  # (pp rank, chunk) of every global stage
+
+    def rank_of_stage(self, stage: int) -> tuple[int, int]:
+        """(pp rank, chunk) of global stage ``stage``."""
+        return (stage, 0) if self.stage_ranks is None else tuple(self.stage_ranks[stage])
+
+    def chunk_ranges(self, pp_rank: int) -> list[tuple[int, int]]:
+        """The ``[start, end)`` layers of each chunk of ``pp_rank``, chunk 0 first."""
+        found = {}
+        for s, r in enumerate(self.layer_ranges):
+            p, c = self.rank_of_stage(s)
+            if p == pp_rank:
+                found[c] = tuple(r)
+        return [found[c] for c in sorted(found)]
+
+    def chunk_model(self, tp_rank: int, pp_rank: int, chunk: int = 0) -> dict:
+        """The state dict (local names) of one chunk of a saved (tp, pp) shard."""
+        shard = self.shard(tp_rank, pp_rank)
+        return shard["model"] if self.num_chunks == 1 else shard[f"model{chunk}"]
+
+    def optimizer_key(self, chunk: int, local: str) -> str:
+        """The plain optimizer's name of ``local`` in ``chunk`` (a container's prefix when the
+        rank held several chunks)."""
+        return local if self.num_chunks == 1 else f"chunks.{chunk}.{local}"
+
+    def global_names(self) -> list[str]:
+        """Every model tensor's global name, stage order (the tied output copy left out)."""
+        out = []
+        for s, (start, _) in enumerate(self.layer_ranges):
+            p, c = self.rank_of_stage(s)
+            for local in self.chunk_model(0, p, c):
+                name = global_name(local, start)
+                if logical_name(name, tied=self.tied) == name:
+                    out.append(name)
+        return out
+
     # --- the logical form ---------------------------------------------------------------------
 
     def _locate(self, name: str) -> tuple[int, str]:
@@ -213,10 +260,11 @@ class CheckpointReader:
 
     def model_tensor(self, name: str) -> torch.Tensor:
         """The full logical tensor of the global ``name``."""
-        p, local = self._locate(name)
+        s, local = self._locate(name)
+        p, c = self.rank_of_stage(s)
         shards = []
         for t in range(self.tp_size):
-            model = self.shard(t, p)["model"]
+            model = self.chunk_model(t, p, c)
             if local not in model:
                 raise CheckpointError(
                     f"{self.path(t, p)} holds no {local!r}; the checkpoint is of another model "
@@ -249,9 +297,11 @@ class CheckpointReader:
 
     def optimizer_tensors(self, name: str) -> dict[str, torch.Tensor]:
         """``{"master", "exp_avg", "exp_avg_sq"}`` of the global ``name``, full and logical."""
-        p, local = self._locate(name)
+        s, local = self._locate(name)
+        p, c = self.rank_of_stage(s)
+        key = self.optimizer_key(c, local)
         split = tp_split(name, swiglu=self.swiglu)
-        per_rank = [self.optimizer_state(t, p)["params"][local] for t in range(self.tp_size)]
+        per_rank = [self.optimizer_state(t, p)["params"][key] for t in range(self.tp_size)]
         return {
             key: merge_tp([r[key] for r in per_rank], split, vocab_size=self.vocab_size)
             for key in OPTIMIZER_KEYS

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.checkpoint.experts import save_experts  # issue 16
+from megalite.checkpoint.experts import has_experts, save_experts  # issue 16
 from megalite.checkpoint.files import (
     MODEL_FILE,
     CheckpointError,
@@ -51,15 +51,50 @@ logger = logging.getLogger(__name__)
 
 
 def single_chunk(model_chunks: list[nn.Module]) -> nn.Module:
-    """The one GPT stage of ``model_chunks``. The tensors are keyed by global name, so virtual
-    stages (several chunks per rank) will reshard the same way; the file layout for them is not
-    written yet."""
+    """The one GPT stage of ``model_chunks`` (for the paths that take exactly one)."""
     if len(model_chunks) != 1:
         raise CheckpointError(
-            f"{len(model_chunks)} model chunks on this rank: checkpoints hold one chunk per "
-            "pipeline stage for now (no virtual pipeline stages)"
+            f"{len(model_chunks)} model chunks on this rank: this path holds one chunk per "
+            "pipeline stage (no virtual pipeline stages)"
         )
     return model_chunks[0]
+
+
+def check_chunks(model_chunks: list[nn.Module]) -> list[nn.Module]:
+    """This rank's GPT chunks, checked: at least one, holding disjoint layers; several chunks
+    hold no MoE experts (their files are per pipeline rank). One-line CheckpointError."""
+    chunks = list(model_chunks)
+    if not chunks:
+        raise CheckpointError("no model chunk on this rank: pass model_chunks=[gpt, ...]")
+    ranges = sorted(tuple(m.layer_range) for m in chunks)
+    if len(chunks) > 1 and (
+        len({id(m) for m in chunks}) < len(chunks)
+        or any(a[1] > b[0] for a, b in zip(ranges, ranges[1:]))
+    ):
+        raise CheckpointError(
+            f"{len(chunks)} model chunks on this rank hold overlapping layers {ranges}: each "
+            "chunk of a virtual pipeline holds its own layers (pass each chunk once)"
+        )
+    if len(chunks) > 1 and any(has_experts(m) for m in chunks):
+        raise CheckpointError(
+            f"{len(chunks)} model chunks on this rank hold MoE experts: expert checkpoints are "
+            "per pipeline rank; save MoE models with one chunk per rank (no virtual stages, "
+            "--pipeline-schedule 1f1b, gpipe or zb-h1)"
+        )
+    return chunks
+
+
+def stage_table(chunks: list[nn.Module], ps: ParallelState) -> tuple[list, list]:
+    """(layers of every global stage in stage order, (pp rank, chunk) of each): this rank's
+    chunks gathered over ``ps.group("pp")``; stages are ordered by their first layer (every
+    stage holds at least one layer, and stage order is layer order in every layout)."""
+    mine = [(tuple(m.layer_range), ps.pp_rank, c) for c, m in enumerate(chunks)]
+    every = [mine]
+    if ps.pp_size > 1 and dist.is_initialized():
+        every = [None] * ps.pp_size
+        dist.all_gather_object(every, mine, group=ps.group("pp"))
+    stages = sorted(x for rank in every for x in rank)
+    return [r for r, _, _ in stages], [(p, c) for _, p, c in stages]
 
 
 def world_sum(value: float, ps: ParallelState) -> float:
@@ -81,16 +116,20 @@ def gather_over_dp(obj: object, ps: ParallelState) -> list:
     return out
 
 
-def _layout(module: nn.Module, optimizer, ps: ParallelState) -> dict:
+def _layout(chunks: list[nn.Module], optimizer, ps: ParallelState, table) -> dict:
+    module = chunks[0]
+    several = table is not None  # issue 14: every global stage and its (pp rank, chunk)
+    layer_ranges, stage_ranks = table if several else (None, None)
     return layout_record(
         tp_size=ps.tp_size,
         pp_size=ps.pp_size,
         dp_size=ps.size("dp", "cp"),
         tp_rank=ps.tp_rank,
         pp_rank=ps.pp_rank,
-        layer_ranges=module.config.stage_layer_ranges(ps.pp_size),
+        layer_ranges=layer_ranges if several else module.config.stage_layer_ranges(ps.pp_size),
         padded_vocab_size=module.padded_vocab_size,
         distributed_optimizer=optimizer.is_sharded,
+        stage_ranks=stage_ranks if several else None,
     )
 
 
@@ -167,7 +206,9 @@ def save_checkpoint(
 ) -> str:
     """Write the checkpoint of ``iteration`` under ``save_dir``; returns its directory.
 
-    ``model_chunks``: this rank's GPT stage modules (one today; not the data-parallel wrappers).
+    ``model_chunks``: this rank's GPT chunk modules, chunk 0 first (not the data-parallel
+    wrappers); several (virtual stages, V schedules) are written as ``model0``, ``model1``, ...
+    with the layout of every global stage, and gathered over ``ps.group("pp")``.
     ``optimizer``: the plain or the ZeRO-1 mixed-precision optimizer; ``scheduler``: anything with
     ``state_dict()``. ``rng_tracker``: the TP RNG tracker or None. ``config_record``: the run's
     settings as plain data, recorded as ``header["config"]`` (its ``"model"`` entry defaults to
@@ -178,6 +219,12 @@ def save_checkpoint(
     docstring)."""
     if not save_dir:
         raise CheckpointError("save_checkpoint needs a directory: pass --save DIR")
+    if ckpt_format != "megalite" and len(model_chunks) > 1:  # issue 14
+        raise CheckpointError(
+            f"--ckpt-format {ckpt_format} with {len(model_chunks)} model chunks per rank "
+            "(virtual stages / a V schedule) is not written yet: save with --ckpt-format "
+            "megalite (it reshards into any layout) and convert from a one-chunk-per-rank run"
+        )
     if ckpt_format != "megalite":  # issue 18: Megatron's formats, converted from a staged save
         from megalite.checkpoint import megatron_save
 
@@ -194,13 +241,15 @@ def save_checkpoint(
                 remove_old_checkpoints(save_dir, keep=keep_last_n, latest=int(iteration))
         world_sum(0.0, ps)
         return iteration_dir(save_dir, iteration)
-    module = single_chunk(model_chunks)
+    chunks = check_chunks(model_chunks)  # issue 14: several chunks per rank
+    module = chunks[0]
     iteration = int(iteration)
     started = time.perf_counter()
     iter_dir = iteration_dir(save_dir, iteration)
     if ps.rank() == 0 and os.path.isdir(iter_dir) and read_tracker(save_dir) != iteration:
         shutil.rmtree(iter_dir)  # an uncommitted save of this iteration (a crash): start clean
-    non_finite = non_finite_parameters(module)
+    table = stage_table(chunks, ps) if len(chunks) > 1 else None
+    non_finite = [n for m in chunks for n in non_finite_parameters(m)]
     if world_sum(float(len(non_finite)), ps):  # also the barrier after the clean-up above
         raise _refusal(save_dir, iteration, non_finite)
     folder = shard_dir(iter_dir, tp_rank=ps.tp_rank, pp_rank=ps.pp_rank, pp_size=ps.pp_size)
@@ -230,12 +279,14 @@ def save_checkpoint(
             consumed_train_samples=consumed_train_samples,
             consumed_valid_samples=consumed_valid_samples,
             config=record,
-            layout=_layout(module, optimizer, ps),
-            model=module.state_dict(),
+            layout=_layout(chunks, optimizer, ps, table),
+            model=module.state_dict() if len(chunks) == 1 else None,
             optimizer=optim_state,
             scheduler=scheduler.state_dict() if save_optim else None,
             rng_state=rng,
         )
+        if len(chunks) > 1:  # issue 14: Megatron's keys, each chunk numbered from 0
+            header.update({f"model{c}": m.state_dict() for c, m in enumerate(chunks)})
         try:
             written += save_file(header, os.path.join(folder, MODEL_FILE))
         except CheckpointError as e:

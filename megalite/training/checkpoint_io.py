@@ -71,9 +71,11 @@ def save_checkpoint(trainer, iteration: int | None = None, *, save_dir: str | No
 def gathered_params(model: list[nn.Module]) -> contextlib.ExitStack:  # issue 13
     """Every chunk's parameters whole inside (ZeRO-3 gathers its shards and writes loads back);
     a no-op for the other data-parallel rungs."""
+    from megalite.training.model_chunks import grad_wrappers  # issue 14: views share one
+
     stack = contextlib.ExitStack()
-    for chunk in model:
-        stack.enter_context(chunk.gathered_params())
+    for wrapper in grad_wrappers(model):
+        stack.enter_context(wrapper.gathered_params())
     return stack
 
 
@@ -131,7 +133,23 @@ def _load(trainer, load_dir, iteration, t):
         load_optim=not t.no_load_optim,
         load_rng=not t.no_load_rng,
         finetune=t.finetune,
+        layer_ranges=run_layer_ranges(trainer),  # issue 14
     )
+
+
+def run_layer_ranges(trainer) -> list[tuple[int, int]] | None:
+    """The layers of every global stage of the trainer's run (stage order), for any number of
+    model chunks per rank; None when the run has no parallel config (a test's stand-in)."""
+    from megalite.core.pipeline_parallel.generators import layout_of
+    from megalite.training.model_chunks import effective_schedule, num_model_chunks, stage_blocks
+
+    cfg = trainer.cfg
+    if getattr(cfg, "parallel", None) is None or getattr(cfg, "model", None) is None:
+        return None
+    layout = layout_of(
+        effective_schedule(cfg), cfg.parallel.pipeline_model_parallel_size, num_model_chunks(cfg)
+    )
+    return stage_blocks(cfg.model, layout)
 
 
 def restore_rng(trainer, loaded: LoadedCheckpoint) -> None:

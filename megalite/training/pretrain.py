@@ -32,6 +32,7 @@ from megalite.training.config import PretrainConfig, with_tokenizer
 from megalite.training.forward_step import make_forward_step
 from megalite.training.launch import detect_launch, init_distributed, select_device
 from megalite.training.logging import configure_logging
+from megalite.training.model_chunks import grad_wrappers  # issue 14
 from megalite.training.signals import ExitSignalHandler, parse_signal
 from megalite.training.startup_checks import check_startup
 from megalite.training.trainer import Trainer, TrainingError, TrainResult
@@ -82,9 +83,10 @@ def build_run(
     if log:
         n_params = sum(p.numel() for chunk in trainer.model for p in chunk.parameters())
         logger.info("parameters on the last rank: %d", n_params)
-        log_model_state_memory(trainer.model[0], trainer.optimizer, ps)
+        wrapper = grad_wrappers(trainer.model)[0]  # issue 14: chunks of a rank share one
+        log_model_state_memory(wrapper, trainer.optimizer, ps)
         trainer.optimizer.after_first_step = lambda: log_memory_after_step(  # issue 13
-            trainer.model[0], trainer.optimizer, ps
+            wrapper, trainer.optimizer, ps
         )
     t = cfg.training
     try:
