@@ -333,8 +333,8 @@ def _losses_to_last_rank(losses, layout, pp_rank, p2p, m) -> list[dict]:
         names = list(losses[0]) if losses else []
         header = torch.tensor([len(names)], dtype=torch.int64)
         dist.send(header, p2p.global_rank(dst, pp_rank), group=p2p.group)
-        dist.send_object_list(names, p2p.global_rank(dst, pp_rank), group=p2p.group)
-        if names:
+        if names:  # send_object_list cannot send an empty list
+            dist.send_object_list(names, p2p.global_rank(dst, pp_rank), group=p2p.group)
             values = torch.stack(
                 [torch.stack([d[n].detach().float().reshape(()) for n in names]) for d in losses]
             )
@@ -343,9 +343,9 @@ def _losses_to_last_rank(losses, layout, pp_rank, p2p, m) -> list[dict]:
     header = torch.zeros(1, dtype=torch.int64)
     dist.recv(header, p2p.global_rank(src, pp_rank), group=p2p.group)
     names = [None] * int(header)
+    if not names:  # nothing reported: the last rank gets m empty dicts
+        return [{} for _ in range(m)]
     dist.recv_object_list(names, p2p.global_rank(src, pp_rank), group=p2p.group)
-    if not names:
-        return []
     values = torch.empty(m, len(names), dtype=torch.float32, device=p2p.device)
     dist.recv(values, p2p.global_rank(src, pp_rank), group=p2p.group)
     return [dict(zip(names, row.unbind(0))) for row in values]

@@ -35,6 +35,7 @@ class Costs:
     backward_input: float | list[float] = 1.0
     backward_weight: float | list[float] = 1.0
     p2p: float = 0.0
+    per_action: float = 0.0  # the executor's own time per action (Python, posting a send)
 
     def of(self, op: str, chunk: int) -> float:
         def pick(v):
@@ -49,6 +50,60 @@ class Costs:
         if op == "B":
             return pick(self.backward_input) + pick(self.backward_weight)
         return 0.0
+
+    def scaled(self, factor: float) -> Costs:
+        """Every compute cost times ``factor`` (e.g. ``1 / v``: a chunk of a stage cut in v);
+        p2p unchanged."""
+
+        def times(v):
+            return [x * factor for x in v] if isinstance(v, (list, tuple)) else v * factor
+
+        return Costs(
+            times(self.forward), times(self.backward_input), times(self.backward_weight),
+            p2p=self.p2p, per_action=self.per_action,
+        )  # fmt: skip
+
+
+def costs_from_spans(
+    spans: list[list[tuple[str, float, float]]],
+    *,
+    p2p: float = 0.0,
+    steps: list[tuple[float, float]] | None = None,
+    num_actions: list[int] | None = None,
+) -> Costs:
+    """``Costs`` measured by a profiling step: the mean duration of the ``forward``,
+    ``backward-input`` and ``backward-weight`` spans of every rank's ``Timeline`` (a ZB-H1 step
+    has all three; a step with fused ``backward`` spans gives I = W = B / 2). ``p2p``: the
+    latency of one activation between neighbours, measured apart (e.g. half a ping-pong).
+    ``steps`` (each rank's (start, end) of the step) and ``num_actions`` (the length of each
+    rank's list): the time outside every span (compute and receive waits) per action is the
+    executor's own overhead, ``per_action`` (the mean over ranks)."""
+    per_action = 0.0
+    if steps is not None and num_actions is not None:
+        outside = [
+            (end - start - sum(e - s for _, s, e in rank_spans)) / max(n, 1)
+            for rank_spans, (start, end), n in zip(spans, steps, num_actions)
+        ]
+        per_action = max(0.0, sum(outside) / len(outside))
+    times: dict[str, list[float]] = {}
+    for rank_spans in spans:
+        for label, start, end in rank_spans:
+            times.setdefault(label.split()[0], []).append(end - start)
+
+    def mean(kind: str) -> float | None:
+        values = times.get(kind)
+        return sum(values) / len(values) if values else None
+
+    forward = mean("forward")
+    if forward is None:
+        raise ValueError("the profiling spans hold no forward span: record a Timeline step")
+    i, w = mean("backward-input"), mean("backward-weight")
+    if i is None or w is None:
+        b = mean("backward")
+        if b is None:
+            raise ValueError("the profiling spans hold no backward span")
+        i = w = b / 2
+    return Costs(forward, i, w, p2p=p2p, per_action=per_action)
 
 
 @dataclass
@@ -88,23 +143,25 @@ def simulate(lists: list[list[Action]], layout: StageLayout, costs: Costs) -> Si
                 s = layout.stage(r, a.chunk)
                 start = free[r]
                 if a.op in ("RECV_F", "RECV_B"):
-                    pass  # posted: costs nothing; the consumer waits for the arrival
+                    free[r] += costs.per_action  # posted; the consumer waits for the arrival
                 elif a.op == "SEND_F":
                     t = done.get(("F", a.microbatch, s))
                     if t is None:
                         break
                     arrival[("F", a.microbatch, s + 1)] = t + costs.p2p
+                    free[r] += costs.per_action
                 elif a.op == "SEND_B":
                     t = done.get(("IB", a.microbatch, s))
                     if t is None:
                         break
                     arrival[("B", a.microbatch, s - 1)] = t + costs.p2p
+                    free[r] += costs.per_action
                 else:
                     ready = _inputs_ready(a, s, r, layout, arrival, done)
                     if ready is None:
                         break
                     start = max(free[r], ready)
-                    end = start + costs.of(a.op, a.chunk)
+                    end = start + costs.per_action + costs.of(a.op, a.chunk)
                     free[r] = end
                     busy[r] += end - start
                     spans[r].append((f"{LABELS[a.op]} {a.microbatch}.{a.chunk}", start, end))
