@@ -198,11 +198,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[8, 1, 2, 4, 16])
     parser.add_argument("--timeline-dir", default=None)
+    parser.add_argument(
+        "--check", action="store_true",
+        help="with --all: exit 1 unless every predicted / measured step lies within 15%%",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.all:
         from tools.bench.bench_pipeline_all import run_all
 
-        run_all(pp=args.pp or 4, m=args.m, steps=args.steps, timeline_dir=args.timeline_dir)
+        ratios = run_all(
+            pp=args.pp or 4, m=args.m, steps=args.steps, timeline_dir=args.timeline_dir
+        )
+        bad = {k: round(r, 3) for k, r in ratios.items() if abs(r - 1) > 0.15}
+        if args.check and bad:
+            raise SystemExit(f"predicted / measured outside [0.85, 1.15]: {bad}")
         return
     args.pp = args.pp or 2
     ctx = mp.get_context("spawn")

@@ -171,7 +171,8 @@ def _costs(profile) -> Costs:
     return Costs(mean["forward"], mean["backward-input"], mean["backward-weight"], p2p=0.0)
 
 
-def run_all(*, pp: int, m: int, steps: int, timeline_dir: str | None) -> None:
+def run_all(*, pp: int, m: int, steps: int, timeline_dir: str | None) -> dict[str, float]:
+    """Run and print every schedule; returns predicted / measured per schedule."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     init_file = os.path.join(tempfile.mkdtemp(), "rdzv")
@@ -189,6 +190,7 @@ def run_all(*, pp: int, m: int, steps: int, timeline_dir: str | None) -> None:
         f"{stage.backward_input * 1e3:.2f} ms, W {stage.backward_weight * 1e3:.2f} ms"
     )
     base = out["1f1b"][0]
+    ratios = {}
     for schedule, v in CASES:
         ours, theirs, gathered = out[schedule]
         layout = layout_of(schedule, pp, v)
@@ -200,6 +202,7 @@ def run_all(*, pp: int, m: int, steps: int, timeline_dir: str | None) -> None:
         torch_part = (f"torch {TORCH_CLASS[schedule]} {theirs * 1e3:7.1f} ms, ratio "
                       f"{ours / theirs:.3f}x" if isinstance(theirs, float)
                       else f"torch {TORCH_CLASS[schedule]}: {theirs}")  # fmt: skip
+        ratios[schedule] = sim.step_time / ours
         print(f"  {schedule:17s} megalite {ours * 1e3:7.1f} ms ({ours / base:.3f}x 1F1B), "
               f"predicted {sim.step_time * 1e3:7.1f} ms ({sim.step_time / ours:.2f}x measured, "
               f"bubble {sim.bubble:.3f}); {torch_part}")  # fmt: skip
@@ -213,3 +216,4 @@ def run_all(*, pp: int, m: int, steps: int, timeline_dir: str | None) -> None:
                     f.write(render_svg(stages, f"megalite {schedule} ({what}), pp={pp}, m={m}"))
             with open(os.path.join(timeline_dir, f"timeline_{schedule}.json"), "w") as f:
                 json.dump({"stages": gathered}, f)
+    return ratios
