@@ -12,9 +12,9 @@ ZeRO-1 <-> plain and an unchanged multi-chunk layout are all crossed, with the m
 embeddings: a V keeps the output layer on the embedding's rank) and the Adam state. The oracle is
 the single-process run of the same flags: every iteration's loss equals it to 1e-5 relative (fp32;
 only the order of sums differs). The weights of every checkpoint, read back as one CPU model by
-``load_model`` (what the HF converter reads), equal the oracle's checkpoint of the same iteration;
-the HF export of a V-layout checkpoint is checked against transformers. The control: resuming the
-first hop without the optimizer state moves the losses by more than 10x the tolerance.
+``load_model`` (what the HF converter exports), equal the oracle's checkpoint of the same
+iteration. The control: resuming the first hop without the optimizer state moves the losses of
+its second iteration by more than 10x the tolerance.
 """
 
 from __future__ import annotations
