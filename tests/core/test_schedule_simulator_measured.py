@@ -1,0 +1,208 @@
+"""The simulator's predicted step time = the measured one (within 15%), every schedule, PP 2, m = 8.
+
+Two gloo ranks run the real executor on layers whose forward, input-grad and weight-grad take
+fixed times: each ``SleepLinear`` is a ``ColumnParallelLinear`` (so the executor defers its weight
+grad into the ``WeightGradStore`` exactly as for the GPT's layers) whose autograd function sleeps
+F, I and W. Every measured step records a ``Timeline``; ``simulator.costs_from_spans`` turns its
+spans into ``Costs``: the mean F / I / W (B / 2 each for a fused backward) per chunk, and the
+executor's own time per action (the step's time outside every span, over its actions); a
+ping-pong of the same repetition gives the p2p latency. The simulator replays the same action lists
+with those costs; the step lasts from the earliest start to the latest end (after a barrier;
+``perf_counter`` is one clock for the processes of one machine). What the simulator must get right
+is everything the costs leave out: every wait for an activation or a grad (the bubble), the turn
+of a V on one rank, when W runs. The median over 5 repetitions of predicted / measured must lie
+within 15% of 1.
+
+Why sleeps, and why the step's own spans: on a loaded 2-core CI machine (8 sessions, load average
+10-20 seen) compute-bound ranks are descheduled at random and the same layer takes 1x-2x from one
+step to the next; sleeping layers hold no core, and costs taken from the step itself follow the
+machine's mood. The comparison with real matrix multiplies and a separate profiling step is
+``tools/bench/bench_pipeline.py --all`` on a quiet machine (``cpu-run-all``), where it asserts the
+same 15%. The test can fail: a simulator that takes a chunk for a whole stage, or forgets the
+weight grads, lands outside the bound (``test_a_wrong_simulator_is_detected``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalite.core.pipeline_parallel.actions import with_p2p
+from megalite.core.pipeline_parallel.generators import generate, layout_of
+from megalite.core.pipeline_parallel.p2p import P2PCommunicator
+from megalite.core.pipeline_parallel.schedules import forward_backward_pipelining
+from megalite.core.pipeline_parallel.simulator import Costs, costs_from_spans, simulate
+from megalite.core.pipeline_parallel.timeline import Timeline
+from megalite.core.tensor_parallel.layers import ColumnParallelLinear
+from tests.harness import run_distributed
+
+WIDTH, BLOCKS, MICRO_BATCH, M, PP, REPEATS = 8, 4, 4, 8, 2, 5
+SLEEP = {"F": 0.002, "I": 0.002, "W": 0.002}  # per block; a stage holds 2 blocks
+CASES = [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h1", 2),
+         ("zbv", 2), ("dualpipev", 2)]  # fmt: skip
+
+
+class _Sleep(torch.autograd.Function):
+    """y = x @ w.T after sleeping F; backward sleeps I for the input grad and W for the weight
+    grad (deferred into the layer's store while it defers, as megalite's linears do)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, store):
+        time.sleep(SLEEP["F"])
+        ctx.save_for_backward(x, weight)
+        ctx.store = store
+        return x.matmul(weight.t())
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        time.sleep(SLEEP["I"])
+        grad_in = grad_out.matmul(weight)
+
+        def weight_grad():
+            time.sleep(SLEEP["W"])
+            return [weight], [grad_out.flatten(0, -2).t().matmul(x.flatten(0, -2))]
+
+        store = ctx.store
+        if store is not None and store.deferring:
+            store.put(weight_grad)
+            return grad_in, None, None
+        return grad_in, weight_grad()[1][0], None
+
+
+class SleepLinear(ColumnParallelLinear):
+    def __init__(self):
+        super().__init__(WIDTH, WIDTH, tp_group=None, bias=False)
+
+    def forward(self, x):
+        return _Sleep.apply(x, self.weight, self.weight_grad_store)
+
+
+class Chunk(nn.Module):
+    def __init__(self, n: int, first: bool):
+        super().__init__()
+        self.blocks = nn.Sequential(*[SleepLinear() for _ in range(n)])
+        self.first, self.input_tensor = first, None
+
+    def set_input_tensor(self, t):
+        self.input_tensor = t
+
+    def forward(self, x):
+        return self.blocks(x if self.first else self.input_tensor)
+
+
+def _step(schedule, chunks, p2p, xs, ys, timeline=None) -> tuple[float, float]:
+    """One step; (start, end) on this rank's perf_counter."""
+
+    def forward_step(it, model):
+        i = next(it)
+        return model(xs[i]), lambda o: (torch.nn.functional.mse_loss(o, ys[i]), {})
+
+    for c in chunks:
+        c.zero_grad(set_to_none=True)
+    dist.barrier()
+    start = time.perf_counter()
+    forward_backward_pipelining(
+        schedule=schedule, forward_step_func=forward_step,
+        data_iterator=[iter(range(M)) for _ in chunks], model=chunks, num_microbatches=M,
+        p2p=p2p, pp_rank=dist.get_rank(), pp_size=PP, timeline=timeline,
+    )  # fmt: skip
+    return start, time.perf_counter()
+
+
+def _p2p_latency() -> float:
+    """Half a round trip of one activation between the two ranks (median of 20)."""
+    buf, rank, times = torch.zeros(MICRO_BATCH, WIDTH), dist.get_rank(), []
+    for _ in range(21):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        else:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        times.append((time.perf_counter() - t0) / 2)
+    return statistics.median(times[1:])
+
+
+def _measure():
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(0)
+    xs, ys = torch.randn(2, M, MICRO_BATCH, WIDTH, generator=g).unbind(0)
+    p2p = P2PCommunicator(
+        prev_rank=rank - 1 if rank else None, next_rank=rank + 1 if rank < PP - 1 else None,
+        tensor_shape=(MICRO_BATCH, WIDTH), dtype=torch.float32, device=torch.device("cpu"),
+        group=dist.group.WORLD, pp_ranks=list(range(PP)),
+    )  # fmt: skip
+    models = {}
+    for schedule, v in CASES:
+        torch.manual_seed(rank)
+        layout = layout_of(schedule, PP, v)
+        n = BLOCKS // layout.num_stages
+        chunks = [Chunk(n, layout.stage(rank, c) == 0) for c in range(layout.num_chunks)]
+        models[(schedule, v)] = chunks
+        _step(schedule, chunks, p2p, xs, ys)  # warm-up
+    out = []
+    for _ in range(REPEATS):
+        latency = _p2p_latency()
+        steps = {}
+        for case in CASES:
+            tl = Timeline()
+            steps[case] = (tl.spans, *_step(case[0], models[case], p2p, xs, ys, timeline=tl))
+        out.append((latency, steps))
+    return out
+
+
+def _ratios(results, *, wrong: str | None = None) -> dict:
+    """Per case, the median over repetitions of predicted / measured step time."""
+    ratios = {case: [] for case in CASES}
+    for rep in range(REPEATS):
+        latency = max(results[r][rep][0] for r in range(PP))
+        for schedule, v in CASES:
+            per_rank = [results[r][rep][1][(schedule, v)] for r in range(PP)]
+            measured = max(e for _, _, e in per_rank) - min(s for _, s, _ in per_rank)
+            layout = layout_of(schedule, PP, v)
+            lists = with_p2p(
+                generate(schedule, pp_size=PP, num_microbatches=M, num_chunks=v), layout
+            )
+            costs = costs_from_spans(
+                [spans for spans, _, _ in per_rank], p2p=latency,
+                steps=[(s, e) for _, s, e in per_rank], num_actions=[len(a) for a in lists],
+            )  # fmt: skip
+            if wrong == "chunk is a stage":  # forgets that a chunk holds 1/v of the layers
+                costs = costs.scaled(v)
+            elif wrong == "no weight grad":  # W (or half of a fused B) free
+                costs = Costs(costs.forward, costs.backward_input, 0.0, p2p=latency)
+            ratios[(schedule, v)].append(simulate(lists, layout, costs).step_time / measured)
+    return {case: statistics.median(r) for case, r in ratios.items()}
+
+
+_RESULTS = {}
+
+
+def _results():
+    if not _RESULTS:
+        _RESULTS["r"] = run_distributed(_measure, PP, timeout=600)
+    return _RESULTS["r"]
+
+
+def test_predicted_step_time_within_15_percent_of_measured():
+    ratios = _ratios(_results())
+    bad = {f"{s} v{v}": round(r, 3) for (s, v), r in ratios.items() if abs(r - 1) > 0.15}
+    assert not bad, f"predicted / measured outside [0.85, 1.15]: {bad}; all: {ratios}"
+
+
+def test_a_wrong_simulator_is_detected():
+    """The bound catches a simulator that is wrong: one that takes a chunk for a whole stage
+    (every case with two chunks per rank), and one that forgets the weight grads (every case)."""
+    results = _results()
+    wrong = _ratios(results, wrong="chunk is a stage")
+    assert all(abs(r - 1) > 0.15 for (_, v), r in wrong.items() if v == 2), wrong
+    wrong = _ratios(results, wrong="no weight grad")
+    assert all(abs(r - 1) > 0.15 for r in wrong.values()), wrong
