@@ -44,6 +44,7 @@ MOE = {
     ).split(),
 }
 STRONG_AUX = ("--moe-aux-loss-coeff", "1.0", "--moe-z-loss-coeff", "0.1")
+GLOBAL_AUX = (*STRONG_AUX, "--moe-router-load-balancing-type", "global_aux_loss")
 
 
 def _flags(family: str, extra=()) -> list[str]:
@@ -58,6 +59,19 @@ def _summary(result) -> tuple[list[float], list[float], list[float], list[float]
 
 def _oracle(family: str, extra=()) -> tuple:
     return _summary(train_losses(config(*_flags(family, extra)), ParallelState.single()))
+
+
+def _oracle_extra(model_extra: tuple, layout: tuple) -> tuple:
+    """``global_aux_loss`` counts the tokens of the data-parallel micro-step (micro_batch_size x
+    dp consecutive samples): its oracle's micro-batch is that micro-step, same micro-batch count."""
+    if "global_aux_loss" not in model_extra:
+        return model_extra
+    sizes = dict(zip(layout[::2], layout[1::2]))
+    dp = 8 // (
+        int(sizes["--tensor-model-parallel-size"]) * int(sizes["--pipeline-model-parallel-size"])
+    )
+    mbs = int(sizes.get("--micro-batch-size", 2))
+    return (*model_extra, "--micro-batch-size", str(mbs * dp))
 
 
 def _layouts_case(layouts: list[tuple[str, tuple, tuple]]) -> dict:
@@ -82,7 +96,7 @@ def _layouts_case(layouts: list[tuple[str, tuple, tuple]]) -> dict:
 
 def _check(layouts, results) -> None:
     for family, model_extra, layout in layouts:
-        losses, norms, aux, z = _oracle(family, model_extra)
+        losses, norms, aux, z = _oracle(family, _oracle_extra(model_extra, layout))
         assert max(losses) - min(losses) > 1e-4, "the oracle's losses do not move: vacuous"
         assert len(aux) == 5 and min(aux) > 0 and min(z) > 0
         for rank, r in enumerate(results):
@@ -113,6 +127,10 @@ def test_moe_whole_model_ep_tp_dp_pp_and_aux_invariant_equal_single_process():
         ("gpt2", STRONG_AUX, _sizes(tp=2, ep=4, etp=1)),  # DP4, TP without SP, 1 micro-batch
         # ZeRO-1: expert optimizer state sharded over edp 2, dense over dp 4
         ("llama", ("--use-distributed-optimizer",), _sizes(tp=2, ep=2, etp=1, sp=True)),
+        # global_aux_loss: DP1 x 4 micro-steps, DP2 (TP2 SP x PP2) x 2, DP4 (TP2) x 2
+        ("gpt2", GLOBAL_AUX, _sizes(tp=4, pp=2, ep=4, etp=1)),
+        ("gpt2", GLOBAL_AUX, _sizes(tp=2, pp=2, ep=2, sp=True)),
+        ("gpt2", GLOBAL_AUX, (*_sizes(tp=2, ep=4, etp=1), "--micro-batch-size", "1")),
     ]
     results = run_distributed(_layouts_case, 8, layouts, timeout=600)
     _check(layouts, results)
