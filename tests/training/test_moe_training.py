@@ -185,3 +185,42 @@ def test_save_at_ep2_tp2_resume_at_ep1_tp1_continues():
         fresh = pretrain(config(*_flags(family), *load, "--no-load-optim"), env={}).losses
         gap = max(abs(a - b) / abs(b) for a, b in zip(fresh, straight[family][2:]))
         assert gap > 10 * REL, f"the optimizer state makes no difference ({gap}): vacuous"
+
+
+def _zero_save_and_reshard_case(root: str, cases: list[tuple[str, tuple, tuple, tuple]]) -> dict:
+    """Per case: iterations 1-4 at ``saved`` (ZeRO, saving at 2), then 3-4 resumed from
+    iteration 2 at ``resumed`` (another EP / ETP / TP / DP and ZeRO rung), in this world."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world)}
+    out = {}
+    for name, zero, saved, resumed in cases:
+        save = os.path.join(root, name)
+        flags = [*_flags("llama"), "--train-iters", "4", "--save", save, "--save-interval", "2"]
+        straight = pretrain(config(*flags, *zero, *saved, world_size=world, rank=rank), env=env)
+        load = [*_flags("llama"), "--train-iters", "4", "--load", save, "--ckpt-step", "2"]
+        again = pretrain(config(*load, *resumed, world_size=world, rank=rank), env=env)
+        out[name] = (straight.losses, again.losses)
+    return out
+
+
+def test_zero_expert_optimizer_state_resumes_at_another_layout():
+    """ZeRO keeps the expert optimizer state sharded over edp; the checkpoint also writes it whole
+    by global expert (gathered over edp), so it resumes at any layout: ZeRO-1 saved at EP2 x TP2
+    (SP) x DP2 (edp 2) resumes at EP1 x DP4 ZeRO-1 (edp 4) and in one process without ZeRO;
+    ZeRO-3 saved at EP2 x DP4 (edp 2) resumes at EP4 x ETP1 x TP2 x DP2 ZeRO-2 and in one
+    process. Iterations 3-4 = the uninterrupted run's (1e-5)."""
+    cases = [
+        ("zero1", ("--use-distributed-optimizer",), _sizes(tp=2, ep=2, sp=True),
+         ("--use-distributed-optimizer", *_sizes(ep=1))),
+        ("zero3", ("--zero-stage", "3"), _sizes(ep=2),
+         ("--zero-stage", "2", *_sizes(tp=2, ep=4, etp=1, sp=True))),
+    ]  # fmt: skip
+    with tempfile.TemporaryDirectory() as root:
+        results = run_distributed(_zero_save_and_reshard_case, 4, root, cases, timeout=300)[-1]
+        for name, _, _, _ in cases:
+            straight, again = results[name]
+            assert len(straight) == 4
+            assert_close_rel(again, straight[2:], REL, f"{name} resumed in the 4-rank world")
+            load = ["--train-iters", "4", "--load", os.path.join(root, name), "--ckpt-step", "2"]
+            single = pretrain(config(*_flags("llama"), *load), env={}).losses
+            assert_close_rel(single, straight[2:], REL, f"{name} resumed at EP1 x TP1")
