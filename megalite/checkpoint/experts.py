@@ -12,8 +12,10 @@ also writes its experts::
 with ``L`` the global layer and ``e`` the global expert; ``linear_fc1`` is ``[gate; up]`` split with
 stride 2 over ETP under SwiGLU (like the dense MLP), ``linear_fc2`` # [h, f/etp]. Loading merges a
 saved expert's ETP shards and cuts the run's, for whichever EP rank now holds it. The expert
-optimizer state is written with the plain optimizer (ZeRO keeps it in its own files, which resume
-at the same layout).
+optimizer state is written whole over edp whatever the ZeRO rung (a sharded optimizer's expert
+buffers are gathered over edp first: ``gather_expert_optimizer``, a collective), so it resumes at
+any EP / ETP / TP / DP layout; the ``distrib_optim`` files also hold the edp shards, which a
+resume at the same layout reads directly.
 """
 
 from __future__ import annotations
@@ -63,9 +65,25 @@ def _file(iter_dir: str, pp: int, ep: int, etp: int) -> str:
     return os.path.join(iter_dir, EXPERTS_DIR, f"pp_{pp:03d}_ep_{ep:03d}_etp_{etp:02d}.pt")
 
 
-def save_experts(iter_dir: str, module: nn.Module, optimizer, ps: ParallelState) -> int:
+def gather_expert_optimizer(module: nn.Module, optimizer, ps: ParallelState) -> dict | None:
+    """A sharded (ZeRO) optimizer's expert state, whole over edp: ``{local name: {"master",
+    "exp_avg", "exp_avg_sq"}}``; a collective over edp, every rank calls it before
+    ``save_experts``. None for a plain optimizer (``save_experts`` reads it itself) or without
+    experts."""
+    del ps
+    if optimizer is None or not optimizer.is_sharded or not _expert_params(module):
+        return None
+    from megalite.core.optimizer.zero1_checkpoint import full_state_buffers
+
+    return full_state_buffers(optimizer, expert=True)
+
+
+def save_experts(
+    iter_dir: str, module: nn.Module, optimizer, ps: ParallelState, gathered: dict | None = None
+) -> int:
     """Write this rank's experts (edp rank 0 only; others return 0); the bytes written.
-    ``optimizer`` None: the model only (``--no-save-optim``)."""
+    ``optimizer`` None: the model only (``--no-save-optim``); a sharded optimizer's state comes
+    from ``gathered`` (``gather_expert_optimizer``)."""
     params = _expert_params(module)
     if not params or ps.rank("edp") != 0:
         return 0
@@ -74,6 +92,8 @@ def save_experts(iter_dir: str, module: nn.Module, optimizer, ps: ParallelState)
     full_optim = None
     if optimizer is not None and not optimizer.is_sharded:
         full_optim = optimizer.full_state_dict(copy=False)["params"]
+    elif optimizer is not None:
+        full_optim = gathered
     model, optim = {}, {} if full_optim is not None else None
     for local, layer, kind, p in params:
         for i in range(el):
@@ -159,7 +179,7 @@ def expert_states(
             if any(x["optimizer"] is None for x in pieces):
                 raise CheckpointError(
                     f"{reader.iter_dir}: the expert files hold no optimizer state (saved with "
-                    "--no-save-optim or ZeRO at another layout); pass --no-load-optim"
+                    "--no-save-optim, or by an older ZeRO save); pass --no-load-optim"
                 )
             optim[local] = {
                 k: torch.stack([cut(x["optimizer"][k]) for x in pieces])

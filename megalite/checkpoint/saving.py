@@ -29,7 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.checkpoint.experts import has_experts, save_experts  # issue 16
+from megalite.checkpoint.experts import (  # issue 16
+    gather_expert_optimizer,
+    has_experts,
+    save_experts,
+)
 from megalite.checkpoint.files import (
     MODEL_FILE,
     CheckpointError,
@@ -291,9 +295,12 @@ def save_checkpoint(
             written += save_file(header, os.path.join(folder, MODEL_FILE))
         except CheckpointError as e:
             failure = e
+    expert_optim = gather_expert_optimizer(module, optimizer if save_optim else None, ps)
     if failure is None:  # issue 16: experts by global expert index
         try:
-            written += save_experts(iter_dir, module, optimizer if save_optim else None, ps)
+            written += save_experts(
+                iter_dir, module, optimizer if save_optim else None, ps, expert_optim
+            )
         except CheckpointError as e:
             failure = e
     try:

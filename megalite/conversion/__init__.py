@@ -18,7 +18,7 @@ import shutil
 import torch
 
 from megalite.checkpoint.files import RELEASE, read_tracker
-from megalite.conversion import gpt2, llama, mixtral  # mixtral: issue 16
+from megalite.conversion import gpt2, llama, mixtral, qwen2_moe  # mixtral, qwen2_moe: issue 16
 from megalite.conversion.errors import ConversionError
 from megalite.conversion.hf_files import (
     load_hf_config,
@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 FAMILIES = {"gpt2": gpt2, "llama": llama, "mixtral": mixtral}
 HF_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama", "mixtral": "mixtral"}  # model_type -> family
+FAMILIES.update(qwen2=qwen2_moe.Dense, qwen2_moe=qwen2_moe)  # issue 16
+HF_MODEL_TYPES.update(qwen2="qwen2", qwen2_moe="qwen2_moe")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 __all__ = [
@@ -49,9 +51,18 @@ __all__ = [
 
 def family_of(config: GPTConfig) -> str:
     """ "gpt2" or "llama"; ConversionError naming what disagrees with both otherwise."""
-    if config.num_experts is not None:  # issue 16
-        mixtral.check(config)
-        return "mixtral"
+    if config.num_experts is not None:  # issue 16: Mixtral unless only Qwen2-MoE fits
+        try:
+            mixtral.check(config)
+            return "mixtral"
+        except ConversionError:
+            if config.moe_shared_expert_intermediate_size is None:
+                raise
+        qwen2_moe.check(config)
+        return "qwen2_moe"
+    if config.add_qkv_bias:  # issue 16
+        qwen2_moe.check_dense(config)
+        return "qwen2"
     if config.position_embedding_type == "rope":
         llama.check(config)
         return "llama"
@@ -125,7 +136,7 @@ def import_from_hf(
     if family is None:
         raise ConversionError(
             f"{hf_dir}: model_type {hf_config.model_type!r} is not supported; megalite converts "
-            "gpt2 and llama"
+            + ", ".join(HF_MODEL_TYPES)
         )
     module = FAMILIES[family]
     config = module.config_from_hf(hf_config)
@@ -187,6 +198,17 @@ def megalite_flags(config: GPTConfig) -> list[str]:
             "--num-experts", str(c.num_experts), "--moe-router-topk", str(c.moe_router_topk),
             "--moe-ffn-hidden-size", str(c.moe_ffn_hidden_size or c.ffn_hidden_size),
         ]  # fmt: skip
+        if c.moe_router_pre_softmax:
+            flags.append("--moe-router-pre-softmax")
+        if c.moe_layer_freq != 1:
+            flags += ["--moe-layer-freq", str(c.moe_layer_freq).replace(" ", "")]
+        if c.moe_shared_expert_intermediate_size is not None:
+            flags += ["--moe-shared-expert-intermediate-size",
+                      str(c.moe_shared_expert_intermediate_size)]  # fmt: skip
+        if c.moe_shared_expert_gate:
+            flags.append("--moe-shared-expert-gate")
+    if c.add_qkv_bias:  # issue 16
+        flags.append("--add-qkv-bias")
     return flags
 
 

@@ -28,6 +28,7 @@ def check(config: GPTConfig) -> None:
         ("--normalization RMSNorm", config.normalization == "RMSNorm"),
         ("--swiglu", config.swiglu),
         ("--disable-bias-linear", not config.add_bias_linear),
+        ("no --add-qkv-bias (that is Qwen2)", not config.add_qkv_bias),  # issue 16
     )
     for what, ok in needs:
         if not ok:

@@ -105,7 +105,7 @@ class SelfAttention(nn.Module):
             config.hidden_size,
             (n + 2 * g) * d,
             init_method=weight_init(config, f"{prefix}.linear_qkv.weight"),
-            **common,
+            **{**common, "bias": config.add_bias_linear or config.add_qkv_bias},  # issue 16
         )
         self.core_attention = CoreAttention(config, rng_tracker=rng_tracker)
         self.linear_proj = RowParallelLinear(

@@ -89,6 +89,7 @@ class GPTConfig:
     moe_layer_freq: int | str = 1
     moe_shared_expert_intermediate_size: int | None = None
     moe_shared_expert_gate: bool = False
+    add_qkv_bias: bool = False  # issue 16: a bias on the QKV projection only (Qwen2, Qwen2-MoE)
 
     def __post_init__(self) -> None:
         for name, value in (

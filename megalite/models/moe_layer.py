@@ -40,6 +40,7 @@ class MoEMLP(MoELayer):
             moe_config(config),
             tp_group=ps.tp_group,
             seq_group=ps.group("tp", "cp"),
+            batch_group=ps.group("tp", "cp", "dp"),
             cp_size=ps.cp_size,
             ep_group=ps.group("ep"),
             ep_rank=ps.rank("ep"),

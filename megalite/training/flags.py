@@ -225,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
                  "--moe-pad-expert-input-to-capacity", "--moe-grouped-gemm",
                  "--moe-shared-expert-gate"):  # fmt: skip
         moe.switch(flag)
+    moe.switch("--add-qkv-bias", help="a bias on the QKV projection only (Qwen2, Qwen2-MoE)")
     ep = _Group(p, "expert parallelism", ParallelConfig)
     ep.add("--expert-model-parallel-size", type=int)
     ep.add("--expert-tensor-parallel-size", type=int)

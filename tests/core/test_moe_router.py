@@ -53,6 +53,38 @@ def test_aux_and_z_loss_equal_their_formulas():
     torch.testing.assert_close(router.stats[1], z, rtol=1e-6, atol=0)
 
 
+def test_global_aux_loss_uses_the_running_mean_of_the_steps_counts():
+    """Megatron's ``global_aux_loss``: micro-step j's f_i is the mean over micro-steps 1..j of the
+    tokens per expert; P_i its own tokens' mean score; the grad reaches the router weight at the
+    aux-loss scale. Restarted by ``set_aux_loss_scale`` (a new step)."""
+    from megalite.core.moe import set_aux_loss_scale
+
+    router = _router(
+        router_load_balancing_type="global_aux_loss", aux_loss_coeff=0.1, z_loss_coeff=0.0
+    )
+    xs = [torch.randn(12, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    for _ in range(2):  # two steps: the second starts from zero counts again
+        set_aux_loss_scale(router, 0.5)
+        router.stats.zero_()
+        router.weight.grad = None
+        counts, expected, grad = torch.zeros(8), [], torch.zeros(8, 16)
+        for j, x in enumerate(xs):
+            probs, _ = router(x, 2)
+            probs.sum().backward()  # the routing probs' own grad, plus the aux loss's
+            w = router.weight.detach().clone().requires_grad_()
+            logits = x @ w.t()
+            counts += torch.bincount(torch.topk(logits, 2).indices.reshape(-1), minlength=8)
+            f = counts / (j + 1) / (2 * 12)
+            aux = 0.1 * 8 * (f * torch.softmax(logits, -1).mean(0)).sum()
+            top, idx = torch.topk(logits, 2)
+            (0.5 * aux + torch.softmax(top, -1).sum()).backward()
+            expected.append(aux.detach())
+            grad += w.grad
+        torch.testing.assert_close(router.stats[0], sum(expected), rtol=1e-6, atol=0)
+        torch.testing.assert_close(router.weight.grad, grad, rtol=1e-5, atol=1e-7)
+        assert router.global_micro_steps == 3
+
+
 @pytest.mark.parametrize(
     "overrides, ep, message",
     [

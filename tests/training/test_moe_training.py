@@ -20,9 +20,11 @@ whole global batch. On 8 ranks:
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 
+import pytest
 import torch.distributed as dist
 
 from megalite.core.parallel_state import ParallelState, initialize_model_parallel
@@ -44,6 +46,7 @@ MOE = {
     ).split(),
 }
 STRONG_AUX = ("--moe-aux-loss-coeff", "1.0", "--moe-z-loss-coeff", "0.1")
+GLOBAL_AUX = (*STRONG_AUX, "--moe-router-load-balancing-type", "global_aux_loss")
 
 
 def _flags(family: str, extra=()) -> list[str]:
@@ -56,8 +59,22 @@ def _summary(result) -> tuple[list[float], list[float], list[float], list[float]
     return result.losses, result.grad_norms, aux, z
 
 
+@functools.cache
 def _oracle(family: str, extra=()) -> tuple:
     return _summary(train_losses(config(*_flags(family, extra)), ParallelState.single()))
+
+
+def _oracle_extra(model_extra: tuple, layout: tuple) -> tuple:
+    """``global_aux_loss`` counts the tokens of the data-parallel micro-step (micro_batch_size x
+    dp consecutive samples): its oracle's micro-batch is that micro-step, same micro-batch count."""
+    if "global_aux_loss" not in model_extra:
+        return model_extra
+    sizes = dict(zip(layout[::2], layout[1::2]))
+    dp = 8 // (
+        int(sizes["--tensor-model-parallel-size"]) * int(sizes["--pipeline-model-parallel-size"])
+    )
+    mbs = int(sizes.get("--micro-batch-size", 2))
+    return (*model_extra, "--micro-batch-size", str(mbs * dp))
 
 
 def _layouts_case(layouts: list[tuple[str, tuple, tuple]]) -> dict:
@@ -82,7 +99,7 @@ def _layouts_case(layouts: list[tuple[str, tuple, tuple]]) -> dict:
 
 def _check(layouts, results) -> None:
     for family, model_extra, layout in layouts:
-        losses, norms, aux, z = _oracle(family, model_extra)
+        losses, norms, aux, z = _oracle(family, _oracle_extra(model_extra, layout))
         assert max(losses) - min(losses) > 1e-4, "the oracle's losses do not move: vacuous"
         assert len(aux) == 5 and min(aux) > 0 and min(z) > 0
         for rank, r in enumerate(results):
@@ -113,6 +130,10 @@ def test_moe_whole_model_ep_tp_dp_pp_and_aux_invariant_equal_single_process():
         ("gpt2", STRONG_AUX, _sizes(tp=2, ep=4, etp=1)),  # DP4, TP without SP, 1 micro-batch
         # ZeRO-1: expert optimizer state sharded over edp 2, dense over dp 4
         ("llama", ("--use-distributed-optimizer",), _sizes(tp=2, ep=2, etp=1, sp=True)),
+        # global_aux_loss: DP1 x 4 micro-steps, DP2 (TP2 SP x PP2) x 2, DP4 (TP2) x 2
+        ("gpt2", GLOBAL_AUX, _sizes(tp=4, pp=2, ep=4, etp=1)),
+        ("gpt2", GLOBAL_AUX, _sizes(tp=2, pp=2, ep=2, sp=True)),
+        ("gpt2", GLOBAL_AUX, (*_sizes(tp=2, ep=4, etp=1), "--micro-batch-size", "1")),
     ]
     results = run_distributed(_layouts_case, 8, layouts, timeout=600)
     _check(layouts, results)
@@ -152,18 +173,71 @@ def _save_case(root: str, families: list[str]) -> dict:
     return out
 
 
-def test_save_at_ep2_tp2_resume_at_ep1_tp1_continues():
+def _zero_save_and_reshard_case(root: str, cases: list[tuple[str, tuple, tuple, tuple]]) -> dict:
+    """Per case: iterations 1-4 at ``saved`` (ZeRO, saving at 2), then 3-4 resumed from
+    iteration 2 at ``resumed`` (another EP / ETP / TP / DP and ZeRO rung), in this world."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world)}
+    out = {}
+    for name, zero, saved, resumed in cases:
+        save = os.path.join(root, name)
+        flags = [*_flags("llama"), "--train-iters", "4", "--save", save, "--save-interval", "2"]
+        straight = pretrain(config(*flags, *zero, *saved, world_size=world, rank=rank), env=env)
+        load = [*_flags("llama"), "--train-iters", "4", "--load", save, "--ckpt-step", "2"]
+        again = pretrain(config(*load, *resumed, world_size=world, rank=rank), env=env)
+        out[name] = (straight.losses, again.losses)
+    return out
+
+
+ZERO_CASES = [
+    ("zero1", ("--use-distributed-optimizer",), _sizes(tp=2, ep=2, sp=True),
+     ("--use-distributed-optimizer", *_sizes(ep=1))),
+    ("zero3", ("--zero-stage", "3"), _sizes(ep=2),
+     ("--zero-stage", "2", *_sizes(tp=2, ep=4, etp=1, sp=True))),
+]  # fmt: skip
+
+
+def _four_rank_checkpoint_case(root: str) -> dict:
+    """Both checkpoint tests' distributed runs in one 4-rank world (one start-up)."""
+    return {
+        "plain": _save_case(root, ["llama"]),
+        "zero": _zero_save_and_reshard_case(root, ZERO_CASES),
+    }
+
+
+@pytest.fixture(scope="module")
+def four_rank_checkpoints():
+    with tempfile.TemporaryDirectory() as root:
+        yield root, run_distributed(_four_rank_checkpoint_case, 4, root, timeout=400)[-1]
+
+
+def test_save_at_ep2_tp2_resume_at_ep1_tp1_continues(four_rank_checkpoints):
     """Experts are saved by global index (one file per EP x ETP rank), so the single process
     loads them all: iterations 3-4 from the checkpoint of iteration 2 = the uninterrupted run's
     (1e-5: the layout changed). Without the optimizer state they differ (not vacuous)."""
-    families = ["llama"]  # SwiGLU experts (ETP stride 2) and a gated shared expert
-    with tempfile.TemporaryDirectory() as root:
-        straight = run_distributed(_save_case, 4, root, families, timeout=300)[-1]
-        for family in families:
-            assert len(straight[family]) == 4
-            load = ["--train-iters", "4", "--load", os.path.join(root, family), "--ckpt-step", "2"]
-            resumed = pretrain(config(*_flags(family), *load), env={}).losses
-            assert_close_rel(resumed, straight[family][2:], REL, f"{family} at EP1 x TP1")
-        fresh = pretrain(config(*_flags(family), *load, "--no-load-optim"), env={}).losses
-        gap = max(abs(a - b) / abs(b) for a, b in zip(fresh, straight[family][2:]))
-        assert gap > 10 * REL, f"the optimizer state makes no difference ({gap}): vacuous"
+    root, results = four_rank_checkpoints
+    straight = results["plain"]
+    for family in ["llama"]:  # SwiGLU experts (ETP stride 2) and a gated shared expert
+        assert len(straight[family]) == 4
+        load = ["--train-iters", "4", "--load", os.path.join(root, family), "--ckpt-step", "2"]
+        resumed = pretrain(config(*_flags(family), *load), env={}).losses
+        assert_close_rel(resumed, straight[family][2:], REL, f"{family} at EP1 x TP1")
+    fresh = pretrain(config(*_flags(family), *load, "--no-load-optim"), env={}).losses
+    gap = max(abs(a - b) / abs(b) for a, b in zip(fresh, straight[family][2:]))
+    assert gap > 10 * REL, f"the optimizer state makes no difference ({gap}): vacuous"
+
+
+def test_zero_expert_optimizer_state_resumes_at_another_layout(four_rank_checkpoints):
+    """ZeRO keeps the expert optimizer state sharded over edp; the checkpoint also writes it whole
+    by global expert (gathered over edp), so it resumes at any layout: ZeRO-1 saved at EP2 x TP2
+    (SP) x DP2 (edp 2) resumes at EP1 x DP4 ZeRO-1 (edp 4) and in one process without ZeRO;
+    ZeRO-3 saved at EP2 x DP4 (edp 2) resumes at EP4 x ETP1 x TP2 x DP2 ZeRO-2 and in one
+    process. Iterations 3-4 = the uninterrupted run's (1e-5)."""
+    root, results = four_rank_checkpoints
+    for name, _, _, _ in ZERO_CASES:
+        straight, again = results["zero"][name]
+        assert len(straight) == 4
+        assert_close_rel(again, straight[2:], REL, f"{name} resumed in the 4-rank world")
+        load = ["--train-iters", "4", "--load", os.path.join(root, name), "--ckpt-step", "2"]
+        single = pretrain(config(*_flags("llama"), *load), env={}).losses
+        assert_close_rel(single, straight[2:], REL, f"{name} resumed at EP1 x TP1")

@@ -14,9 +14,17 @@ rest of megalite fix the remaining factors:
   (the lm loss of a CP rank is the mean over its own tokens): the partials are multiplied by
   ``cp_size``.
 
-Micro-batches and DP need nothing: the schedule divides each micro-batch's loss by the number of
-micro-batches and DP averages, and ``attach_aux_loss`` gives the aux loss the same treatment (its
-``scale`` is ``loss_scale / num_microbatches``, set each step by ``set_aux_loss_scale``).
+``global_aux_loss`` (Megatron's) takes ``f_i`` from the whole data-parallel micro-step instead:
+the counts summed over tp x cp x dp (every rank's micro-batch of this micro-step, i.e. the
+``micro_batch_size x dp`` consecutive samples the sampler hands out together), and averaged over
+the micro-steps of the step so far (micro-step j uses the mean of micro-steps 1..j; restarted
+each step by ``set_aux_loss_scale``). The loss of micro-step j is then one number for all dp x cp
+ranks, so each rank's part is multiplied by dp x cp (the grads' average divides it back).
+
+Micro-batches and DP need nothing (``aux_loss``, ``seq_aux_loss``): the schedule divides each
+micro-batch's loss by the number of micro-batches and DP averages, and ``attach_aux_loss`` gives
+the aux loss the same treatment (its ``scale`` is ``loss_scale / num_microbatches``, set each step
+by ``set_aux_loss_scale``).
 """
 
 from __future__ import annotations
@@ -81,6 +89,25 @@ def seq_aux_loss_partial(
     return coeff * cp_size * (f * p).sum(1).mean()
 
 
+def global_aux_loss_partial(
+    scores: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    *,
+    total_tokens: int,
+    topk: int,
+    coeff: float,
+    grad_share: int,
+) -> torch.Tensor:
+    """Megatron's ``global_aux_loss``: the switch loss with ``f_i`` from ``tokens_per_expert``
+    (the counts of the whole data-parallel micro-step, tp x cp x dp, averaged over the step's
+    micro-steps so far: ``GlobalAuxLossTracker``) and ``P_i`` over the micro-step's
+    ``total_tokens``; this rank's part. ``grad_share`` = dp x cp: the data-parallel layer averages
+    the grads over dp x cp while the loss is one for all of them (the parts sum to it)."""
+    num_experts = scores.shape[1]
+    f = tokens_per_expert / (topk * total_tokens)
+    return coeff * num_experts * grad_share * (f * scores.sum(0) / total_tokens).sum()
+
+
 def z_loss_partial(logits: torch.Tensor, *, coeff: float, seq_group, cp_size: int) -> torch.Tensor:
     """ST-MoE's router z-loss ``coeff * mean_t logsumexp(logits_t)^2`` over the micro-batch; this
     rank's part. ``logits`` # [T, E] fp32."""
@@ -112,10 +139,14 @@ def attach_aux_loss(x: torch.Tensor, aux: torch.Tensor, scale) -> torch.Tensor:
 
 
 def set_aux_loss_scale(model: nn.Module | list[nn.Module], scale) -> None:
-    """Before a step's backward: every router of ``model`` (a module or list of chunks) scales its
-    aux losses' grads by ``scale`` = loss scale / number of micro-batches (what the schedule
-    applies to the lm loss)."""
+    """At the start of a step (before its first forward): every router of ``model`` (a module or
+    list of chunks) scales its aux losses' grads by ``scale`` = loss scale / number of
+    micro-batches (what the schedule applies to the lm loss), and the ``global_aux_loss`` counts
+    of the previous step are dropped (Megatron restarts them each global batch)."""
     for chunk in model if isinstance(model, (list, tuple)) else [model]:
         for m in chunk.modules():
             if hasattr(m, "aux_loss_scale"):
                 m.aux_loss_scale = scale
+            if getattr(m, "global_tokens_per_expert", None) is not None:
+                m.global_tokens_per_expert.zero_()
+                m.global_micro_steps.zero_()

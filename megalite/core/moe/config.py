@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
-LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 DROP_POLICIES = ("probs", "position")
 DISPATCHERS = ("alltoall", "allgather")
 
@@ -97,5 +97,6 @@ class MoEConfig:
         if self.aux_loss_coeff > 0 and self.router_load_balancing_type == "none":
             raise ValueError(
                 f"moe_aux_loss_coeff {self.aux_loss_coeff} with load balancing type none; set "
-                "moe_router_load_balancing_type aux_loss or seq_aux_loss, or the coefficient to 0"
+                "moe_router_load_balancing_type aux_loss, seq_aux_loss or global_aux_loss, or the "
+                "coefficient to 0"
             )

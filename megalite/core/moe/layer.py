@@ -4,7 +4,8 @@ Input and output # [s, b, h] ([s/tp, b, h] under sequence parallel). The layer w
 rank's tokens: under sequence parallel those of its sequence shard; without it (TP > 1) each TP
 rank takes its ``1/tp`` of the replicated tokens and the outputs are all-gathered at the end, so
 experts see each token once either way. Groups (from ``ParallelState``): ``tp_group`` (dense TP),
-``seq_group`` (tp x cp: one micro-batch's tokens, for the router's statistics), ``ep_group``,
+``seq_group`` (tp x cp: one micro-batch's tokens, for the router's statistics), ``batch_group``
+(tp x cp x dp: the data-parallel micro-step's tokens, for ``global_aux_loss``), ``ep_group``,
 ``etp_group`` and ``expert_group`` (etp x ep, the allgather dispatcher's).
 
 Expert grads: an expert sees the tokens of every rank of its ETP x EP group, so its grad is already
@@ -48,6 +49,7 @@ class MoELayer(nn.Module):
         init_fc1,
         init_fc2,
         expert_grad_scale: float = 1.0,
+        batch_group=None,
         device: torch.device | None = None,
     ):
         super().__init__()
@@ -56,8 +58,9 @@ class MoELayer(nn.Module):
         self.config, self.tp_group = config, tp_group
         self.split_tokens = not sequence_parallel and group_size(tp_group) > 1
         self.router = TopKRouter(
-            config, seq_group=seq_group, cp_size=cp_size, init_method=init_router, device=device
-        )
+            config, seq_group=seq_group, cp_size=cp_size, init_method=init_router,
+            batch_group=batch_group, device=device,
+        )  # fmt: skip
         self.experts = GroupedExperts(
             config, ep_rank=ep_rank, ep_size=ep_size, etp_group=etp_group, init_fc1=init_fc1,
             init_fc2=init_fc2, grad_scale=expert_grad_scale, device=device,

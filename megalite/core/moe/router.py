@@ -27,7 +27,9 @@ from torch import nn
 from megalite.core.moe.aux_loss import (
     attach_aux_loss,
     aux_loss_partial,
+    global_aux_loss_partial,
     seq_aux_loss_partial,
+    sum_over,
     z_loss_partial,
 )
 from megalite.core.moe.config import MoEConfig
@@ -43,7 +45,8 @@ class TopKRouter(nn.Module):
     """``forward(x # [T, h], batch_size)`` -> (probs # [T, E] fp32, zero where not routed or
     dropped; routing_map # [T, E] bool, the kept choices). The aux and z losses join the backward
     through ``probs`` (``aux_loss.attach_aux_loss``). ``seq_group`` spans the micro-batch's tokens
-    (tp x cp); ``cp_size`` for the losses' scaling (``aux_loss``)."""
+    (tp x cp); ``cp_size`` for the losses' scaling (``aux_loss``); ``batch_group`` (tp x cp x
+    dp, default ``seq_group``) spans the data-parallel micro-step (``global_aux_loss``)."""
 
     def __init__(
         self,
@@ -52,10 +55,12 @@ class TopKRouter(nn.Module):
         seq_group,
         cp_size: int,
         init_method: InitMethod,
+        batch_group=None,
         device: torch.device | None = None,
     ):
         super().__init__()
         self.config, self.seq_group, self.cp_size = config, seq_group, cp_size
+        self.batch_group = seq_group if batch_group is None else batch_group
         e = config.num_experts
         full = torch.empty(e, config.hidden_size, dtype=torch.float32)
         init_method(full)
@@ -71,6 +76,12 @@ class TopKRouter(nn.Module):
         # since the last read: [aux loss part, z loss part, micro-batches, tokens per expert...]
         self.register_buffer("stats", torch.zeros(3 + e, device=device), persistent=False)
         self.aux_loss_scale = 1.0  # set_aux_loss_scale: loss scale / number of micro-batches
+        # global_aux_loss: tokens per expert summed over the step's micro-steps (tp x cp x dp)
+        is_global = config.router_load_balancing_type == "global_aux_loss"
+        zeros = torch.zeros(e, device=device) if is_global else None
+        self.register_buffer("global_tokens_per_expert", zeros, persistent=False)
+        steps = torch.zeros((), device=device) if is_global else None
+        self.register_buffer("global_micro_steps", steps, persistent=False)
 
     def _scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(top-k probs # [T, k], their experts # [T, k], scores for the aux loss # [T, E])."""
@@ -108,6 +119,23 @@ class TopKRouter(nn.Module):
         keep.scatter_(0, torch.topk(ranked, cap, dim=0).indices, True)
         return routing_map & keep
 
+    def _global_aux_loss(
+        self, aux_scores: torch.Tensor, routing_map: torch.Tensor, counting: bool
+    ) -> torch.Tensor:
+        """This rank's part of the ``global_aux_loss`` of the data-parallel micro-step."""
+        c = self.config
+        counts = sum_over(routing_map.sum(0).float(), self.batch_group)  # [E]
+        if counting:  # training: the running mean over the step's micro-steps so far
+            self.global_tokens_per_expert += counts
+            self.global_micro_steps += 1
+            counts = self.global_tokens_per_expert / self.global_micro_steps
+        batch = group_size(self.batch_group)
+        return global_aux_loss_partial(
+            aux_scores, counts, total_tokens=aux_scores.shape[0] * batch, topk=c.router_topk,
+            coeff=c.aux_loss_coeff,
+            grad_share=batch * self.cp_size // group_size(self.seq_group),
+        )  # fmt: skip
+
     def forward(self, x: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
         logits = F.linear(x.float(), self.weight.float())  # [T, E] fp32
@@ -125,10 +153,12 @@ class TopKRouter(nn.Module):
                 aux_scores, routing_map, batch_size=batch_size, topk=c.router_topk,
                 coeff=c.aux_loss_coeff, **common,
             )  # fmt: skip
+        counting = self.training and torch.is_grad_enabled()  # not in eval or a no-grad pass
+        if c.router_load_balancing_type == "global_aux_loss" and c.aux_loss_coeff > 0:
+            aux = self._global_aux_loss(aux_scores, routing_map, counting)
         z = None
         if c.z_loss_coeff > 0:
             z = z_loss_partial(logits, coeff=c.z_loss_coeff, **common)
-        counting = self.training and torch.is_grad_enabled()  # not in eval or a no-grad pass
         if counting:
             with torch.no_grad():
                 counts = routing_map.sum(0).float()

@@ -254,6 +254,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     param_dtype=sb.param_dtype,
                     names=[self.name_of[p] for p in params],
                     shapes=[p.shape for p in params],
+                    expert=sb.grad_buffer.expert,  # issue 16
                 )
             )
         return out

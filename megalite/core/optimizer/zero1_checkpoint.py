@@ -35,12 +35,20 @@ STATE_KEYS = ("master", *ADAM_KEYS)
 
 
 def layout_entry(
-    layout: GradBufferLayout, *, param_dtype: torch.dtype, names: list[str], shapes: list
+    layout: GradBufferLayout,
+    *,
+    param_dtype: torch.dtype,
+    names: list[str],
+    shapes: list,
+    expert: bool = False,
 ) -> dict:
     """The self-describing part of one buffer's entry; ``names`` / ``shapes`` in the layout's
-    parameter (registration) order."""
+    parameter (registration) order. ``expert``: an MoE expert buffer, sharded over edp (not over
+    the files' dp x cp), whose state checkpoints keep whole in their ``experts/`` files."""
     order = sorted(range(len(names)), key=lambda i: layout.param_ranges[i][0])
+    extra = {"expert": True} if expert else {}  # absent (dense) in files written before issue 16
     return {
+        **extra,
         "param_dtype": str(param_dtype),
         "numel": layout.numel,
         "bucket_numels": [b.numel for b in layout.buckets],
@@ -66,8 +74,8 @@ def check_loadable(sd: dict, *, dp_size: int, dp_rank: int, layouts: list[dict])
             f"{dp_rank} of {dp_size}; use the same DP size, or go through the full state "
             "(full_state_from_shards + load_full_state_dict)"
         )
-    saved = [{k: b[k] for k in layouts[0]} for b in sd["buffers"]] if layouts else sd["buffers"]
-    if saved != layouts:
+    saved = [{k: b[k] for k in cur if k in b} for b, cur in zip(sd["buffers"], layouts)]
+    if len(sd["buffers"]) != len(layouts) or saved != layouts:
         raise ValueError(
             "distrib_optim state was saved with another buffer layout (bucket sizes "
             f"{[b['bucket_numels'] for b in sd['buffers']]}, here "
@@ -87,9 +95,34 @@ def gather_full(
     return full
 
 
+def full_state_buffers(optimizer, *, expert: bool) -> dict[str, dict[str, torch.Tensor]]:
+    """``{param name: {"master", "exp_avg", "exp_avg_sq"}}`` (full over the buffer's DP group,
+    fp32) of a sharded optimizer's expert buffers (``expert``) or dense ones: a collective over
+    those buffers' DP groups (edp for experts), every rank of them calls it. ``optimizer``: a
+    ``DistributedOptimizer`` (its ``buffers`` of ``ShardState`` and ``name_of``)."""
+    optimizer.model.finish_param_sync()
+    params = {}
+    for sb in optimizer.buffers:
+        g = sb.grad_buffer
+        if bool(g.expert) != expert:
+            continue
+        fulls = {
+            key: gather_full(g.layout, sb.read_shard(key), dp_group=g.dp_group,
+                             dp_size=g.dp_size, dp_rank=g.dp_rank)
+            for key in STATE_KEYS
+        }  # fmt: skip
+        for param, (lo, hi, _) in g.param_ranges.items():
+            params[optimizer.name_of[param]] = {
+                k: v[lo:hi].view(param.shape).clone() for k, v in fulls.items()
+            }
+    return params
+
+
 def full_state_from_shards(files: list[dict]) -> dict:
     """The full form from every DP rank's sharded state of one model-parallel shard, in DP order
-    (offline: no process group, no model)."""
+    (offline: no process group, no model). Expert buffers (``"expert"`` in their entry) are
+    sharded over edp, not over these files' dp x cp, and their state is whole in the checkpoint's
+    ``experts/`` files: they are left out here (``expert_names`` lists them)."""
     if not files:
         raise ValueError("full_state_from_shards needs the distrib_optim state of every DP rank")
     for r, sd in enumerate(files):
@@ -102,6 +135,8 @@ def full_state_from_shards(files: list[dict]) -> dict:
     d = len(files)
     params = {}
     for b, layout in enumerate(files[0]["buffers"]):
+        if layout.get("expert"):
+            continue
         fulls = {key: torch.zeros(layout["numel"], dtype=torch.float32) for key in STATE_KEYS}
         offset, shard_offset = 0, 0
         for n in layout["bucket_numels"]:
@@ -117,3 +152,8 @@ def full_state_from_shards(files: list[dict]) -> dict:
                 k: v[lo : lo + numel].view(entry["shape"]).clone() for k, v in fulls.items()
             }
     return {"params": params, "step": int(files[0]["step"]), "scaler": files[0]["scaler"]}
+
+
+def expert_names(files: list[dict]) -> list[str]:
+    """The parameter names of the expert buffers of a sharded state (left out of the full form)."""
+    return [e["name"] for b in files[0]["buffers"] if b.get("expert") for e in b["params"]]
