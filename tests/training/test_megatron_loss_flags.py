@@ -52,8 +52,10 @@ def _oracle_grads(model: GPTModel, batches: list[dict], *, per_token: bool):
     model.zero_grad()
     sums, counts, means = [], [], []
     for b in batches:
-        mask = b["document_ids"].unsqueeze(-1) != b["document_ids"].unsqueeze(-2)
-        loss = model(b["tokens"], b["position_ids"], b["labels"], attention_mask=mask.unsqueeze(1))
+        mask = None
+        if "document_ids" in b:
+            mask = (b["document_ids"].unsqueeze(-1) != b["document_ids"].unsqueeze(-2)).unsqueeze(1)
+        loss = model(b["tokens"], b["position_ids"], b["labels"], attention_mask=mask)
         sums.append((loss * b["loss_mask"]).sum())
         counts.append(b["loss_mask"].sum())
         means.append(sums[-1] / counts[-1])
@@ -66,20 +68,26 @@ def _err(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def _dp2_per_token_case(family: str):
+def _per_token_case(family: str, layout: str):
+    """``dp2``: DP 2 x 2 micro-batches of 2 per rank (gbs 8); ``cp2``: CP 2 x 4 micro-batches,
+    without the document mask (refused under CP) but with the documents' positions. No clipping:
+    it would rescale the grads."""
     rank = dist.get_rank()
-    cfg = config(
-        *FAMILIES[family], "--calculate-per-token-loss", "--clip-grad", "0", world_size=2, rank=rank
-    )  # fmt: skip  (clipping would rescale the grads)
-    ps = initialize_model_parallel(1)  # DP 2, 2 micro-batches of 2 per rank (gbs 8)
+    cp = ["--context-parallel-size", "2"] if layout == "cp2" else []
+    flags = [*FAMILIES[family], *cp, "--calculate-per-token-loss", "--clip-grad", "0"]
+    cfg = config(*flags, world_size=2, rank=rank)
+    ps = initialize_model_parallel(1, context_parallel_size=2 if cp else 1)
     trainer, _ = trainer_and_data(cfg, ps)
     module = unwrap(trainer.model[0])
     oracle = GPTModel(cfg.model, ParallelState.single())
     oracle.load_state_dict(module.state_dict())
     batches = _micro_batches(steps=1)
+    if cp:
+        for b in batches:
+            del b["document_ids"]
     loss, want = _oracle_grads(oracle, batches, per_token=True)
     _, mean_of_means = _oracle_grads(oracle, batches, per_token=False)
-    mine = [batches[j * 2 + rank] for j in range(2)]  # this DP rank's micro-batches
+    mine = batches if cp else [batches[j * 2 + rank] for j in range(2)]  # this rank's
     step = trainer.step(make_forward_step(CPU, calculate_per_token_loss=True), [iter(mine)])
     errors = {n: _err(p.main_grad, want[n]) for n, p in module.named_parameters()}
     errors["lm loss"] = _err(step.losses["lm loss"], loss)
@@ -107,9 +115,9 @@ def _pp2_documents_case(family: str):
     return losses
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_per_token_loss_dp2_grads_equal_single_process(family):
-    for errors, default in run_distributed(_dp2_per_token_case, 2, family):
+@pytest.mark.parametrize("family,layout", [("gpt2", "dp2"), ("llama", "dp2"), ("llama", "cp2")])
+def test_per_token_loss_grads_equal_single_process(family, layout):
+    for errors, default in run_distributed(_per_token_case, 2, family, layout):
         bad = {k: v for k, v in errors.items() if not v < TOL}
         assert not bad, bad
         assert default > 1e-3  # the masks differ: the default loss has another gradient
