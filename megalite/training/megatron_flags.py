@@ -147,7 +147,7 @@ def add_megatron_flags(parser: argparse.ArgumentParser, group) -> None:
     g.add_argument("--lr-warmup-samples", type=int, default=None)
     g.add_argument("--lr-decay-samples", type=int, default=None)
     g.add_argument("--use-rotary-position-embeddings", action="store_true")
-    g.add_argument("--rotary-percent", type=float, default=None)
+    g.add_argument("--rotary-percent", type=float, default=1.0)  # issue 18: GPTConfig's
     for flag in IGNORED_FLAGS:
         dest = "ignored_" + flag[2:].replace("-", "_")
         if flag in VALUED_FLAGS:
@@ -183,7 +183,7 @@ def position_embedding_alias(a: argparse.Namespace) -> None:
     partial embedding, ``GPTConfig.rotary_percent``)."""
     if getattr(a, "use_rotary_position_embeddings", False):
         a.position_embedding_type = "rope"
-    if getattr(a, "rotary_percent", None) is None:  # issue 18: partial RoPE is implemented
+    if getattr(a, "rotary_percent", None) is None:  # issue 18: a Namespace built by hand
         a.rotary_percent = 1.0
 
 
