@@ -193,6 +193,15 @@ def megalite_flags(config: GPTConfig) -> list[str]:
         flags.append("--disable-bias-linear")
     if c.untie_embeddings_and_output_weights:
         flags.append("--untie-embeddings-and-output-weights")
+    for flag, on in (("--apply-layernorm-1p", c.apply_layernorm_1p),  # issue 18
+                     ("--qk-layernorm", c.qk_layernorm), ("--squared-relu", c.squared_relu),
+                     ("--rotary-interleaved", c.rotary_interleaved)):  # fmt: skip
+        if on:
+            flags.append(flag)
+    if c.use_rope_scaling:  # issue 18
+        flags += ["--use-rope-scaling", "--rope-scaling-factor", repr(c.rope_scaling_factor)]
+    if c.rotary_percent != 1.0:  # issue 18
+        flags += ["--rotary-percent", repr(c.rotary_percent)]
     if c.num_experts is not None:  # issue 16
         flags += [
             "--num-experts", str(c.num_experts), "--moe-router-topk", str(c.moe_router_topk),

@@ -11,6 +11,10 @@ The word embedding is tied to the LM head (HF stores only ``transformer.wte.weig
     self_attention.linear_proj  [h, h]            attn.c_proj    [h, h]   (.t())
     pre_mlp_layernorm                             ln_2
     mlp.linear_fc1 / linear_fc2                   mlp.c_fc / mlp.c_proj   (.t())
+
+Issue 18: ``--squared-relu`` is HF's ``activation_function="relu2"``; ``--apply-layernorm-1p``
+norm weights (``w - 1``) are written as ``1 + w`` and read back into such a model minus 1
+(``llama.fold_norm_1p``); GPT-2 has no q/k norms (``--qk-layernorm`` is refused).
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ from __future__ import annotations
 import torch
 
 from megalite.conversion.errors import ConversionError
+from megalite.conversion.llama import fold_norm_1p  # issue 18
 from megalite.models.config import GPTConfig
 
 ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}  # -> openai_gelu
+SQUARED_RELU = "relu2"  # issue 18: HF's name of relu(x)^2 (--squared-relu)
 
 
 def check(config: GPTConfig) -> None:
@@ -36,6 +42,7 @@ def check(config: GPTConfig) -> None:
         ("no --group-query-attention", config.num_query_groups == config.num_attention_heads),
         ("--kv-channels = hidden / heads", config.kv_channels * config.num_attention_heads
          == config.hidden_size),
+        ("no --qk-layernorm (it has no q/k norms)", not config.qk_layernorm),
     )  # fmt: skip
     for what, ok in needs:
         if not ok:
@@ -53,7 +60,9 @@ def hf_config(config: GPTConfig, *, bos_token_id: int | None, eos_token_id: int 
         n_layer=config.num_layers,
         n_head=config.num_attention_heads,
         n_inner=config.ffn_hidden_size,
-        activation_function="gelu_new" if config.openai_gelu else "gelu",
+        activation_function=(
+            SQUARED_RELU if config.squared_relu else "gelu_new" if config.openai_gelu else "gelu"
+        ),
         resid_pdrop=config.hidden_dropout,
         embd_pdrop=config.hidden_dropout,
         attn_pdrop=config.attention_dropout,
@@ -69,6 +78,7 @@ def hf_config(config: GPTConfig, *, bos_token_id: int | None, eos_token_id: int 
 def to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """Logical megalite tensors (global names, unpadded vocabulary) -> GPT2LMHeadModel's."""
     check(config)
+    state = fold_norm_1p(state, config, +1)  # issue 18
     n, d, h = config.num_attention_heads, config.kv_channels, config.hidden_size
     out = {
         "transformer.wte.weight": state["embedding.word_embeddings.weight"],
@@ -100,7 +110,7 @@ def to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.
 def config_from_hf(hf) -> GPTConfig:
     """A ``transformers.GPT2Config`` -> the GPTConfig of the same model."""
     act = hf.activation_function
-    if act not in ACTIVATIONS:
+    if act not in ACTIVATIONS and act != SQUARED_RELU:
         raise ConversionError(
             f"GPT-2 activation_function {act!r} has no megalite equivalent (use one of "
             f"{', '.join(ACTIVATIONS)})"
@@ -120,7 +130,8 @@ def config_from_hf(hf) -> GPTConfig:
         seq_length=hf.n_positions,
         max_position_embeddings=hf.n_positions,
         ffn_hidden_size=hf.n_inner or 4 * hf.n_embd,
-        openai_gelu=ACTIVATIONS[act],
+        openai_gelu=ACTIVATIONS.get(act, False),
+        squared_relu=act == SQUARED_RELU,  # issue 18
         norm_epsilon=hf.layer_norm_epsilon,
         init_method_std=hf.initializer_range,
     )
@@ -157,6 +168,7 @@ def from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, t
             m + "mlp.linear_fc2.weight": s[t + "mlp.c_proj.weight"].t(),
             m + "mlp.linear_fc2.bias": s[t + "mlp.c_proj.bias"],
         })  # fmt: skip
+    out = fold_norm_1p(out, config, -1)  # issue 18
     return {k: v.contiguous() for k, v in out.items()}
 
 

@@ -11,6 +11,12 @@ uses the same rotate-half convention and inverse frequencies in both. SwiGLU's f
     self_attention.linear_qkv                     self_attn.q_proj, k_proj, v_proj
     self_attention.linear_proj                    self_attn.o_proj
     mlp.linear_fc1 = [gate; up], linear_fc2       mlp.gate_proj, up_proj, down_proj
+
+Issue 18: ``--apply-layernorm-1p`` stores norm weights as ``w - 1``: the export writes ``1 + w``
+and the import into such a model subtracts 1. ``--use-rope-scaling`` is HF's ``rope_type
+"llama3"`` (factor; low / high frequency factors 1 and 4 over 8192 positions, as Megatron fixes
+them). HF Llama rotates every channel in rotate-half pairs and has no q/k norms, so
+``--rotary-percent`` < 1, ``--rotary-interleaved`` and ``--qk-layernorm`` are refused.
 """
 
 from __future__ import annotations
@@ -19,6 +25,34 @@ import torch
 
 from megalite.conversion.errors import ConversionError
 from megalite.models.config import GPTConfig
+from megalite.models.rotary import (
+    LLAMA3_HIGH_FREQ_FACTOR,
+    LLAMA3_LOW_FREQ_FACTOR,
+    LLAMA3_ORIGINAL_CONTEXT,
+)
+
+NORM_KEYS = ("layernorm.weight", "final_layernorm.weight")  # megalite names of norm weights
+
+
+def fold_norm_1p(state: dict[str, torch.Tensor], config: GPTConfig, sign: int) -> dict:
+    """Issue 18: ``--apply-layernorm-1p`` norm weights (``w - 1``) -> real scales (``sign`` +1,
+    export), or back (``sign`` -1, import); other tensors and other models unchanged."""
+    if not config.apply_layernorm_1p:
+        return state
+    return {k: v + sign if k.endswith(NORM_KEYS) else v for k, v in state.items()}
+
+
+def rope_scaling(config: GPTConfig) -> dict | None:
+    """HF's llama3 ``rope_scaling`` of ``--use-rope-scaling``, or None."""
+    if not config.use_rope_scaling:
+        return None
+    return {
+        "rope_type": "llama3",
+        "factor": float(config.rope_scaling_factor),
+        "low_freq_factor": LLAMA3_LOW_FREQ_FACTOR,
+        "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
+        "original_max_position_embeddings": LLAMA3_ORIGINAL_CONTEXT,
+    }
 
 
 def check(config: GPTConfig) -> None:
@@ -29,7 +63,11 @@ def check(config: GPTConfig) -> None:
         ("--swiglu", config.swiglu),
         ("--disable-bias-linear", not config.add_bias_linear),
         ("no --add-qkv-bias (that is Qwen2)", not config.add_qkv_bias),  # issue 16
-    )
+        ("no --qk-layernorm (it has no q/k norms)", not config.qk_layernorm),
+        ("--rotary-percent 1.0 (it rotates every channel)", config.rotary_percent == 1.0),
+        ("no --rotary-interleaved (it pairs channel i with i + d/2)",
+         not config.rotary_interleaved),
+    )  # fmt: skip
     for what, ok in needs:
         if not ok:
             raise ConversionError(f"LlamaForCausalLM needs {what}; this model differs")
@@ -50,6 +88,7 @@ def hf_config(config: GPTConfig, *, bos_token_id: int | None, eos_token_id: int 
         max_position_embeddings=config.max_position_embeddings,
         rms_norm_eps=config.norm_epsilon,
         rope_theta=float(config.rotary_base),
+        rope_scaling=rope_scaling(config),  # issue 18
         hidden_act="silu",
         attention_bias=False,
         mlp_bias=False,
@@ -65,6 +104,7 @@ def hf_config(config: GPTConfig, *, bos_token_id: int | None, eos_token_id: int 
 def to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """Logical megalite tensors (global names, unpadded vocabulary) -> LlamaForCausalLM's."""
     check(config)
+    state = fold_norm_1p(state, config, +1)  # issue 18
     g, k, d, h = (
         config.num_query_groups,
         config.heads_per_group,
@@ -95,13 +135,32 @@ def to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.
     return {k_: v.contiguous() for k_, v in out.items()}
 
 
-def _rope_theta(hf) -> float:
-    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+def _rope_params(hf) -> dict:
+    return getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+
+
+def _rope_scaling_factor(hf) -> float | None:
+    """Issue 18: the factor of a llama3 ``rope_type`` with Megatron's fixed frequency factors and
+    context (None for the default RoPE); ConversionError for any other scaling."""
+    params = _rope_params(hf)
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in (None, "default"):
+    if kind in (None, "default"):
+        return None
+    fixed = {
+        "low_freq_factor": LLAMA3_LOW_FREQ_FACTOR,
+        "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
+        "original_max_position_embeddings": LLAMA3_ORIGINAL_CONTEXT,
+    }
+    if kind != "llama3" or any(float(params.get(k, v)) != v for k, v in fixed.items()):
         raise ConversionError(
-            f"Llama rope_type {kind!r} (RoPE scaling) has no megalite equivalent; only the default"
+            f"Llama rope_type {kind!r} with {params}: megalite has the default RoPE and llama3 "
+            f"scaling with {fixed} (Megatron's --use-rope-scaling)"
         )
+    return float(params["factor"])
+
+
+def _rope_theta(hf) -> float:
+    params = _rope_params(hf)
     theta = params.get("rope_theta", getattr(hf, "rope_theta", None))
     return float(10000.0 if theta is None else theta)
 
@@ -113,6 +172,7 @@ def config_from_hf(hf) -> GPTConfig:
     if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False):
         raise ConversionError("Llama attention_bias / mlp_bias: megalite's Llama has no biases")
     theta = _rope_theta(hf)
+    scaling = _rope_scaling_factor(hf)  # issue 18
     if theta != int(theta):
         raise ConversionError(f"Llama rope_theta {theta} is not an integer (--rotary-base)")
     heads = hf.num_attention_heads
@@ -135,6 +195,8 @@ def config_from_hf(hf) -> GPTConfig:
         add_bias_linear=False,
         untie_embeddings_and_output_weights=not getattr(hf, "tie_word_embeddings", False),
         init_method_std=hf.initializer_range,
+        use_rope_scaling=scaling is not None,  # issue 18
+        rope_scaling_factor=8.0 if scaling is None else scaling,
     )
 
 
@@ -175,4 +237,5 @@ def from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, t
             ),
             m + "mlp.linear_fc2.weight": s[t + "mlp.down_proj.weight"],
         })  # fmt: skip
+    out = fold_norm_1p(out, config, -1)  # issue 18
     return {k_: v_.contiguous() for k_, v_ in out.items()}

@@ -291,6 +291,8 @@ def build_data_loaders(
                 eod_mask_loss=cfg.eod_mask_loss,
                 num_workers=cfg.num_workers,
                 device=device,
+                reset_position_ids=cfg.reset_position_ids,  # issue 18
+                reset_attention_mask=cfg.reset_attention_mask,
             )
         )
     return tuple(loaders)

@@ -38,6 +38,9 @@ class DataConfig:
     seed: int = 1234
     num_workers: int = 0
     eod_mask_loss: bool = False  # --eod-mask-loss: no loss on eod tokens
+    # issue 18: documents inside a sample (gpt_dataset.get_ltor_masks_and_position_ids)
+    reset_position_ids: bool = False  # positions restart after each eod
+    reset_attention_mask: bool = False  # attention does not cross an eod
 
     def validate(self) -> None:
         """Raise a one-line ValueError for the first bad setting; return None when all are good."""

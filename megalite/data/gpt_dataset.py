@@ -11,12 +11,16 @@ seq_length + 1 tokens. The index arrays are cached (``index_cache``).
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from megalite.data import index_cache
 from megalite.data.index_builders import build_gpt_indices
 from megalite.data.indexed_dataset import IndexedDataset
+
+if TYPE_CHECKING:
+    import torch
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -121,3 +125,64 @@ class GPTDataset:
             pos += 1
             offset = 0
         return out
+
+
+# --- issue 18: documents inside a sample (--reset-position-ids, --reset-attention-mask) ---------
+# torch tensors in and out; torch is imported inside (``megalite.data`` imports no torch).
+
+
+def document_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """# [b, s] int64: the index of each token's document inside its sample, counting the eod
+    tokens strictly before it (an eod belongs to the document it ends, as in Megatron)."""
+    import torch
+
+    is_eod = (tokens == eod).to(torch.int64)
+    return torch.cumsum(is_eod, dim=-1) - is_eod
+
+
+def document_position_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """# [b, s] int64: positions that restart at 0 on the token after each eod."""
+    import torch
+
+    s = tokens.shape[-1]
+    arange = torch.arange(s, dtype=torch.int64, device=tokens.device).expand_as(tokens)
+    after_eod = torch.where(tokens == eod, arange + 1, torch.zeros_like(arange))
+    start = torch.cummax(after_eod, dim=-1).values  # first position of each token's document
+    start = torch.cat([torch.zeros_like(start[..., :1]), start[..., :-1]], dim=-1)
+    return arange - start
+
+
+def document_attention_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """bool # [b, 1, s, s] from ``document_ids`` # [b, s]: True where query i may NOT read key j
+    because they lie in different documents (the causal part is the attention's)."""
+    return (doc_ids.unsqueeze(-1) != doc_ids.unsqueeze(-2)).unsqueeze(1)
+
+
+def get_ltor_masks_and_position_ids(
+    data: torch.Tensor,
+    eod_token: int,
+    *,
+    reset_position_ids: bool,
+    reset_attention_mask: bool,
+    eod_mask_loss: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Megatron's left-to-right masks for tokens ``data`` # [b, s]: (attention_mask bool
+    # [b or 1, 1, s, s], True where masked, causal included; loss_mask float32 # [b, s];
+    position_ids int64 # [b, s]). The loader ships the compact ``document_ids`` instead of this
+    ``s x s`` mask; the two describe the same attention."""
+    import torch
+
+    b, s = data.shape
+    causal = torch.ones(s, s, dtype=torch.bool, device=data.device).triu(1)
+    if reset_attention_mask:
+        attention_mask = document_attention_mask(document_ids(data, eod_token)) | causal
+    else:
+        attention_mask = causal.view(1, 1, s, s)
+    loss_mask = torch.ones((b, s), dtype=torch.float32, device=data.device)
+    if eod_mask_loss:
+        loss_mask[data == eod_token] = 0.0
+    if reset_position_ids:
+        position_ids = document_position_ids(data, eod_token)
+    else:
+        position_ids = torch.arange(s, dtype=torch.int64, device=data.device).expand(b, s)
+    return attention_mask, loss_mask, position_ids

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from megalite.data.gpt_dataset import document_ids, document_position_ids  # issue 18
+
 
 class MicroBatchSampler:
     """Yields this DP rank's micro-batches as lists of sample indices.
@@ -89,9 +91,20 @@ class GPTBatchCollator:
     where the input token is eod when ``eod_mask_loss``, as Megatron masks it, else 1.0) and
     ``position_ids`` int64 (0..s-1)."""
 
-    def __init__(self, *, eod: int, eod_mask_loss: bool):
+    def __init__(
+        self,
+        *,
+        eod: int,
+        eod_mask_loss: bool,
+        reset_position_ids: bool = False,
+        reset_attention_mask: bool = False,
+    ):
         self.eod = int(eod)
         self.eod_mask_loss = bool(eod_mask_loss)
+        # issue 18: positions restart after each eod; ``document_ids`` keep attention inside
+        # each document (``gpt_dataset.get_ltor_masks_and_position_ids``, in compact form)
+        self.reset_position_ids = bool(reset_position_ids)
+        self.reset_attention_mask = bool(reset_attention_mask)
 
     def __call__(self, samples: list[np.ndarray]) -> dict[str, torch.Tensor]:
         data = torch.from_numpy(np.stack(samples).astype(np.int64, copy=False))  # [b, s + 1]
@@ -105,12 +118,17 @@ class GPTBatchCollator:
         loss_mask = torch.ones((b, s), dtype=torch.float32)
         if self.eod_mask_loss:
             loss_mask[ints[0] == self.eod] = 0.0
-        return {
+        if self.reset_position_ids:  # issue 18
+            ints[2] = document_position_ids(ints[0], self.eod)
+        batch = {
             "tokens": ints[0],
             "labels": ints[1],
             "loss_mask": loss_mask,
             "position_ids": ints[2],
         }
+        if self.reset_attention_mask:  # issue 18
+            batch["document_ids"] = document_ids(ints[0], self.eod)
+        return batch
 
 
 class _SampleView(torch.utils.data.Dataset):
@@ -134,6 +152,8 @@ def make_loader(
     eod_mask_loss: bool,
     num_workers: int = 0,
     device: torch.device | None = None,
+    reset_position_ids: bool = False,  # issue 18
+    reset_attention_mask: bool = False,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """An iterator over this rank's micro-batch dicts; pinned memory when ``device`` is CUDA."""
     pin = device is not None and torch.device(device).type == "cuda"
@@ -141,7 +161,12 @@ def make_loader(
         _SampleView(dataset),
         batch_sampler=sampler,
         num_workers=num_workers,
-        collate_fn=GPTBatchCollator(eod=eod, eod_mask_loss=eod_mask_loss),
+        collate_fn=GPTBatchCollator(
+            eod=eod,
+            eod_mask_loss=eod_mask_loss,
+            reset_position_ids=reset_position_ids,
+            reset_attention_mask=reset_attention_mask,
+        ),  # fmt: skip
         pin_memory=pin,
     )
     return iter(loader)

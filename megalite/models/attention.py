@@ -22,12 +22,18 @@ from torch import nn
 
 from megalite.core import fusions
 from megalite.core.context_parallel import CommStats, context_parallel_attention
+from megalite.core.norms import build_norm
 from megalite.core.parallel_state import ParallelState
 from megalite.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.core.tensor_parallel.random import RNGStatesTracker, checkpoint
 from megalite.models.common import tp_rng_region, weight_init
 from megalite.models.config import GPTConfig
 from megalite.models.rotary import apply_rotary
+
+
+def causal_mask(s: int, device: torch.device) -> torch.Tensor:
+    """bool # [s, s], True above the diagonal (key after query): what causal attention hides."""
+    return torch.ones(s, s, dtype=torch.bool, device=device).triu(1)
 
 
 class CoreAttention(nn.Module):
@@ -47,10 +53,24 @@ class CoreAttention(nn.Module):
         self.rng_tracker = rng_tracker
         self.attention_dropout = nn.Dropout(config.attention_dropout)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``attention_mask`` (issue 18, ``--reset-attention-mask``): bool # [b, 1, s, s], True
+        where a query may NOT read a key (Megatron's convention), applied on top of the causal
+        mask; None: causal only."""
         p = self.attention_dropout.p if self.training else 0.0
         if self.backend == "sdpa":
             with tp_rng_region(self.rng_tracker, p > 0):
+                if attention_mask is not None:  # sdpa's bool mask is True where allowed
+                    allowed = ~(attention_mask | causal_mask(q.shape[2], q.device))
+                    return F.scaled_dot_product_attention(
+                        q, k, v, attn_mask=allowed, dropout_p=p, scale=self.scale
+                    )
                 return F.scaled_dot_product_attention(
                     q, k, v, dropout_p=p, is_causal=True, scale=self.scale
                 )
@@ -63,7 +83,9 @@ class CoreAttention(nn.Module):
             beta=0.0,
             alpha=self.scale,
         ).view(b, n, s, s)
-        probs = fusions.scale_mask_softmax(scores, scale=1.0, causal=True, use_fused=self.use_fused)
+        probs = fusions.scale_mask_softmax(
+            scores, scale=1.0, causal=True, mask=attention_mask, use_fused=self.use_fused
+        )
         with tp_rng_region(self.rng_tracker, p > 0):
             probs = self.attention_dropout(probs)
         return torch.matmul(probs, v)
@@ -108,6 +130,20 @@ class SelfAttention(nn.Module):
             **{**common, "bias": config.add_bias_linear or config.add_qkv_bias},  # issue 16
         )
         self.core_attention = CoreAttention(config, rng_tracker=rng_tracker)
+        # issue 18: --rotary-interleaved, --qk-layernorm (a norm over each head's d channels,
+        # replicated over TP but fed different heads per rank: grads summed over TP like SP's)
+        self.rotary_interleaved = config.rotary_interleaved
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            self.q_layernorm, self.k_layernorm = (
+                build_norm(
+                    config.normalization, d, eps=config.norm_epsilon,
+                    sequence_parallel=ps.tp_size > 1, use_fused=config.use_fused_kernels,
+                    params_dtype=config.params_dtype, device=device,
+                    zero_centered_gamma=config.apply_layernorm_1p,
+                )
+                for _ in range(2)
+            )  # fmt: skip
         self.linear_proj = RowParallelLinear(
             n * d,
             config.hidden_size,
@@ -117,7 +153,10 @@ class SelfAttention(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         qkv, _ = self.linear_qkv(x)  # [s, b, G/tp * (k + 2) * d]
         s, b = qkv.shape[:2]
@@ -125,9 +164,17 @@ class SelfAttention(nn.Module):
         qkv = qkv.view(s, b, groups, k + 2, d)
         query = qkv[:, :, :, :k].reshape(s, b, groups * k, d)  # [s, b, n/tp, d]
         key, value = qkv[:, :, :, k], qkv[:, :, :, k + 1]  # [s, b, G/tp, d]
+        if self.q_layernorm is not None:  # issue 18: before RoPE, as Megatron
+            query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary is not None:
-            query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
+            query = apply_rotary(query, *rotary, self.rotary_interleaved)
+            key = apply_rotary(key, *rotary, self.rotary_interleaved)
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, ., s, d]
+        if self.cp_size > 1 and attention_mask is not None:  # issue 18
+            raise ValueError(
+                "--reset-attention-mask with --context-parallel-size > 1 is not implemented (the "
+                "ring attention has no document mask); drop one of them"
+            )
         if self.cp_size > 1:  # s is this cp rank's s/cp tokens
             context = self._context_parallel(query, key, value)  # [b, n/tp, s/cp, d]
             context = context.permute(2, 0, 1, 3).reshape(s, b, groups * k * d)
@@ -137,10 +184,11 @@ class SelfAttention(nn.Module):
             key, value = key.repeat_interleave(k, dim=1), value.repeat_interleave(k, dim=1)
         if self.selective_recompute and self.training and torch.is_grad_enabled():
             context = checkpoint(
-                self.core_attention, query, key, value, tracker=self.rng_tracker, device=x.device
-            )
+                self.core_attention, query, key, value, attention_mask,
+                tracker=self.rng_tracker, device=x.device,
+            )  # fmt: skip
         else:
-            context = self.core_attention(query, key, value)  # [b, n/tp, s, d]
+            context = self.core_attention(query, key, value, attention_mask)  # [b, n/tp, s, d]
         context = context.permute(2, 0, 1, 3).reshape(s, b, groups * k * d)  # [s, b, n/tp * d]
         out, _ = self.linear_proj(context)  # [s(/tp), b, h]
         return out

@@ -90,6 +90,14 @@ class GPTConfig:
     moe_shared_expert_intermediate_size: int | None = None
     moe_shared_expert_gate: bool = False
     add_qkv_bias: bool = False  # issue 16: a bias on the QKV projection only (Qwen2, Qwen2-MoE)
+    # issue 18: Megatron's math flags (models/rotary.py, core/norms.py, models/mlp.py, attention)
+    apply_layernorm_1p: bool = False  # norm weights stored as w - 1, applied as 1 + w
+    qk_layernorm: bool = False  # a norm over each head's query and key (head dim)
+    squared_relu: bool = False  # relu(x)^2 instead of GELU
+    rotary_percent: float = 1.0  # RoPE on the first int(kv_channels * percent) channels
+    rotary_interleaved: bool = False  # pairs (2i, 2i+1) rotate instead of (i, i + d/2)
+    use_rope_scaling: bool = False  # Llama 3.1 frequency scaling (HF rope_type "llama3")
+    rope_scaling_factor: float = 8.0
 
     def __post_init__(self) -> None:
         for name, value in (
@@ -159,6 +167,7 @@ class GPTConfig:
         _check_sizes(self)
         _check_parallel(self, tp_size=tp_size, pp_size=pp_size)
         _check_recompute(self)
+        _check_megatron_math(self)  # issue 18
         from megalite.models.moe_config import check_moe  # issue 16
 
         check_moe(self, tp_size=tp_size)
@@ -256,3 +265,21 @@ def _check_recompute(c: GPTConfig) -> None:
         )
     if g == "full" and (not isinstance(c.recompute_num_layers, int) or c.recompute_num_layers < 1):
         raise ValueError(f"recompute_num_layers must be >= 1, got {c.recompute_num_layers!r}")
+
+
+def _check_megatron_math(c: GPTConfig) -> None:  # issue 18
+    if not 0.0 < c.rotary_percent <= 1.0:
+        raise ValueError(f"rotary_percent must be in (0, 1], got {c.rotary_percent}")
+    if c.position_embedding_type == "rope" and int(c.kv_channels * c.rotary_percent) < 2:
+        raise ValueError(
+            f"rotary_percent {c.rotary_percent} of kv_channels {c.kv_channels} leaves fewer than "
+            "2 rotary channels; raise rotary_percent"
+        )
+    if c.use_rope_scaling and c.rope_scaling_factor < 1.0:
+        raise ValueError(f"rope_scaling_factor must be >= 1, got {c.rope_scaling_factor}")
+    if c.squared_relu and c.swiglu:
+        raise ValueError("squared_relu and swiglu are two activations; choose one")
+    if c.squared_relu and c.num_experts is not None:
+        raise ValueError(
+            "squared_relu is not implemented in the MoE experts (num_experts); drop one of them"
+        )

@@ -137,9 +137,11 @@ class GPTModel(nn.Module):
         tokens: torch.Tensor | None,
         position_ids: torch.Tensor | None,
         labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens, position_ids, labels: # [b, s] int64 (tokens read on the first stage only;
-        position_ids None means 0..s-1).
+        position_ids None means 0..s-1). ``attention_mask`` (issue 18, ``--reset-attention-mask``):
+        bool # [b, 1, s, s], True where a query may not read a key, on top of the causal mask.
 
         Returns, on the last stage with labels: the per-token loss # [b, s] fp32 (padding vocabulary
         excluded); on the last stage without labels: logits # [b, s, V_pad/tp] (columns at or past
@@ -169,8 +171,13 @@ class GPTModel(nn.Module):
                 head_dim=self.config.kv_channels,
                 base=self.config.rotary_base,
                 dtype=hidden.dtype,
+                rotary_percent=self.config.rotary_percent,  # issue 18
+                interleaved=self.config.rotary_interleaved,
+                rope_scaling_factor=(
+                    self.config.rope_scaling_factor if self.config.use_rope_scaling else None
+                ),
             )
-        hidden = self.decoder(hidden, rotary)
+        hidden = self.decoder(hidden, rotary, attention_mask)
         if not self.post_process:
             return hidden
 

@@ -4,6 +4,7 @@ GELU (exact, HF ``"gelu"``; or tanh-approximate with ``openai_gelu``, HF ``"gelu
 (HF Llama: ``down(silu(gate(x)) * up(x))``). Under SwiGLU ``linear_fc1`` is one ColumnParallelLinear
 of ``2 * ffn`` outputs whose full weight is ``[gate; up]``, sharded with ``stride=2`` so each rank
 holds its rows of both blocks and ``chunk(2)`` of its output gives its gate and up.
+Megatron's ``--squared-relu`` (issue 18): ``relu(x)^2`` in place of GELU.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class MLP(nn.Module):
         super().__init__()
         prefix = f"decoder.layers.{layer_number}.mlp"
         self.swiglu, self.openai_gelu = config.swiglu, config.openai_gelu
+        self.squared_relu = config.squared_relu  # issue 18
         common = dict(
             tp_group=ps.tp_group,
             bias=config.add_bias_linear,
@@ -60,6 +62,8 @@ class MLP(nn.Module):
         if self.swiglu:
             gate, up = y.chunk(2, dim=-1)
             y = F.silu(gate) * up
+        elif self.squared_relu:
+            y = torch.pow(F.relu(y), 2)
         else:
             y = F.gelu(y, approximate="tanh" if self.openai_gelu else "none")
         out, _ = self.linear_fc2(y)  # [s(/tp), b, h]

@@ -44,6 +44,7 @@ def _norm(config: GPTConfig, device: torch.device | None) -> nn.Module:
         use_fused=config.use_fused_kernels,
         params_dtype=config.params_dtype,
         device=device,
+        zero_centered_gamma=config.apply_layernorm_1p,  # issue 18
     )
 
 
@@ -82,9 +83,10 @@ class TransformerLayer(nn.Module):
         hidden: torch.Tensor,
         cos: torch.Tensor | None = None,
         sin: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,  # issue 18: bool [b, 1, s, s], True = hidden
     ) -> torch.Tensor:
         rotary = None if cos is None else (cos, sin)
-        attn = self.self_attention(self.input_layernorm(hidden), rotary)
+        attn = self.self_attention(self.input_layernorm(hidden), rotary, attention_mask)
         hidden = self._dropout_add(attn, hidden)
         return self._dropout_add(self.mlp(self.pre_mlp_layernorm(hidden)), hidden)
 
@@ -119,37 +121,44 @@ class TransformerBlock(nn.Module):
         self.final_layernorm = _norm(config, device) if post_process else None
 
     def forward(
-        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+        self,
+        hidden: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,  # issue 18
     ) -> torch.Tensor:
         cos, sin = rotary if rotary is not None else (None, None)
         if self.recompute_granularity == "full" and self.training and torch.is_grad_enabled():
-            hidden = self._recomputed_forward(hidden, cos, sin)
+            hidden = self._recomputed_forward(hidden, cos, sin, attention_mask)
         else:
             for layer in self.layers:
-                hidden = layer(hidden, cos, sin)
+                hidden = layer(hidden, cos, sin, attention_mask)
         if self.final_layernorm is not None:
             hidden = self.final_layernorm(hidden)
         return hidden
 
     def _chunk(self, start: int, end: int):
-        def run(hidden, cos, sin):
+        def run(hidden, cos, sin, attention_mask=None):
             for layer in self.layers[start:end]:
-                hidden = layer(hidden, cos, sin)
+                hidden = layer(hidden, cos, sin, attention_mask)
             return hidden
 
         return run
 
-    def _recomputed_forward(self, hidden, cos, sin) -> torch.Tensor:
+    def _recomputed_forward(self, hidden, cos, sin, attention_mask=None) -> torch.Tensor:
         n, per = len(self.layers), self.recompute_num_layers
         tracker, device = self.rng_tracker, hidden.device
         if self.recompute_method == "uniform":
             for start in range(0, n, per):
                 run = self._chunk(start, min(start + per, n))
-                hidden = checkpoint(run, hidden, cos, sin, tracker=tracker, device=device)
+                hidden = checkpoint(
+                    run, hidden, cos, sin, attention_mask, tracker=tracker, device=device
+                )
             return hidden
         for i, layer in enumerate(self.layers):  # block
             if i < per:
-                hidden = checkpoint(layer, hidden, cos, sin, tracker=tracker, device=device)
+                hidden = checkpoint(
+                    layer, hidden, cos, sin, attention_mask, tracker=tracker, device=device
+                )
             else:
-                hidden = layer(hidden, cos, sin)
+                hidden = layer(hidden, cos, sin, attention_mask)
         return hidden

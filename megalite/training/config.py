@@ -338,6 +338,8 @@ class TrainingConfig:
     exit_signal_handler: bool = False  # --exit-signal-handler: save and exit 0 on the signal
     exit_signal: str = "SIGTERM"  # --exit-signal
     ckpt_format: str = "megalite"  # issue 18: megalite (own) | torch | torch_dist (Megatron's)
+    # issue 18: loss = token sum / unmasked tokens of the global batch (train_step)
+    calculate_per_token_loss: bool = False
 
     def num_microbatches(self, dp_size: int) -> int:
         """Micro-batches per DP rank per iteration: gbs / (mbs x ``dp_size``), the mesh's DP size;
@@ -476,6 +478,11 @@ class PretrainConfig:
                 f"parallel.sequence_parallel {par.sequence_parallel}; set both"
             )
         self._validate_experts()  # issue 16
+        if self.data.reset_attention_mask and par.context_parallel_size > 1:  # issue 18
+            raise ConfigError(
+                f"reset_attention_mask with context_parallel_size {par.context_parallel_size} is "
+                "not implemented (the context-parallel attention has no document mask); drop one"
+            )
         vocab = getattr(self.tokenizer, "vocab_size", None)
         if vocab is not None and vocab != m.vocab_size:
             raise ConfigError(

@@ -131,6 +131,19 @@ def build_parser() -> argparse.ArgumentParser:
                 help="use the PyTorch reference instead of the Triton kernels")  # fmt: skip
     m.add("--decoder-first-pipeline-num-layers", type=int)
     m.add("--decoder-last-pipeline-num-layers", type=int)
+    # issue 18: Megatron's math flags (--rotary-percent is in megatron_flags' group)
+    m.switch("--apply-layernorm-1p", help="norm weights stored as w - 1, applied as 1 + w")
+    m.switch("--qk-layernorm", help="a norm over each head's query and key")
+    m.switch("--squared-relu", help="relu(x)^2 instead of GELU in the MLP")
+    m.switch("--rotary-interleaved", help="RoPE pairs channels (2i, 2i+1)")
+    m.switch("--use-rope-scaling", help="Llama 3.1 RoPE frequency scaling")
+    m.add("--rope-scaling-factor", type=float, help="Llama 3.1 RoPE scaling factor (8)")
+    t18 = _Group(p, "loss and documents (issue 18)", TrainingConfig)
+    t18.switch("--calculate-per-token-loss",
+               help="loss = token sum / unmasked tokens of the whole global batch")  # fmt: skip
+    d18 = _Group(p, "documents in a sample (issue 18)", DataConfig)
+    d18.switch("--reset-position-ids", help="positions restart after each end-of-document")
+    d18.switch("--reset-attention-mask", help="attention does not cross an end-of-document")
 
     par = _Group(p, "parallelism", ParallelConfig)
     par.add("--tensor-model-parallel-size", type=int)

@@ -11,6 +11,16 @@ sum(full mask)``: the data-parallel layer averages grads over ``dp x cp`` ranks,
 reported over ``dp x cp`` are averaged too, so both come out as the single process's mean over
 every token of the sequence (the cp ranks' terms sum to it; the ``cp_size`` factor undoes the
 average's division).
+
+``--calculate-per-token-loss`` (issue 18, Megatron's semantics): a micro-batch's loss is the SUM
+of its (local) unmasked per-token losses and it also reports its token count (``NUM_TOKENS``);
+``train_step`` then scales the synced grads so that they are those of ``sum / N`` with N the
+unmasked tokens of the whole global batch (every micro-batch, DP and CP rank), and reports the
+loss as that token-weighted mean.
+
+``--reset-attention-mask`` (issue 18): a batch with ``document_ids`` # [b, s] (the loader's) or a
+Megatron ``attention_mask`` # [b, 1, s, s] (True = masked) gives the model a bool mask that keeps
+attention inside each document.
 """
 
 from __future__ import annotations
@@ -22,6 +32,9 @@ import torch
 from torch import nn
 
 from megalite.core.context_parallel.chunking import split_for_cp
+from megalite.data.gpt_dataset import document_attention_mask
+
+NUM_TOKENS = "num tokens"  # issue 18: the reported token count of a per-token-loss micro-batch
 
 
 def masked_mean_loss(
@@ -43,6 +56,26 @@ def masked_mean_loss(
     return loss, {"lm loss": loss.detach()}
 
 
+def masked_sum_loss(
+    loss_mask: torch.Tensor, output: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``--calculate-per-token-loss``: ``sum(loss * loss_mask)`` over this rank's tokens, and
+    ``{"lm loss": that sum, NUM_TOKENS: sum(loss_mask)}`` (both detached, fp32)."""
+    mask = loss_mask.reshape(-1).to(torch.float32)
+    loss = (output.reshape(-1).float() * mask).sum()
+    return loss, {"lm loss": loss.detach(), NUM_TOKENS: mask.sum().detach()}
+
+
+def batch_attention_mask(batch: dict, device: torch.device) -> torch.Tensor | None:
+    """The model's bool # [b, 1, s, s] document mask from ``document_ids`` or Megatron's
+    ``attention_mask``; None when the batch carries neither (causal attention only)."""
+    if "document_ids" in batch:
+        return document_attention_mask(batch["document_ids"].to(device, non_blocking=True))
+    if "attention_mask" in batch:
+        return batch["attention_mask"].to(device, non_blocking=True).bool()
+    return None
+
+
 def cp_coordinates(model: nn.Module) -> tuple[int, int]:
     """(cp_size, cp_rank) of a GPTModel stage, or of the one a data-parallel wrapper holds."""
     inner = getattr(model, "module", model)
@@ -50,7 +83,11 @@ def cp_coordinates(model: nn.Module) -> tuple[int, int]:
 
 
 def gpt_forward_step(
-    data_iterator: Iterator[dict] | None, model: nn.Module, *, device: torch.device
+    data_iterator: Iterator[dict] | None,
+    model: nn.Module,
+    *,
+    device: torch.device,
+    calculate_per_token_loss: bool = False,
 ) -> tuple[torch.Tensor, partial]:
     """Read the next micro-batch dict (``tokens``, ``labels``, ``loss_mask``, ``position_ids``, all
     # [b, s]), keep this cp rank's chunks (the model's mesh says which), and run the model;
@@ -65,10 +102,23 @@ def gpt_forward_step(
 
     tokens, labels, position_ids = local("tokens"), local("labels"), local("position_ids")
     loss_mask = split_for_cp(loss_mask, 1, cp_size, cp_rank)
-    output = model(tokens, position_ids, labels=labels)
+    attention_mask = batch_attention_mask(batch, device)  # issue 18
+    if attention_mask is None:
+        output = model(tokens, position_ids, labels=labels)
+    else:
+        if cp_size > 1:
+            raise ValueError(
+                "--reset-attention-mask with --context-parallel-size > 1 is not implemented (the "
+                "ring attention has no document mask); drop one of them"
+            )
+        output = model(tokens, position_ids, labels=labels, attention_mask=attention_mask)
+    if calculate_per_token_loss:  # issue 18
+        return output, partial(masked_sum_loss, loss_mask)
     return output, partial(masked_mean_loss, loss_mask, num_tokens=num_tokens, cp_size=cp_size)
 
 
-def make_forward_step(device: torch.device) -> partial:
+def make_forward_step(device: torch.device, *, calculate_per_token_loss: bool = False) -> partial:
     """``forward_step_func(data_iterator, model)`` for the schedule, on ``device``."""
-    return partial(gpt_forward_step, device=device)
+    return partial(
+        gpt_forward_step, device=device, calculate_per_token_loss=calculate_per_token_loss
+    )

@@ -77,6 +77,7 @@ class IntervalStats:
     tflops_per_device: float
     mfu_percent: float | None
     peak_memory_mib: float
+    num_zeros_in_grad: float | None = None  # issue 18: --log-num-zeros-in-grad (the last step's)
 
 
 def format_iteration_line(s: IntervalStats) -> str:
@@ -92,6 +93,8 @@ def format_iteration_line(s: IntervalStats) -> str:
     parts.append(f"loss scale: {s.loss_scale:.1f}")
     if s.grad_norm is not None:
         parts.append(f"grad norm: {s.grad_norm:.3f}")
+    if s.num_zeros_in_grad is not None:  # issue 18: Megatron's field, after the grad norm
+        parts.append(f"num zeros: {s.num_zeros_in_grad:.1f}")
     parts += [
         f"number of skipped iterations: {s.skipped_iterations:3d}",
         f"number of nan iterations: {s.nan_iterations:3d}",

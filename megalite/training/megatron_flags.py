@@ -8,7 +8,7 @@ for those an open issue of this wave brings), one line naming the flag and the i
 silently ignored.
 
 Issue 18's implemented flags: ``--ckpt-format`` (``checkpoint.megatron_save``),
-``--rotary-percent 1.0`` (other values refused), the sample-based schedule
+``--rotary-percent`` (any value in (0, 1]: ``models.rotary``), the sample-based schedule
 ``--lr-warmup-samples`` / ``--lr-decay-samples`` (with ``--train-samples``, the decay spans the
 samples, not whole iterations, as Megatron's), and ``--use-rotary-position-embeddings``
 (Megatron's old alias of ``--position-embedding-type rope``).
@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-
-from megalite.training.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -117,11 +115,10 @@ ISSUE_18 = "issue 18 (Megatron migration), not implemented yet"
 # Megatron flags that change the math and that megalite does not implement: refused, naming why.
 REFUSED_FLAGS: dict[str, str] = {
     **dict.fromkeys(
-        ("--apply-layernorm-1p", "--calculate-per-token-loss",
-         "--reset-position-ids", "--reset-attention-mask", "--decoupled-lr", "--decoupled-min-lr",
-         "--rampup-batch-size", "--step-batch-size-schedule", "--qk-layernorm",
-         "--rotary-interleaved", "--squared-relu", "--data-args-path", "--per-split-data-args-path",
-         "--split-sentences", "--rotary-scaling-factor", "--use-rope-scaling",
+        ("--decoupled-lr", "--decoupled-min-lr",
+         "--rampup-batch-size", "--step-batch-size-schedule",
+         "--data-args-path", "--per-split-data-args-path",
+         "--split-sentences", "--rotary-scaling-factor",
          "--grad-reduce-in-bf16"),
         ISSUE_18,
     ),
@@ -150,7 +147,7 @@ def add_megatron_flags(parser: argparse.ArgumentParser, group) -> None:
     g.add_argument("--lr-warmup-samples", type=int, default=None)
     g.add_argument("--lr-decay-samples", type=int, default=None)
     g.add_argument("--use-rotary-position-embeddings", action="store_true")
-    g.add_argument("--rotary-percent", type=float, default=None)
+    g.add_argument("--rotary-percent", type=float, default=1.0)  # issue 18: GPTConfig's
     for flag in IGNORED_FLAGS:
         dest = "ignored_" + flag[2:].replace("-", "_")
         if flag in VALUED_FLAGS:
@@ -182,16 +179,12 @@ def warn_ignored(a: argparse.Namespace, *, rank: int) -> None:
 
 def position_embedding_alias(a: argparse.Namespace) -> None:
     """``--use-rotary-position-embeddings``: Megatron's old spelling of RoPE.
-    ``--rotary-percent 1.0`` is RoPE on every channel, what megalite computes; a partial rotary
-    embedding is refused."""
+    ``--rotary-percent`` left out is 1.0 (RoPE on every channel; issue 18 implements the
+    partial embedding, ``GPTConfig.rotary_percent``)."""
     if getattr(a, "use_rotary_position_embeddings", False):
         a.position_embedding_type = "rope"
-    percent = getattr(a, "rotary_percent", None)
-    if percent is not None and percent != 1.0:
-        raise ConfigError(
-            f"--rotary-percent {percent}: a partial rotary embedding is not implemented yet, "
-            f"planned in {ISSUE_18}; use --rotary-percent 1.0 (or drop it) to run"
-        )
+    if getattr(a, "rotary_percent", None) is None:  # issue 18: a Namespace built by hand
+        a.rotary_percent = 1.0
 
 
 def apply_sample_schedule(cfg, a: argparse.Namespace, *, train_samples: int | None) -> None:

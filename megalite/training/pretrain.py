@@ -169,7 +169,10 @@ def pretrain(
         trainer, t = run.trainer, cfg.training
         trainer.exit_signal = exit_signal
         watch_first_step(trainer)  # issue 19: the planner's prediction vs the first step
-        forward_step = forward_step_func or make_forward_step(device)
+        forward_step = forward_step_func or make_forward_step(
+            device,
+            calculate_per_token_loss=cfg.training.calculate_per_token_loss,  # issue 18
+        )
         valid_iter = run.valid_iter if t.eval_iters else None
         result = trainer.train(forward_step, run.train_iter, valid_iter)
         if t.eval_iters > 0 and not result.exited_on_signal:

@@ -38,6 +38,7 @@ class IntervalSnapshot:
     first_bad_grad_norm: int | None
     per_step_losses: list[float]  # "lm loss" of every step since the last read (last stage)
     per_step_grad_norms: list[float]  # NaN for skipped steps
+    num_zeros_in_grad: float | None = None  # issue 18: the last step's count (when counted)
 
 
 class DeviceStats:
@@ -58,6 +59,7 @@ class DeviceStats:
         self.iterations, self.skipped = 0, 0
         self.step_losses: list[torch.Tensor] = []
         self.step_grad_norms: list[torch.Tensor] = []
+        self.last_num_zeros: torch.Tensor | None = None  # issue 18
 
     def add(
         self,
@@ -65,10 +67,14 @@ class DeviceStats:
         losses: dict[str, torch.Tensor],
         grad_norm: torch.Tensor | None,
         update_successful: bool,
+        num_zeros_in_grad: torch.Tensor | None = None,
     ) -> None:
         """Account one step (no host sync). ``losses``: 0-d tensors on the last stage, {} else;
-        ``grad_norm`` None when the step was skipped (fp16 overflow)."""
+        ``grad_norm`` None when the step was skipped (fp16 overflow); ``num_zeros_in_grad``
+        (``--log-num-zeros-in-grad``) kept for the next read."""
         self.iterations += 1
+        if num_zeros_in_grad is not None:  # issue 18
+            self.last_num_zeros = num_zeros_in_grad.detach().to(self.device, torch.float64)
         if not update_successful:
             self.skipped += 1
         if losses:
@@ -115,6 +121,7 @@ class DeviceStats:
                 first_bad,
                 torch.stack(self.step_losses) if self.step_losses else first_bad[:0],
                 torch.stack(self.step_grad_norms) if self.step_grad_norms else first_bad[:0],
+                first_bad[:0] if self.last_num_zeros is None else self.last_num_zeros.reshape(1),
             ]
         ).tolist()  # fmt: skip  (the one device -> host copy of the interval)
         k, n_loss = len(names), len(self.step_losses)
@@ -132,7 +139,8 @@ class DeviceStats:
             first_bad_loss=None if math.isinf(bad_loss) else int(bad_loss),
             first_bad_grad_norm=None if math.isinf(bad_norm) else int(bad_norm),
             per_step_losses=rest[:n_loss],
-            per_step_grad_norms=rest[n_loss:],
+            per_step_grad_norms=rest[n_loss : n_loss + len(self.step_grad_norms)],
+            num_zeros_in_grad=None if self.last_num_zeros is None else rest[-1],
         )
         self._reset()
         return snapshot

@@ -11,6 +11,13 @@ global batch (last stage; empty elsewhere).
 The LR schedule advances only when the optimizer actually stepped (an fp16 overflow skips both).
 Nothing here reads the device: losses, grad norm and zero count stay tensors (the fp16 skip
 decision inside ``optimizer.step()`` is the only host sync, and only with a loss scaler).
+
+``calculate_per_token_loss`` (issue 18, Megatron's ``--calculate-per-token-loss``): each
+micro-batch's loss is its token SUM (``forward_step.masked_sum_loss``); after the grad sync the
+global count N of unmasked tokens (summed on the last stage over micro-batches and ``dp x cp``,
+then broadcast over the pipeline) rescales the grad buffers by ``m * dp * cp / N``, undoing the
+schedule's ``1/m`` and the data-parallel average: the grads are those of the global batch's
+token-weighted mean loss, whatever the layout, and ``lm loss`` reports that mean.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from torch import nn
 from megalite.core.optimizer import MixedPrecisionOptimizer
 from megalite.core.parallel_state import ParallelState
 from megalite.core.tensor_parallel.mappings import group_size
+from megalite.training.forward_step import NUM_TOKENS
 from megalite.training.lr_schedule import LRScheduler
 from megalite.training.model_chunks import grad_wrappers
 
@@ -41,9 +49,13 @@ class StepResult:
 def average_losses_across_dp(
     reported: list[dict[str, torch.Tensor]], dp_group
 ) -> dict[str, torch.Tensor]:
-    """Mean over micro-batches of each name, then the mean over the DP group (one all-reduce)."""
+    """Mean over micro-batches of each name, then the mean over the DP group (one all-reduce).
+    Per-token losses (the dicts carry ``NUM_TOKENS``): each name's sum over micro-batches and DP
+    divided by the summed token count (issue 18)."""
     if not reported:
         return {}
+    if NUM_TOKENS in reported[0]:
+        return token_weighted_losses(reported, dp_group)[0]
     names = list(reported[0])
     stacked = torch.stack(
         [torch.stack([r[n].float().reshape(()) for r in reported]).mean() for n in names]
@@ -53,6 +65,45 @@ def average_losses_across_dp(
         dist.all_reduce(stacked, group=dp_group)
         stacked = stacked / dp
     return dict(zip(names, stacked.unbind(0)))
+
+
+def token_weighted_losses(
+    reported: list[dict[str, torch.Tensor]], dp_group
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(each name's sum over micro-batches and the DP group / the summed ``NUM_TOKENS``, that
+    token count # 0-d fp32): one all-reduce."""
+    names = [n for n in reported[0] if n != NUM_TOKENS] + [NUM_TOKENS]
+    sums = torch.stack(
+        [torch.stack([r[n].float().reshape(()) for r in reported]).sum() for n in names]
+    )  # [num_names]
+    if group_size(dp_group) > 1:
+        dist.all_reduce(sums, group=dp_group)
+    tokens = sums[-1]
+    means = sums[:-1] / tokens.clamp(min=1.0)
+    return dict(zip(names[:-1], means.unbind(0))), tokens
+
+
+def scale_grads_per_token(
+    wrappers: list[nn.Module],
+    reported: list[dict[str, torch.Tensor]],
+    *,
+    ps: ParallelState,
+    num_microbatches: int,
+) -> dict[str, torch.Tensor]:
+    """Issue 18: rescale every synced grad buffer by ``m * dp * cp / N`` (module docstring);
+    returns the token-weighted losses on the last stage ({} elsewhere). Collective over
+    ``dp x cp`` (last stage) and the pipeline group."""
+    losses, tokens = {}, torch.zeros((), dtype=torch.float32, device=ps.device)
+    if ps.is_last_stage:
+        losses, tokens = token_weighted_losses(reported, ps.group("dp", "cp"))
+    if ps.pp_size > 1:  # the count lives on the last stage
+        tokens = tokens.clone()
+        dist.broadcast(tokens, src=ps.pp_ranks[-1], group=ps.pp_group)
+    scale = num_microbatches * ps.size("dp", "cp") / tokens.clamp(min=1.0)
+    for wrapper in wrappers:
+        for buffer in wrapper.grad_buffers:
+            buffer.data.mul_(scale.to(buffer.data.dtype))
+    return losses
 
 
 def train_step(
@@ -67,6 +118,7 @@ def train_step(
     forward_backward_func: Callable[..., list[dict]],
     seq_length: int | None = None,
     micro_batch_size: int | None = None,
+    calculate_per_token_loss: bool = False,  # issue 18
 ) -> StepResult:
     wrappers = grad_wrappers(model)  # chunks of a rank may share one wrapper
     for wrapper in wrappers:
@@ -84,10 +136,18 @@ def train_step(
     )
     for wrapper in wrappers:
         wrapper.finish_grad_sync()
+    per_token = None
+    if calculate_per_token_loss:  # issue 18
+        per_token = scale_grads_per_token(
+            wrappers, reported, ps=ps, num_microbatches=num_microbatches
+        )
     learning_rate = optimizer.param_groups[0]["lr"]
     update_successful, grad_norm, num_zeros = optimizer.step()
     if update_successful:
         scheduler.step()
     dp_group = ps.group("dp", "cp")
-    losses = average_losses_across_dp(reported, dp_group) if ps.is_last_stage else {}
+    if per_token is not None:
+        losses = per_token
+    else:
+        losses = average_losses_across_dp(reported, dp_group) if ps.is_last_stage else {}
     return StepResult(losses, update_successful, grad_norm, num_zeros, learning_rate)

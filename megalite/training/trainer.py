@@ -161,6 +161,7 @@ class Trainer:
             self.optimizer,
             self.scheduler,
             **self._schedule_kwargs(),
+            calculate_per_token_loss=self.cfg.training.calculate_per_token_loss,  # issue 18
         )
         if self.routers:  # aux-loss-free balancing
             update_expert_bias(self.routers, self.ps.group("tp", "dp", "cp"))
@@ -234,7 +235,10 @@ class Trainer:
             step = self.step(forward_step_func, train_iter)
             r.iteration += 1
             r.consumed_train_samples += t.global_batch_size
-            self.stats.add(r.iteration, step.losses, step.grad_norm, step.update_successful)
+            self.stats.add(
+                r.iteration, step.losses, step.grad_norm, step.update_successful,
+                num_zeros_in_grad=step.num_zeros_in_grad,  # issue 18
+            )  # fmt: skip
             if r.iteration % self.cfg.logging.tensorboard_log_interval == 0:
                 self._tensorboard_step(r.iteration, step)
             if r.iteration % self.cfg.logging.log_interval == 0:
@@ -321,6 +325,8 @@ class Trainer:
             "num-skipped-iterations": self.result.skipped_iterations,
             "num-nan-iterations": self.result.nan_iterations,
         })  # fmt: skip
+        if step.num_zeros_in_grad is not None:  # issue 18: --log-num-zeros-in-grad
+            values["num-zeros"] = float(step.num_zeros_in_grad)
         self.tensorboard.scalars(values, iteration)
 
     def _log_interval(self, step: StepResult, snap: IntervalSnapshot, start: float) -> None:
@@ -352,6 +358,7 @@ class Trainer:
             tflops_per_device=tflops,
             mfu_percent=mfu,
             peak_memory_mib=memory,
+            num_zeros_in_grad=snap.num_zeros_in_grad,  # issue 18
         )
         logger.info(format_iteration_line(stats))
         self.tensorboard.scalars(
