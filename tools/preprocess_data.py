@@ -12,6 +12,11 @@ Usage:
         --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json \
         --merge-file gpt2-merges.txt --append-eod --workers 8
 
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/c \
+        --tokenizer-type GPT2BPETokenizer --vocab-file v.json --merge-file m.txt \
+        --split-sentences [--lang english] [--keep-newlines]    # -> data/c_text_sentence.bin/.idx
+    (needs NLTK and its punkt_tab model: pip install nltk; python -m nltk.downloader punkt_tab)
+
 Tokenizer types and their flags: GPT2BPETokenizer (--vocab-file, --merge-file);
 SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer (a bos first) and
 HuggingFaceTokenizer (--tokenizer-model); TikTokenizer (--tokenizer-model, --tiktoken-pattern v1|v2,
