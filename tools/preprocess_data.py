@@ -12,6 +12,11 @@ Usage:
         --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json \
         --merge-file gpt2-merges.txt --append-eod --workers 8
 
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/c \
+        --tokenizer-type GPT2BPETokenizer --vocab-file v.json --merge-file m.txt \
+        --split-sentences [--lang english] [--keep-newlines]    # -> data/c_text_sentence.bin/.idx
+    (needs NLTK and its punkt_tab model: pip install nltk; python -m nltk.downloader punkt_tab)
+
 Tokenizer types and their flags: GPT2BPETokenizer (--vocab-file, --merge-file);
 SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer (a bos first) and
 HuggingFaceTokenizer (--tokenizer-model); TikTokenizer (--tokenizer-model, --tiktoken-pattern v1|v2,
@@ -31,6 +36,7 @@ import signal
 import sys
 
 from megalite.data.preprocess import preprocess_jsonl
+from megalite.data.sentence_split import PunktSplitter
 from megalite.data.tokenizers import TOKENIZER_TYPES, make_tokenizer
 from megalite.errors import ArgumentParser, run_main
 
@@ -69,6 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--skip-bad-lines", action="store_true", help="skip and count malformed lines, not fail"
     )
     p.add_argument("--chunk-lines", type=int, default=512, help="lines per worker task")
+    p.add_argument(
+        "--split-sentences",
+        action="store_true",
+        help="one sequence per sentence (NLTK punkt); writes PREFIX_{key}_sentence.bin/.idx",
+    )
+    p.add_argument(
+        "--keep-newlines", action="store_true", help="keep newlines between split sentences"
+    )
+    p.add_argument("--lang", default="english", help="punkt's language (english)")
     return p
 
 
@@ -81,6 +96,10 @@ def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so temp files go too
+    splitter = None
+    if args.split_sentences:  # issue 18; checked before any output is opened
+        splitter = PunktSplitter(args.lang, args.keep_newlines)
+        splitter.check()
     try:
         tokenizer = make_tokenizer(
             args.tokenizer_type,
@@ -101,6 +120,7 @@ def _main(argv: list[str] | None) -> int:
             log_interval=args.log_interval,
             skip_bad_lines=args.skip_bad_lines,
             chunk_lines=args.chunk_lines,
+            sentence_splitter=splitter,
         )
     finally:
         signal.signal(signal.SIGTERM, previous)

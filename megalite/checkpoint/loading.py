@@ -161,7 +161,7 @@ def _load_optimizer(
 
 def _load_scheduler(scheduler, saved: dict | None, iteration: int) -> None:
     current = scheduler.state_dict()
-    steps = int(saved["num_steps"]) if saved else iteration
+    steps = saved["num_steps"] if saved else iteration  # issue 18: fractional under a ramp
     if saved:
         changed = [k for k in current if k != "num_steps" and saved.get(k) != current[k]]
         if changed:

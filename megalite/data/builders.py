@@ -245,6 +245,7 @@ def build_data_loaders(
     device: torch.device | None = None,
     build_cache: bool = True,
     barrier: Callable[[], None] | None = None,
+    train_global_batch_size: int | None = None,
 ) -> tuple[Iterator | None, Iterator | None, Iterator | None]:
     """This DP rank's (train, valid, test) micro-batch iterators (None for an empty split).
 
@@ -253,6 +254,9 @@ def build_data_loaders(
     over ``train_samples`` from ``consumed_train_samples``; valid and test cycle over theirs (valid
     from ``consumed_valid_samples``). ``barrier`` (if given) is called exactly once on every rank,
     between the cache builders' and the other ranks' dataset construction.
+    ``train_global_batch_size``: the train sampler's batch when it differs from
+    ``global_batch_size``: micro x DP under a batch-size ramp (issue 18), where the iterations take
+    the micro-batches one after another, as Megatron's sampler gives them, whatever the batch.
     """
     datasets = None
     kwargs = dict(
@@ -269,6 +273,8 @@ def build_data_loaders(
         datasets = build_datasets(cfg, write_cache=False, **kwargs)
     consumed = (consumed_train_samples, consumed_valid_samples, 0)
     wanted = (train_samples, valid_samples, test_samples)
+    batch_sizes = (train_global_batch_size or global_batch_size, global_batch_size,
+                   global_batch_size)  # fmt: skip
     loaders = []
     for i, ds in enumerate(datasets):
         if ds is None:
@@ -278,7 +284,7 @@ def build_data_loaders(
             total_samples=min(wanted[i], len(ds)),
             consumed_samples=consumed[i],
             micro_batch_size=micro_batch_size,
-            global_batch_size=global_batch_size,
+            global_batch_size=batch_sizes[i],
             dp_rank=dp_rank,
             dp_size=dp_size,
             cyclic=i > 0,

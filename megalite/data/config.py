@@ -9,6 +9,7 @@ files exist.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -171,6 +172,57 @@ def parse_blend(
                     "(tools/preprocess_data.py writes {output_prefix}_{key}_document.bin/.idx)"
                 )
     return prefixes, weights
+
+
+def read_data_args(path: str) -> list[str]:
+    """Megatron's ``--data-args-path`` file: the ``--data-path`` list written in a file, entries
+    separated by any whitespace (``"0.3 /d/a 0.7 /d/b"``, one per line or not)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            entries = f.read().split()
+    except OSError as e:
+        raise ValueError(f"--data-args-path {path}: cannot read it ({e.strerror})") from None
+    if not entries:
+        raise ValueError(f"--data-args-path {path} is empty; write the --data-path list in it")
+    return entries
+
+
+def read_per_split_data_args(path: str) -> tuple[list[str] | None, ...]:
+    """Megatron's ``--per-split-data-args-path`` file: JSON ``{"train": ..., "valid": ...,
+    "test": ...}``, each value a list of entries or one whitespace-separated string (a blend as
+    ``--train-data-path`` takes it) -> (train, valid, test); a missing, null or empty valid or
+    test entry is None (no such split)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise ValueError(
+            f"--per-split-data-args-path {path}: cannot read it ({e.strerror})"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"--per-split-data-args-path {path}: not JSON ({e.msg}, line {e.lineno}); write "
+            '{"train": [...], "valid": [...], "test": [...]}'
+        ) from None
+    if not isinstance(doc, dict) or not doc.get("train"):
+        raise ValueError(
+            f'--per-split-data-args-path {path}: needs a JSON object with a non-empty "train" '
+            'entry: {"train": [...], "valid": [...], "test": [...]}'
+        )
+    out = []
+    for split in ("train", "valid", "test"):
+        value = doc.get(split)
+        if isinstance(value, str):
+            value = value.split()
+        if value is not None and not (
+            isinstance(value, list) and all(isinstance(v, (str, int, float)) for v in value)
+        ):
+            raise ValueError(
+                f"--per-split-data-args-path {path}: {split!r} must be a list of paths (and "
+                f"weights) or one string, got {type(value).__name__}"
+            )
+        out.append([str(v) for v in value] if value else None)
+    return tuple(out)
 
 
 def _is_number(text: str) -> bool:

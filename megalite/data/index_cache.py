@@ -6,6 +6,17 @@ times, the documents used, seq_length, seed, sample count, weights, ...). The de
 written last (renamed into place) and records each array's shape, dtype and blake2b digest; an entry
 is used only when the description matches and every array checks out, so a stale, partial or
 corrupt entry is rebuilt, never trusted.
+
+Megatron-LM's own GPTDataset index files in the same folder (``--data-cache-path``, or Megatron's
+default ``dirname(prefix)/cache/GPTDataset_indices``): ``{md5}-GPTDataset-{split}-description.txt``
+beside ``-document_index.npy``, ``-sample_index.npy`` and ``-shuffle_index.npy``. The arrays mean
+what megalite's mean (documents of each epoch in order, each sample's start as (position, offset),
+the shuffled sample order), so when a description there names this dataset (the same prefix),
+split, ``--seed``, ``--seq-length`` and sample count, and the arrays check out (dtypes, shapes,
+every document of the split's range in the document index, a permutation-sized shuffle), megalite
+uses them: the run then sees Megatron's sample order, as the Megatron run that wrote them did. A
+Megatron entry for this dataset and split that differs is named in one line saying which setting
+differs, and megalite builds its own (``try_load_megatron``).
 """
 
 from __future__ import annotations
@@ -114,6 +125,83 @@ def save(cache_dir: str, description: dict, arrays: dict[str, np.ndarray]) -> st
     return desc_path
 
 
+MEGATRON_ARRAYS = ("document_index", "sample_index", "shuffle_index")
+
+
+def _megatron_mismatch(meg: dict, description: dict) -> str | None:
+    """Why Megatron's description ``meg`` is not this GPTDataset's, or None when it is."""
+    prefix = description["data"]["prefix"]
+    path = meg.get("dataset_path")
+    if not isinstance(path, str) or os.path.realpath(path) != os.path.realpath(prefix):
+        return f"dataset_path {path} is not {prefix}"
+    wanted = {
+        "index_split": description["split"],
+        "random_seed": description["seed"],
+        "sequence_length": description["seq_length"],
+        "num_samples": description["num_samples"],
+    }
+    for key, value in wanted.items():
+        if meg.get(key) != value:
+            return f"{key} {meg.get(key)} differs from this run's {value}"
+    if meg.get("add_extra_token_to_sequence", True) is not True:
+        return "add_extra_token_to_sequence is off (megalite's samples hold seq_length + 1 tokens)"
+    return None
+
+
+def _check_megatron_arrays(arrays: dict[str, np.ndarray], description: dict) -> None:
+    lo, hi = description["documents"]
+    doc, sample, shuffle = (arrays[k] for k in MEGATRON_ARRAYS)
+    if doc.ndim != 1 or sample.ndim != 2 or sample.shape[1] != 2 or shuffle.ndim != 1:
+        raise ValueError("array shapes are not Megatron's GPTDataset indices")
+    if doc.size == 0 or int(doc.min()) != lo or int(doc.max()) != hi - 1:
+        raise ValueError(f"its document index does not span this split's documents [{lo}, {hi})")
+    if len(np.unique(doc)) != hi - lo:
+        raise ValueError(f"its document index misses documents of [{lo}, {hi})")
+    n = sample.shape[0] - 1
+    if shuffle.size == 0 or int(shuffle.max()) >= n or int(shuffle.min()) < 0:
+        raise ValueError(f"its shuffle index points outside its {n} samples")
+    if int(sample[:, 0].max()) >= doc.size:
+        raise ValueError("its sample index points past its document index")
+
+
+def try_load_megatron(cache_dir: str, description: dict) -> dict[str, np.ndarray] | None:
+    """Megatron-LM's index arrays for this GPTDataset (module docstring), or None."""
+    suffix = f"-GPTDataset-{description['split']}-description.txt"
+    try:
+        names = sorted(n for n in os.listdir(cache_dir) if n.endswith(suffix))
+    except OSError:
+        return None
+    for name in names:
+        base = os.path.join(cache_dir, name[: -len("-description.txt")])
+        try:
+            with open(os.path.join(cache_dir, name), encoding="utf-8") as f:
+                meg = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(meg, dict) or meg.get("class", "GPTDataset") != "GPTDataset":
+            continue
+        why = _megatron_mismatch(meg, description)
+        if why is not None:
+            if "dataset_path" not in why:  # Megatron's files for this data: say why not
+                logger.warning("Megatron-LM index files %s-* not reused: %s", base, why)
+            continue
+        try:
+            arrays = {
+                k: np.asarray(np.load(f"{base}-{k}.npy", mmap_mode="r", allow_pickle=False))
+                for k in MEGATRON_ARRAYS
+            }
+            _check_megatron_arrays(arrays, description)
+        except (OSError, ValueError) as e:
+            logger.warning("Megatron-LM index files %s-* not reused: %s", base, e)
+            continue
+        logger.info(
+            "%s split: using Megatron-LM's index files %s-* (Megatron's sample order)",
+            description["split"], base,
+        )  # fmt: skip
+        return arrays
+    return None
+
+
 def load_or_build(
     cache_dir: str | None,
     description: dict,
@@ -128,6 +216,10 @@ def load_or_build(
     in memory when no valid entry is there, with a warning, rather than trust a bad one.
     """
     description = dict(description, cache_format=FORMAT_VERSION)
+    if cache_dir is not None and description.get("kind") == "GPTDataset":
+        arrays = try_load_megatron(cache_dir, description)
+        if arrays is not None:
+            return arrays
     if cache_dir is not None:
         arrays = try_load(cache_dir, description, names)
         if arrays is not None:

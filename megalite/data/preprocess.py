@@ -8,6 +8,11 @@ input size and any worker count gives the same bytes. For each JSON key the outp
 vocabulary is under 65,500 ids, else int32. Files are written under temporary names and renamed only
 when everything succeeded.
 
+``sentence_splitter`` (``--split-sentences``, ``sentence_split.PunktSplitter``): each document's
+text is split into sentences, each sentence is one sequence of its document (empty ones dropped;
+the eod, with ``append_eod``, ends the last), and the output is
+``{output_prefix}_{key}_sentence.bin/.idx``, as Megatron writes it.
+
 Bad input: a line that is not JSON, not an object, lacks a key, has a non-string value or fails to
 tokenise is an error naming the file and line (PreprocessError), or, with ``skip_bad_lines``, is
 skipped whole and counted. Blank lines are skipped and counted; a document with no tokens (before
@@ -66,11 +71,13 @@ class _ChunkResult:
     tokens: dict[str, np.ndarray] = field(default_factory=dict)
     lengths: dict[str, np.ndarray] = field(default_factory=dict)
     empty: dict[str, int] = field(default_factory=dict)
+    sentences: dict[str, np.ndarray] = field(default_factory=dict)  # per document (splitting)
 
 
-def output_prefix_for(output_prefix: str, key: str) -> str:
-    """Megatron's naming: ``{output_prefix}_{key}_document``."""
-    return f"{output_prefix}_{key}_document"
+def output_prefix_for(output_prefix: str, key: str, level: str = "document") -> str:
+    """Megatron's naming: ``{output_prefix}_{key}_{level}``, level ``document`` or
+    ``sentence`` (``--split-sentences``)."""
+    return f"{output_prefix}_{key}_{level}"
 
 
 def _open_input(path: str):
@@ -121,8 +128,10 @@ def tokenize_chunk(
     append_eod: bool,
     skip_bad_lines: bool,
     dtype: str,
+    sentence_splitter=None,
 ) -> _ChunkResult:
-    """Parse and tokenise one chunk; stops at the first bad line unless ``skip_bad_lines``."""
+    """Parse and tokenise one chunk; stops at the first bad line unless ``skip_bad_lines``.
+    With ``sentence_splitter`` each document's sequences are its sentences."""
     out = _ChunkResult(lines=len(lines), bytes_read=sum(len(x) for x in lines))
     texts: dict[str, list[str]] = {k: [] for k in json_keys}
     numbers: list[int] = []
@@ -156,6 +165,11 @@ def tokenize_chunk(
         numbers.append(number)
         for k in json_keys:
             texts[k].append(doc[k])
+    if sentence_splitter is not None:
+        return _sentences_chunk(
+            tokenizer, texts, numbers, out, splitter=sentence_splitter, append_eod=append_eod,
+            skip_bad_lines=skip_bad_lines, dtype=dtype,
+        )  # fmt: skip
     ids = {k: _tokenize_all(tokenizer, texts[k], numbers, out) for k in json_keys}
     if out.bad and not skip_bad_lines:
         return out
@@ -176,6 +190,48 @@ def tokenize_chunk(
             flat = with_eod
         out.tokens[k] = flat.astype(dtype)
         out.lengths[k] = lengths.astype(np.int32)
+    return out
+
+
+def _sentences_chunk(
+    tokenizer: Tokenizer,
+    texts: dict[str, list[str]],
+    numbers: list[int],
+    out: _ChunkResult,
+    *,
+    splitter,
+    append_eod: bool,
+    skip_bad_lines: bool,
+    dtype: str,
+) -> _ChunkResult:
+    """``tokenize_chunk`` for ``--split-sentences``: one sequence per non-empty sentence."""
+    for k, docs in texts.items():
+        per_doc = [splitter(text) for text in docs]
+        flat = [sentence for sentences in per_doc for sentence in sentences]
+        ids = _tokenize_all(
+            tokenizer, flat, [n for n, ss in zip(numbers, per_doc) for _ in ss], out
+        )
+        if out.bad and not skip_bad_lines:
+            return out
+        bad = {n for n, _ in out.bad}
+        tokens, lengths, counts, at = [], [], [], 0
+        out.empty[k] = 0
+        for number, sentences in zip(numbers, per_doc):
+            doc = [ids[at + i] for i in range(len(sentences)) if len(ids[at + i])]
+            at += len(sentences)
+            if number in bad:
+                continue
+            if not doc:
+                out.empty[k] += 1
+                continue
+            if append_eod:
+                doc[-1] = [*doc[-1], tokenizer.eod]
+            tokens.extend(chain.from_iterable(doc))
+            lengths.extend(len(x) for x in doc)
+            counts.append(len(doc))
+        out.tokens[k] = np.asarray(tokens, dtype=np.int64).astype(dtype)
+        out.lengths[k] = np.asarray(lengths, dtype=np.int32)
+        out.sentences[k] = np.asarray(counts, dtype=np.int64)
     return out
 
 
@@ -209,8 +265,10 @@ def preprocess_jsonl(
     skip_bad_lines: bool = False,
     chunk_lines: int = 512,
     chunk_bytes: int = 4 << 20,
+    sentence_splitter=None,
 ) -> PreprocessStats:
-    """Tokenise ``input_path`` into one indexed dataset per JSON key; see the module docstring."""
+    """Tokenise ``input_path`` into one indexed dataset per JSON key; see the module docstring.
+    ``sentence_splitter`` (picklable when ``workers`` > 1): ``--split-sentences``."""
     if not os.path.isfile(input_path):
         raise PreprocessError(f"--input {input_path}: no such file")
     if workers < 1:
@@ -228,7 +286,8 @@ def preprocess_jsonl(
     next_log = log_interval
     try:
         for k in json_keys:
-            stats.outputs[k] = output_prefix_for(output_prefix, k)
+            level = "document" if sentence_splitter is None else "sentence"
+            stats.outputs[k] = output_prefix_for(output_prefix, k, level)
             builders[k] = IndexedDatasetBuilder(stats.outputs[k], dtype=dtype)
             stats.documents[k] = stats.tokens[k] = stats.empty_documents[k] = 0
         task = dict(
@@ -236,6 +295,7 @@ def preprocess_jsonl(
             append_eod=append_eod,
             skip_bad_lines=skip_bad_lines,
             dtype=dtype.str,
+            sentence_splitter=sentence_splitter,
         )
         chunks = _read_chunks(input_path, chunk_lines, chunk_bytes)
 
@@ -303,10 +363,28 @@ def _absorb(
     for number, problem in result.bad[:3]:
         logger.warning("skipping %s:%d: %s", input_path, number, problem)
     for k, b in builders.items():
+        if k in result.sentences:  # --split-sentences: documents of several sequences
+            _add_sentence_documents(b, result.tokens[k], result.lengths[k], result.sentences[k])
+            stats.documents[k] += int(result.sentences[k].size)
+            stats.tokens[k] += int(result.tokens[k].size)
+            stats.empty_documents[k] += result.empty[k]
+            continue
         b.add_documents(result.tokens[k], result.lengths[k])
         stats.documents[k] += int(result.lengths[k].size)
         stats.tokens[k] += int(result.tokens[k].size)
         stats.empty_documents[k] += result.empty[k]
+
+
+def _add_sentence_documents(
+    builder: IndexedDatasetBuilder, tokens: np.ndarray, lengths: np.ndarray, counts: np.ndarray
+) -> None:
+    ends = np.cumsum(lengths)
+    seq = 0
+    for count in counts:
+        for _ in range(int(count)):
+            builder.add_item(tokens[ends[seq] - lengths[seq] : ends[seq]])
+            seq += 1
+        builder.end_document()
 
 
 def _log_progress(stats: PreprocessStats, docs: int, elapsed: float) -> None:

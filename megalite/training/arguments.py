@@ -189,6 +189,7 @@ def build_config(a: argparse.Namespace, *, world_size: int, rank: int = 0) -> Pr
     rewrites them into flags)."""
     megatron_flags.position_embedding_alias(a)  # issue 18
     megatron_flags.warn_ignored(a, rank=rank)  # issue 18
+    megatron_flags.prepare(a)  # issue 18: data-args files, step batch schedule, grad dtype
     parallel = ParallelConfig(**_fields(ParallelConfig, a, world_size=world_size))
     if a.distributed_backend is not None:
         wanted = "cuda" if a.distributed_backend == "nccl" else "cpu"
@@ -233,6 +234,7 @@ def build_config(a: argparse.Namespace, *, world_size: int, rank: int = 0) -> Pr
     )
     try:  # issue 18: --lr-warmup-samples / --lr-decay-samples / --train-samples decay
         megatron_flags.apply_sample_schedule(cfg, a, train_samples=a.train_samples)
+        megatron_flags.apply_batch_schedule(cfg, a)  # --rampup-batch-size: train_iters
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if rank == 0 and not a.fp16 and a.loss_scale is not None:

@@ -188,6 +188,8 @@ def setup_model_and_optimizer(
         loss_scaler=build_loss_scaler(opt, device=device),
         count_zeros=cfg.logging.log_num_zeros_in_grad,
         offload=offload_spec(par),
+        decoupled_lr=opt.decoupled_lr,  # issue 18
+        decoupled_min_lr=opt.decoupled_min_lr,
     )
     decay_iters = opt.lr_decay_iters or cfg.training.train_iters
     scheduler = LRScheduler(

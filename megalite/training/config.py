@@ -246,6 +246,9 @@ class OptimizerConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
+    # issue 18: the word embedding / output weights' own LR schedule (Megatron's flags)
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -340,6 +343,10 @@ class TrainingConfig:
     ckpt_format: str = "megalite"  # issue 18: megalite (own) | torch | torch_dist (Megatron's)
     # issue 18: loss = token sum / unmasked tokens of the global batch (train_step)
     calculate_per_token_loss: bool = False
+    # issue 18: batch-size schedules (megalite.training.microbatches) and the sample budget
+    rampup_batch_size: list[int] | None = None  # --rampup-batch-size START INCREMENT SAMPLES
+    step_batch_size_schedule: str | None = None  # --step-batch-size-schedule "0:B0 T1:B1 ..."
+    train_samples: int | None = None  # --train-samples (train_iters is derived from it)
 
     def num_microbatches(self, dp_size: int) -> int:
         """Micro-batches per DP rank per iteration: gbs / (mbs x ``dp_size``), the mesh's DP size;

@@ -18,7 +18,16 @@ With a constant B every formula is the same counted in samples or in steps, exce
 of inverse-square-root, which Megatron applies to sample counts; hence ``samples_per_step``. A
 caller that counts samples itself (a batch-size ramp) builds the schedule in samples with
 ``samples_per_step=1`` and calls ``step(samples)``. The first step of a warmed-up run uses
-``warmup_init`` (0 by default), as in Megatron-LM.
+``warmup_init`` (0 by default), as in Megatron-LM. Under a batch-size schedule (issue 18,
+``megalite.training.microbatches``) the trainer sets ``increment`` to each step's batch over the
+final batch B, so ``n`` stays "samples consumed / B", possibly fractional, and the schedule is
+Megatron's in samples.
+
+Per-group rates (``--decoupled-lr`` / ``--decoupled-min-lr``, issue 18): a param group holding
+``max_lr`` / ``min_lr`` keys follows the same formulas with its own ``max_lr`` and ``min_lr`` (the
+warmup still starts from ``warmup_init``), as Megatron's ``OptimizerParamScheduler`` reads them
+from its groups. They are read once, at construction, so an optimizer checkpoint whose groups lack
+them cannot turn them off.
 """
 
 from __future__ import annotations
@@ -67,34 +76,46 @@ class LRScheduler:
             decay_style,
         )
         self.samples_per_step = samples_per_step
-        self.num_steps = 0
+        self.num_steps: int | float = 0
+        self.increment: int | float = 1  # what step() adds (issue 18: batch / final batch)
+        # issue 18: per group (max_lr, min_lr) or None where the group follows the run's rates
+        self.group_rates: list[tuple[float | None, float | None]] = [
+            (g.get("max_lr"), g.get("min_lr")) for g in optimizer.param_groups
+        ]
+        for max_g, min_g in self.group_rates:
+            lo = min_lr if min_g is None else min_g
+            hi = max_lr if max_g is None else max_g
+            if not 0.0 <= lo <= hi:
+                raise ValueError(f"need 0 <= --decoupled-min-lr ({lo}) <= --decoupled-lr ({hi})")
         self._apply()
 
-    def get_lr(self) -> float:
+    def get_lr(self, max_lr: float | None = None, min_lr: float | None = None) -> float:
+        """The rate at ``num_steps`` for a group with these rates (default: the run's)."""
+        max_lr = self.max_lr if max_lr is None else max_lr
+        min_lr = self.min_lr if min_lr is None else min_lr
         n, w, d = self.num_steps, self.warmup_iters, self.decay_iters
         if w > 0 and n <= w:
-            return self.warmup_init + (self.max_lr - self.warmup_init) * n / w
+            return self.warmup_init + (max_lr - self.warmup_init) * n / w
         if self.decay_style == "constant":
-            return self.max_lr
+            return max_lr
         if n > d:
-            return self.min_lr
+            return min_lr
         if self.decay_style == "inverse-square-root":  # Megatron's clamps are on sample counts
             b = self.samples_per_step
-            return max(self.min_lr, self.max_lr * math.sqrt(max(w * b, 1) / max(n * b, 1)))
+            return max(min_lr, max_lr * math.sqrt(max(w * b, 1) / max(n * b, 1)))
         ratio = (n - w) / (d - w) if d > w else 1.0
         if self.decay_style == "linear":
             coeff = 1.0 - ratio
         else:  # cosine
             coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return min_lr + coeff * (max_lr - min_lr)
 
     def _apply(self) -> None:
-        lr = self.get_lr()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for group, rates in zip(self.optimizer.param_groups, self.group_rates):
+            group["lr"] = self.get_lr(*rates)
 
-    def step(self, increment: int = 1) -> None:
-        self.num_steps += increment
+    def step(self, increment: int | float | None = None) -> None:
+        self.num_steps += self.increment if increment is None else increment
         self._apply()
 
     def state_dict(self) -> dict:
@@ -112,5 +133,6 @@ class LRScheduler:
         for key in ("max_lr", "min_lr", "warmup_init", "warmup_iters", "decay_iters"):
             setattr(self, key, state[key])
         self.decay_style = state["decay_style"]
-        self.num_steps = int(state["num_steps"])
+        n = state["num_steps"]  # fractional under a batch-size schedule (issue 18)
+        self.num_steps = int(n) if float(n).is_integer() else float(n)
         self._apply()

@@ -7,7 +7,11 @@ math and that megalite does not implement is refused (``REFUSED_FLAGS``, or ``fl
 for those an open issue of this wave brings), one line naming the flag and the issue. None is
 silently ignored.
 
-Issue 18's implemented flags: ``--ckpt-format`` (``checkpoint.megatron_save``),
+Issue 18's implemented flags: ``--decoupled-lr`` / ``--decoupled-min-lr``
+(``core.optimizer.builders``), ``--rampup-batch-size`` / ``--step-batch-size-schedule``
+(``training.microbatches``; with ``--train-samples``), ``--data-args-path`` /
+``--per-split-data-args-path`` (``data.config``), ``--grad-reduce-in-bf16`` (bf16 grad buffers,
+megalite's bf16 default), ``--ckpt-format`` (``checkpoint.megatron_save``),
 ``--rotary-percent`` (any value in (0, 1]: ``models.rotary``), the sample-based schedule
 ``--lr-warmup-samples`` / ``--lr-decay-samples`` (with ``--train-samples``, the decay spans the
 samples, not whole iterations, as Megatron's), and ``--use-rotary-position-embeddings``
@@ -19,6 +23,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from megalite.training.config import ConfigError
+
 logger = logging.getLogger(__name__)
 
 _FUSION = "a kernel-fusion switch: megalite picks its Triton kernels or their PyTorch reference"
@@ -26,6 +32,10 @@ _TE = "an implementation switch: megalite has one implementation (no Transformer
 _CKPT_IO = "a Megatron checkpoint I/O strategy: megalite writes each file synchronously"
 _LOG = "a Megatron log toggle: megalite logs its own fixed set of progress lines"
 _PERF = "a performance knob of Megatron's kernels or overlap: the numbers do not change"
+_PROFILE = (
+    "Megatron's profiler window: megalite writes no trace (wrap pretrain in torch.profiler); "
+    "the numbers do not change"
+)
 _CKPT_ARGS = "megalite checks the model flags against the checkpoint's and stops on any difference"
 
 # flag -> why nothing changes in megalite. Values: flags in VALUED_FLAGS take one value.
@@ -101,6 +111,9 @@ IGNORED_FLAGS: dict[str, str] = {
     "--wandb-exp-name": _LOG,
     "--wandb-save-dir": _LOG,
     "--test-mode": "Megatron's functional-test switch",
+    "--profile": _PROFILE,
+    "--profile-step-start": _PROFILE,
+    "--profile-step-end": _PROFILE,
 }
 VALUED_FLAGS = {
     "--transformer-impl", "--cross-entropy-fusion-impl", "--wgrad-deferral-limit",
@@ -108,18 +121,15 @@ VALUED_FLAGS = {
     "--num-distributed-optimizer-instances", "--async-strategy", "--dist-ckpt-strictness",
     "--save-retain-interval", "--check-weight-hash-across-dp-replicas-interval", "--rerun-mode",
     "--straggler-minmax-count", "--timing-log-level", "--timing-log-option", "--wandb-project",
-    "--wandb-entity", "--wandb-exp-name", "--wandb-save-dir",
+    "--wandb-entity", "--wandb-exp-name", "--wandb-save-dir", "--profile-step-start",
+    "--profile-step-end",
 }  # fmt: skip
 
 ISSUE_18 = "issue 18 (Megatron migration), not implemented yet"
 # Megatron flags that change the math and that megalite does not implement: refused, naming why.
 REFUSED_FLAGS: dict[str, str] = {
     **dict.fromkeys(
-        ("--decoupled-lr", "--decoupled-min-lr",
-         "--rampup-batch-size", "--step-batch-size-schedule",
-         "--data-args-path", "--per-split-data-args-path",
-         "--split-sentences", "--rotary-scaling-factor",
-         "--grad-reduce-in-bf16"),
+        ("--rotary-scaling-factor",),
         ISSUE_18,
     ),
     **dict.fromkeys(
@@ -148,6 +158,40 @@ def add_megatron_flags(parser: argparse.ArgumentParser, group) -> None:
     g.add_argument("--lr-decay-samples", type=int, default=None)
     g.add_argument("--use-rotary-position-embeddings", action="store_true")
     g.add_argument("--rotary-percent", type=float, default=1.0)  # issue 18: GPTConfig's
+    g.add_argument(
+        "--decoupled-lr",
+        type=float,
+        default=None,
+        help="the word embedding and output layer's own --lr",
+    )
+    g.add_argument(
+        "--decoupled-min-lr",
+        type=float,
+        default=None,
+        help="their own --min-lr (default: --min-lr)",
+    )
+    group.add(
+        "--rampup-batch-size",
+        nargs=3,
+        type=int,
+        metavar=("START", "INCREMENT", "SAMPLES"),
+        help="grow the global batch from START by INCREMENT over SAMPLES (--train-samples)",
+    )
+    group.add(
+        "--step-batch-size-schedule",
+        help='"0:B0 T1:B1 ...": batch Bi from Ti consumed tokens on (--train-samples)',
+    )
+    g.add_argument("--data-args-path", default=None, help="a file holding the --data-path list")
+    g.add_argument(
+        "--per-split-data-args-path",
+        default=None,
+        help='a JSON file {"train": ..., "valid": ..., "test": ...} of data paths',
+    )
+    g.add_argument(
+        "--grad-reduce-in-bf16",
+        action="store_true",
+        help="with --bf16: grads accumulated and reduced over DP in bf16 (the default)",
+    )
     for flag in IGNORED_FLAGS:
         dest = "ignored_" + flag[2:].replace("-", "_")
         if flag in VALUED_FLAGS:
@@ -206,3 +250,87 @@ def apply_sample_schedule(cfg, a: argparse.Namespace, *, train_samples: int | No
                 "give one of --lr-warmup-samples, --lr-warmup-iters and --lr-warmup-fraction"
             )
         opt.lr_warmup_iters = a.lr_warmup_samples / gbs
+
+
+def apply_data_args(a: argparse.Namespace) -> None:
+    """``--data-args-path`` / ``--per-split-data-args-path``: the blend lists read from files
+    (``data.config.read_data_args``) into ``--data-path`` / ``--{train,valid,test}-data-path``."""
+    from megalite.data.config import read_data_args, read_per_split_data_args
+
+    try:
+        if a.data_args_path is not None:
+            if a.data_path:
+                raise ConfigError("--data-args-path and --data-path are mutually exclusive")
+            a.data_path = read_data_args(a.data_args_path)
+        if a.per_split_data_args_path is not None:
+            if a.train_data_path or a.valid_data_path or a.test_data_path:
+                raise ConfigError(
+                    "--per-split-data-args-path and --train/valid/test-data-path are mutually "
+                    "exclusive"
+                )
+            a.train_data_path, a.valid_data_path, a.test_data_path = read_per_split_data_args(
+                a.per_split_data_args_path
+            )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def step_schedule_batch(a: argparse.Namespace) -> None:
+    """``--step-batch-size-schedule``: its last batch is the global batch size. Megatron refuses
+    ``--global-batch-size`` beside it (its own GPT-3 example passes both, equal): megalite
+    accepts the same value and refuses another."""
+    from megalite.training.microbatches import parse_step_schedule
+
+    if a.step_batch_size_schedule is None:
+        return
+    steps = parse_step_schedule(a.step_batch_size_schedule, seq_length=a.seq_length)
+    final = steps[-1][1]
+    if a.global_batch_size is not None and a.global_batch_size != final:
+        raise ConfigError(
+            f"--global-batch-size {a.global_batch_size} differs from the last batch size {final} "
+            f"of --step-batch-size-schedule; drop --global-batch-size (the schedule sets it)"
+        )
+    a.global_batch_size = final
+
+
+def apply_batch_schedule(cfg, a: argparse.Namespace) -> None:
+    """A batch-size ramp or step schedule: every batch size checked against micro x DP;
+    ``train_iters`` counted as Megatron counts them from ``--train-samples``. A ramp needs
+    sample-based training (as Megatron); a step schedule may run ``--train-iters`` (its LR
+    schedule then spans ``--lr-decay-iters`` x the final batch in samples, as Megatron's)."""
+    from megalite.training.microbatches import batch_schedule_of
+
+    t = cfg.training
+    if t.rampup_batch_size is None and t.step_batch_size_schedule is None:
+        return
+    if t.rampup_batch_size is not None and a.train_samples is None:
+        raise ConfigError(
+            "--rampup-batch-size needs sample-based training: give --train-samples N instead of "
+            "--train-iters (and --lr-decay-samples / --lr-warmup-samples for the schedule)"
+        )
+    schedule = batch_schedule_of(
+        t, cfg.parallel.data_parallel_size, seq_length=cfg.model.seq_length
+    )
+    if a.train_samples is not None:
+        t.train_iters = schedule.train_iters(a.train_samples)
+        if t.train_iters < 1:
+            raise ConfigError(f"--train-samples {a.train_samples} holds no iteration")
+
+
+def grad_reduce_dtype(a: argparse.Namespace) -> None:
+    """``--grad-reduce-in-bf16``: bf16 grad buffers (with --bf16 the grads are accumulated and
+    reduced over DP in bf16; megalite's default, where Megatron's bf16 default is fp32)."""
+    if getattr(a, "grad_reduce_in_bf16", False) and a.accumulate_allreduce_grads_in_fp32:
+        raise ConfigError(
+            "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict each "
+            "other; keep one"
+        )
+
+
+def prepare(a: argparse.Namespace) -> None:
+    """Issue 18's flags that rewrite others before the config is built."""
+    apply_data_args(a)
+    step_schedule_batch(a)
+    grad_reduce_dtype(a)
+    if a.decoupled_min_lr is not None and a.decoupled_lr is None:
+        raise ConfigError("--decoupled-min-lr needs --decoupled-lr (the rate it decays from)")

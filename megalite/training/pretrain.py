@@ -99,6 +99,10 @@ def build_run(
         eval_interval=t.eval_interval,
         eval_iters=t.eval_iters,
     )
+    ramp = not trainer.batch_schedule.constant  # issue 18: Megatron's sampler, --train-samples
+    if ramp:
+        needed = trainer.batch_schedule.consumed_after(t.train_iters)  # may pass --train-samples
+        samples = (max(t.train_samples or samples[0], needed), *samples[1:])
     iters = build_data_loaders(
         cfg.data,
         tokenizer=cfg.tokenizer,
@@ -114,6 +118,7 @@ def build_run(
         device=device,
         build_cache=build_cache,
         barrier=lambda: _barrier(ps.group()),
+        train_global_batch_size=t.micro_batch_size * ps.dp_size if ramp else None,  # issue 18
     )
     if loaded is not None:  # last: building the loaders may draw from the generators
         checkpoint_io.restore_rng(trainer, loaded)

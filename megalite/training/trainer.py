@@ -35,6 +35,7 @@ from megalite.training.config import PretrainConfig
 from megalite.training.evaluate import evaluate_and_log
 from megalite.training.flops import model_flops_per_iteration, peak_tflops, throughput
 from megalite.training.logging import IntervalStats, format_iteration_line
+from megalite.training.microbatches import batch_schedule_of  # issue 18
 from megalite.training.model_chunks import effective_schedule, schedule_chunks
 from megalite.training.schedules import get_forward_backward_func
 from megalite.training.signals import ExitSignalHandler, any_rank_signalled
@@ -116,6 +117,12 @@ class Trainer:
         )
         # the mesh's; the cp ranks of a replica share its micro-batches (issue 15)
         self.num_microbatches = cfg.training.num_microbatches(ps.dp_size)
+        # issue 18: --rampup-batch-size / --step-batch-size-schedule; evaluation keeps the final
+        self.batch_schedule = batch_schedule_of(
+            cfg.training, ps.dp_size, seq_length=cfg.model.seq_length
+        )
+        self.eval_num_microbatches = self.num_microbatches
+        self.current_global_batch_size = cfg.training.global_batch_size
         self.result = TrainResult()
         self.exit_signal: ExitSignalHandler | None = None  # --exit-signal-handler, set by pretrain
         self.is_log_rank = ps.rank() == ps.world_size - 1  # on the last stage
@@ -232,9 +239,11 @@ class Trainer:
         t, r = self.cfg.training, self.result
         start = time.perf_counter()
         while r.iteration < t.train_iters:
+            if not self.batch_schedule.constant:  # issue 18
+                self._next_batch_size()
             step = self.step(forward_step_func, train_iter)
             r.iteration += 1
-            r.consumed_train_samples += t.global_batch_size
+            r.consumed_train_samples += self.current_global_batch_size
             self.stats.add(
                 r.iteration, step.losses, step.grad_norm, step.update_successful,
                 num_zeros_in_grad=step.num_zeros_in_grad,  # issue 18
@@ -268,6 +277,24 @@ class Trainer:
         self.save_checkpoint()  # the last iteration, unless saved already (Megatron does too)
         self.read_stats()  # the steps since the last read (a no-op read when there are none)
         return r
+
+    def _next_batch_size(self) -> None:
+        """Issue 18: this iteration's global batch from the samples consumed before it; the
+        schedule advances by it (in final batches). As Megatron, a checkpoint is saved (with
+        ``--save``) where the number of micro-batches changes."""
+        r, t = self.result, self.cfg.training
+        gbs = self.batch_schedule.global_batch_size(r.consumed_train_samples)
+        num_microbatches = self.batch_schedule.num_microbatches(r.consumed_train_samples)
+        if num_microbatches != self.num_microbatches and r.iteration > 0:
+            if self.is_log_rank:
+                logger.info(
+                    "global batch size %d -> %d at %d consumed samples",
+                    self.current_global_batch_size, gbs, r.consumed_train_samples,
+                )  # fmt: skip
+            if t.save:
+                self.save_checkpoint()
+        self.num_microbatches, self.current_global_batch_size = num_microbatches, gbs
+        self.scheduler.increment = gbs / t.global_batch_size
 
     def _exit_on_signal(self, iteration: int) -> bool:
         """At the iteration boundary: whether any rank got the exit signal (one all-reduce over the
@@ -307,7 +334,7 @@ class Trainer:
             iteration=self.result.iteration,
             tensorboard=self.tensorboard,
             eval_iters=self.cfg.training.eval_iters,
-            **self._schedule_kwargs(),
+            **{**self._schedule_kwargs(), "num_microbatches": self.eval_num_microbatches},
         )
 
     # --- output -----------------------------------------------------------------------------------
@@ -319,7 +346,7 @@ class Trainer:
         values = {name: float(v) for name, v in step.losses.items()}
         values.update({
             "learning-rate": step.learning_rate,
-            "batch-size": self.cfg.training.global_batch_size,
+            "batch-size": self.current_global_batch_size,  # issue 18: under a ramp, this step's
             "loss-scale": float(self.optimizer.get_loss_scale().item()),
             "grad-norm": None if step.grad_norm is None else float(step.grad_norm),
             "num-skipped-iterations": self.result.skipped_iterations,
@@ -337,10 +364,12 @@ class Trainer:
         if not self.is_log_rank:
             return
         cfg, r = self.cfg, self.result
+        gbs = self.current_global_batch_size  # issue 18: under a ramp, the last step's
         tflops, mfu = throughput(
-            self.flops_per_iteration, seconds, world_size=self.ps.world_size, peak=self.peak
-        )
-        tokens_per_second = cfg.training.global_batch_size * cfg.model.seq_length / seconds
+            self.flops_per_iteration * gbs / cfg.training.global_batch_size, seconds,
+            world_size=self.ps.world_size, peak=self.peak,
+        )  # fmt: skip
+        tokens_per_second = gbs * cfg.model.seq_length / seconds
         grad_norm = snap.per_step_grad_norms[-1] if snap.per_step_grad_norms else math.nan
         stats = IntervalStats(
             iteration=r.iteration,
@@ -348,7 +377,7 @@ class Trainer:
             consumed_samples=r.consumed_train_samples,
             ms_per_iteration=seconds * 1000.0,
             learning_rate=step.learning_rate,
-            global_batch_size=cfg.training.global_batch_size,
+            global_batch_size=gbs,
             losses=snap.losses,
             loss_scale=float(self.optimizer.get_loss_scale().item()),
             grad_norm=None if math.isnan(grad_norm) else grad_norm,

@@ -2,6 +2,13 @@
 
 Weight decay applies to matrices (linear weights, embeddings) only: biases and norm weights (every
 1-D parameter, and anything named ``*.bias``) form a group with ``weight_decay = 0``.
+
+``--decoupled-lr`` / ``--decoupled-min-lr`` (issue 18): the input word embedding and the output
+layer weight (every copy of a tied one: Megatron marks the embedding of the first stage and the
+output weight of the last) form groups of their own carrying ``max_lr`` / ``min_lr``, which the LR
+schedule reads. Position embeddings are not among them, as in Megatron. The groups pass unchanged
+into every optimizer rung (plain, ZeRO-1/2/3: the sharded inner optimizer gets one group per
+model group).
 """
 
 from __future__ import annotations
@@ -22,18 +29,45 @@ def is_no_weight_decay(name: str, param: torch.Tensor) -> bool:
     return name.endswith(".bias") or name == "bias" or param.ndim == 1
 
 
-def get_param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
+DECOUPLED_LR_SUFFIXES = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def is_embedding_or_output(name: str) -> bool:
+    """Megatron's ``is_embedding_or_output_parameter``: the word embedding or output weight."""
+    return name.endswith(DECOUPLED_LR_SUFFIXES)
+
+
+def get_param_groups(
+    model: nn.Module,
+    *,
+    weight_decay: float,
+    decoupled_lr: float | None = None,
+    decoupled_min_lr: float | None = None,
+) -> list[dict]:
     """``[{"params": decayed, "weight_decay": wd}, {"params": rest, "weight_decay": 0.0}]`` over
     the trainable parameters of ``model`` (each once, tied parameters included once); empty groups
-    are dropped."""
-    decay, no_decay = [], []
+    are dropped. With ``decoupled_lr`` the embedding / output weights (``is_embedding_or_output``)
+    go into groups after those, with ``"max_lr": decoupled_lr`` (and ``"min_lr":
+    decoupled_min_lr`` when given; else the run's ``--min-lr``)."""
+    if decoupled_min_lr is not None and decoupled_lr is None:
+        raise ValueError("--decoupled-min-lr needs --decoupled-lr (the rate it decays from)")
+    decay, no_decay, decay_dec, no_decay_dec = [], [], [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (no_decay if is_no_weight_decay(name, param) else decay).append(param)
+        decoupled = decoupled_lr is not None and is_embedding_or_output(name)
+        if is_no_weight_decay(name, param):
+            (no_decay_dec if decoupled else no_decay).append(param)
+        else:
+            (decay_dec if decoupled else decay).append(param)
+    rates = {} if decoupled_lr is None else {"max_lr": decoupled_lr}
+    if decoupled_min_lr is not None:
+        rates["min_lr"] = decoupled_min_lr
     groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
+        {"params": decay_dec, "weight_decay": weight_decay, **rates},
+        {"params": no_decay_dec, "weight_decay": 0.0, **rates},
     ]
     return [g for g in groups if g["params"]]
 
@@ -68,6 +102,8 @@ def build_optimizer(
     expert_mp_group=None,
     expert_tp_rank: int = 0,
     offload: OffloadSpec | None = None,
+    decoupled_lr: float | None = None,
+    decoupled_min_lr: float | None = None,
 ) -> UnshardedOptimizer | DistributedOptimizer:
     """AdamW over fp32 masters of ``model``'s parameters: the state whole on every DP rank, or
     sharded over DP (ZeRO-1) when ``model`` is a ``ZeroDataParallel``.
@@ -76,6 +112,8 @@ def build_optimizer(
     ``expert_mp_group`` (``ps.group("etp", "ep", "pp")``) and ``expert_tp_rank``: where the grad
     norm of expert (MoE) parameters is reduced and which expert-TP rank counts replicated ones.
     ``offload``: part of the sharded state (and its step) on the host or in files (sharded only).
+    ``decoupled_lr`` / ``decoupled_min_lr``: the embedding / output weights' own rates
+    (``get_param_groups``).
     """
     build_inner = adamw_factory(
         lr=lr, weight_decay=weight_decay, adam_beta1=adam_beta1, adam_beta2=adam_beta2,
@@ -88,7 +126,12 @@ def build_optimizer(
             raise ValueError("optimizer offload needs a sharded rung (ZeRO-1, 2 or 3)")
         extra["offload"] = offload
     return (DistributedOptimizer if sharded else UnshardedOptimizer)(
-        get_param_groups(model, weight_decay=weight_decay),
+        get_param_groups(
+            model,
+            weight_decay=weight_decay,
+            decoupled_lr=decoupled_lr,
+            decoupled_min_lr=decoupled_min_lr,
+        ),  # fmt: skip
         build_inner,
         model=model,
         clip_grad=clip_grad,
