@@ -29,12 +29,14 @@ echo "== ruff"
 "$PY" -m ruff check .
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-# The norm tests with the fused Triton kernels forced on (as on a GPU), through triton's
-# interpreter on CPU; only on a whole-suite run, before it (so its summary line comes last). ~30 s.
+# The tests marked kernels_on (norms and softmax through the models, the SP norm blocks, HF and
+# Mixtral equivalence) with the fused Triton kernels forced on (as on a GPU), through triton's
+# interpreter on CPU; tests/kernels runs them interpreted in the main suite already. Only on a
+# whole-suite run, before it (so its summary line comes last). ~60 s.
 if [[ $# -eq 0 ]]; then
   echo "== pytest, fused kernels on (TRITON_INTERPRET=1)"
-  TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider \
-    tests/core/test_sequence_parallel.py -k mlp_and_norm_blocks
+  TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider -m kernels_on \
+    tests/core/test_sequence_parallel.py tests/models tests/conversion
 fi
 
 echo "== pytest"

@@ -138,10 +138,20 @@ def capture_rng_state(tracker, device: torch.device) -> dict:
 
 def restore_rng_state(state: dict, tracker, device: torch.device) -> None:
     torch.set_rng_state(state["torch_cpu"])
-    if device.type == "cuda" and state.get("cuda") is not None:
-        torch.cuda.set_rng_state(state["cuda"], device)
-    if tracker is not None and state.get("tracker") is not None:
-        tracker.set_states(state["tracker"])
+    # the device and tracker states are generator states of the device kind that saved them (a
+    # CPU one would not fit the CUDA generator, nor back): restored only on the same kind
+    saved_on_cuda = state.get("cuda") is not None
+    if saved_on_cuda != (device.type == "cuda"):
+        logger.warning(
+            "RNG states saved on %s, restored on %s: the %s and tensor-parallel generators keep "
+            "their start-up seeding (CPU, Python and numpy states restored)",
+            "cuda" if saved_on_cuda else "cpu", device.type, device.type,
+        )  # fmt: skip
+    else:
+        if saved_on_cuda:
+            torch.cuda.set_rng_state(state["cuda"], device)
+        if tracker is not None and state.get("tracker") is not None:
+            tracker.set_states(state["tracker"])
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     n = state["numpy"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import transformers
 
@@ -36,6 +37,7 @@ def _random_mixtral(path: str) -> torch.nn.Module:
     return model
 
 
+@pytest.mark.kernels_on  # issue 20: also run with the fused kernels forced on (scripts/test.sh)
 def test_mixtral_round_trip_is_identical_and_logits_match(tmp_path):
     hf_dir, ml, back = str(tmp_path / "hf"), str(tmp_path / "ml"), str(tmp_path / "back")
     _random_mixtral(hf_dir)

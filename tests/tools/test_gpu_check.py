@@ -51,3 +51,28 @@ def test_bench_mfu_tiny_cpu_smoke(tmp_path):
         for kind in ("megalite", "plain"):
             assert f"| {model} | {kind} | 2 |" in text, text
         assert f"{model}: megalite / plain tokens/s = " in text
+
+
+def test_gpu_check_training_runs_are_valid_megalite_runs(monkeypatch):
+    """Every training run gpu_check.sh would launch parses and validates as a world of one (the
+    flags stay in step with the package without a GPU to run them on: CUDA is faked present)."""
+    from megalite.training.arguments import parse_args
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    out = subprocess.run(
+        ["bash", os.path.join(ROOT, "scripts", "gpu_check.sh")],
+        env={**ENV, "GPU_CHECK_LIST_RUNS": "1"}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    runs = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
+    assert {"train_llama_zero2", "train_llama_zero3", "train_llama_moe_ep1"} <= set(runs)
+    for name, flags in runs.items():
+        cfg = parse_args(flags.split(), env={})
+        assert cfg.training.train_iters == 20, name
+    stages = {
+        name: parse_args(runs[name].split(), env={}).parallel.sharding_strategy()
+        for name in ("train_llama_zero2", "train_llama_zero3")
+    }
+    assert stages == {"train_llama_zero2": "optim_grads", "train_llama_zero3": "optim_grads_params"}
+    assert parse_args(runs["train_llama_moe_ep1"].split(), env={}).model.num_experts == 4

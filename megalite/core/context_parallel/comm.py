@@ -51,10 +51,12 @@ class Ring:
         ``recv``; returns the requests for ``wait``. ``send`` must not change until then."""
         if self.stats is not None:
             self.stats.bytes_sent += nbytes(send)
-        return [
-            dist.isend(send, self.next, group=self.group, tag=tag),
-            dist.irecv(recv, self.prev, group=self.group, tag=tag),
-        ]
+        # one batch: on nccl a lone send and a lone recv on the same peer pair can deadlock (the
+        # send waits for a recv queued behind it); tags are ignored there, order matches instead
+        return dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, send, self.next, self.group, tag),
+            dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
+        ])  # fmt: skip
 
     def wait(self, requests: list) -> None:
         start = time.perf_counter()

@@ -195,6 +195,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for pc, g in zip(self.pieces, self._piece_grads):
             if pc.where == "host":
                 pc.master.grad = g.to(pc.master.device, non_blocking=True)
+        if self._device.type == "cuda" and any(pc.where == "host" for pc in self.pieces):
+            torch.cuda.current_stream(self._device).synchronize()  # the host step reads them next
 
     def _update_model_params(self) -> None:
         self.steps += 1

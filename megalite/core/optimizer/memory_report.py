@@ -207,7 +207,9 @@ def log_memory_after_step(model: nn.Module, optimizer, ps) -> list[ModelStateByt
     cuda = ""
     if torch.cuda.is_available() and ps.device.type == "cuda":
         cuda = (
-            f"; CUDA peak allocated on this rank {torch.cuda.max_memory_allocated() / MIB:.1f} MiB"
+            f"; CUDA peak allocated on this rank "
+            f"{torch.cuda.max_memory_allocated(ps.device) / MIB:.1f} MiB, reserved "
+            f"{torch.cuda.max_memory_reserved(ps.device) / MIB:.1f} MiB"
         )
     logger.info("model-state memory measured after the first step (buffers = their peak)%s", cuda)
     for r, s in rows:

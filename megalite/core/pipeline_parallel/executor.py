@@ -329,23 +329,37 @@ def _losses_to_last_rank(losses, layout, pp_rank, p2p, m) -> list[dict]:
         return losses if pp_rank == dst else []
     if pp_rank not in (src, dst):
         return []
+    # the loss names travel once per run (a host read), then are kept on the communicator
+    known = getattr(p2p, "loss_names", None)
     if pp_rank == src:
         names = list(losses[0]) if losses else []
-        header = torch.tensor([len(names)], dtype=torch.int64)
-        dist.send(header, p2p.global_rank(dst, pp_rank), group=p2p.group)
-        if names:  # send_object_list cannot send an empty list
-            dist.send_object_list(names, p2p.global_rank(dst, pp_rank), group=p2p.group)
+        if known is not None and names != known:
+            raise RuntimeError(
+                f"the loss function returned {names} after {known} in an earlier step; a V "
+                "pipeline layout hands the losses over by name, so keep the names fixed"
+            )
+        if known is None:
+            header = torch.tensor([len(names)], dtype=torch.int64, device=p2p.device)
+            dist.send(header, p2p.global_rank(dst, pp_rank), group=p2p.group)
+            if names:  # send_object_list cannot send an empty list
+                dist.send_object_list(names, p2p.global_rank(dst, pp_rank), group=p2p.group)
+            p2p.loss_names = names
+        if names:
             values = torch.stack(
                 [torch.stack([d[n].detach().float().reshape(()) for n in names]) for d in losses]
             )
             dist.send(values.to(p2p.device), p2p.global_rank(dst, pp_rank), group=p2p.group)
         return []
-    header = torch.zeros(1, dtype=torch.int64)
-    dist.recv(header, p2p.global_rank(src, pp_rank), group=p2p.group)
-    names = [None] * int(header)
+    names = known
+    if names is None:
+        header = torch.zeros(1, dtype=torch.int64, device=p2p.device)
+        dist.recv(header, p2p.global_rank(src, pp_rank), group=p2p.group)
+        names = [None] * int(header)
+        if names:
+            dist.recv_object_list(names, p2p.global_rank(src, pp_rank), group=p2p.group)
+        p2p.loss_names = names
     if not names:  # nothing reported: the last rank gets m empty dicts
         return [{} for _ in range(m)]
-    dist.recv_object_list(names, p2p.global_rank(src, pp_rank), group=p2p.group)
     values = torch.empty(m, len(names), dtype=torch.float32, device=p2p.device)
     dist.recv(values, p2p.global_rank(src, pp_rank), group=p2p.group)
     return [dict(zip(names, row.unbind(0))) for row in values]

@@ -1,0 +1,92 @@
+"""The CUDA paths that only a GPU can check (scripts/gpu_check.sh runs this file; skipped without
+CUDA). Each test states which kernel must serve, and fails if a silent fallback serves instead.
+
+- bf16 attention (``CoreAttention``, backend ``sdpa``) runs with only the flash and
+  memory-efficient SDPA kernels allowed, and matches the fp32 math within bf16 rounding;
+- context parallelism's block attention takes the memory-efficient kernel with the log-sum-exp
+  (forward and backward), not the matmul block, and matches the matmul block;
+- the offloaded ZeRO step (host masters, device grads copied with ``non_blocking``) on a world of
+  one with nccl gives the same params as the all-on-device step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _qkv(b=2, n=4, s=256, d=64, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(b, n, s, d, device="cuda", dtype=dtype, generator=g) for _ in range(3)]
+
+
+def test_bf16_sdpa_attention_uses_flash_or_efficient_kernels():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megalite.models.attention import CoreAttention
+    from tests.models.helpers import make_config
+
+    config = make_config("gpt2", hidden_size=256, num_attention_heads=4, seq_length=256)
+    attn = CoreAttention(config, rng_tracker=None).cuda().eval()
+    q, k, v = _qkv(d=config.kv_channels)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        out = attn(q, k, v)  # raises if neither kernel accepts the inputs
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), is_causal=True, scale=attn.scale
+    )
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)  # bf16: 8 mantissa bits
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_cp_block_attention_takes_the_efficient_kernel_on_cuda(monkeypatch, causal):
+    from megalite.core.context_parallel import block_attention as ba
+
+    q, k, v = _qkv(s=128)
+    scale = q.shape[-1] ** -0.5
+    dout = torch.randn_like(q)
+    # the matmul block, the reference (fp32 math on the same bf16 inputs)
+    monkeypatch.setattr(ba, "_cuda_ok", lambda *a: False)
+    out_ref, lse_ref = ba.block_forward(q, k, v, causal=causal, scale=scale)
+    grads_ref = ba.block_backward(dout, q, k, v, out_ref, lse_ref, causal=causal, scale=scale)
+    monkeypatch.undo()
+
+    def refuse(*a, **k):
+        raise AssertionError("the matmul block served on CUDA: the efficient kernel refused")
+
+    monkeypatch.setattr(ba, "_scores", refuse)
+    out, lse = ba.block_forward(q, k, v, causal=causal, scale=scale)
+    grads = ba.block_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+    torch.testing.assert_close(lse, lse_ref, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(out.float(), out_ref.float(), rtol=2e-2, atol=2e-2)
+    for g, r in zip(grads, grads_ref):
+        torch.testing.assert_close(g.float(), r.float(), rtol=5e-2, atol=5e-2)
+
+
+def test_offloaded_step_equals_the_device_step_on_cuda():
+    """Half the optimizer state on the host (pinned, non_blocking copies both ways) vs none: the
+    same params after a few steps (fp32: the same AdamW math on host and device)."""
+    from megalite.core.parallel_state import ParallelState, init_single_process
+    from megalite.training.forward_step import make_forward_step
+    from megalite.training.pretrain import build_run
+    from tests.training.common import config
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    if not torch.distributed.is_initialized():
+        init_single_process(device)
+    ps = ParallelState.single(device)
+
+    def losses(*flags: str) -> list[float]:
+        cfg = config(
+            "--use-distributed-optimizer", "--train-iters", "3", "--device", "cuda", *flags
+        )
+        run = build_run(cfg, ps, device, seed_rng=False, resume=False)
+        return run.trainer.train(make_forward_step(device), run.train_iter).losses
+
+    plain = losses()
+    off = losses("--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5")
+    assert len(plain) == 3
+    for a, b in zip(off, plain):
+        assert abs(a - b) <= 1e-5 * abs(b), (off, plain)

@@ -1,0 +1,221 @@
+"""The CUDA paths that can be checked without a GPU (docs/CUDA_AUDIT.md lists what cannot).
+
+Each test drives the device- or backend-dependent branch with a fake: a device string or
+``torch.device("meta")`` where the code only places tensors, a patched ``torch.cuda`` function
+where it reads the allocator or synchronises, a patched ``dist.get_backend`` where it picks a
+collective. No process group is created.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megalite.checkpoint import records
+from megalite.core.context_parallel.comm import Ring
+from megalite.core.distributed import shard_collectives
+from megalite.core.optimizer.distributed_optimizer import DistributedOptimizer
+from megalite.core.pipeline_parallel import executor
+from megalite.core.pipeline_parallel.actions import StageLayout
+from megalite.core.tensor_parallel.random import RNGStatesTracker
+from megalite.data import samplers
+from megalite.training import trainer
+
+
+def test_rng_states_restored_only_on_the_device_kind_that_saved_them(monkeypatch, caplog):
+    """A CPU generator state does not fit the CUDA generator (nor back): a checkpoint saved on
+    CPU and resumed on CUDA keeps the CUDA and tracker generators' start-up seeding instead of
+    failing at the first dropout; the CPU/Python/numpy states are restored either way."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda *a: calls.append(a))
+    cpu = torch.device("cpu")
+    tracker = RNGStatesTracker(cpu)
+    tracker.add("tensor-parallel", 5)
+    torch.manual_seed(11)
+    saved = records.capture_rng_state(tracker, cpu)  # saved on CPU: "cuda" is None
+    expected_cpu = torch.rand(3)
+    fresh = RNGStatesTracker(cpu)
+    fresh.add("tensor-parallel", 99)
+    before = fresh.get_states()["tensor-parallel"]
+
+    records.restore_rng_state(saved, fresh, torch.device("cuda", 0))
+    assert not calls
+    assert torch.equal(fresh.get_states()["tensor-parallel"], before)  # not a CPU state
+    assert torch.equal(torch.rand(3), expected_cpu)  # the CPU generator was restored
+    assert "saved on cpu, restored on cuda" in caplog.text
+
+    saved_gpu = dict(saved, cuda=torch.zeros(16, dtype=torch.uint8))  # as if saved on CUDA
+    records.restore_rng_state(saved_gpu, fresh, torch.device("cuda", 0))
+    assert len(calls) == 1 and calls[0][1] == torch.device("cuda", 0)
+    assert torch.equal(fresh.get_states()["tensor-parallel"], saved["tracker"]["tensor-parallel"])
+
+    fresh.set_states({"tensor-parallel": before})
+    records.restore_rng_state(saved_gpu, fresh, cpu)  # CUDA states on a CPU run: not applied
+    assert len(calls) == 1
+    assert torch.equal(fresh.get_states()["tensor-parallel"], before)
+
+
+def _FakeP2POp(op, tensor, peer, group=None, tag=0):  # noqa: N802  (no group registry needed)
+    return types.SimpleNamespace(op=op, tensor=tensor, peer=peer, group=group, tag=tag)
+
+
+def _patch_group(monkeypatch, backend: str, size: int = 4, rank: int = 1) -> dict:
+    """shard_collectives sees a group of ``size`` on ``backend``; returns the calls it makes."""
+    seen: dict = {}
+    monkeypatch.setattr(shard_collectives, "group_size", lambda g: size)
+    monkeypatch.setattr(shard_collectives, "group_rank", lambda g: rank)
+    monkeypatch.setattr(dist, "get_backend", lambda g=None: backend)
+    monkeypatch.setattr(dist, "get_global_rank", lambda g, r: r)
+    monkeypatch.setattr(dist, "P2POp", _FakeP2POp)
+
+    def record(name):
+        def fn(*args, **kwargs):
+            seen.setdefault(name, []).append((args, kwargs))
+            return [] if name == "batch_isend_irecv" else types.SimpleNamespace(wait=lambda: None)
+
+        return fn
+
+    for name in ("reduce_scatter_single", "reduce_scatter_tensor", "all_gather_single",
+                 "all_gather_into_tensor", "batch_isend_irecv"):  # fmt: skip
+        monkeypatch.setattr(dist, name, record(name), raising=False)
+    monkeypatch.setattr(shard_collectives, "reduce_scatter_tensor", record("rs_sync"))
+    monkeypatch.setattr(shard_collectives, "all_gather_tensor", record("ag_sync"))
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_shard_collectives_native_on_nccl_exchange_on_gloo(monkeypatch, backend):
+    """nccl: the native reduce-scatter / all-gather, in place (output = this rank's shard of the
+    input); gloo: the point-to-point exchange. Sync and async forms both."""
+    seen = _patch_group(monkeypatch, backend)
+    data = torch.arange(8.0)
+    shard_collectives.reduce_scatter_shard(data, "g")
+    shard_collectives.start_reduce_scatter_shard(data, "g")
+    shard_collectives.all_gather_shard(data, "g")
+    shard_collectives.all_gather_shard(data, "g", async_op=True)
+    if backend == "gloo":
+        assert set(seen) == {"batch_isend_irecv"}
+        return
+    assert "batch_isend_irecv" not in seen
+    rs_async = seen.get("reduce_scatter_single") or seen["reduce_scatter_tensor"]
+    ag_async = seen.get("all_gather_single") or seen["all_gather_into_tensor"]
+    for (out, inp, *_), _ in (seen["rs_sync"][0], rs_async[0]):  # out: shard 1 of data, in place
+        assert inp is data and out.data_ptr() == data[2:4].data_ptr() and out.numel() == 2
+    for (out, inp, *_), _ in (seen["ag_sync"][0], ag_async[0]):
+        assert out is data and inp.data_ptr() == data[2:4].data_ptr() and inp.numel() == 2
+    assert rs_async[0][1]["async_op"] and ag_async[0][1]["async_op"]
+
+
+def test_cp_ring_exchange_is_one_p2p_batch(monkeypatch):
+    """nccl ignores tags and runs a lone send and a lone recv between a pair in posting order
+    (the send would wait for a recv queued behind it): the ring posts both as one batch."""
+    batches = []
+    monkeypatch.setattr(dist, "P2POp", _FakeP2POp)
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: batches.append(ops) or ["w"])
+    for name in ("isend", "irecv"):
+        monkeypatch.setattr(dist, name, lambda *a, **k: pytest.fail("a lone isend/irecv"))
+    ring = Ring.__new__(Ring)
+    ring.group, ring.stats, ring.size, ring.rank, ring.next, ring.prev = "g", None, 2, 0, 1, 1
+    send, recv = torch.ones(3), torch.empty(3)
+    assert ring.exchange(send, recv, tag=7) == ["w"]
+    (ops,) = batches
+    assert [(op.op, op.tensor, op.peer, op.tag) for op in ops] == [
+        (dist.isend, send, 1, 7),
+        (dist.irecv, recv, 1, 7),
+    ]
+
+
+def test_offloaded_grads_reach_the_host_before_the_host_step(monkeypatch):
+    """ZeRO offload: the grads of host-resident pieces go device -> host with non_blocking (into
+    pinned memory); the host optimizer reads them right after, so on CUDA the step waits for the
+    copies once (a device-resident-only step does not)."""
+    synced = []
+    stream = types.SimpleNamespace(synchronize=lambda: synced.append(1))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+
+    def opt(*wheres: str):
+        pieces = [types.SimpleNamespace(where=w, master=torch.nn.Parameter(torch.zeros(2)))
+                  for w in wheres]  # fmt: skip
+        grads = [torch.full((2,), float(i + 1)) for i in range(len(wheres))]
+        return types.SimpleNamespace(
+            pieces=pieces, _piece_grads=grads, _device=torch.device("cuda")
+        )
+
+    o = opt("host", "device", "host")
+    DistributedOptimizer._before_inner_step(o)
+    assert synced == [1]
+    assert o.pieces[0].master.grad.tolist() == [1.0, 1.0] and o.pieces[1].master.grad is None
+    DistributedOptimizer._before_inner_step(opt("device"))
+    assert synced == [1]
+
+
+def test_pipeline_loss_handover_on_the_p2p_device_names_once(monkeypatch):
+    """A V layout computes the loss on pipeline rank 0 and hands it to the last rank: every
+    tensor sent or received lives on the p2p device (nccl moves no CPU tensor), and the loss
+    names (a host read) travel in the first step only."""
+    sent, objects = [], []
+    monkeypatch.setattr(dist, "send", lambda t, *a, **k: sent.append(t))
+    monkeypatch.setattr(dist, "send_object_list", lambda names, *a, **k: objects.append(names))
+
+    def comm():
+        return types.SimpleNamespace(device=torch.device("meta"), group=None,
+                                     global_rank=lambda t, m: t)  # fmt: skip
+
+    layout = StageLayout(pp_size=2, num_chunks=2, shape="v")
+    assert layout.loss_rank() == 0
+    losses = [{"lm loss": torch.tensor(1.0)}, {"lm loss": torch.tensor(2.0)}]
+    p2p = comm()
+    for _ in range(3):
+        assert executor._losses_to_last_rank(losses, layout, 0, p2p, 2) == []
+    assert objects == [["lm loss"]]
+    assert [tuple(t.shape) for t in sent] == [(1,), (2, 1), (2, 1), (2, 1)]  # header once
+    assert {t.device.type for t in sent} == {"meta"}
+    with pytest.raises(RuntimeError, match="keep the names fixed"):
+        executor._losses_to_last_rank([{"other": torch.tensor(1.0)}], layout, 0, p2p, 1)
+
+    received = []
+
+    def recv(t, *a, **k):
+        received.append(t)
+        if t.dtype == torch.int64:
+            raise StopIteration  # a meta header cannot be read: its placement is what matters
+
+    monkeypatch.setattr(dist, "recv", recv)
+    with pytest.raises(StopIteration):
+        executor._losses_to_last_rank([], layout, 1, comm(), 2)
+    assert received[-1].device.type == "meta"
+    last = comm()
+    last.loss_names = ["lm loss"]  # a later step: only the values are received
+    out = executor._losses_to_last_rank([], layout, 1, last, 2)
+    assert received[-1].shape == (2, 1) and received[-1].device.type == "meta"
+    assert [list(d) for d in out] == [["lm loss"], ["lm loss"]]
+
+
+def test_peak_memory_is_the_cuda_allocators_on_cuda(monkeypatch):
+    asked = []
+    monkeypatch.setattr(
+        torch.cuda, "max_memory_allocated", lambda d=None: asked.append(d) or 3 * 2**20
+    )
+    assert trainer.peak_memory_mib(torch.device("cuda", 1)) == 3.0
+    assert asked == [torch.device("cuda", 1)]
+    assert trainer.peak_memory_mib(torch.device("cpu")) > 0  # the resident set on CPU
+    assert len(asked) == 1
+
+
+@pytest.mark.parametrize("device, pinned", [("cuda", True), ("cpu", False), (None, False)])
+def test_loader_pins_host_memory_only_for_a_cuda_run(monkeypatch, device, pinned):
+    seen = {}
+
+    class FakeLoader:
+        def __init__(self, *args, **kwargs):
+            seen.update(kwargs)
+
+        def __iter__(self):
+            return iter(())
+
+    monkeypatch.setattr(torch.utils.data, "DataLoader", FakeLoader)
+    samplers.make_loader([], None, eod=0, eod_mask_loss=False, device=device)
+    assert seen["pin_memory"] is pinned
