@@ -47,7 +47,9 @@ class DistributedCaseError(AssertionError):
 def _worker(
     rank: int, world_size: int, init_file: str, tasks, results, timeout: float, env: dict
 ) -> None:
-    os.environ.update(env)  # forked from the fork server: its environment, but for _PER_TEST_ENV
+    if os.environ != env:  # forked from the fork server: the pool's environment, not the server's
+        os.environ.clear()
+        os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
