@@ -99,24 +99,21 @@ def _check_equation(sizes: dict[str, int], order: str) -> None:
         s *= sizes[a]
     for r in range(world):
         assert sum(coords[r][a] * stride[a] for a in names) == r
-    digits = [tuple(c[a] for a in names) for c in coords]  # rank -> its digits, in order
     for token in TOKENS:
         axes = token.split("-")
         groups = rank_groups(world, sizes, order, axes)
         assert sorted(x for g in groups for x in g) == list(range(world)), token
-        outside = [i for i, a in enumerate(names) if a not in axes]
-        mults, m = [], 1  # the token's axes, in order, as a mixed-radix number
-        for a in names:
-            mults.append(m if a in axes else 0)
-            m *= sizes[a] if a in axes else 1
-        # per rank, computed once per token (not once per group member): its digits on the
-        # other axes, and its index among the token's axes
-        other = [tuple(d[i] for i in outside) for d in digits]
-        index = [sum(x * k for x, k in zip(d, mults)) for d in digits]
         for g in groups:
-            first = other[g[0]]
-            assert all(other[member] == first for member in g), (sizes, token)
-            assert [index[member] for member in g] == list(range(len(g))), (sizes, order, token, g)
+            first = coords[g[0]]
+            inside = [a for a in names if a in axes]
+            for i, member in enumerate(g):
+                c = coords[member]
+                assert all(c[a] == first[a] for a in names if a not in axes), (sizes, token)
+                index, mult = 0, 1
+                for a in inside:
+                    index += c[a] * mult
+                    mult *= sizes[a]
+                assert index == i, (sizes, order, token, g)
 
 
 @pytest.mark.parametrize("order", ORDERS)
