@@ -5,10 +5,15 @@
 ``case_fn`` must be importable (defined at module level of a test module); it runs on every rank of
 a ``world_size``-process gloo world and reads its rank with ``torch.distributed.get_rank()``.
 
-Cost: starting a process and importing torch takes about a second, so workers are pooled. A pool of
-``world_size`` processes is spawned once, joins one gloo world through a ``file://`` rendezvous (no
-port races between parallel test runs), and then serves case after case; process groups a case made
-are destroyed after it. ``tools/bench/bench_harness.py`` measures a case with and without the pool.
+Cost: a fresh process that imports torch, torch._dynamo (the first optimizer step imports it)
+and megalite spends 3-6 s of CPU before it runs a line of a case, so workers are pooled and forked
+from a fork server that imported all that once (``tests/worker_preload.py``). A pool of
+``world_size`` processes is started once, joins one gloo world through a ``file://`` rendezvous
+(no port races between parallel test runs), and then serves case after case; process groups a case
+made are destroyed after it. Workers see the environment of the moment their pool started, as
+spawned processes would: a pool started while the environment differs from the fork server's (a
+test's ``monkeypatch.setenv``) is spawned instead. ``tools/bench/bench_harness.py`` measures a
+case with and without the pool.
 
 Failures: an exception on any rank fails the test with that rank's number and traceback; a rank that
 does not answer within ``timeout`` seconds (default 120) fails it too. Either way the pool is
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing as mp
+import multiprocessing.forkserver
 import os
 import queue
 import shutil
@@ -29,13 +35,21 @@ from datetime import timedelta
 
 DEFAULT_TIMEOUT = 120.0
 MAX_POOLS = 3  # world sizes kept warm at once (about 0.3 GB per worker)
+PRELOAD = "tests.worker_preload"  # imported once by the fork server
+_PER_TEST_ENV = ("PYTEST_CURRENT_TEST",)  # pytest rewrites it for every test
+_forkserver_env: dict[str, str] | None = None  # the environment the fork server started with
 
 
 class DistributedCaseError(AssertionError):
     pass
 
 
-def _worker(rank: int, world_size: int, init_file: str, tasks, results, timeout: float) -> None:
+def _worker(
+    rank: int, world_size: int, init_file: str, tasks, results, timeout: float, env: dict
+) -> None:
+    if os.environ != env:  # forked from the fork server: the pool's environment, not the server's
+        os.environ.clear()
+        os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -71,18 +85,38 @@ def _destroy_subgroups(dist) -> None:
             dist.destroy_process_group(pg)
 
 
+def _comparable(env) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in _PER_TEST_ENV}
+
+
+def _context():
+    """The fork server's context when this environment is the one it imported torch under (the
+    import-time reads of torch, triton and megalite are then those of a spawned process), else
+    spawn. The first call starts the server."""
+    global _forkserver_env
+    env = _comparable(os.environ)
+    if _forkserver_env is None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([PRELOAD])
+        multiprocessing.forkserver.ensure_running()
+        _forkserver_env = env
+        return ctx
+    return mp.get_context("forkserver" if env == _forkserver_env else "spawn")
+
+
 class WorkerPool:
     def __init__(self, world_size: int, timeout: float = DEFAULT_TIMEOUT):
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.world_size = world_size
         self._tmp = tempfile.mkdtemp(prefix="megalite-harness-")
         init_file = os.path.join(self._tmp, "rendezvous")
+        env = dict(os.environ)
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, init_file, self._tasks[r], self._results, timeout),
+                args=(r, world_size, init_file, self._tasks[r], self._results, timeout, env),
                 daemon=True,
             )
             for r in range(world_size)

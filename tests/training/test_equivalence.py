@@ -11,7 +11,8 @@ that several buckets are reduced). Tolerance 1e-5 relative: fp32 sums taken in a
 loss by > 1e-3 from step 2 on.
 
 Recomputation at the training level: ``--recompute-granularity full`` (uniform and block) and
-``selective`` give the no-recompute losses, also with dropout 0.1 (RNG states replayed).
+``selective`` give the no-recompute losses, also with dropout 0.1 (RNG states replayed), over 3
+steps (the losses of steps 2 and 3 carry two updates made from the recomputed grads).
 """
 
 from __future__ import annotations
@@ -100,6 +101,9 @@ def test_four_ranks_tp2_dp2_equal_oracle():
     _check(run_distributed(_layouts_case, 4, layouts, timeout=240))
 
 
+RECOMPUTE_ITERS = ("--train-iters", "3")
+
+
 def _recompute_case(dropout: float) -> dict[str, list[float]]:
     rank, world = dist.get_rank(), dist.get_world_size()
     variants = {
@@ -115,7 +119,7 @@ def _recompute_case(dropout: float) -> dict[str, list[float]]:
         for name, flags in variants.items():
             extra = [*FAMILIES[family], "--tensor-model-parallel-size", "2", "--sequence-parallel"]
             extra += ["--hidden-dropout", str(dropout), "--attention-dropout", str(dropout)]
-            cfg = config(*extra, *flags, world_size=world, rank=rank)
+            cfg = config(*extra, *flags, *RECOMPUTE_ITERS, world_size=world, rank=rank)
             ps = initialize_model_parallel(2, 1)
             try:
                 out[f"{family}/{name}"] = train_losses(cfg, ps, dropout_seeded=True).losses

@@ -8,9 +8,9 @@ End to end (``torchrun --nproc-per-node 2 pretrain_gpt.py``, PP 2, so the two ra
 stages): SIGTERM sent by pid to rank 0 only (the logging rank is rank 1) stops the run at an
 iteration boundary: exit 0, one "exiting program at iteration k" line, the tracker names k and the
 folder of k holds both stages' shards (so both ranks saved at the same k), and no iteration after
-k was logged. A rank SIGKILLed in the middle of a save (the checkpoint files of iteration 10
+k was logged. A rank SIGKILLed in the middle of a save (the checkpoint files of iteration 4
 written, the tracker not yet replaced; ``MEGALITE_TEST_PAUSE_IN_SAVE``) ends the job promptly with
-a non-zero status, and the tracker still names the previous checkpoint (5).
+a non-zero status, and the tracker still names the previous checkpoint (2).
 """
 
 from __future__ import annotations
@@ -168,12 +168,12 @@ def test_sigterm_to_one_rank_stops_every_rank_at_one_iteration_saved(tmp_path):
 @pytest.mark.slow
 def test_rank_killed_in_a_save_ends_the_job_and_keeps_the_previous_checkpoint(tmp_path):
     proc, log = _start(
-        tmp_path, "--save-interval", "5", env_extra={"MEGALITE_TEST_PAUSE_IN_SAVE": "3@10"}
+        tmp_path, "--save-interval", "2", env_extra={"MEGALITE_TEST_PAUSE_IN_SAVE": "3@4"}
     )
     try:
-        # both ranks have written their files of iteration 10 and sleep before the tracker
-        _wait_for(proc, log, r"pausing 3 s in the save of iteration 10")
-        assert (tmp_path / "ckpt" / TRACKER).read_text().strip() == "5"
+        # both ranks have written their files of iteration 4 and sleep before the tracker
+        _wait_for(proc, log, r"pausing 3 s in the save of iteration 4\b")
+        assert (tmp_path / "ckpt" / TRACKER).read_text().strip() == "2"
         pids = _worker_pids(proc.pid)
         os.kill(pids[1], signal.SIGKILL)  # rank 1 dies; rank 0 (writes the tracker) lives on
         killed = time.monotonic()
@@ -184,6 +184,6 @@ def test_rank_killed_in_a_save_ends_the_job_and_keeps_the_previous_checkpoint(tm
     out = log.read_text()
     assert rc not in (0, -999), out[-3000:]
     assert ended < 20, f"the job took {ended:.0f} s to end after a rank died"
-    assert (tmp_path / "ckpt" / TRACKER).read_text().strip() == "5"
-    assert (tmp_path / "ckpt" / "iter_0000010").is_dir()  # written, but never named latest
-    assert "saved checkpoint at iteration 10" not in out
+    assert (tmp_path / "ckpt" / TRACKER).read_text().strip() == "2"
+    assert (tmp_path / "ckpt" / "iter_0000004").is_dir()  # written, but never named latest
+    assert "saved checkpoint at iteration 4" not in out

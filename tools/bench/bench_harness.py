@@ -47,7 +47,10 @@ def spawn_per_case(world: int) -> float:
     pool._tasks = [ctx.Queue() for _ in range(world)]
     init_file = os.path.join(pool._tmp, "rdzv")
     pool._procs = [
-        ctx.Process(target=_worker, args=(r, world, init_file, pool._tasks[r], pool._results, 120))
+        ctx.Process(
+            target=_worker,
+            args=(r, world, init_file, pool._tasks[r], pool._results, 120, dict(os.environ)),
+        )
         for r in range(world)
     ]
     for p in pool._procs:
