@@ -37,7 +37,7 @@ DEFAULT_TIMEOUT = 120.0
 MAX_POOLS = 3  # world sizes kept warm at once (about 0.3 GB per worker)
 PRELOAD = "tests.worker_preload"  # imported once by the fork server
 _PER_TEST_ENV = ("PYTEST_CURRENT_TEST",)  # pytest rewrites it for every test
-_forkserver_env: dict[str, str] | None = None  # the environment the fork server started with
+_FORKSERVER: dict[str, dict[str, str]] = {}  # "env": the environment the fork server started with
 
 
 class DistributedCaseError(AssertionError):
@@ -93,15 +93,14 @@ def _context():
     """The fork server's context when this environment is the one it imported torch under (the
     import-time reads of torch, triton and megalite are then those of a spawned process), else
     spawn. The first call starts the server."""
-    global _forkserver_env
     env = _comparable(os.environ)
-    if _forkserver_env is None:
+    if "env" not in _FORKSERVER:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload([PRELOAD])
         multiprocessing.forkserver.ensure_running()
-        _forkserver_env = env
+        _FORKSERVER["env"] = env
         return ctx
-    return mp.get_context("forkserver" if env == _forkserver_env else "spawn")
+    return mp.get_context("forkserver" if env == _FORKSERVER["env"] else "spawn")
 
 
 class WorkerPool:
