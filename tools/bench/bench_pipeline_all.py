@@ -90,8 +90,8 @@ def _torch_step(schedule, v, chunks, m, rank, pp):
     ]
     cls = getattr(tp, TORCH_CLASS[schedule])
     loss = torch.nn.functional.mse_loss
-    sched = cls(stages[0], n_microbatches=m, loss_fn=loss) if v == 1 and len(stages) == 1 else (
-        cls(stages, n_microbatches=m, loss_fn=loss))  # fmt: skip
+    single = issubclass(cls, tp.schedules.PipelineScheduleSingle)  # else it takes a list of stages
+    sched = cls(stages[0] if single else stages, n_microbatches=m, loss_fn=loss)
     x, y = _data(m)
     x, y = x.reshape(m * MICRO_BATCH, HIDDEN), y.reshape(m * MICRO_BATCH, HIDDEN)
     has_first = any(layout.stage(rank, k) == 0 for k in range(len(chunks)))
