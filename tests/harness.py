@@ -35,6 +35,9 @@ from datetime import timedelta
 
 DEFAULT_TIMEOUT = 120.0
 MAX_POOLS = 3  # world sizes kept warm at once (about 0.3 GB per worker)
+# gloo keeps a socket loop thread per destroyed process group, and those of closed peers spin: a
+# pool whose workers hold more threads than this is restarted before its next case
+MAX_WORKER_THREADS = 48
 PRELOAD = "tests.worker_preload"  # imported once by the fork server
 _PER_TEST_ENV = ("PYTEST_CURRENT_TEST",)  # pytest rewrites it for every test
 _FORKSERVER: dict[str, dict[str, str]] = {}  # "env": the environment the fork server started with
@@ -69,12 +72,20 @@ def _worker(
         fn, args, kwargs = task
         try:
             out = fn(*args, **kwargs)
-            results.put(("ok", rank, out))
-        except BaseException:  # noqa: BLE001 - reported to the parent with the rank
-            results.put(("error", rank, traceback.format_exc()))
-        finally:
             _destroy_subgroups(dist)
+            results.put(("ok", rank, (out, _thread_count())))
+        except BaseException:  # noqa: BLE001 - reported to the parent with the rank
+            _destroy_subgroups(dist)
+            results.put(("error", rank, traceback.format_exc()))
     dist.destroy_process_group()
+
+
+def _thread_count() -> int:
+    """This process's threads (Linux), or 0 where /proc does not tell."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
 
 
 def _destroy_subgroups(dist) -> None:
@@ -122,6 +133,7 @@ class WorkerPool:
         ]
         for p in self._procs:
             p.start()
+        self.threads = 0  # the most threads a worker reported after its last case
 
     def run(self, fn, args, kwargs, timeout: float) -> list:
         __tracebackhide__ = True
@@ -146,7 +158,11 @@ class WorkerPool:
                 if time.monotonic() > deadline:
                     break
                 continue
-            (outs if kind == "ok" else errors)[rank] = payload
+            if kind == "ok":
+                outs[rank], threads = payload
+                self.threads = max(self.threads, threads)
+            else:
+                errors[rank] = payload
         if errors or len(outs) < self.world_size:
             self.close(kill=True)
             if errors:
@@ -191,8 +207,9 @@ _POOLS: dict[int, WorkerPool] = {}
 
 def _pool(world_size: int) -> WorkerPool:
     pool = _POOLS.get(world_size)
-    if pool is not None and not pool.alive():
-        pool.close(kill=True)
+    if pool is not None and (not pool.alive() or pool.threads > MAX_WORKER_THREADS):
+        _POOLS.pop(world_size)
+        pool.close(kill=not pool.alive())
         pool = None
     if pool is None:
         while len(_POOLS) >= MAX_POOLS:
