@@ -49,11 +49,16 @@ def _in_flight_gpipe(pp_rank: int, pp: int, m: int, v: int = 1) -> int:
 
 # Micro-batches (x model chunks) whose activations a pipeline rank holds at its peak, per schedule:
 # (pp_rank, pp_size, num_microbatches, virtual stages) -> count of (micro-batch, chunk) pairs.
-# issue 14 adds interleaved, zb-h1, zbv and dualpipev here (or derives them from the action lists).
+# The closed forms of the two single-chunk schedules; every schedule (``MODELLED_SCHEDULES``) is
+# predicted by replaying its action list (``replay_peak``), which these agree with.
 IN_FLIGHT: dict[str, Callable[[int, int, int, int], int]] = {
     "1f1b": _in_flight_1f1b,
     "gpipe": _in_flight_gpipe,
 }
+
+
+CP_MODELLED = ("p2p", "all_gather")  # --cp-comm-type values whose saved tensors are modelled
+MODELLED_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")
 
 
 @dataclass
@@ -64,7 +69,8 @@ class StageActivations:
     per_layer: int  # one layer without recompute
     extras: int  # embedding ids, RoPE tables, final norm, output layer, loss
     backward_peak: int  # the most one micro-batch holds during its backward (recompute)
-    in_flight: int  # micro-batches held at the peak (the schedule's)
+    in_flight: int  # (micro-batch, chunk) pairs held at the peak (the schedule's)
+    replayed: int | None = None  # the peak from the schedule's action list (pipeline ranks)
 
     @property
     def per_microbatch(self) -> int:
@@ -73,6 +79,8 @@ class StageActivations:
     @property
     def peak(self) -> int:
         """All in-flight micro-batches kept, or one fewer plus the one in backward."""
+        if self.replayed is not None:
+            return self.replayed
         held = self.in_flight * self.per_microbatch
         return max(held, held - self.per_microbatch + self.backward_peak)
 
@@ -95,8 +103,11 @@ def layer_bytes(
     selective: bool,
     mask_bytes: int,
     cpu: bool = False,
+    cp: int = 1,
+    moe: MoEShape | None = None,
 ) -> int:
-    """Saved bytes of one transformer layer on one TP rank for ``tokens = s b`` tokens."""
+    """Saved bytes of one transformer layer on one TP rank for ``tokens = s b`` tokens (this CP
+    rank's ``s``); ``moe``: the layer's MLP is a mixture of experts."""
     sp = c.sequence_parallel and tp > 1
     tn = tokens // tp if sp else tokens
     h, d = c.hidden_size, c.kv_channels
@@ -109,7 +120,18 @@ def layer_bytes(
     qkv = tokens * n * d * e
     rope = c.position_embedding_type == "rope"
     scores = b * n * s * s
-    if c.attention_backend == "sdpa" and cpu and c.attention_dropout > 0 and not selective:
+    g = c.num_query_groups // tp
+    if cp > 1 and c.cp_comm_type in ("p2p", "all_gather"):
+        # megalite's own CP attention saves q, k, v (views of the fused qkv unless rotated; the
+        # all-gather design keeps the gathered [2, g, cp s, d] key/value instead), its output
+        # and logsumexp, whatever the recompute; then the context re-laid out for linear_proj
+        unit = tokens * d * e
+        if c.cp_comm_type == "p2p":
+            total += unit * ((n + 2 * g) + (n + g if rope else 0) + 2 * n)
+        else:
+            total += unit * ((n if rope else n + 2 * g) + 2 * g * cp + 2 * n)
+        total += n * tokens * 4
+    elif c.attention_backend == "sdpa" and cpu and c.attention_dropout > 0 and not selective:
         # CPU sdpa with dropout runs the math path: scaled q, k^T copy, v (a view of the fused
         # qkv when each group has one head), softmax, noise, dropped probs; the context
         total += 2 * qkv + (3 * qkv if k == 1 else qkv) + 3 * scores * e + qkv
@@ -122,14 +144,71 @@ def layer_bytes(
             total += scores * (4 + 4 + e) + s * s + b * n * s * 13
             total += scores * mask_bytes if c.attention_dropout > 0 else 0
         total += qkv  # the context, re-laid out for the output projection
-    total += (4 if c.swiglu else 2) * tokens * f * e
+    if moe is None:
+        total += (4 if c.swiglu else 2) * tokens * f * e
+    else:
+        total += moe_mlp_bytes(c, moe, tokens=tokens // tp if tp > 1 else tokens, e=e)
     if c.hidden_dropout > 0:
         total += 2 * tn * h * mask_bytes
     return total
 
 
+@dataclass(frozen=True)
+class MoEShape:
+    """How a MoE layer's tokens meet its experts on one rank: ``group`` ranks' tokens gathered
+    (the all-gather dispatcher's etp x ep; 1 for all-to-all), ``ep`` / ``etp`` sizes."""
+
+    ep: int = 1
+    etp: int = 1
+    group: int = 1
+
+
+def expert_rows(c: GPTConfig, m: MoEShape, tokens: int) -> float:
+    """Routed (token, expert) rows this rank's experts compute for ``tokens`` local tokens: exact
+    with one expert group or padded capacity, else the balanced-routing expectation (dropless
+    routing is data-dependent: the planner assumes every expert gets its share)."""
+    from megalite.core.moe.router import expert_capacity
+
+    k, E = c.moe_router_topk, c.num_experts
+    if c.moe_token_dispatcher_type == "alltoall" and c.moe_pad_expert_input_to_capacity:
+        cap = expert_capacity(tokens, E, k, c.moe_expert_capacity_factor)
+        return E * cap * m.etp  # every source rank sends each local expert `cap` rows
+    gathered = tokens * (m.group if c.moe_token_dispatcher_type != "alltoall" else m.etp)
+    return gathered * k / m.ep
+
+
+def moe_mlp_bytes(c: GPTConfig, m: MoEShape, *, tokens: int, e: int) -> int:
+    """Saved bytes of a MoE MLP for ``tokens`` tokens entering it on this rank: the router (input
+    copy, fp32 logits, top-k indices and probs, the routing map), the dispatch (the permutation
+    indices of the ``N = tokens x topk`` routed pairs, the gathered tokens and probs of the
+    all-gather dispatcher, the padded slots of the all-to-all one), the experts (input, fc1 output
+    and activation per row) and the weighted combine (weights and two [N, h] products)."""
+    h, k, E = c.hidden_size, c.moe_router_topk, c.num_experts
+    f = (c.moe_ffn_hidden_size or c.ffn_hidden_size) // m.etp
+    rows = expert_rows(c, m, tokens)
+    out = tokens * h * e + tokens * E * 4 + E * tokens + tokens * k * 12  # the router
+    if c.moe_token_dispatcher_type == "alltoall":
+        pairs = tokens * k  # this rank's routed pairs (no drops: a capacity of at least tokens)
+        out += E * tokens + tokens * E * 4 + pairs * (16 + 8 + 4 + 3 * h * e)
+        out += rows * (16 + h * e)  # slots and their inverse, the received rows
+    else:
+        if m.group > 1:
+            out += m.group * tokens * (h * e + E * 4)  # gathered tokens and probs
+        out += rows * (8 + 4 + 3 * h * e)  # sorted index, weight, permuted in, outputs
+    out += rows * (4 if c.swiglu else 2) * f * e
+    return round(out)
+
+
 def stage_extras(
-    c: GPTConfig, *, tokens: int, tp: int, e: int, first: bool, last: bool, mask_bytes: int = 1
+    c: GPTConfig,
+    *,
+    tokens: int,
+    tp: int,
+    e: int,
+    first: bool,
+    last: bool,
+    mask_bytes: int = 1,
+    cp: int = 1,
 ) -> int:
     sp = c.sequence_parallel and tp > 1
     tn = tokens // tp if sp else tokens
@@ -137,7 +216,11 @@ def stage_extras(
     out = 0
     if c.position_embedding_type == "rope":
         out += 2 * tokens * c.kv_channels * e
-    if first:
+    if first and cp > 1:  # this CP rank's ids and positions (a mask instead under TP)
+        out += tokens * 8 + (tokens if tp > 1 else tokens * 8)
+        if c.hidden_dropout > 0:
+            out += tn * h * mask_bytes
+    elif first:
         out += tokens * 8 * (3 if tp > 1 else 1)  # ids (local ids and masks under TP)
         if c.hidden_dropout > 0:
             out += tn * h * mask_bytes
@@ -146,6 +229,82 @@ def stage_extras(
         out += _norm_bytes(c, tn, e) + tokens * h * e  # final norm, output layer input
         out += tokens * vocab * 4 + tokens * (8 + 1) + vocab + tokens * 4 + 4  # loss
     return out
+
+
+def _chunk_activations(
+    c: GPTConfig,
+    *,
+    layers: tuple[int, int],
+    first: bool,
+    last: bool,
+    micro_batch_size: int,
+    tp: int,
+    e: int,
+    mask_bytes: int,
+    cpu: bool,
+    cp: int = 1,
+    moe: MoEShape | None = None,
+) -> tuple[int, int, int, int]:
+    """(layers, per_layer, extras, backward_peak) of one model chunk for one micro-batch."""
+    from megalite.models.moe_config import moe_layer_pattern
+
+    b, s = micro_batch_size, c.seq_length // cp
+    tokens = s * b
+    n_layers = layers[1] - layers[0]
+    selective = c.recompute_granularity == "selective"
+    pattern = moe_layer_pattern(c)
+    each = [
+        layer_bytes(
+            c, tokens=tokens, b=b, tp=tp, e=e, selective=selective, mask_bytes=mask_bytes,
+            cpu=cpu, cp=cp, moe=moe if pattern[i] else None,
+        )
+        for i in range(*layers)
+    ]  # fmt: skip
+    per_layer = max(each, default=0)
+    common = dict(tokens=tokens, tp=tp, e=e, mask_bytes=mask_bytes, cp=cp)
+    extras = stage_extras(c, **common, first=first, last=last)
+    # in backward the loss and output layer are freed before any layer is recomputed
+    early_extras = stage_extras(c, **common, first=first, last=False)
+    sp = c.sequence_parallel and tp > 1
+    chunk_input = (tokens // tp if sp else tokens) * c.hidden_size * e
+    # a recomputed chunk's first norm saves the chunk input itself (no new storage)
+    recomputed_extra = per_layer - (chunk_input if c.normalization == "LayerNorm" or e == 4 else 0)
+    kept_bytes = sum(each)
+    backward_peak = 0
+    if c.recompute_granularity == "full":
+        per = c.recompute_num_layers
+        if c.recompute_method == "uniform":
+            chunks = -(-n_layers // per)
+            kept_bytes = chunks * chunk_input
+            last_chunk = n_layers - (chunks - 1) * per
+            backward_peak = (
+                kept_bytes + early_extras + (last_chunk - 1) * per_layer + recomputed_extra
+            )
+        else:  # block: the first `per` layers one at a time, the rest keep their activations
+            kept = min(per, n_layers)
+            kept_bytes = kept * chunk_input + (n_layers - kept) * per_layer
+            if kept:
+                backward_peak = kept * chunk_input + early_extras + recomputed_extra
+    return kept_bytes, per_layer, extras, backward_peak
+
+
+def replay_peak(actions, held: list[int], transient: list[int]) -> tuple[int, int]:
+    """Walk one rank's action list (``pipeline_parallel.generators``): a forward of chunk ``c``
+    adds ``held[c]`` bytes until its backward (B, or I: the saved-tensor graph is freed there;
+    what W keeps is the weight-grad store's, not autograd's), whose own peak is the bytes held
+    less its micro-batch's plus ``transient[c]`` (recompute). The order alone decides the peak.
+    Returns (peak bytes, the most chunk-micro-batches held)."""
+    live = peak = count = most = 0
+    for a in actions:
+        if a.op == "F":
+            live += held[a.chunk]
+            count += 1
+            peak, most = max(peak, live), max(most, count)
+        elif a.op in ("B", "I"):
+            peak = max(peak, live - held[a.chunk] + transient[a.chunk])
+            live -= held[a.chunk]
+            count -= 1
+    return peak, most
 
 
 def stage_activations(
@@ -159,49 +318,46 @@ def stage_activations(
     schedule: str = "1f1b",
     precision: str = "fp32",
     device: str = "cuda",
+    vp: int = 1,
+    microbatch_group_size: int | None = None,
+    cp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
 ) -> StageActivations:
-    """Activation bytes of pipeline rank ``pp_rank`` (any TP rank) under ``schedule``."""
+    """Activation bytes of pipeline rank ``pp_rank`` (any TP rank) under ``schedule`` with
+    ``vp`` model chunks per rank (the V schedules: 2): the schedule's own action list for this
+    rank is replayed (``replay_peak``), so each schedule's in-flight micro-batches and chunks,
+    uneven chunks included, come from the lists the executor runs."""
+    from megalite.core.pipeline_parallel.generators import generate, layout_of
     from megalite.planning.model_state import DTYPE_BYTES
+    from megalite.training.model_chunks import stage_blocks
 
     e = DTYPE_BYTES[precision]
     mask_bytes = e if device == "cpu" else 1  # CPU dropout saves its scaled noise, CUDA a bool
-    b, s = micro_batch_size, c.seq_length
-    tokens = s * b
-    start, end = c.stage_layer_ranges(pp)[pp_rank]
-    n_layers = end - start
-    selective = c.recompute_granularity == "selective"
-    per_layer = layer_bytes(
-        c,
-        tokens=tokens,
-        b=b,
-        tp=tp,
-        e=e,
-        selective=selective,
-        mask_bytes=mask_bytes,
-        cpu=device == "cpu",
-    )
-    first, last = pp_rank == 0, pp_rank == pp - 1
-    common = dict(tokens=tokens, tp=tp, e=e, mask_bytes=mask_bytes)
-    extras = stage_extras(c, **common, first=first, last=last)
-    # in backward the loss and output layer are freed before any layer is recomputed
-    early_extras = stage_extras(c, **common, first=first, last=False)
-    sp = c.sequence_parallel and tp > 1
-    chunk_input = (tokens // tp if sp else tokens) * c.hidden_size * e
-    # a recomputed chunk's first norm saves the chunk input itself (no new storage)
-    recomputed_extra = per_layer - (chunk_input if c.normalization == "LayerNorm" or e == 4 else 0)
-    layers = n_layers * per_layer
-    backward_peak = 0
-    if c.recompute_granularity == "full":
-        per = c.recompute_num_layers
-        if c.recompute_method == "uniform":
-            chunks = -(-n_layers // per)
-            layers = chunks * chunk_input
-            last_chunk = n_layers - (chunks - 1) * per
-            backward_peak = layers + early_extras + (last_chunk - 1) * per_layer + recomputed_extra
-        else:  # block: the first `per` layers one at a time, the rest keep their activations
-            kept = min(per, n_layers)
-            layers = kept * chunk_input + (n_layers - kept) * per_layer
-            if kept:
-                backward_peak = kept * chunk_input + early_extras + recomputed_extra
-    in_flight = IN_FLIGHT[schedule](pp_rank, pp, num_microbatches, 1) if pp > 1 else 1
-    return StageActivations(layers, per_layer, extras, backward_peak, in_flight)
+    layout = layout_of(schedule, pp, vp)
+    blocks = stage_blocks(c, layout)
+    etp = etp or tp
+    moe = MoEShape(ep=ep, etp=etp, group=ep * etp) if c.num_experts else None
+    parts = []
+    for chunk in range(layout.num_chunks):
+        s = layout.stage(pp_rank, chunk)
+        parts.append(
+            _chunk_activations(
+                c, layers=blocks[s], first=s == 0, last=s == layout.num_stages - 1,
+                micro_batch_size=micro_batch_size, tp=tp, e=e, mask_bytes=mask_bytes,
+                cpu=device == "cpu", cp=cp, moe=moe,
+            )
+        )  # fmt: skip
+    layers = sum(p[0] for p in parts)
+    extras = sum(p[2] for p in parts)
+    per_layer = parts[0][1]
+    held = [p[0] + p[2] for p in parts]
+    transient = [p[3] if p[3] else p[0] + p[2] for p in parts]
+    if pp == 1 and layout.num_chunks == 1:
+        return StageActivations(layers, per_layer, extras, parts[0][3], 1)
+    lists = generate(schedule, pp_size=pp, num_microbatches=num_microbatches,
+                     num_chunks=layout.num_chunks,
+                     microbatch_group_size=microbatch_group_size)  # fmt: skip
+    peak, most = replay_peak(lists[pp_rank], held, transient)
+    backward_peak = max(p[3] for p in parts)
+    return StageActivations(layers, per_layer, extras, backward_peak, most, replayed=peak)

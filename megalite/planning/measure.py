@@ -29,7 +29,9 @@ class SavedTensorMeter:
     (bytes). ``params``: tensors never counted (the model's parameters)."""
 
     def __init__(self, params: Iterable[torch.Tensor] = ()):
-        self.excluded = {p.untyped_storage().data_ptr() for p in params}
+        # storages by identity (``_cdata``), not address: a ZeRO-3 unit's storage is resized
+        # (released and re-gathered) and changes address while it stays the parameters'
+        self.excluded = {p.untyped_storage()._cdata for p in params}
         self.live: dict[int, list[int]] = {}  # storage ptr -> [references, nbytes]
         self.current = 0
         self.peak = 0
@@ -46,7 +48,7 @@ class SavedTensorMeter:
     def _pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr in self.excluded or storage.nbytes() == 0:
+        if storage._cdata in self.excluded or storage.nbytes() == 0:
             return t
         held = _Held(t)
         entry = self.live.get(ptr)
@@ -79,8 +81,9 @@ def measure_step(trainer, forward_step_func, data_iterator) -> tuple[object, int
 
     from megalite.core.optimizer.memory_report import model_state_bytes
 
-    params = [p for chunk in trainer.model for p in chunk.parameters()]
-    state = model_state_bytes(trainer.model[0], trainer.optimizer, dp_size=trainer.ps.dp_size)
+    wrapper = getattr(trainer.model[0], "wrapper", trainer.model[0])  # several chunks: one wrapper
+    params = list(wrapper.parameters())
+    state = model_state_bytes(wrapper, trainer.optimizer, dp_size=trainer.ps.dp_size)
     start = time.perf_counter()
     with SavedTensorMeter(params) as meter:
         trainer.step(forward_step_func, data_iterator)

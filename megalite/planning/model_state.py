@@ -39,10 +39,9 @@ class ZeroRung:
 ZERO_RUNGS: dict[str, ZeroRung] = {
     "no_shard": ZeroRung("no_shard", False, False, False, True, ()),
     "optim": ZeroRung("optim", False, False, True, True, ("--use-distributed-optimizer",)),
-    # issue 13: flip `available` and give the flags when ZeRO-2/3 land
-    "optim_grads": ZeroRung("optim_grads", False, True, True, False, ("--zero-stage", "2")),
+    "optim_grads": ZeroRung("optim_grads", False, True, True, True, ("--zero-stage", "2")),
     "optim_grads_params": ZeroRung(
-        "optim_grads_params", True, True, True, False, ("--zero-stage", "3")
+        "optim_grads_params", True, True, True, True, ("--zero-stage", "3")
     ),
 }
 
@@ -59,60 +58,129 @@ def bytes_per_param(rung: str, dp: int, *, param_bytes: int = 2, grad_bytes: int
     )
 
 
-def param_numels(cfg: GPTConfig, *, tp: int, pp: int, pp_rank: int) -> list[tuple[str, int]]:
-    """(name, elements) of every trainable parameter of pipeline rank ``pp_rank`` on one TP rank,
-    in ``GPTModel``'s registration order."""
+@dataclass(frozen=True)
+class ParamSpec:
+    """One trainable parameter of a rank: its elements, whether it is an expert's (its own grad
+    buffer, sharded over the expert DP group) and its ZeRO-3 gather unit (rank-local index)."""
+
+    name: str
+    numel: int
+    expert: bool = False
+    unit: int = 0
+
+
+def _chunk_params(
+    cfg: GPTConfig,
+    *,
+    tp: int,
+    etp: int,
+    ep: int,
+    layers: tuple[int, int],
+    first: bool,
+    last: bool,
+    borrow: bool,
+) -> list[tuple[str, int, bool, str]]:
+    """(name, elements, expert, unit name) of one GPT chunk in registration order."""
+    from megalite.models.moe_config import moe_layer_pattern
+
     h, t = cfg.hidden_size, tp
     vocab = cfg.padded_vocab_size(tp) // t
-    first, last = pp_rank == 0, pp_rank == pp - 1
     bias = cfg.add_bias_linear
-    norm = 2 * h if cfg.normalization == "LayerNorm" else h
-    out: list[tuple[str, int]] = []
+    out: list[tuple[str, int, bool, str]] = []
+
+    def norm(name: str, unit: str) -> None:
+        out.append((name + ".weight", h, False, unit))
+        if cfg.normalization == "LayerNorm":
+            out.append((name + ".bias", h, False, unit))
+
+    def mlp(p: str, ffn: int, unit: str) -> None:
+        fc1 = (2 if cfg.swiglu else 1) * ffn // t
+        out.append((p + "linear_fc1.weight", fc1 * h, False, unit))
+        if bias:
+            out.append((p + "linear_fc1.bias", fc1, False, unit))
+        out.append((p + "linear_fc2.weight", h * (ffn // t), False, unit))
+        if bias:
+            out.append((p + "linear_fc2.bias", h, False, unit))
+
     if first:
-        out.append(("embedding.word_embeddings.weight", vocab * h))
+        out.append(("embedding.word_embeddings.weight", vocab * h, False, "embedding"))
         if cfg.position_embedding_type == "learned_absolute":
-            out.append(("embedding.position_embeddings.weight", cfg.max_position_embeddings * h))
-    start, end = cfg.stage_layer_ranges(pp)[pp_rank]
+            pos = cfg.max_position_embeddings * h
+            out.append(("embedding.position_embeddings.weight", pos, False, "embedding"))
     qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.kv_channels // t
     proj_in = cfg.num_attention_heads * cfg.kv_channels // t
-    fc1 = (2 if cfg.swiglu else 1) * cfg.ffn_hidden_size // t
-    fc2_in = cfg.ffn_hidden_size // t
-    for i in range(start, end):
-        p = f"decoder.layers.{i}."
-        out.append((p + "input_layernorm", norm))
-        out.append((p + "self_attention.linear_qkv.weight", qkv * h))
+    moe = moe_layer_pattern(cfg)
+    for i in range(*layers):
+        p, u = f"decoder.layers.{i}.", f"layer{i}"
+        norm(p + "input_layernorm", u)
+        out.append((p + "self_attention.linear_qkv.weight", qkv * h, False, u))
         if bias:
-            out.append((p + "self_attention.linear_qkv.bias", qkv))
-        out.append((p + "self_attention.linear_proj.weight", h * proj_in))
+            out.append((p + "self_attention.linear_qkv.bias", qkv, False, u))
+        out.append((p + "self_attention.linear_proj.weight", h * proj_in, False, u))
         if bias:
-            out.append((p + "self_attention.linear_proj.bias", h))
-        out.append((p + "pre_mlp_layernorm", norm))
-        out.append((p + "mlp.linear_fc1.weight", fc1 * h))
-        if bias:
-            out.append((p + "mlp.linear_fc1.bias", fc1))
-        out.append((p + "mlp.linear_fc2.weight", h * fc2_in))
-        if bias:
-            out.append((p + "mlp.linear_fc2.bias", h))
+            out.append((p + "self_attention.linear_proj.bias", h, False, u))
+        norm(p + "pre_mlp_layernorm", u)
+        if not moe[i]:
+            mlp(p + "mlp.", cfg.ffn_hidden_size, u)
+            continue
+        e, f = cfg.num_experts, cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
+        local = e // ep
+        f1 = (2 if cfg.swiglu else 1) * f
+        out.append((p + "mlp.router.weight", e * h, False, u))
+        out.append((p + "mlp.experts.weight1", local * (f1 // etp) * h, True, u))
+        out.append((p + "mlp.experts.weight2", local * h * (f // etp), True, u))
+        if cfg.moe_shared_expert_intermediate_size is not None:
+            mlp(p + "mlp.shared_experts.", cfg.moe_shared_expert_intermediate_size, u)
+            if cfg.moe_shared_expert_gate:
+                out.append((p + "mlp.shared_experts_gate.weight", h, False, u))
     if last:
-        out.append(("decoder.final_layernorm", norm))
+        norm("decoder.final_layernorm", "final_layernorm")
         tied = not cfg.untie_embeddings_and_output_weights
-        if not (tied and first):  # tied on one stage: the output layer borrows the embedding
-            out.append(("output_layer.weight", vocab * h))
-    return _split_norms(out, cfg)
-
-
-def _split_norms(params: list[tuple[str, int]], cfg: GPTConfig) -> list[tuple[str, int]]:
-    """A norm is registered as weight (then bias for LayerNorm)."""
-    out = []
-    for name, n in params:
-        if name.endswith("layernorm"):
-            h = cfg.hidden_size
-            out.append((name + ".weight", h))
-            if cfg.normalization == "LayerNorm":
-                out.append((name + ".bias", h))
-        else:
-            out.append((name, n))
+        if not (tied and borrow):  # tied on one rank: the output layer borrows the embedding
+            out.append(("output_layer.weight", vocab * h, False, "output_layer"))
     return out
+
+
+def rank_params(
+    cfg: GPTConfig,
+    *,
+    tp: int,
+    pp: int,
+    pp_rank: int,
+    schedule: str = "1f1b",
+    vp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+) -> list[ParamSpec]:
+    """Every trainable parameter of pipeline rank ``pp_rank`` on one TP rank, in registration
+    order: the rank's chunks in chunk order (``training.model_chunks``), each ``GPTModel``'s
+    order inside. ZeRO-3 units: one per embedding / layer / final norm / output layer of a single
+    chunk; a whole chunk when the rank holds several (``Zero3DataParallel``'s default units)."""
+    from megalite.core.pipeline_parallel.generators import layout_of
+    from megalite.training.model_chunks import stage_blocks
+
+    layout = layout_of(schedule, pp, vp)
+    blocks = stage_blocks(cfg, layout)
+    stages = [layout.stage(pp_rank, c) for c in range(layout.num_chunks)]
+    holds_first = 0 in stages
+    out: list[ParamSpec] = []
+    units: dict[str, int] = {}
+    for c, s in enumerate(stages):
+        last = s == layout.num_stages - 1
+        for name, n, expert, unit in _chunk_params(
+            cfg, tp=tp, etp=etp or tp, ep=ep, layers=blocks[s], first=s == 0, last=last,
+            borrow=holds_first,
+        ):  # fmt: skip
+            key = unit if len(stages) == 1 else f"chunk{c}"
+            prefix = "" if len(stages) == 1 else f"chunks.{c}."
+            out.append(ParamSpec(prefix + name, n, expert, units.setdefault(key, len(units))))
+    return out
+
+
+def param_numels(cfg: GPTConfig, *, tp: int, pp: int, pp_rank: int) -> list[tuple[str, int]]:
+    """(name, elements) of every trainable parameter of pipeline rank ``pp_rank`` on one TP rank,
+    in ``GPTModel``'s registration order (one chunk per rank)."""
+    return [(p.name, p.numel) for p in rank_params(cfg, tp=tp, pp=pp, pp_rank=pp_rank)]
 
 
 def model_state_bytes(
@@ -127,53 +195,86 @@ def model_state_bytes(
     precision: str = "fp32",
     bucket_size: int | None,
     grads_in_fp32: bool = False,
+    schedule: str = "1f1b",
+    vp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    edp: int | None = None,
+    edp_rank: int = 0,
+    offload_fraction: float = 0.0,
 ) -> ModelStateBytes:
     """The bytes ``memory_report.model_state_bytes`` measures on the rank (``pp_rank``,
-    ``dp_rank``), before or after the first step (Adam moments and one 4-byte step counter per
-    optimized tensor). ``bucket_size``: elements per grad bucket
-    (``ParallelConfig.bucket_size``)."""
+    ``dp_rank``), before the first step (Adam moments and one 4-byte step counter per optimized
+    tensor or piece counted as the optimizer will allocate them). ``dp``: the dense DP group
+    (dp x cp); ``edp`` / ``edp_rank``: the expert DP group of MoE experts (default ``dp``).
+    ``bucket_size``: elements per grad bucket (``ParallelConfig.bucket_size``).
+    ``offload_fraction``: the share of each optimizer shard held on the host (``host``)."""
     r = ZERO_RUNGS[rung]
     if not r.available:
         raise NotImplementedError(f"ZeRO rung {rung} is not implemented yet (issue 13)")
-    numels = [n for _, n in param_numels(cfg, tp=tp, pp=pp, pp_rank=pp_rank)]
+    specs = rank_params(cfg, tp=tp, pp=pp, pp_rank=pp_rank, schedule=schedule, vp=vp, ep=ep,
+                        etp=etp)  # fmt: skip
     p_bytes = DTYPE_BYTES[precision]
     g_bytes = 4 if grads_in_fp32 else p_bytes
     master_bytes = 0 if p_bytes == 4 else 4
-    pad = dp if r.shard_optimizer or r.shard_grads else 1
-    layout = GradBufferLayout(numels, bucket_size=bucket_size, pad_multiple=pad)
-    total = sum(numels)
-    if r.shard_optimizer:
-        # params live in a param buffer of the grad buffer's (padded) layout
-        params = layout.numel * p_bytes
-        shard = layout.numel // dp
-        pieces = _pieces(layout, dp, dp_rank)
-        master = shard * master_bytes
-        optimizer = 2 * shard * 4 + 4 * pieces
-    else:
-        params = total * p_bytes
-        master = total * master_bytes
-        optimizer = sum(2 * n * 4 + 4 for n in numels)
-    grads = layout.numel * g_bytes
-    theory = total * (p_bytes + g_bytes) + total * (master_bytes + 8) / (
-        dp if r.shard_optimizer else 1
-    )
-    return ModelStateBytes(
-        params=params,
-        grads=grads,
-        master=master,
-        optimizer=optimizer,
-        theory=round(theory),
-        num_params=total,
-        stage=list(ZERO_RUNGS).index(r.name),  # the ZeRO stage, as memory_report records it
-    )
+    out = ModelStateBytes(0, 0, 0, 0, 0, 0, stage=list(ZERO_RUNGS).index(r.name))
+    theory = theory_off = 0.0
+    for expert in (False, True):
+        mine = [p for p in specs if p.expert == expert]
+        if not mine:
+            continue
+        d, rank = (edp or dp, edp_rank) if expert else (dp, dp_rank)
+        numels = [p.numel for p in mine]
+        sharded = r.shard_optimizer or r.shard_grads
+        groups = None
+        if r.shard_params:  # ZeRO-3: one bucket per gather unit, in unit order
+            by_unit: dict[int, list[int]] = {}
+            for i, p in enumerate(mine):
+                by_unit.setdefault(p.unit, []).append(i)
+            groups = [by_unit[u] for u in sorted(by_unit)]
+        layout = GradBufferLayout(
+            numels, bucket_size=bucket_size, pad_multiple=d if sharded else 1, groups=groups
+        )
+        total = sum(numels)
+        out.num_params += total
+        if r.shard_optimizer:
+            shard = layout.numel // d
+            cut = round(offload_fraction * shard)
+            out.params += shard * p_bytes if r.shard_params else layout.numel * p_bytes
+            out.master += (shard - cut) * master_bytes
+            # one step counter per piece, a piece cut in two at the offload boundary
+            pieces = _pieces(layout, d, rank, cut) + (
+                _pieces(layout, d, rank, 0, cut) if cut else 0
+            )
+            out.optimizer += 2 * (shard - cut) * 4 + 4 * pieces
+            out.host += 3 * cut * 4  # fp32 masters and both Adam moments
+        else:
+            out.params += total * p_bytes
+            out.master += total * master_bytes
+            out.optimizer += sum(2 * n * 4 + 4 for n in numels)
+        out.grads += (layout.numel // d if r.shard_grads else layout.numel) * g_bytes
+        optim = total * (master_bytes + 8) / (d if r.shard_optimizer else 1)
+        theory += total * p_bytes / (d if r.shard_params else 1)
+        theory += total * g_bytes / (d if r.shard_grads else 1)
+        theory += optim * (1 - offload_fraction)
+        theory_off += optim * offload_fraction
+    out.theory, out.theory_off = round(theory), round(theory_off)
+    return out
 
 
-def _pieces(layout: GradBufferLayout, dp: int, dp_rank: int) -> int:
-    """Parameters (or parts of one) in the rank's shard: one Adam step counter each."""
+def _pieces(
+    layout: GradBufferLayout, dp: int, dp_rank: int, lo: int = 0, hi: int | None = None
+) -> int:
+    """Parameters (or parts of one) in shard elements ``[lo, hi)`` of the rank's shard (the
+    optimizer splits a piece at the offload cut): one Adam step counter each."""
     segments = layout.shard_segments(dp, dp_rank)
     count = 0
     for p_lo, p_hi, k in layout.param_ranges:
-        s_lo, s_hi, _ = segments[k]
-        if max(p_lo, s_lo) < min(p_hi, s_hi):
+        s_lo, s_hi, start = segments[k]
+        a, b = max(p_lo, s_lo), min(p_hi, s_hi)  # buffer coordinates
+        if a >= b:
+            continue
+        a, b = a - s_lo + start, b - s_lo + start  # shard coordinates
+        if max(a, lo) < min(b, hi if hi is not None else b):
             count += 1
     return count

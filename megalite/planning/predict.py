@@ -25,13 +25,21 @@ class Layout:
     schedule: str = "1f1b"
     micro_batch_size: int = 1
     recompute: str | None = None  # None | "selective" | "full"
-    cp: int = 1  # issue 15
-    ep: int = 1  # issue 16
-    vp: int = 1  # issue 14: virtual stages per pipeline rank
+    cp: int = 1  # context parallel
+    ep: int = 1  # expert parallel (MoE)
+    vp: int = 1  # model chunks per pipeline rank (interleaved, zb-h1; the V schedules: 2)
+    etp: int | None = None  # expert tensor parallel (None: tp)
+    offload_fraction: float = 0.0  # of the sharded optimizer state, on the host
+    microbatch_group_size: int | None = None  # interleaved: micro-batches per group (None: pp)
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def edp(self) -> int:
+        """The expert data-parallel size: the world of one pipeline rank over etp x ep."""
+        return self.tp * self.dp * self.cp // ((self.etp or self.tp) * self.ep)
 
     def flags(self) -> list[str]:
         """The pretrain_gpt.py flags of this layout."""
@@ -44,11 +52,24 @@ class Layout:
         ]  # fmt: skip
         if self.sequence_parallel:
             out.append("--sequence-parallel")
+        if self.cp > 1:
+            out += ["--context-parallel-size", str(self.cp)]
+        if self.ep > 1:
+            out += ["--expert-model-parallel-size", str(self.ep)]
+        if self.etp is not None and self.etp != self.tp:
+            out += ["--expert-tensor-parallel-size", str(self.etp)]
         if self.pp > 1 and self.schedule != "1f1b":
             out += ["--pipeline-schedule", self.schedule]
+        if self.vp > 1 and self.schedule in ("interleaved-1f1b", "zb-h1"):
+            out += ["--num-virtual-stages-per-pipeline-rank", str(self.vp)]
         out += list(ZERO_RUNGS[self.rung].flags)
         if self.rung != "no_shard":  # hide the grad reduce-scatter / param all-gather
-            out += ["--overlap-grad-reduce", "--overlap-param-gather"]
+            out.append("--overlap-grad-reduce")
+            if self.rung != "optim_grads_params":  # ZeRO-3 gathers per unit itself
+                out.append("--overlap-param-gather")
+        if self.offload_fraction:
+            out += ["--optimizer-cpu-offload", "--optimizer-offload-fraction",
+                    str(self.offload_fraction)]  # fmt: skip
         if self.recompute == "selective":
             out += ["--recompute-granularity", "selective"]
         elif self.recompute == "full":
@@ -58,30 +79,44 @@ class Layout:
 
     def name(self) -> str:
         parts = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp}"]
+        if self.cp > 1:
+            parts.append(f"CP{self.cp}")
+        if self.ep > 1:
+            parts.append(f"EP{self.ep}")
         if self.sequence_parallel:
             parts.append("SP")
         if self.pp > 1:
-            parts.append(self.schedule)
+            parts.append(self.schedule + (f" v{self.vp}" if self.vp > 1 else ""))
         if self.rung != "no_shard":
             parts.append(self.rung)
         parts.append(f"mbs{self.micro_batch_size}")
         if self.recompute:
             parts.append(f"rc-{self.recompute}")
+        if self.offload_fraction:
+            parts.append(f"offload{self.offload_fraction:g}")
         return " ".join(parts)
 
 
 def layout_of(cfg, *, dp: int) -> Layout:
     """The layout a ``PretrainConfig`` runs with on a mesh of data-parallel size ``dp``."""
+    from megalite.training.model_chunks import effective_schedule, num_model_chunks
+
     par, m = cfg.parallel, cfg.model
     return Layout(
         tp=par.tensor_model_parallel_size,
         pp=par.pipeline_model_parallel_size,
         dp=dp,
         sequence_parallel=m.sequence_parallel,
-        rung="optim" if par.use_distributed_optimizer else "no_shard",
-        schedule=par.pipeline_schedule,
+        rung=par.sharding_strategy(),
+        schedule=effective_schedule(cfg),
         micro_batch_size=cfg.training.micro_batch_size,
         recompute=m.recompute_granularity,
+        cp=par.context_parallel_size,
+        ep=par.expert_model_parallel_size,
+        vp=num_model_chunks(cfg),
+        etp=par.expert_tensor_parallel_size,
+        offload_fraction=par.optimizer_offload_fraction if par.offload else 0.0,
+        microbatch_group_size=par.microbatch_group_size_per_virtual_pipeline_stage,
     )
 
 
@@ -109,9 +144,11 @@ def predict_memory(
     grads_in_fp32: bool = False,
     dp_ranks: list[int] | None = None,
     device: str = "cuda",
+    edp_rank: int = 0,
 ) -> list[RankMemory]:
-    """Every pipeline rank's prediction (on DP ranks ``dp_ranks``, default 0 only): ``cfg`` is the
-    ``GPTConfig`` with the layout's model options (sequence parallel, recompute) set."""
+    """Every pipeline rank's prediction (on DP ranks ``dp_ranks``, default 0 only, of the dense
+    dp x cp group; ``edp_rank`` of the expert DP group): ``cfg`` is the ``GPTConfig`` with the
+    layout's model options (sequence parallel, recompute) set."""
     m = global_batch_size // (layout.micro_batch_size * layout.dp)
     out = []
     for pp_rank in range(layout.pp):
@@ -125,28 +162,46 @@ def predict_memory(
             schedule=layout.schedule,
             precision=precision,
             device=device,
+            vp=layout.vp,
+            microbatch_group_size=layout.microbatch_group_size,
+            cp=layout.cp,
+            ep=layout.ep,
+            etp=layout.etp,
         )
         for dp_rank in dp_ranks or [0]:
             state = model_state_bytes(
                 cfg,
                 tp=layout.tp,
                 pp=layout.pp,
-                dp=layout.dp,
+                dp=layout.dp * layout.cp,
                 pp_rank=pp_rank,
                 dp_rank=dp_rank,
                 rung=layout.rung,
                 precision=precision,
                 bucket_size=bucket_size,
                 grads_in_fp32=grads_in_fp32,
+                schedule=layout.schedule,
+                vp=layout.vp,
+                ep=layout.ep,
+                etp=layout.etp,
+                edp=layout.edp,
+                edp_rank=edp_rank,
+                offload_fraction=layout.offload_fraction,
             )
             out.append(RankMemory(pp_rank, dp_rank, state, acts))
     return out
 
 
 def predict_for_config(
-    cfg, *, dp: int, dp_ranks: list[int] | None = None, device: str = "cuda"
+    cfg,
+    *,
+    dp: int,
+    dp_ranks: list[int] | None = None,
+    device: str = "cuda",
+    edp_rank: int = 0,
 ) -> list[RankMemory]:
-    """``predict_memory`` for a ``PretrainConfig`` on a mesh of data-parallel size ``dp``."""
+    """``predict_memory`` for a ``PretrainConfig`` on a mesh of data-parallel size ``dp`` (the
+    ``dp`` axis alone; ``dp_ranks`` index the dense dp x cp group)."""
     par = cfg.parallel
     return predict_memory(
         cfg.model,
@@ -154,6 +209,7 @@ def predict_for_config(
         global_batch_size=cfg.training.global_batch_size,
         precision=cfg.optimizer.precision_name,
         bucket_size=par.bucket_size(dp),
+        edp_rank=edp_rank,
         grads_in_fp32=par.accumulate_allreduce_grads_in_fp32,
         dp_ranks=dp_ranks,
         device=device,

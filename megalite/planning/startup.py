@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from megalite.planning.activations import IN_FLIGHT
+from megalite.planning.activations import CP_MODELLED, MODELLED_SCHEDULES
 from megalite.planning.measure import SavedTensorMeter
 from megalite.planning.predict import RankMemory, predict_for_config
 
@@ -30,15 +30,11 @@ def uncovered_features(cfg) -> list[str]:
     from megalite.training.model_chunks import effective_schedule
 
     par, out = cfg.parallel, []
-    if par.sharding_strategy() not in ("no_shard", "optim"):
-        out.append(f"--data-parallel-sharding-strategy {par.sharding_strategy()}")
-    if par.offload:
-        out.append("optimizer offload")
-    if par.context_parallel_size > 1:
-        out.append("--context-parallel-size")
-    if cfg.model.num_experts:
-        out.append("--num-experts")
-    if par.pipeline_model_parallel_size > 1 and effective_schedule(cfg) not in IN_FLIGHT:
+    if par.optimizer_offload_dir is not None:
+        out.append("--optimizer-offload-dir (NVMe offload)")
+    if par.context_parallel_size > 1 and cfg.model.cp_comm_type not in CP_MODELLED:
+        out.append(f"--cp-comm-type {cfg.model.cp_comm_type}")
+    if par.pipeline_model_parallel_size > 1 and effective_schedule(cfg) not in MODELLED_SCHEDULES:
         out.append(f"--pipeline-schedule {effective_schedule(cfg)}")
     return out
 
@@ -49,8 +45,9 @@ def predicted_for_rank(trainer) -> RankMemory:
         raise NotImplementedError(f"the planner does not model {', '.join(missing)} yet")
     ps = trainer.ps
     rows = predict_for_config(
-        trainer.cfg, dp=ps.dp_size, dp_ranks=[ps.dp_rank], device=trainer.device.type
-    )
+        trainer.cfg, dp=ps.dp_size, dp_ranks=[ps.rank("dp", "cp")], device=trainer.device.type,
+        edp_rank=ps.rank("edp"),
+    )  # fmt: skip
     return next(r for r in rows if r.pp_rank == ps.pp_rank)
 
 
@@ -81,12 +78,13 @@ def watch_first_step(trainer) -> RankMemory | None:
             result = original(forward_step_func, data_iterator)
             measured_act, peak = None, torch.cuda.max_memory_allocated(trainer.device)
         else:
-            params = [p for chunk in trainer.model for p in chunk.parameters()]
-            with SavedTensorMeter(params) as meter:
+            wrapper = getattr(trainer.model[0], "wrapper", trainer.model[0])
+            with SavedTensorMeter(wrapper.parameters()) as meter:
                 result = original(forward_step_func, data_iterator)
             measured_act, peak = meter.peak, None
         try:
-            state = model_state_bytes(trainer.model[0], trainer.optimizer, dp_size=ps.dp_size)
+            wrapper = getattr(trainer.model[0], "wrapper", trainer.model[0])
+            state = model_state_bytes(wrapper, trainer.optimizer, dp_size=ps.dp_size)
             _report(trainer, predicted, state.total, measured_act, peak)
         except Exception as e:  # noqa: BLE001 - the report must never stop a run
             logger.info("planner: could not measure the first step (%s)", e)

@@ -61,7 +61,7 @@ def test_bytes_per_param_table_is_designs():
     assert bytes_per_param("optim", 8, param_bytes=2, grad_bytes=2) == 4 + 12 / 8
     assert bytes_per_param("optim_grads", 8, param_bytes=2, grad_bytes=2) == 2 + 14 / 8
     assert bytes_per_param("optim_grads_params", 8, param_bytes=2, grad_bytes=2) == 16 / 8
-    assert [r for r, v in ZERO_RUNGS.items() if v.available] == ["no_shard", "optim"]
+    assert all(v.available for v in ZERO_RUNGS.values())  # the whole ladder is modelled
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULE_ORDERS))

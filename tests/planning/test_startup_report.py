@@ -67,11 +67,13 @@ def test_features_the_planner_does_not_model_are_named_not_predicted():
 
     cfg = config()
     assert uncovered_features(cfg) == []
-    cfg.parallel.zero_stage = 3
+    cfg.parallel.zero_stage = 3  # the whole ladder, CP p2p and MoE are modelled
     cfg.parallel.context_parallel_size = 2
     cfg.model.num_experts = 4
+    assert uncovered_features(cfg) == []
+    cfg.parallel.optimizer_offload_dir = "/tmp/nvme"
+    cfg.model.cp_comm_type = "a2a"
     assert uncovered_features(cfg) == [
-        "--data-parallel-sharding-strategy optim_grads_params",
-        "--context-parallel-size",
-        "--num-experts",
+        "--optimizer-offload-dir (NVMe offload)",
+        "--cp-comm-type a2a",
     ]
