@@ -26,6 +26,7 @@ either. Layer blocks follow the stage number: stage s holds the s-th block of la
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 COMPUTE = ("F", "B", "I", "W")
 COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -83,33 +84,153 @@ class StageLayout:
         return self.place(self.num_stages - 1)[0]
 
 
+class P2PBatch(NamedTuple):
+    """The sends and receives one rank posts together (one ``batch_isend_irecv``) at ``tick``:
+    SEND_F / SEND_B / RECV_F / RECV_B actions, in the order both ends of each message agree on."""
+
+    tick: int
+    actions: tuple[Action, ...]
+
+
+def message(action: Action, rank: int, layout: StageLayout) -> tuple[str, int, int]:
+    """``(kind, microbatch, receiving stage)`` of a SEND / RECV action of ``rank``: the same
+    triple at both ends of the message (kind "F": an activation, "B": its grad)."""
+    s = layout.stage(rank, action.chunk)
+    kind = action.op[-1]
+    if action.op.startswith("SEND"):
+        return kind, action.microbatch, s + 1 if kind == "F" else s - 1
+    return kind, action.microbatch, s
+
+
+def peer(action: Action, rank: int, layout: StageLayout) -> int:
+    """The pipeline rank at the other end of a SEND / RECV action of ``rank``."""
+    kind, _, to_stage = message(action, rank, layout)
+    if action.op.startswith("SEND"):
+        return layout.place(to_stage)[0]
+    return layout.place(to_stage - 1 if kind == "F" else to_stage + 1)[0]
+
+
+def _needs(a: Action, rank: int, layout: StageLayout) -> tuple[str, int, int] | None:
+    """The message a compute action waits for (None: nothing from another rank)."""
+    s = layout.stage(rank, a.chunk)
+    if a.op == "F" and s > 0 and layout.place(s - 1)[0] != rank:
+        return "F", a.microbatch, s
+    if a.op in ("B", "I") and s < layout.num_stages - 1 and layout.place(s + 1)[0] != rank:
+        return "B", a.microbatch, s
+    return None
+
+
+def _sends(a: Action, rank: int, layout: StageLayout) -> tuple[Action, int, Action] | None:
+    """(SEND action, receiving rank, its RECV action) for what a compute action produces."""
+    s = layout.stage(rank, a.chunk)
+    to = s + 1 if a.op == "F" else s - 1
+    if a.op not in ("F", "B", "I") or not 0 <= to < layout.num_stages:
+        return None
+    dst, dst_chunk = layout.place(to)
+    if dst == rank:  # the turn of a V: handed over in memory
+        return None
+    kind = "F" if a.op == "F" else "B"
+    return (
+        Action(f"SEND_{kind}", a.microbatch, a.chunk),
+        dst,
+        Action(f"RECV_{kind}", a.microbatch, dst_chunk),
+    )
+
+
+def p2p_program(compute: list[list[Action]], layout: StageLayout) -> list[list[Action | P2PBatch]]:
+    """Every rank's compute actions with, between them, the ``P2PBatch`` es it posts: what the
+    executor runs. Deadlock-free and FIFO-correct on a backend that ignores tags (nccl):
+
+    Replay the lists in lockstep, one compute action per rank per tick (a rank waits while an
+    input has not arrived: a message sent at tick t arrives at t + 1). A message produced at tick
+    t goes into batch t of its sender (after that compute) and of its receiver (after its tick-t
+    compute, or in its wait), so both ends post it in a batch with the same label, and each rank
+    posts its batches in increasing tick order. On nccl a rank's batches run in posting order on
+    one stream and a batch completes once the peers' batches it matches are running; by induction
+    on t every tick-t batch then has its predecessors done and all its partners running, so it
+    completes (a compute only waits for receives of earlier ticks). A rank computes, hence sends,
+    at most one message per tick, so each direction of a pair carries at most one message per
+    tick: messages are received in the order they are sent (FIFO), whatever the tags. Inside a
+    batch the ops are sorted by ``message`` (the same key at both ends). A receive is posted in
+    the batch where its message is sent, the earliest point both ends can agree on (posting it a
+    compute earlier, in a batch of its own, makes two neighbours exchanging both ways wait on each
+    other); with overlap its consumer waits for it at use.
+
+    ValueError when the lists wait on each other (no tick moves)."""
+    p = layout.pp_size
+    pos = [0] * p
+    sent_at: dict[tuple[str, int, int], int] = {}  # message -> tick it was sent
+    out: list[list[Action | P2PBatch]] = [[] for _ in range(p)]
+    t = 0
+    while any(pos[r] < len(compute[r]) for r in range(p)):
+        batches: list[list[Action]] = [[] for _ in range(p)]
+        moved = False
+        for r in range(p):
+            if pos[r] == len(compute[r]):
+                continue
+            a = compute[r][pos[r]]
+            need = _needs(a, r, layout)
+            if need is not None and sent_at.get(need, t) >= t:
+                continue  # its input has not arrived
+            out[r].append(a)
+            pos[r] += 1
+            moved = True
+            send = _sends(a, r, layout)
+            if send is not None:
+                send_action, dst, recv_action = send
+                sent_at[message(send_action, r, layout)] = t
+                batches[r].append(send_action)
+                batches[dst].append(recv_action)
+        if not moved:
+            stuck = [f"{compute[r][pos[r]]}@rank{r}" for r in range(p) if pos[r] < len(compute[r])]
+            raise ValueError(f"the action lists wait on each other: stuck at {', '.join(stuck)}")
+        for r, acts in enumerate(batches):
+            if acts:
+                acts.sort(key=lambda a, r=r: message(a, r, layout))
+                out[r].append(P2PBatch(t, tuple(acts)))
+        t += 1
+    return out
+
+
+def flatten(program: list[Action | P2PBatch]) -> list[Action]:
+    """One rank's program as a plain action list (each batch's actions in posting order)."""
+    return [
+        x for item in program for x in (item.actions if isinstance(item, P2PBatch) else (item,))
+    ]
+
+
 def with_p2p(
     compute: list[list[Action]], layout: StageLayout, *, overlap: bool = True
 ) -> list[list[Action]]:
-    """Insert the sends and receives ``compute`` needs under ``layout``: a SEND right after the
-    action that produces the tensor, a RECV before the action that consumes it -- right before
-    without ``overlap``, one compute action earlier with it (posted early, waited at use).
-    Transfers between two chunks of the same rank (the turn of a V) need no action."""
+    """``compute`` with the sends and receives ``layout`` needs, where the executor posts them
+    (``p2p_program``, flattened): a SEND after the action that produces the tensor, a RECV in the
+    same batch, before the action that consumes it. Transfers between two chunks of the same rank
+    (the turn of a V) need no action. ``overlap`` changes when the executor waits, not the order.
+    Lists that cannot run (a wait cycle) get each RECV right before its consumer, for the
+    simulator to name the stuck action."""
+    try:
+        return [flatten(program) for program in p2p_program(compute, layout)]
+    except ValueError:
+        return _with_p2p_per_action(compute, layout, overlap=overlap)
+
+
+def _with_p2p_per_action(
+    compute: list[list[Action]], layout: StageLayout, *, overlap: bool
+) -> list[list[Action]]:
     out = []
     for rank, actions in enumerate(compute):
         lists: list[Action] = []
         for action in actions:
-            s = layout.stage(rank, action.chunk)
-            recv = None
-            if action.op == "F" and s > 0 and layout.place(s - 1)[0] != rank:
-                recv = Action("RECV_F", action.microbatch, action.chunk)
-            last = layout.num_stages - 1
-            if action.op in ("B", "I") and s < last and layout.place(s + 1)[0] != rank:
-                recv = Action("RECV_B", action.microbatch, action.chunk)
-            if recv is not None:
+            if _needs(action, rank, layout) is not None:
+                recv = Action(
+                    f"RECV_{'F' if action.op == 'F' else 'B'}", action.microbatch, action.chunk
+                )
                 computes = [i for i, a in enumerate(lists) if a.op in COMPUTE]
-                # with overlap: posted before the previous compute action, waited at use
                 lists.insert(computes[-1] if overlap and computes else len(lists), recv)
             lists.append(action)
-            if action.op == "F" and s < layout.num_stages - 1 and layout.place(s + 1)[0] != rank:
-                lists.append(Action("SEND_F", action.microbatch, action.chunk))
-            if action.op in ("B", "I") and s > 0 and layout.place(s - 1)[0] != rank:
-                lists.append(Action("SEND_B", action.microbatch, action.chunk))
+            send = _sends(action, rank, layout)
+            if send is not None:
+                lists.append(send[0])
         out.append(lists)
     return out
 
