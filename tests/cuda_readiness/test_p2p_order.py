@@ -153,6 +153,22 @@ def test_every_schedule_posts_fifo_paired_deadlock_free_batches():
     assert cases >= 80, cases
 
 
+@pytest.mark.parametrize(
+    "schedule, p, m, v",
+    [("1f1b", 4, 8, 1), ("gpipe", 4, 8, 1), ("interleaved-1f1b", 4, 8, 2), ("zb-h1", 4, 8, 1),
+     ("zb-h1", 2, 4, 2), ("zbv", 4, 8, 2), ("dualpipev", 4, 8, 2)],
+)  # fmt: skip
+def test_each_direction_receives_in_the_order_it_is_sent(schedule, p, m, v):
+    # the cases that were strict xfails before the executor posted batches (CUDA_AUDIT.md)
+    layout, plans = _plans(schedule, p, m, v, None)
+    assert not [b for b in _problems(layout, plans) if b.startswith("FIFO")]
+
+
+def test_1f1b_pair_op_orders_agree_for_nccl_p2p():
+    layout, plans = _plans("1f1b", 2, 4, 1, None)
+    assert not _problems(layout, plans)
+
+
 def test_with_p2p_is_the_program_the_executor_posts():
     # the lists the simulator and the timeline read are the executor's batches, flattened
     for schedule, p, m, v in [("zbv", 4, 8, 2), ("interleaved-1f1b", 2, 4, 2), ("zb-h1", 4, 9, 2)]:

@@ -139,32 +139,35 @@ def _sends(a: Action, rank: int, layout: StageLayout) -> tuple[Action, int, Acti
 
 def p2p_program(compute: list[list[Action]], layout: StageLayout) -> list[list[Action | P2PBatch]]:
     """Every rank's compute actions with, between them, the ``P2PBatch`` es it posts: what the
-    executor runs. Deadlock-free and FIFO-correct on a backend that ignores tags (nccl):
+    executor runs. Deadlock-free and FIFO-correct on a backend that ignores tags (nccl).
 
     Replay the lists in lockstep, one compute action per rank per tick (a rank waits while an
-    input has not arrived: a message sent at tick t arrives at t + 1). A message produced at tick
-    t goes into batch t of its sender (after that compute) and of its receiver (after its tick-t
-    compute, or in its wait), so both ends post it in a batch with the same label, and each rank
-    posts its batches in increasing tick order. On nccl a rank's batches run in posting order on
-    one stream and a batch completes once the peers' batches it matches are running; by induction
-    on t every tick-t batch then has its predecessors done and all its partners running, so it
-    completes (a compute only waits for receives of earlier ticks). A rank computes, hence sends,
-    at most one message per tick, so each direction of a pair carries at most one message per
-    tick: messages are received in the order they are sent (FIFO), whatever the tags. Inside a
-    batch the ops are sorted by ``message`` (the same key at both ends). A receive is posted in
-    the batch where its message is sent, the earliest point both ends can agree on (posting it a
-    compute earlier, in a batch of its own, makes two neighbours exchanging both ways wait on each
-    other); with overlap its consumer waits for it at use.
-
-    ValueError when the lists wait on each other (no tick moves)."""
+    input has not arrived: a message sent at tick t arrives at t + 1). Each message of tick t is
+    sent in a batch right after the compute that made it, and received either early (in a batch
+    before the receiver's own tick-t compute, so the transfer overlaps that compute) or late (in
+    the batch after it, with the receiver's own sends). Early is chosen, soonest consumer first,
+    wherever the batches of the tick still pair up without a cycle: merge each message's two
+    batches into one class; no class may hold two batches of one rank, and the classes ordered by
+    "a rank's batch before its compute precedes the one after" must be acyclic (two neighbours
+    that both receive early from each other would wait on each other). Number the classes tick by
+    tick in that order: each rank posts its batches in increasing number, and both ends of every
+    message post it in the same class. On nccl a rank's batches run in posting order on one stream;
+    by induction on the number, every batch of class k has all its predecessors done (a compute
+    waits only for receives posted before it) and all its partners at the head of their streams,
+    so class k completes even if a grouped launch needs every partner running at once. A rank
+    computes, hence sends, at most one message per tick, so each direction of a pair carries at
+    most one message per tick, posted in tick order at both ends: received in the order sent
+    (FIFO), whatever the tags. Inside a batch the ops are sorted by ``message`` (the same key at
+    both ends). ValueError when the lists wait on each other (no tick moves)."""
     p = layout.pp_size
     pos = [0] * p
     sent_at: dict[tuple[str, int, int], int] = {}  # message -> tick it was sent
-    out: list[list[Action | P2PBatch]] = [[] for _ in range(p)]
+    used_at: dict[tuple[str, int, int], int] = {}  # message -> tick of its consumer
+    ticks: list[tuple[dict[int, Action], list[tuple[int, Action, int, Action]]]] = []
     t = 0
     while any(pos[r] < len(compute[r]) for r in range(p)):
-        batches: list[list[Action]] = [[] for _ in range(p)]
-        moved = False
+        ran: dict[int, Action] = {}
+        messages = []  # (sender, SEND action, receiver, RECV action)
         for r in range(p):
             if pos[r] == len(compute[r]):
                 continue
@@ -172,24 +175,73 @@ def p2p_program(compute: list[list[Action]], layout: StageLayout) -> list[list[A
             need = _needs(a, r, layout)
             if need is not None and sent_at.get(need, t) >= t:
                 continue  # its input has not arrived
-            out[r].append(a)
+            if need is not None:
+                used_at[need] = t
+            ran[r] = a
             pos[r] += 1
-            moved = True
             send = _sends(a, r, layout)
             if send is not None:
-                send_action, dst, recv_action = send
-                sent_at[message(send_action, r, layout)] = t
-                batches[r].append(send_action)
-                batches[dst].append(recv_action)
-        if not moved:
+                sent_at[message(send[0], r, layout)] = t
+                messages.append((r, send[0], send[1], send[2]))
+        if not ran:
             stuck = [f"{compute[r][pos[r]]}@rank{r}" for r in range(p) if pos[r] < len(compute[r])]
             raise ValueError(f"the action lists wait on each other: stuck at {', '.join(stuck)}")
-        for r, acts in enumerate(batches):
-            if acts:
-                acts.sort(key=lambda a, r=r: message(a, r, layout))
-                out[r].append(P2PBatch(t, tuple(acts)))
+        ticks.append((ran, messages))
         t += 1
+    out: list[list[Action | P2PBatch]] = [[] for _ in range(p)]
+    for t, (ran, messages) in enumerate(ticks):
+        messages.sort(key=lambda x: (used_at.get(message(x[1], x[0], layout), t), x[0]))
+        early = [False] * len(messages)  # all late pairs up: each class is after-batches only
+        for i in range(len(messages)):  # greedy: early where the tick's batches still pair up
+            early[i] = True
+            early[i] = _pairs_up(ran, messages, early, p)
+        pre: list[list[Action]] = [[] for _ in range(p)]
+        post: list[list[Action]] = [[] for _ in range(p)]
+        for (src, send, dst, recv), e in zip(messages, early):
+            post[src].append(send)
+            (pre if e and dst in ran else post)[dst].append(recv)
+        for r in range(p):
+            for acts, compute_action in ((pre[r], ran.get(r)), (post[r], None)):
+                if acts:
+                    acts.sort(key=lambda a, r=r: message(a, r, layout))
+                    out[r].append(P2PBatch(t, tuple(acts)))
+                if compute_action is not None:
+                    out[r].append(compute_action)
     return out
+
+
+def _pairs_up(ran: dict[int, Action], messages: list, early: list[bool], p: int) -> bool:
+    """One tick's batches, ``early[i]`` choosing where message i is received: no class of
+    matched batches holds both batches of a rank, and the classes are acyclic under "a rank's
+    batch before its compute precedes the one after". Nodes: 2r (before), 2r + 1 (after); a rank
+    that does not compute this tick has one batch (2r + 1)."""
+    parent = list(range(2 * p))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for (src, _, dst, _), e in zip(messages, early):
+        parent[find(2 * src + 1)] = find(2 * dst + (0 if e and dst in ran else 1))
+    edges = {}
+    for r in ran:
+        a, b = find(2 * r), find(2 * r + 1)
+        if a == b:
+            return False
+        edges.setdefault(a, set()).add(b)
+    state: dict[int, int] = {}  # 1: on the stack, 2: done
+
+    def cyclic(x: int) -> bool:
+        state[x] = 1
+        for y in edges.get(x, ()):
+            if state.get(y) == 1 or (y not in state and cyclic(y)):
+                return True
+        state[x] = 2
+        return False
+
+    return not any(x not in state and cyclic(x) for x in list(edges))
 
 
 def flatten(program: list[Action | P2PBatch]) -> list[Action]:
