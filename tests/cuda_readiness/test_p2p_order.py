@@ -169,6 +169,28 @@ def test_1f1b_pair_op_orders_agree_for_nccl_p2p():
     assert not _problems(layout, plans)
 
 
+@pytest.mark.parametrize(
+    "schedule, v, share", [("gpipe", 1, 0.8), ("interleaved-1f1b", 2, 0.4), ("zb-h1", 2, 0.6),
+                           ("dualpipev", 2, 0.6)],
+)  # fmt: skip
+def test_receives_are_posted_ahead_of_the_compute_before_their_consumer(schedule, v, share):
+    """Overlap: a receive is posted before the receiver's previous compute wherever the batches
+    still pair up (the transfer overlaps that compute); p 4, m 8."""
+    layout, plans = _plans(schedule, 4, 8, v, None)
+    ahead = []
+    for r, plan in enumerate(plans):
+        posted, n = {}, 0
+        for item in plan:
+            if isinstance(item, Action):
+                need = actions_mod._needs(item, r, layout)
+                if need is not None:
+                    ahead.append(n - posted[need] >= 1)
+                n += 1
+            else:
+                posted.update({(op.kind, op.microbatch, op.stage): n for op in item if not op.send})
+    assert sum(ahead) / len(ahead) >= share, sum(ahead) / len(ahead)
+
+
 def test_with_p2p_is_the_program_the_executor_posts():
     # the lists the simulator and the timeline read are the executor's batches, flattened
     for schedule, p, m, v in [("zbv", 4, 8, 2), ("interleaved-1f1b", 2, 4, 2), ("zb-h1", 4, 9, 2)]:

@@ -13,8 +13,8 @@ computes them.
 
 Communication: ``actions`` is this rank's ``actions.p2p_program`` (compute actions and
 ``P2PBatch`` es); each batch is posted as ONE ``batch_isend_irecv`` of the ops ``posting_plan``
-lists, in that order -- the plan's docstring (and ``p2p_program``'s) says why this is
-deadlock-free and FIFO-correct on nccl, which ignores tags. Sends are never waited for (the storage
+lists, in that order -- ``p2p_program``'s docstring says why this is deadlock-free and
+FIFO-correct on nccl, which ignores tags. Sends are never waited for (the storage
 of a sent output is freed once the send is done, keeping its autograd node); with overlap a
 received tensor is waited for by its consumer, without (``--no-overlap-p2p-communication``) the
 whole batch is waited for right after posting. Messages still carry a tag per (direction,
