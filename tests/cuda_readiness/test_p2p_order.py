@@ -1,79 +1,336 @@
-"""What the pipeline executor's point-to-point traffic needs on nccl, checked on the action lists.
+"""The pipeline executor's point-to-point traffic is right on a backend that ignores tags (nccl).
 
-The executor posts each SEND / RECV action as its own ``isend`` / ``irecv`` with a tag per
-(direction, micro-batch, stage); gloo matches by tag, so any order runs on CPU. nccl ignores tags:
-between two ranks, messages of one direction match in posting order (FIFO), and every unbatched
-op of the pair runs in posting order on the pair's one stream. Two properties follow:
+nccl matches the messages of one direction between two ranks in posting order (FIFO), and runs a
+rank's batches of p2p ops one after the other on one stream. The executor posts exactly what
+``executor.posting_plan`` lists (compute actions, and tuples of ops each posted as ONE
+``batch_isend_irecv``), so these checks read that plan, with every tag 0, for all six schedules
+over p in {2, 4, 8}, m in {p, 2p, 2p + 1} (where legal), v in {1, 2} (3 for interleaved):
 
-- FIFO: for each ordered pair (a -> b), the messages a sends are the messages b receives, in the
-  same order; otherwise a micro-batch receives another's activation (same shape: silently wrong).
-- pairing: each rank's op sequence on the pair equals the peer's with send and recv swapped;
-  otherwise a lone send waits for a recv queued behind the peer's own lone send (a hang) unless
-  the ops of a tick are posted as one ``batch_isend_irecv``.
+- FIFO: the n-th message a rank sends to a peer is the n-th it receives from it (same micro-batch,
+  stage and direction); otherwise a micro-batch silently gets another's activation;
+- pairing: the k-th batch of a rank holding ops with a peer holds, in the same order, the mirror of
+  the peer's k-th such batch;
+- no deadlock: replaying every rank's batches in posting order, a batch completing only while the
+  batches of all its ops' partners are at the head of their ranks' queues (the strictest reading
+  of a grouped nccl launch), every batch completes;
+- data: each receive is posted before its consumer computes, each send after its producer.
 
-Cases known to break a property are strict xfails (docs/CUDA_AUDIT.md; the fix is in the executor
-/ generators, issue 14's files): when a fix lands they fail, and the mark goes.
+The old placement (one op per action, receives a compute early) fails them (a control, so the
+checks can fail). End to end: every tag 0 on gloo (which then matches by posting order, checked
+first), zbv, dualpipev, interleaved and zb-h1 at PP 4 and PP 2 equal no pipelining.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from megalite.core.pipeline_parallel.actions import with_p2p
-from megalite.core.pipeline_parallel.generators import generate, layout_of
+from megalite.core.pipeline_parallel import actions as actions_mod
+from megalite.core.pipeline_parallel.actions import Action, p2p_program
+from megalite.core.pipeline_parallel.executor import posting_plan
+from megalite.core.pipeline_parallel.generators import (
+    SCHEDULES,
+    check_schedule,
+    generate,
+    layout_of,
+)
+from tests.harness import run_distributed
+
+CHUNKS = {"1f1b": (1,), "gpipe": (1,), "interleaved-1f1b": (2, 3), "zb-h1": (1, 2), "zbv": (2,),
+          "dualpipev": (2,)}  # fmt: skip
 
 
-def _pair_ops(schedule: str, p: int, m: int, v: int, overlap: bool) -> dict:
-    """(rank, peer) -> that rank's p2p ops with the peer in posting order, (message, direction)."""
+def _grid():
+    for schedule in SCHEDULES:
+        for p in (2, 4, 8):
+            for m in (p, 2 * p, 2 * p + 1):
+                for v in CHUNKS[schedule]:
+                    for g in (None, m) if schedule == "interleaved-1f1b" else (None,):
+                        try:
+                            check_schedule(schedule, pp_size=p, num_microbatches=m, num_chunks=v,
+                                           microbatch_group_size=g)  # fmt: skip
+                        except ValueError:
+                            continue
+                        yield schedule, p, m, v, g
+
+
+def _plans(schedule, p, m, v, g, *, forward_only=False, programs=None):
     layout = layout_of(schedule, p, v)
-    lists = with_p2p(generate(schedule, pp_size=p, num_microbatches=m, num_chunks=v), layout,
-                     overlap=overlap)  # fmt: skip
-    out: dict = {}
-    for r, actions in enumerate(lists):
-        for a in actions:
-            s = layout.stage(r, a.chunk)
-            peer_stage, kind, d, dst = {
-                "SEND_F": (s + 1, "F", "send", s + 1),
-                "SEND_B": (s - 1, "B", "send", s - 1),
-                "RECV_F": (s - 1, "F", "recv", s),
-                "RECV_B": (s + 1, "B", "recv", s),
-            }.get(a.op, (None, None, None, None))
-            if peer_stage is not None:
-                peer = layout.place(peer_stage)[0]
-                out.setdefault((r, peer), []).append(((kind, a.microbatch, dst), d))
-    return out
+    if programs is None:
+        compute = generate(schedule, pp_size=p, num_microbatches=m, num_chunks=v,
+                           microbatch_group_size=g, forward_only=forward_only)  # fmt: skip
+        programs = p2p_program(compute, layout)
+    return layout, [posting_plan(programs[r], layout, r, tagged=False) for r in range(p)]
 
 
-def _xfail(reason: str):
-    return pytest.mark.xfail(strict=True, reason=reason)
+def _problems(layout, plans) -> list[str]:
+    """Everything wrong with the per-rank posting plans, as nccl would run them (tags ignored)."""
+    p, bad = len(plans), []
+    msg = lambda op: (op.kind, op.microbatch, op.stage)  # noqa: E731
+    batches = [[b for b in plan if not isinstance(b, Action)] for plan in plans]
+    # FIFO: per direction, the sender's order of messages is the receiver's
+    for a in range(p):
+        for b in range(p):
+            sent = [msg(op) for bt in batches[a] for op in bt if op.send and op.peer == b]
+            got = [msg(op) for bt in batches[b] for op in bt if not op.send and op.peer == a]
+            if sent != got:
+                bad.append(f"FIFO {a}->{b}: sent {sent[:6]}... received {got[:6]}...")
+            assert all(op.tag == 0 for bt in batches[a] for op in bt)
+    # pairing: the k-th batch with a peer mirrors the peer's k-th batch with us
+    for a in range(p):
+        for b in range(p):
+            mine = [[(msg(op), op.send) for op in bt if op.peer == b] for bt in batches[a]]
+            theirs = [[(msg(op), not op.send) for op in bt if op.peer == a] for bt in batches[b]]
+            if [x for x in mine if x] != [x for x in theirs if x]:
+                bad.append(f"pairing {a}<->{b}: batches differ")
+    # no deadlock: a batch completes only with every partner batch at the head of its queue
+    seq = {}  # (sender, receiver, n) -> (rank, batch index) of both ends, by posting order
+    for r in range(p):
+        count: dict = {}
+        for k, bt in enumerate(batches[r]):
+            for op in bt:
+                pair = (r, op.peer) if op.send else (op.peer, r)
+                n = count[pair, op.send] = count.get((pair, op.send), -1) + 1
+                seq.setdefault((*pair, n), {})[op.send] = (r, k)
+    head = [0] * p
+    while any(head[r] < len(batches[r]) for r in range(p)):
+        ready = {r for r in range(p) if head[r] < len(batches[r])}
+        changed = True
+        while changed:
+            changed = False
+            for r in list(ready):
+                count: dict = {}
+                for k, bt in enumerate(batches[r][: head[r] + 1]):
+                    for op in bt:
+                        pair = (r, op.peer) if op.send else (op.peer, r)
+                        n = count[pair, op.send] = count.get((pair, op.send), -1) + 1
+                        if k < head[r]:
+                            continue
+                        other = seq.get((*pair, n), {}).get(not op.send)
+                        if other is None or other[0] not in ready or head[other[0]] != other[1]:
+                            ready.discard(r)
+                            changed = True
+                            break
+                    if r not in ready:
+                        break
+        if not ready:
+            stuck = {r: head[r] for r in range(p) if head[r] < len(batches[r])}
+            bad.append(f"deadlock: ranks stuck at batches {stuck}")
+            break
+        for r in ready:
+            head[r] += 1
+    # data: a receive before its consumer, a send after its producer
+    for r, plan in enumerate(plans):
+        posted, done = set(), set()
+        for item in plan:
+            if isinstance(item, Action):
+                s = layout.stage(r, item.chunk)
+                done.add((item.op, item.microbatch, s))
+                need = actions_mod._needs(item, r, layout)
+                if need is not None and need not in posted:
+                    bad.append(f"rank {r}: {item} before its receive")
+                continue
+            for op in item:
+                if not op.send:
+                    posted.add(msg(op))
+                    continue
+                src = op.stage - 1 if op.kind == "F" else op.stage + 1
+                made = ("F",) if op.kind == "F" else ("B", "I")
+                if not any((o, op.microbatch, src) in done for o in made):
+                    bad.append(f"rank {r}: sends {msg(op)} before computing it")
+    return bad
 
 
-FIFO_BREAKS = "nccl matches by order, not tag: messages of one direction cross (CUDA_AUDIT.md)"
+def test_every_schedule_posts_fifo_paired_deadlock_free_batches():
+    cases = 0
+    for schedule, p, m, v, g in _grid():
+        for forward_only in (False, True):
+            layout, plans = _plans(schedule, p, m, v, g, forward_only=forward_only)
+            bad = _problems(layout, plans)
+            assert not bad, (schedule, p, m, v, g, forward_only, bad[:3])
+            cases += 1
+    assert cases >= 80, cases
 
 
 @pytest.mark.parametrize(
     "schedule, p, m, v",
-    [
-        ("1f1b", 4, 8, 1),
-        ("gpipe", 4, 8, 1),
-        ("interleaved-1f1b", 4, 8, 2),
-        ("zb-h1", 4, 8, 1),
-        pytest.param("zb-h1", 2, 4, 2, marks=_xfail(FIFO_BREAKS)),
-        pytest.param("zbv", 4, 8, 2, marks=_xfail(FIFO_BREAKS)),
-        pytest.param("dualpipev", 4, 8, 2, marks=_xfail(FIFO_BREAKS)),
-    ],
-)
+    [("1f1b", 4, 8, 1), ("gpipe", 4, 8, 1), ("interleaved-1f1b", 4, 8, 2), ("zb-h1", 4, 8, 1),
+     ("zb-h1", 2, 4, 2), ("zbv", 4, 8, 2), ("dualpipev", 4, 8, 2)],
+)  # fmt: skip
 def test_each_direction_receives_in_the_order_it_is_sent(schedule, p, m, v):
-    ops = _pair_ops(schedule, p, m, v, overlap=True)
-    for (a, b), seq in ops.items():
-        sent = [msg for msg, d in seq if d == "send"]
-        received = [msg for msg, d in ops.get((b, a), []) if d == "recv"]
-        assert sent == received, (schedule, a, b)
+    # the cases that were strict xfails before the executor posted batches (CUDA_AUDIT.md)
+    layout, plans = _plans(schedule, p, m, v, None)
+    assert not [b for b in _problems(layout, plans) if b.startswith("FIFO")]
 
 
-@pytest.mark.xfail(strict=True, reason="unbatched isend/irecv: the pair's op orders differ")
-def test_1f1b_pair_op_orders_agree_for_unbatched_nccl_p2p():
-    ops = _pair_ops("1f1b", 2, 4, 1, overlap=True)
-    for (a, b), seq in ops.items():
-        swapped = [(msg, "recv" if d == "send" else "send") for msg, d in ops[(b, a)]]
-        assert seq == swapped, (a, b)
+def test_1f1b_pair_op_orders_agree_for_nccl_p2p():
+    layout, plans = _plans("1f1b", 2, 4, 1, None)
+    assert not _problems(layout, plans)
+
+
+@pytest.mark.parametrize(
+    "schedule, v, share", [("gpipe", 1, 0.8), ("interleaved-1f1b", 2, 0.4), ("zb-h1", 2, 0.6),
+                           ("dualpipev", 2, 0.6)],
+)  # fmt: skip
+def test_receives_are_posted_ahead_of_the_compute_before_their_consumer(schedule, v, share):
+    """Overlap: a receive is posted before the receiver's previous compute wherever the batches
+    still pair up (the transfer overlaps that compute); p 4, m 8."""
+    layout, plans = _plans(schedule, 4, 8, v, None)
+    ahead = []
+    for r, plan in enumerate(plans):
+        posted, n = {}, 0
+        for item in plan:
+            if isinstance(item, Action):
+                need = actions_mod._needs(item, r, layout)
+                if need is not None:
+                    ahead.append(n - posted[need] >= 1)
+                n += 1
+            else:
+                posted.update({(op.kind, op.microbatch, op.stage): n for op in item if not op.send})
+    assert sum(ahead) / len(ahead) >= share, sum(ahead) / len(ahead)
+
+
+def test_with_p2p_is_the_program_the_executor_posts():
+    # the lists the simulator and the timeline read are the executor's batches, flattened
+    for schedule, p, m, v in [("zbv", 4, 8, 2), ("interleaved-1f1b", 2, 4, 2), ("zb-h1", 4, 9, 2)]:
+        layout = layout_of(schedule, p, v)
+        compute = generate(schedule, pp_size=p, num_microbatches=m, num_chunks=v)
+        flat = actions_mod.with_p2p(compute, layout)
+        programs = p2p_program(compute, layout)
+        assert flat == [actions_mod.flatten(program) for program in programs]
+        assert [[a for a in acts if a.op in "FBIW"] for acts in flat] == compute
+
+
+@pytest.mark.parametrize(
+    "schedule, p, m, v, broken",
+    [("1f1b", 2, 4, 1, "deadlock"), ("zb-h1", 2, 4, 2, "FIFO"), ("zbv", 4, 8, 2, "FIFO"),
+     ("dualpipev", 4, 8, 2, "FIFO")],
+)  # fmt: skip
+def test_the_checks_catch_the_old_placement(schedule, p, m, v, broken):
+    """The old executor posted each SEND / RECV action alone, receives one compute early."""
+    layout = layout_of(schedule, p, v)
+    compute = generate(schedule, pp_size=p, num_microbatches=m, num_chunks=v)
+    old = actions_mod._with_p2p_per_action(compute, layout, overlap=True)
+    _, plans = _plans(schedule, p, m, v, None, programs=old)
+    assert any(problem.startswith(broken) for problem in _problems(layout, plans))
+
+
+# --- end to end on gloo, every tag 0 ------------------------------------------------------------
+
+LAYERS = 8
+TOL = dict(rtol=1e-5, atol=1e-6)
+E2E = {  # pp -> (schedule, v, m, overlap)
+    4: [("zbv", 2, 8, True), ("dualpipev", 2, 9, True), ("interleaved-1f1b", 2, 8, True),
+        ("zb-h1", 2, 4, False)],
+    2: [("zbv", 2, 5, True), ("dualpipev", 2, 4, False), ("interleaved-1f1b", 2, 4, True),
+        ("zb-h1", 2, 5, True)],
+}  # fmt: skip
+
+
+def _forward_step(data_iterator, model):
+    tokens, labels, weights = next(data_iterator)
+    out = model(tokens, None, labels)
+
+    def loss_func(per_token):
+        loss = (per_token * weights).sum() / weights.sum()
+        return loss, {"lm loss": loss.detach()}
+
+    return out, loss_func
+
+
+def _gloo_matches_tag_zero_by_posting_order() -> list[float]:
+    """Rank 0 sends 0..4 with tag 0 (in two batches), rank 1 receives them (in other batches)."""
+    got = []
+    if dist.get_rank() == 0:
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((3,), float(i)), 1,
+                                                   tag=0) for i in range(3)])  # fmt: skip
+        works += dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((3,), float(i)), 1,
+                                                    tag=0) for i in (3, 4)])  # fmt: skip
+    elif dist.get_rank() == 1:
+        bufs = [torch.empty(3) for _ in range(5)]
+        works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, b, 0, tag=0) for b in bufs[:2]])
+        works += dist.batch_isend_irecv([dist.P2POp(dist.irecv, b, 0, tag=0) for b in bufs[2:]])
+    else:
+        works = []
+    for w in works:
+        w.wait()
+    if dist.get_rank() == 1:
+        got = [float(b[0]) for b in bufs]
+    return got
+
+
+def _tag_blind_world():
+    from megalite.core.parallel_state import ParallelState, initialize_model_parallel
+    from megalite.core.pipeline_parallel.p2p import P2PCommunicator
+    from megalite.core.pipeline_parallel.schedules import (
+        forward_backward_no_pipelining,
+        forward_backward_pipelining,
+    )
+    from megalite.models import GPTModel
+    from megalite.training.model_chunks import build_gpt_chunks, stage_blocks, tied_params
+    from tests.models.helpers import make_batch, make_config
+
+    order = _gloo_matches_tag_zero_by_posting_order()
+    config = make_config("gpt2", num_layers=LAYERS)
+    oracles = {}
+    failures, count = [], 0
+    for pp, cases in E2E.items():
+        ps = initialize_model_parallel(1, pp)
+        for schedule, v, m, overlap in cases:
+            if m not in oracles:
+                model = GPTModel(config, ParallelState.single())
+                batches = [make_batch(config, seed=200 + i) for i in range(m)]
+                losses = forward_backward_no_pipelining(
+                    forward_step_func=_forward_step, data_iterator=[iter(batches)],
+                    model=[model], num_microbatches=m,
+                )  # fmt: skip
+                grads = {n: q.grad for n, q in model.named_parameters()}
+                oracles[m] = batches, [d["lm loss"] for d in losses], grads
+            batches, want_losses, want_grads = oracles[m]
+            chunks = build_gpt_chunks(config, ps, schedule=schedule, num_chunks=v)
+            p2p = P2PCommunicator(
+                prev_rank=ps.prev_rank, next_rank=ps.next_rank,
+                tensor_shape=(config.seq_length, 2, config.hidden_size), dtype=torch.float32,
+                device=torch.device("cpu"), group=ps.pp_group, pp_ranks=ps.pp_ranks,
+                overlap=overlap, tagged=False,
+            )  # fmt: skip
+            it = iter(batches)
+            losses = forward_backward_pipelining(
+                schedule=schedule, forward_step_func=_forward_step,
+                data_iterator=[it] * len(chunks), model=chunks, num_microbatches=m, p2p=p2p,
+                pp_rank=ps.pp_rank, pp_size=pp,
+            )  # fmt: skip
+            shared, _ = tied_params(chunks, ps)
+            for w in shared:
+                dist.all_reduce(w.grad, group=ps.embedding_group)
+            count += 1
+            label = f"pp{pp} {schedule} v{v} m{m} overlap={overlap}"
+            try:
+                if ps.is_last_stage:
+                    assert len(losses) == m, f"{len(losses)} losses"
+                    for got, want in zip(losses, want_losses):
+                        torch.testing.assert_close(got["lm loss"], want, **TOL)
+                layout = layout_of(schedule, pp, v)
+                blocks = stage_blocks(config, layout)
+                for c, chunk in enumerate(chunks):
+                    start = blocks[layout.stage(ps.pp_rank, c)][0]
+                    for name, param in chunk.named_parameters():
+                        key = name
+                        if name.startswith("decoder.layers."):
+                            _, _, i, rest = name.split(".", 3)
+                            key = f"decoder.layers.{int(i) + start}.{rest}"
+                        if key not in want_grads:  # a tied copy on the last stage
+                            key = "embedding.word_embeddings.weight"
+                        torch.testing.assert_close(param.grad, want_grads[key], **TOL)
+            except AssertionError as e:
+                failures.append(f"rank {dist.get_rank()} {label}: {str(e).splitlines()[0][:160]}")
+    return order, count, failures
+
+
+def test_tag_blind_gloo_runs_every_v_schedule_equal_to_no_pipelining():
+    results = run_distributed(_tag_blind_world, 4, timeout=240)
+    assert results[1][0] == [0.0, 1.0, 2.0, 3.0, 4.0]  # gloo matches tag 0 in posting order
+    assert results[0][1] == sum(len(c) for c in E2E.values())
+    failures = [f for _, _, fs in results for f in fs]
+    assert not failures, "\n".join(failures[:20])

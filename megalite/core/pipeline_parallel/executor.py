@@ -9,10 +9,18 @@ same rank, at the turn of a V), the output, and the grad of the output. F runs
 holds the loss it applies ``loss_func``, divides by ``num_microbatches`` (and applies
 ``grad_scale_func`` before backward). B runs the backward; I runs it with the chunk's linear
 layers deferring their weight grads into a ``WeightGradStore`` keyed by the micro-batch; W
-computes them. Sends are asynchronous (the storage of a sent output is freed once the send is
-done, keeping its autograd node); a RECV posts the receive and the consumer waits for it, so any
-list that the simulator can replay runs without deadlock. Messages carry a tag per (direction,
-micro-batch, stage), so they match whatever order the lists post them in.
+computes them.
+
+Communication: ``actions`` is this rank's ``actions.p2p_program`` (compute actions and
+``P2PBatch`` es); each batch is posted as ONE ``batch_isend_irecv`` of the ops ``posting_plan``
+lists, in that order -- ``p2p_program``'s docstring says why this is deadlock-free and
+FIFO-correct on nccl, which ignores tags. Sends are never waited for (the storage
+of a sent output is freed once the send is done, keeping its autograd node); with overlap a
+received tensor is waited for by its consumer, without (``--no-overlap-p2p-communication``) the
+whole batch is waited for right after posting. Messages still carry a tag per (direction,
+micro-batch, stage) for gloo; ``P2PCommunicator(tagged=False)`` sends all with tag 0, as nccl
+would see them (the tests run that on gloo, which then matches by posting order). A plain
+SEND / RECV action (an old flat list) is posted as a batch of one.
 
 Grad sync: every compute action runs inside the ``no_sync()`` of every chunk except the chunks for
 which it is the last action touching their grads (their last B, I or W of the step), so the
@@ -26,13 +34,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from megalite.core.pipeline_parallel.actions import Action, StageLayout
+from megalite.core.pipeline_parallel.actions import (
+    COMM,
+    Action,
+    P2PBatch,
+    StageLayout,
+    message,
+    peer,
+)
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.core.pipeline_parallel.timeline import Timeline
 from megalite.core.tensor_parallel.layers import WeightGradStore, attach_weight_grad_store
@@ -76,6 +92,59 @@ def no_sync(model: Sequence[nn.Module]) -> contextlib.ExitStack:
         if chunk_no_sync is not None:
             stack.enter_context(chunk_no_sync())
     return stack
+
+
+class PostedOp(NamedTuple):
+    """One ``isend`` / ``irecv`` of a posted batch. ``stage``: the receiving stage; ``chunk``:
+    this rank's chunk that produced (send) or will consume (recv) the tensor."""
+
+    send: bool
+    peer: int  # pipeline rank at the other end
+    kind: str  # "F": an activation, "B": the grad of one
+    microbatch: int
+    stage: int
+    chunk: int
+    tag: int
+
+
+def message_tag(kind: str, microbatch: int, stage: int, num_stages: int) -> int:
+    return (0 if kind == "F" else 1) + 2 * (stage + num_stages * microbatch)
+
+
+def posting_plan(
+    program: Sequence[Action | P2PBatch], layout: StageLayout, pp_rank: int, *, tagged: bool = True
+) -> list[Action | tuple[PostedOp, ...]]:
+    """What the executor does, in order: a compute ``Action``, or a tuple of ``PostedOp`` posted
+    as one ``batch_isend_irecv`` (in tuple order). A pure function of the program: the tests check
+    on it, for every schedule, that the two ends of each message post it in batches that pair up
+    (deadlock-free) and that each direction is received in the order it is sent (FIFO)."""
+    out: list[Action | tuple[PostedOp, ...]] = []
+    for item in program:
+        if isinstance(item, Action) and item.op not in COMM:
+            out.append(item)
+            continue
+        ops = []
+        for a in item.actions if isinstance(item, P2PBatch) else (item,):
+            kind, mb, stage = message(a, pp_rank, layout)
+            tag = message_tag(kind, mb, stage, layout.num_stages) if tagged else 0
+            send = a.op.startswith("SEND")
+            ops.append(PostedOp(send, peer(a, pp_rank, layout), kind, mb, stage, a.chunk, tag))
+        out.append(tuple(ops))
+    return out
+
+
+class _AllOf:
+    """The works of a batch as one (nccl returns one work per batch, gloo one per op)."""
+
+    def __init__(self, works):
+        self.works = list(works)
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+
+    def is_completed(self):
+        return all(w.is_completed() for w in self.works)
 
 
 class _SharedBatches:
@@ -141,12 +210,6 @@ class _Run:
 
     # --- communication ------------------------------------------------------------------------
 
-    def _tag(self, kind: str, mb: int, stage: int) -> int:
-        return (0 if kind == "F" else 1) + 2 * (stage + self.layout.num_stages * mb)
-
-    def _peer(self, stage: int) -> int:
-        return self.p2p.global_rank(self.layout.place(stage)[0], self.rank)
-
     def _poll_sends(self, wait: bool = False) -> None:
         keep = []
         for work, tensor in self.sends:
@@ -158,33 +221,62 @@ class _Run:
                 keep.append((work, tensor))
         self.sends = keep
 
-    def _send(self, kind: str, tensor: torch.Tensor, mb: int, to_stage: int, free=None) -> None:
-        self.p2p.validate(tensor, "send to the next stage" if kind == "F" else "send back")
-        work = dist.isend(
-            tensor.detach().contiguous(), self._peer(to_stage), group=self.p2p.group,
-            tag=self._tag(kind, mb, to_stage),
-        )  # fmt: skip
-        self.sends.append((work, free))
-
-    def _post_recv(self, kind: str, mb: int, stage: int) -> None:
-        from_stage = stage - 1 if kind == "F" else stage + 1
-        buf = self.p2p.empty()
-        work = dist.irecv(
-            buf, self._peer(from_stage), group=self.p2p.group, tag=self._tag(kind, mb, stage)
-        )
-        self.recvs[(kind, mb, stage)] = (work, buf)
+    def _post(self, ops: tuple[PostedOp, ...]) -> None:
+        """One ``batch_isend_irecv`` of ``ops``, in their order."""
+        if self.forward_only:
+            ops = tuple(op for op in ops if op.kind == "F")
+        if not ops:
+            return
+        p2p_ops, frees, bufs = [], [], []
+        for op in ops:
+            to = self.p2p.global_rank(op.peer, self.rank)
+            if op.send:
+                if op.kind == "F":
+                    tensor = free = self.to_send.pop((op.microbatch, op.chunk))
+                    self.p2p.validate(tensor, "send to the next stage")
+                else:
+                    tensor, free = self.input_grads.pop((op.microbatch, op.chunk)), None
+                    self.p2p.validate(tensor, "send back")
+                tensor = tensor.detach().contiguous()
+                frees.append(free)
+                bufs.append(None)
+                p2p_ops.append(dist.P2POp(dist.isend, tensor, to, self.p2p.group, op.tag))
+            else:
+                buf = self.p2p.empty()
+                frees.append(None)
+                bufs.append(buf)
+                p2p_ops.append(dist.P2POp(dist.irecv, buf, to, self.p2p.group, op.tag))
+        works = dist.batch_isend_irecv(p2p_ops)
+        if len(works) != len(ops):  # nccl: one work for the whole batch
+            works = [_AllOf(works)] * len(ops)
+        for op, work, free, buf in zip(ops, works, frees, bufs):
+            if op.send:
+                self.sends.append((work, free))
+            else:
+                self.recvs[(op.kind, op.microbatch, op.stage)] = (work, buf)
+        if not self.p2p.overlap:  # synchronous p2p: the whole batch, now
+            for op in ops:
+                if not op.send:
+                    self._take_into_mailbox(op.kind, op.microbatch, op.stage)
+            self._poll_sends(wait=True)
 
     def _take(self, kind: str, mb: int, stage: int) -> torch.Tensor:
         key = (kind, mb, stage)
         if key in self.mailbox:
             return self.mailbox.pop(key)
         if key not in self.recvs:
-            self._post_recv(kind, mb, stage)
+            raise RuntimeError(
+                f"pipeline rank {self.rank} needs {kind} of micro-batch {mb} at stage {stage} but "
+                "no receive was posted: run the lists of actions.p2p_program / with_p2p"
+            )
         work, buf = self.recvs.pop(key)
         label = "recv" if self.timeline is not None else None
         with self.timeline.span(label) if label else contextlib.nullcontext():
             work.wait()
         return buf
+
+    def _take_into_mailbox(self, kind: str, mb: int, stage: int) -> None:
+        self.mailbox[(kind, mb, stage)] = self._take(kind, mb, stage)
 
     # --- compute ------------------------------------------------------------------------------
 
@@ -242,17 +334,20 @@ class _Run:
 
     # --- the list -----------------------------------------------------------------------------
 
-    def run(self, actions: list[Action]) -> list[dict]:
+    def run(self, plan: list[Action | tuple[PostedOp, ...]]) -> list[dict]:
         last: dict[int, int] = {}
-        for i, a in enumerate(actions):
-            if a.op in ("B", "I", "W"):
+        for i, a in enumerate(plan):
+            if isinstance(a, Action) and a.op in ("B", "I", "W"):
                 last[a.chunk] = i
         for c, chunk in enumerate(self.model):
             attach_weight_grad_store(unwrap(chunk), self.stores[c])
         try:
-            for i, a in enumerate(actions):
+            for i, item in enumerate(plan):
                 self._poll_sends()
-                self._step(i, a, last)
+                if isinstance(item, Action):
+                    self._step(i, item, last)
+                else:
+                    self._post(item)
             self._poll_sends(wait=True)
         finally:
             for chunk in self.model:
@@ -262,38 +357,16 @@ class _Run:
         return [self.losses[mb] for mb in sorted(self.losses)]
 
     def _step(self, i: int, a: Action, last: dict[int, int]) -> None:
-        mb, c = a.microbatch, a.chunk
-        s = self.stages[c]
         if a.op == "F":
             self.forward(a)
-        elif a.op in ("B", "I", "W"):
-            if self.forward_only:
-                return
+        elif not self.forward_only:  # B, I or W
             synced = [chunk for k, chunk in enumerate(self.model) if last.get(k) != i]
             with no_sync(synced):
                 (self.weight if a.op == "W" else self.backward)(a)
-        elif a.op == "SEND_F":
-            output = self.to_send.pop((mb, c))
-            self._send("F", output, mb, s + 1, free=output)
-        elif a.op == "SEND_B":
-            self._send("B", self.input_grads.pop((mb, c)), mb, s - 1)
-        elif a.op == "RECV_F":
-            self._post_recv("F", mb, s)
-            if not self.p2p.overlap:
-                self._take_into_mailbox("F", mb, s)
-        elif a.op == "RECV_B":
-            if self.forward_only:
-                return
-            self._post_recv("B", mb, s)
-            if not self.p2p.overlap:
-                self._take_into_mailbox("B", mb, s)
-
-    def _take_into_mailbox(self, kind: str, mb: int, stage: int) -> None:
-        self.mailbox[(kind, mb, stage)] = self._take(kind, mb, stage)
 
 
 def execute(
-    actions: list[Action],
+    actions: Sequence[Action | P2PBatch],
     *,
     layout: StageLayout,
     pp_rank: int,
@@ -306,8 +379,8 @@ def execute(
     grad_scale_func: Callable | None = None,
     timeline: Timeline | None = None,
 ) -> list[dict]:
-    """Run ``actions`` (this rank's list); returns the per-micro-batch loss dicts on the last
-    pipeline rank, [] elsewhere."""
+    """Run ``actions`` (this rank's ``p2p_program``, or a flat list of ``with_p2p``); returns the
+    per-micro-batch loss dicts on the last pipeline rank, [] elsewhere."""
     if len(model) != layout.num_chunks or len(data_iterator) != layout.num_chunks:
         raise ValueError(
             f"the schedule runs {layout.num_chunks} model chunk(s) per rank, got {len(model)} "
@@ -319,7 +392,8 @@ def execute(
         data_iterator=data_iterator, num_microbatches=num_microbatches, p2p=p2p,
         forward_only=forward_only, grad_scale_func=grad_scale_func, timeline=timeline,
     )  # fmt: skip
-    losses = run.run(actions)
+    plan = posting_plan(actions, layout, pp_rank, tagged=getattr(p2p, "tagged", True))
+    losses = run.run(plan)
     return _losses_to_last_rank(losses, layout, pp_rank, p2p, num_microbatches)
 
 

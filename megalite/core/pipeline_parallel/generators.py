@@ -1,7 +1,9 @@
 """The compute order of every schedule, per pipeline rank, as F / B / I / W actions.
 
     compute = generate("interleaved-1f1b", pp_size=4, num_microbatches=8, num_chunks=2)
-    lists = with_p2p(compute, layout_of("interleaved-1f1b", 4, 2))   # what the executor runs
+    layout = layout_of("interleaved-1f1b", 4, 2)
+    lists = with_p2p(compute, layout)          # what the simulator and the timeline read
+    programs = p2p_program(compute, layout)    # the same, with the batches the executor posts
 
 Each generator returns ``compute[rank]``; micro-batches enter every chunk in order 0..m-1 and
 leave its backward in the same order. Constraints are checked in ``check_schedule`` (one-line

@@ -9,11 +9,12 @@ wrong is checked instead of hanging:
 Paired operations (send one way, receive the other) are issued together with ``batch_isend_irecv``
 so two neighbours calling them at the same time cannot deadlock; this works on gloo and nccl.
 
-The action-list executor (``executor.py``) uses the same object for its asynchronous, tagged
+The action-list executor (``executor.py``) uses the same object for its batched, asynchronous
 sends and receives between any two stages of the pipeline: ``pp_ranks`` (the global ranks of the
 pipeline group in stage order) lets it reach non-neighbours (the wrap-around of an interleaved
 schedule), ``overlap`` says whether a posted receive may wait until its consumer runs
-(``--no-overlap-p2p-communication`` turns it off).
+(``--no-overlap-p2p-communication`` turns it off), ``tagged=False`` posts every message with tag
+0: matched by posting order alone, as nccl matches them (a test mode for gloo).
 """
 
 from __future__ import annotations
@@ -47,9 +48,11 @@ class P2PCommunicator:
         timeline=None,
         pp_ranks: list[int] | None = None,
         overlap: bool = True,
+        tagged: bool = True,
     ):
         self.prev_rank, self.next_rank = prev_rank, next_rank
         self.pp_ranks, self.overlap = (list(pp_ranks) if pp_ranks else None), overlap
+        self.tagged = tagged
         self.shape, self.dtype, self.device = tuple(tensor_shape), dtype, device
         self.group = group
         self.timeline = timeline

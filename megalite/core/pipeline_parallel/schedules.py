@@ -29,12 +29,13 @@ below are the named entry points for one chunk per rank (1F1B, GPipe).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
-from megalite.core.pipeline_parallel.actions import with_p2p
+from megalite.core.pipeline_parallel.actions import p2p_program
 from megalite.core.pipeline_parallel.executor import execute, no_sync
 from megalite.core.pipeline_parallel.generators import generate, layout_of
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
@@ -115,17 +116,26 @@ def forward_backward_pipelining(
     if not isinstance(model, (list, tuple)) or not isinstance(data_iterator, (list, tuple)):
         _check_chunks(model, data_iterator)  # raises the TypeError
     num_chunks = len(model)
+    layout = layout_of(schedule, pp_size, num_chunks)
+    programs = _programs(
+        schedule, pp_size, num_microbatches, num_chunks, microbatch_group_size, forward_only
+    )
+    return execute(
+        programs[pp_rank], layout=layout, pp_rank=pp_rank, forward_step_func=forward_step_func,
+        model=list(model), data_iterator=list(data_iterator), num_microbatches=num_microbatches,
+        p2p=p2p, forward_only=forward_only, grad_scale_func=grad_scale_func, timeline=timeline,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=32)
+def _programs(schedule, pp_size, num_microbatches, num_chunks, microbatch_group_size, forward_only):
+    """Every rank's ``p2p_program`` (the same on every rank; kept between steps)."""
     compute = generate(
         schedule, pp_size=pp_size, num_microbatches=num_microbatches, num_chunks=num_chunks,
         microbatch_group_size=microbatch_group_size, forward_only=forward_only,
     )  # fmt: skip
-    layout = layout_of(schedule, pp_size, num_chunks)
-    lists = with_p2p(compute, layout, overlap=p2p.overlap)
-    return execute(
-        lists[pp_rank], layout=layout, pp_rank=pp_rank, forward_step_func=forward_step_func,
-        model=list(model), data_iterator=list(data_iterator), num_microbatches=num_microbatches,
-        p2p=p2p, forward_only=forward_only, grad_scale_func=grad_scale_func, timeline=timeline,
-    )  # fmt: skip
+    programs = p2p_program(compute, layout_of(schedule, pp_size, num_chunks))
+    return tuple(tuple(program) for program in programs)
 
 
 def forward_backward_pipelining_1f1b(**kwargs) -> list[dict]:
