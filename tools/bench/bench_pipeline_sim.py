@@ -22,7 +22,9 @@ v 2, zb-h1, zb-h1 v 2, zbv, dualpipev), at ``--m`` micro-batches. Per schedule:
    assumes one device per rank, predicts about half the measured step at PP 4 on 2 cores.
 
 Prints predicted / measured per schedule (``--check``: exit 1 unless all lie within 15%), the
-measured bubble (idle share of ``pp x step`` outside compute spans) beside the simulated one and
+"nominal" ratio (the machine's core count, no executor time: what the effective cores and the
+executor's own time add), the measured bubble (receive waits and idle head / tail, as a share of
+``pp x step``) beside the simulated one and
 the textbook formula (``simulator.theory``, at F = I = W: real costs differ, so this only ranks the
 schedules), and with ``--timeline-dir`` writes ``pipeline_sim_<schedule>.svg``: the predicted
 timeline above the measured one (the run of median step time), one row per rank.
@@ -202,10 +204,14 @@ def _step(schedule, v, chunks, p2p, batches, ps, timeline=None) -> tuple[float, 
 
 
 def measured_bubble(run) -> float:
-    """Idle share of ``pp x step`` outside compute spans (receive waits count as idle)."""
+    """Share of ``pp x step`` the ranks wait for an activation or a grad (``recv`` spans) or idle
+    before their first / after their last action; the executor's own time is not bubble."""
     t0, t1 = min(s for s, _, _ in run), max(e for _, e, _ in run)
-    busy = sum(e - s for _, _, spans in run for label, s, e in spans if label.split()[0] in COMPUTE)
-    return 1.0 - busy / (len(run) * (t1 - t0))
+    idle = 0.0
+    for _, _, spans in run:
+        idle += sum(e - s for label, s, e in spans if label.split()[0] == "recv")
+        idle += min(s for _, s, _ in spans) - t0 + t1 - max(e for _, _, e in spans)
+    return idle / (len(run) * (t1 - t0))
 
 
 def _overhead(runs, lists) -> float:
