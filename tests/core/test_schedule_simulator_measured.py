@@ -36,6 +36,7 @@ from megalite.core.pipeline_parallel.generators import generate, layout_of
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.core.pipeline_parallel.schedules import forward_backward_pipelining
 from megalite.core.pipeline_parallel.simulator import (
+    LABELS,
     Costs,
     costs_from_spans,
     simulate,
@@ -214,42 +215,63 @@ def test_a_wrong_simulator_is_detected():
 
 
 def _bubbles(results) -> dict:
-    """Per case, the median over repetitions of the measured bubble: the time ranks wait for an
-    activation or a grad (the executor's ``recv`` spans) plus their idle head and tail (before
-    the first action, after the last, up to the step's global start and end), as a share of
-    ``pp x step``. The executor's own time between actions is not bubble: it is left out."""
-    out = {case: [] for case in CASES}
+    """Per case, medians over repetitions of (measured, simulated) bubble. Measured: the time
+    ranks wait for an activation or a grad (the executor's ``recv`` spans) plus their idle head
+    and tail (before the first action, after the last, up to the step's global start and end),
+    as a share of ``pp x step``; the executor's own time between actions is not bubble.
+    Simulated: the replay at the step's own costs (``costs_from_spans``, p2p from the ping-pong),
+    its idle time counted the same way (the executor's time on sends and receives is not idle)."""
+    out = {case: ([], []) for case in CASES}
     for rep in range(REPEATS):
-        for case in CASES:
-            per_rank = [results[r][rep][1][case] for r in range(PP)]
+        latency = max(results[r][rep][0] for r in range(PP))
+        for schedule, v in CASES:
+            per_rank = [results[r][rep][1][(schedule, v)] for r in range(PP)]
             t0, t1 = min(s for _, s, _ in per_rank), max(e for _, _, e in per_rank)
             idle = 0.0
             for spans, _, _ in per_rank:
                 idle += sum(e - s for lb, s, e in spans if lb.split()[0] == "recv")
                 idle += min(s for _, s, _ in spans) - t0 + t1 - max(e for _, _, e in spans)
-            out[case].append(idle / (PP * (t1 - t0)))
-    return {case: statistics.median(x) for case, x in out.items()}
+            layout = layout_of(schedule, PP, v)
+            lists = with_p2p(
+                generate(schedule, pp_size=PP, num_microbatches=M, num_chunks=v), layout
+            )
+            costs = costs_from_spans(
+                [spans for spans, _, _ in per_rank], p2p=latency,
+                steps=[(s, e) for _, s, e in per_rank], num_actions=[len(a) for a in lists],
+            )  # fmt: skip
+            sim = simulate(lists, layout, costs)
+            comm = sum(1 for acts in lists for a in acts if a.op not in LABELS) * costs.per_action
+            out[(schedule, v)][0].append(idle / (PP * (t1 - t0)))
+            out[(schedule, v)][1].append(
+                (PP * sim.step_time - sum(sim.busy) - comm) / (PP * sim.step_time)
+            )
+    return {case: tuple(statistics.median(x) for x in pair) for case, pair in out.items()}
 
 
 def test_measured_bubble_matches_each_schedules_formula():
-    """Measured bubble vs theory per schedule: with F = I = W (the sleeps) the measured bubble
-    lies within [-0.03, +0.05] of the schedule's formula (``simulator.theory``, which the replay at
-    unit costs equals, ``test_schedule_actions``); zb-h1 at v 2 has no closed form: below
-    interleaved 1F1B's. And the ranking the formulas promise holds."""
+    """Measured bubble vs theory per schedule, with F = I = W (the sleeps): the measured bubble
+    lies within [-0.03, +0.10] of the schedule's formula (``simulator.theory``, which the replay
+    at unit costs and free p2p equals, ``test_schedule_actions``) -- p2p latency and the
+    executor's own time between a compute and its send only add to it: +0.03 to +0.07 seen on
+    the loaded 2-core CI machine -- and within 0.08 of the simulator's replay at the step's costs;
+    zb-h1 at v 2 has no closed form: below interleaved 1F1B's formula + 0.10. And the ranking the
+    formulas promise holds: every bubble-cutting schedule below 1F1B."""
     bubbles = _bubbles(_results())
     bad = {}
-    for (schedule, v), measured in bubbles.items():
+    for (schedule, v), (measured, simulated) in bubbles.items():
         want = theory(schedule, pp_size=PP, num_microbatches=M, num_chunks=v)["bubble"]
         if schedule == "zb-h1" and v > 1:
             want = theory("interleaved-1f1b", pp_size=PP, num_microbatches=M, num_chunks=v)
-            ok = measured < want["bubble"] + 0.05
+            ok = measured < want["bubble"] + 0.10
+            want = want["bubble"]
         else:
-            ok = -0.03 < measured - want < 0.05
-        if not ok:
-            bad[f"{schedule} v{v}"] = (round(measured, 3), round(want, 3))
-    assert not bad, f"(measured, formula) out of bounds: {bad}; all: {bubbles}"
-    assert bubbles[("zb-h1", 1)] < bubbles[("1f1b", 1)], bubbles
-    assert bubbles[("zbv", 2)] < bubbles[("1f1b", 1)], bubbles
+            ok = -0.03 < measured - want < 0.10
+        if not ok or abs(measured - simulated) > 0.08:
+            bad[f"{schedule} v{v}"] = tuple(round(x, 3) for x in (measured, simulated, want))
+    assert not bad, f"(measured, simulated, formula) out of bounds: {bad}; all: {bubbles}"
+    one = bubbles[("1f1b", 1)][0]
+    for case in [("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2), ("dualpipev", 2)]:
+        assert bubbles[case][0] < one, (case, bubbles)
 
 
 def test_cores_shared_by_more_ranks_stretch_the_work():
@@ -282,3 +304,26 @@ def test_cores_shared_by_more_ranks_stretch_the_work():
     assert 48 <= one_core <= 48 + 1 + 1e-9, one_core  # at most one F of rank 0 runs alone
     assert simulate(lists, layout, unit, cores=1.5).step_time < one_core
     assert simulate(lists, layout, unit).step_time == 9 + 9 * 2  # (m + p - 1)(F + B) at 1 / rank
+
+
+def test_profile_chunk_times_forward_input_grad_and_weight_grad_apart():
+    """The profiling step times F, I and W of a chunk apart: each of the two sleeping blocks sleeps
+    F, I and W, so each profiled time is at least two sleeps -- W too, so the weight grads were
+    deferred out of I and run at W -- and the chunk is left with no grads."""
+    from megalite.core.pipeline_parallel.profiling import profile_chunk
+
+    torch.manual_seed(0)
+    chunk = Chunk(2, first=False)
+    x = torch.randn(MICRO_BATCH, WIDTH)
+
+    def forward_step(it, model):
+        next(it)
+        return model(x), None
+
+    f, i, w = profile_chunk(
+        chunk, forward_step, iter(range(10)), input_shape=(MICRO_BATCH, WIDTH), first=False,
+        loss=False, repeats=3,
+    )  # fmt: skip
+    assert f >= 2 * SLEEP["F"] and i >= 2 * SLEEP["I"] and w >= 2 * SLEEP["W"], (f, i, w)
+    assert all(p.grad is None for p in chunk.parameters())
+    assert all(lin.weight_grad_store is None for lin in chunk.blocks)
