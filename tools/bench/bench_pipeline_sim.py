@@ -27,7 +27,7 @@ executor's own time add), the measured bubble (receive waits and idle head / tai
 ``pp x step``) beside the simulated one and
 the textbook formula (``simulator.theory``, at F = I = W: real costs differ, so this only ranks the
 schedules), and with ``--timeline-dir`` writes ``pipeline_sim_<schedule>.svg``: the predicted
-timeline above the measured one (the run of median step time), one row per rank.
+timeline above the measured one (of the run whose ratio is the median), one row per rank.
 """
 
 from __future__ import annotations
@@ -243,7 +243,7 @@ def _stretch(runs, stages, layout) -> float:
 
 def compare(results: dict, m: int, cores: int | str | None) -> dict:
     """Per case: predicted and measured step (median over runs), their ratio, bubbles, and the
-    spans to draw (the predicted ones, the measured run of median step time)."""
+    spans to draw (predicted and measured, of the run whose ratio is the median)."""
     pp = len(next(iter(results["cases"].values()))["runs"][0])
     share = cores if isinstance(cores, int) and cores < pp else None
     rows = {}
@@ -265,9 +265,10 @@ def compare(results: dict, m: int, cores: int | str | None) -> dict:
         ]
         steps = [max(e for _, e, _ in run) - min(s for s, _, _ in run) for run in case["runs"]]
         measured = statistics.median(steps)
-        ratio = statistics.median(sim.step_time / t for sim, t in zip(sims, steps))
-        sim = sims[sorted(range(len(steps)), key=steps.__getitem__)[len(steps) // 2]]
-        mid = case["runs"][sorted(range(len(steps)), key=steps.__getitem__)[len(steps) // 2]]
+        ratios = [sim.step_time / t for sim, t in zip(sims, steps)]
+        ratio = statistics.median(ratios)
+        k = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]
+        sim, mid = sims[k], case["runs"][k]  # the run of median ratio, drawn
         t0 = min(s for s, _, _ in mid)
         rows[(schedule, v)] = {
             "predicted": statistics.median(x.step_time for x in sims), "measured": measured,
