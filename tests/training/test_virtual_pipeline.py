@@ -9,7 +9,8 @@ the V); the oracle is the whole model in the same process (``ParallelState.singl
 run by ``forward_backward_no_pipelining``; each chunk's local layer ``i`` is compared with the
 oracle's global layer ``start + i``. Tied embeddings on different ranks: the copies' grads are
 summed over the embedding group (what the data-parallel wrapper does). fp32, rtol 1e-5: only the
-order of the micro-batch sums differs.
+order of the micro-batch sums differs. The model has ``2 pp`` layers (one per chunk at v 2); each
+oracle is computed once, on one rank, and broadcast.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from tests.harness import run_distributed
 from tests.models.helpers import make_batch, make_config
 
 TOL = dict(rtol=1e-5, atol=1e-6)
-LAYERS = 8
 COMBOS = [("gpt2", True), ("gpt2", False), ("llama", True), ("llama", False)]
 SCHEDULE_CHUNKS = {
     "1f1b": (1,), "gpipe": (1,), "interleaved-1f1b": (2,), "zb-h1": (1, 2), "zbv": (2,),
@@ -58,8 +58,8 @@ def _global_name(name: str, offset: int) -> str:
     return name
 
 
-def _oracle(family, tied, m):
-    config = make_config(family, num_layers=LAYERS, untie_embeddings_and_output_weights=not tied)
+def _oracle(family, tied, m, layers):
+    config = make_config(family, num_layers=layers, untie_embeddings_and_output_weights=not tied)
     model = GPTModel(config, ParallelState.single())
     batches = [make_batch(config, seed=100 + i) for i in range(m)]
     losses = forward_backward_no_pipelining(
@@ -93,15 +93,26 @@ def _cases(pp):
                     yield schedule, v, m, g, family, tied, overlap
 
 
+def _oracles(pp, layers) -> dict:
+    """Every oracle the cases need, each computed on one rank (spread over the ranks) and
+    broadcast: a single-process run either way, not repeated pp times."""
+    keys = list(dict.fromkeys((family, tied, m) for _, _, m, _, family, tied, _ in _cases(pp)))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    oracles = {}
+    for i, key in enumerate(keys):
+        box = [_oracle(*key, layers) if i % world == rank else None]
+        dist.broadcast_object_list(box, src=i % world)
+        oracles[key] = box[0]
+    return oracles
+
+
 def _world(pp):
     ps = initialize_model_parallel(1, pp)
-    oracles = {}
+    layers = 2 * pp  # v 2: one layer per chunk (the largest v the cases use)
+    oracles = _oracles(pp, layers)
     failures, count = [], 0
     for schedule, v, m, g, family, tied, overlap in _cases(pp):
-        key = (family, tied, m)
-        if key not in oracles:
-            oracles[key] = _oracle(family, tied, m)
-        config, batches, want_losses, want_grads = oracles[key]
+        config, batches, want_losses, want_grads = oracles[(family, tied, m)]
         chunks = build_gpt_chunks(config, ps, schedule=schedule, num_chunks=v)
         p2p = P2PCommunicator(
             prev_rank=ps.prev_rank, next_rank=ps.next_rank,

@@ -13,6 +13,19 @@ chunks differ (the first holds the embedding, the last the output layer). A list
 (a receive with no send, or a wait cycle) raises ``ScheduleDeadlock`` naming the stuck actions, so
 every generator is checked without processes.
 
+Costs per global stage (``Costs(stages=[(F, I, W), ...])``, e.g. profiled on every rank by
+``profiling.profile_stage_costs``) replace the per-chunk ones: the first stage holds the embedding,
+the last the output layer and the loss.
+
+Ranks sharing cores (``simulate(..., cores=c)``): on a machine with fewer cores than pipeline
+ranks (PP 4 on 2 CPU cores), a rank's work is stretched while more ranks than cores have work to
+do. The replay is then event-driven, processor sharing: at every moment the ``n`` ranks whose next
+action can run progress at ``min(1, c / n)`` of their speed (a rank waiting for an activation
+holds no core); every action, sends and posted receives included, costs ``per_action`` of CPU
+work on top of its compute. Spans are stretched accordingly, so ``bubble`` then counts only time
+a rank could not run, not time it ran slower. ``cores=None`` (or ``>= pp_size``): one core per
+rank, the replay above.
+
 Activations in flight on a rank: chunk-micro-batches whose forward ran and whose B (or I) has not;
 one unit is one micro-batch's activations of one chunk. After I only what W needs stays (each
 linear layer's input and output grad): ``peak_until_w`` counts those too.
@@ -36,6 +49,8 @@ class Costs:
     backward_weight: float | list[float] = 1.0
     p2p: float = 0.0
     per_action: float = 0.0  # the executor's own time per action (Python, posting a send)
+    # per global stage (F, I, W); when given it replaces the per-chunk values above
+    stages: list[tuple[float, float, float]] | None = None
 
     def of(self, op: str, chunk: int) -> float:
         def pick(v):
@@ -51,6 +66,13 @@ class Costs:
             return pick(self.backward_input) + pick(self.backward_weight)
         return 0.0
 
+    def of_stage(self, op: str, stage: int, chunk: int) -> float:
+        """The cost of ``op`` on global stage ``stage`` (chunk ``chunk`` of its rank)."""
+        if self.stages is None:
+            return self.of(op, chunk)
+        f, i, w = self.stages[stage]
+        return {"F": f, "I": i, "W": w, "B": i + w}.get(op, 0.0)
+
     def scaled(self, factor: float) -> Costs:
         """Every compute cost times ``factor`` (e.g. ``1 / v``: a chunk of a stage cut in v);
         p2p unchanged."""
@@ -58,9 +80,12 @@ class Costs:
         def times(v):
             return [x * factor for x in v] if isinstance(v, (list, tuple)) else v * factor
 
+        stages = None
+        if self.stages is not None:
+            stages = [tuple(x * factor for x in fiw) for fiw in self.stages]
         return Costs(
             times(self.forward), times(self.backward_input), times(self.backward_weight),
-            p2p=self.p2p, per_action=self.per_action,
+            p2p=self.p2p, per_action=self.per_action, stages=stages,
         )  # fmt: skip
 
 
@@ -124,7 +149,15 @@ class Simulation:
 LABELS = {"F": "forward", "B": "backward", "I": "backward-input", "W": "backward-weight"}
 
 
-def simulate(lists: list[list[Action]], layout: StageLayout, costs: Costs) -> Simulation:
+def simulate(
+    lists: list[list[Action]], layout: StageLayout, costs: Costs, *, cores: float | None = None
+) -> Simulation:
+    """Replay ``lists`` (one per rank, with their sends and receives) at ``costs``; ``cores``: how
+    many cores the ``pp_size`` ranks share (None: one each)."""
+    if cores is not None and cores < 1:
+        raise ValueError(f"simulate: cores must be >= 1 (or None: one per rank), got {cores}")
+    if cores is not None and cores < layout.pp_size:
+        return _simulate_shared(lists, layout, costs, cores)
     p, S = layout.pp_size, layout.num_stages
     pos = [0] * p
     free = [0.0] * p
@@ -161,7 +194,7 @@ def simulate(lists: list[list[Action]], layout: StageLayout, costs: Costs) -> Si
                     if ready is None:
                         break
                     start = max(free[r], ready)
-                    end = start + costs.per_action + costs.of(a.op, a.chunk)
+                    end = start + costs.per_action + costs.of_stage(a.op, s, a.chunk)
                     free[r] = end
                     busy[r] += end - start
                     spans[r].append((f"{LABELS[a.op]} {a.microbatch}.{a.chunk}", start, end))
@@ -188,6 +221,106 @@ def simulate(lists: list[list[Action]], layout: StageLayout, costs: Costs) -> Si
             ]
             raise ScheduleDeadlock(f"the action lists cannot proceed: stuck at {', '.join(stuck)}")
     return Simulation(max(free), busy, peak, peak_w, spans)
+
+
+def _simulate_shared(
+    lists: list[list[Action]], layout: StageLayout, costs: Costs, cores: float
+) -> Simulation:
+    """Event-driven replay where the runnable ranks share ``cores`` (processor sharing)."""
+    p, S = layout.pp_size, layout.num_stages
+    pos = [0] * p
+    work: list[float | None] = [None] * p  # CPU work left of the action running on each rank
+    began = [0.0] * p
+    busy = [0.0] * p
+    in_flight, peak = [0] * p, [0] * p
+    waiting_w, peak_w = [0] * p, [0] * p
+    spans: list[list[tuple[str, float, float]]] = [[] for _ in range(p)]
+    arrival: dict[tuple[str, int, int], float] = {}
+    done: dict[tuple[str, int, int], float] = {}
+    t, end_of = 0.0, [0.0] * p
+    scale = max([costs.per_action, costs.p2p, 1e-300] + [
+        costs.of_stage(op, layout.stage(r, c), c)
+        for r in range(p) for c in range(layout.num_chunks) for op in ("F", "B")
+    ])  # fmt: skip
+    eps = 1e-9 * scale
+
+    def ready_at(r: int) -> float | None:
+        a = lists[r][pos[r]]
+        s = layout.stage(r, a.chunk)
+        if a.op == "SEND_F":
+            return 0.0 if ("F", a.microbatch, s) in done else None
+        if a.op == "SEND_B":
+            return 0.0 if ("IB", a.microbatch, s) in done else None
+        if a.op in ("RECV_F", "RECV_B"):
+            return 0.0
+        return _inputs_ready(a, s, r, layout, arrival, done)
+
+    def finish(r: int, now: float) -> None:
+        a = lists[r][pos[r]]
+        s = layout.stage(r, a.chunk)
+        if a.op == "SEND_F":
+            arrival[("F", a.microbatch, s + 1)] = done[("F", a.microbatch, s)] + costs.p2p
+        elif a.op == "SEND_B":
+            arrival[("B", a.microbatch, s - 1)] = done[("IB", a.microbatch, s)] + costs.p2p
+        elif a.op in LABELS:
+            busy[r] += now - began[r]
+            spans[r].append((f"{LABELS[a.op]} {a.microbatch}.{a.chunk}", began[r], now))
+            done[("IB" if a.op in ("I", "B") else a.op, a.microbatch, s)] = now
+            if a.op == "F":
+                in_flight[r] += 1
+                peak[r] = max(peak[r], in_flight[r])
+                if s < S - 1 and layout.place(s + 1)[0] == r:  # the turn of a V
+                    arrival[("F", a.microbatch, s + 1)] = now
+            if a.op in ("B", "I"):
+                in_flight[r] -= 1
+                if s > 0 and layout.place(s - 1)[0] == r:
+                    arrival[("B", a.microbatch, s - 1)] = now
+            if a.op in ("F", "B", "W"):
+                waiting_w[r] += {"F": 1, "B": -1, "W": -1}[a.op]
+                peak_w[r] = max(peak_w[r], waiting_w[r])
+        work[r] = None
+        pos[r] += 1
+        end_of[r] = now
+
+    while any(pos[r] < len(lists[r]) for r in range(p)):
+        started = True
+        while started:  # start what can start now; finish what costs nothing
+            started = False
+            for r in range(p):
+                if pos[r] >= len(lists[r]) or work[r] is not None:
+                    continue
+                ready = ready_at(r)
+                if ready is None or ready > t + eps:
+                    continue
+                a = lists[r][pos[r]]
+                work[r] = costs.per_action + costs.of_stage(a.op, layout.stage(r, a.chunk), a.chunk)
+                began[r] = t
+                if work[r] <= eps:
+                    finish(r, t)
+                    started = True
+        running = [r for r in range(p) if work[r] is not None]
+        future = [
+            x
+            for r in range(p)
+            if pos[r] < len(lists[r]) and work[r] is None
+            for x in [ready_at(r)]
+            if x is not None and x > t + eps
+        ]
+        if not running and not future:
+            if all(pos[r] >= len(lists[r]) for r in range(p)):
+                break
+            stuck = [
+                str(lists[r][pos[r]]) + f"@rank{r}" for r in range(p) if pos[r] < len(lists[r])
+            ]
+            raise ScheduleDeadlock(f"the action lists cannot proceed: stuck at {', '.join(stuck)}")
+        rate = min(1.0, cores / len(running)) if running else 1.0
+        dt = min([work[r] / rate for r in running] + [x - t for x in future])
+        t += dt
+        for r in running:
+            work[r] -= dt * rate
+            if work[r] <= eps:
+                finish(r, t)
+    return Simulation(max(end_of), busy, peak, peak_w, spans)
 
 
 def _inputs_ready(a: Action, s: int, r: int, layout, arrival, done) -> float | None:

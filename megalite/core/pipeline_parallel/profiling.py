@@ -1,0 +1,124 @@
+"""A short profiling step for the simulator: F / I / W of every stage and the p2p latency.
+
+    fiw = profile_chunk(chunk, forward_step_func, data_iterator, input_shape=(s, b, h),
+                        first=..., loss=..., num_microbatches=m)
+    costs = Costs(stages=gather_stage_costs({stage: fiw, ...}, group), p2p=p2p_latency(...))
+
+``profile_chunk`` times one chunk of this rank alone (the ranks take turns, so no rank's numbers
+are stretched by another's work on a shared core): a forward through ``forward_step_func`` as the
+executor calls it (the input is set with ``set_input_tensor``; the loss stage applies the loss
+and divides by ``num_microbatches``), its input-grad backward with the chunk's linear layers
+deferring their weight grads into a ``WeightGradStore`` (as an ``I`` action does), then those
+weight grads (a ``W``). The first ``warmup`` repetitions are dropped, the median of the rest is
+returned as seconds ``(F, I, W)``. The chunk's grads are cleared afterwards.
+
+``p2p_latency`` is half the median round trip of one activation between neighbouring pipeline
+ranks (each pair in turn, the others waiting at a barrier); ``gather_stage_costs`` shares every
+rank's per-stage numbers so each rank holds the list ``Costs(stages=...)`` takes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalite.core.pipeline_parallel.executor import unwrap
+from megalite.core.tensor_parallel.layers import WeightGradStore, attach_weight_grad_store
+
+
+def profile_chunk(
+    chunk: nn.Module,
+    forward_step_func: Callable,
+    data_iterator: Iterator,
+    *,
+    input_shape: tuple[int, ...],
+    first: bool,
+    loss: bool,
+    num_microbatches: int = 1,
+    repeats: int = 7,
+    warmup: int = 1,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+) -> tuple[float, float, float]:
+    """Median seconds of (F, I, W) of ``chunk`` run alone; ``data_iterator`` yields at least
+    ``repeats`` micro-batches (``first``: the chunk holds stage 0, ``loss``: the last stage)."""
+    if repeats <= warmup or warmup < 0:
+        raise ValueError(f"profile_chunk: repeats ({repeats}) must exceed warmup ({warmup})")
+    inner, store = unwrap(chunk), WeightGradStore()
+    attach_weight_grad_store(inner, store)
+    times: list[tuple[float, float, float]] = []
+    try:
+        for k in range(repeats):
+            x = None
+            if not first:
+                x = torch.randn(input_shape, dtype=dtype, device=device).requires_grad_()
+            t0 = time.perf_counter()
+            inner.set_input_tensor(x)
+            output, loss_func = forward_step_func(data_iterator, chunk)
+            if loss:
+                output = loss_func(output)[0] / num_microbatches
+            t1 = time.perf_counter()
+            with store.defer(k):
+                if loss:
+                    output.backward()
+                else:
+                    output.backward(torch.randn_like(output))
+            t2 = time.perf_counter()
+            store.flush(k)
+            t3 = time.perf_counter()
+            inner.set_input_tensor(None)
+            times.append((t1 - t0, t2 - t1, t3 - t2))
+    finally:
+        attach_weight_grad_store(inner, None)
+        chunk.zero_grad(set_to_none=True)
+    kept = times[warmup:]
+    return tuple(statistics.median(t[i] for t in kept) for i in range(3))  # type: ignore[return-value]
+
+
+def gather_stage_costs(
+    mine: dict[int, tuple[float, float, float]], group: dist.ProcessGroup | None = None
+) -> list[tuple[float, float, float]]:
+    """Every rank's ``{global stage: (F, I, W)}`` merged into one list indexed by stage."""
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    merged = {s: fiw for d in everyone for s, fiw in d.items()}
+    missing = [s for s in range(len(merged)) if s not in merged]
+    if missing or not merged:
+        raise ValueError(f"gather_stage_costs: no profile for stage(s) {missing}")
+    return [merged[s] for s in range(len(merged))]
+
+
+def p2p_latency(
+    shape: tuple[int, ...],
+    pp_ranks: list[int],
+    *,
+    group: dist.ProcessGroup | None = None,
+    repeats: int = 11,
+    dtype: torch.dtype = torch.float32,
+) -> float:
+    """Half the median round trip of one ``shape`` tensor between neighbouring pipeline ranks
+    (``pp_ranks``: the global ranks of this pipeline, in stage order); the same on every rank."""
+    me = dist.get_rank()
+    buf = torch.zeros(shape, dtype=dtype)
+    samples: list[float] = []
+    for a, b in zip(pp_ranks, pp_ranks[1:]):
+        for _ in range(repeats + 1):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            if me == a:
+                dist.send(buf, b, group=group)
+                dist.recv(buf, b, group=group)
+                samples.append((time.perf_counter() - t0) / 2)
+            elif me == b:
+                dist.recv(buf, a, group=group)
+                dist.send(buf, a, group=group)
+    mine = torch.tensor([statistics.median(samples[1:]) if samples else 0.0])  # 1st: warm-up
+    count = torch.tensor([1.0 if samples else 0.0])
+    dist.all_reduce(mine, group=group)
+    dist.all_reduce(count, group=group)
+    return float(mine / count.clamp_min(1))
