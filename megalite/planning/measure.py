@@ -5,6 +5,11 @@ every tensor a forward op saves is packed through it; its storage is counted onc
 tensors saved by several ops share one storage) while any packed reference to it is alive, and
 parameters are left out (they are model state, not activations). ``peak`` is the largest live
 total seen, which is what the planner's activation term predicts for a training step.
+
+Under the zero-bubble schedules (zb-h1, zbv, dualpipev) a linear layer's saved input is released
+at I, like every saved tensor of that backward; the weight-grad queue then holds it (and the
+output grad) until W, outside autograd: neither counted here nor in the planner's term. The hooks
+leave the step's numbers bit-identical (tests/core/test_saved_tensor_hooks_wgrad.py).
 """
 
 from __future__ import annotations

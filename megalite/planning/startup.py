@@ -51,17 +51,6 @@ def predicted_for_rank(trainer) -> RankMemory:
     return next(r for r in rows if r.pp_rank == ps.pp_rank)
 
 
-def _splits_backward(cfg) -> bool:
-    """The schedule defers weight grads (zb-h1, zbv, dualpipev)."""
-    from megalite.training.model_chunks import effective_schedule
-
-    return cfg.parallel.pipeline_model_parallel_size > 1 and effective_schedule(cfg) in (
-        "zb-h1",
-        "zbv",
-        "dualpipev",
-    )
-
-
 def watch_first_step(trainer) -> RankMemory | None:
     """Log the prediction; make the next ``trainer.step`` log the measured figures beside it."""
     try:
@@ -88,11 +77,6 @@ def watch_first_step(trainer) -> RankMemory | None:
             torch.cuda.reset_peak_memory_stats(trainer.device)
             result = original(forward_step_func, data_iterator)
             measured_act, peak = None, torch.cuda.max_memory_allocated(trainer.device)
-        elif _splits_backward(trainer.cfg):
-            # under a deferred weight grad the meter's saved-tensor hooks were seen to change the
-            # step's numbers (tests/training/test_chunk_checkpoints.py, ZBV): not metered (issue 14)
-            result = original(forward_step_func, data_iterator)
-            measured_act, peak = None, None
         else:
             wrapper = getattr(trainer.model[0], "wrapper", trainer.model[0])
             with SavedTensorMeter(wrapper.parameters()) as meter:

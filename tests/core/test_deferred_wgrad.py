@@ -8,10 +8,13 @@ and bias grads are absent (deferred) while the input grad is already there; afte
 ``torch.equal`` to the fused run's: W computes the same GEMM on the same tensors and hands it to
 autograd's accumulation, so the sums happen in the same order. Also through the data-parallel
 wrapper (its grad hooks see the deferred grads: ``main_grad`` bitwise), and under TP 2 with
-sequence parallelism (2 ranks; the column-parallel W keeps the all-gathered input).
+sequence parallelism (2 ranks; the column-parallel W keeps the all-gathered input), and under
+saved-tensor hooks (an identity pack/unpack and torch's ``save_on_cpu``).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -74,6 +77,27 @@ def test_deferred_weight_grads_are_bitwise_the_fused_backward():
         assert not _compare(_grads(a), _grads(b)), family
 
 
+def test_deferred_weight_grads_are_bitwise_under_saved_tensor_hooks():
+    """Under saved-tensor hooks autograd unpacks a saved parameter as a stand-in tensor: W must
+    still accumulate into the parameter (the last linear's weight grad was lost)."""
+    hooks = {
+        "identity": lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
+        "save_on_cpu": torch.autograd.graph.save_on_cpu,
+    }
+    for family in ("gpt2", "llama"):
+        for name, make in hooks.items():
+            config, a, b = _pair(family, ParallelState.single())
+            batches = [make_batch(config, seed=10 + i) for i in range(3)]
+            for batch in batches:
+                _loss(a, batch).backward()
+            with make():
+                _run_split(b, batches)
+            split = _grads(b)
+            missing = [n for n, g in split.items() if g is None]
+            assert not missing, (family, name, missing)
+            assert not _compare(_grads(a), split), (family, name)
+
+
 def test_deferred_weight_grads_through_the_data_parallel_hooks():
     config, a, b = _pair("llama", ParallelState.single())
     wa = DistributedDataParallel(a, dp_group=None, accumulate_allreduce_grads_in_fp32=True)
@@ -92,13 +116,17 @@ def test_deferred_weight_grads_through_the_data_parallel_hooks():
 def _tp_sp_case():
     ps = initialize_model_parallel(2, 1)
     out = []
-    for family in ("gpt2", "llama"):
+    identity = lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)  # noqa: E731
+    for family, hooks in (("gpt2", contextlib.nullcontext), ("llama", contextlib.nullcontext),
+                          ("llama", identity)):  # fmt: skip
         config, a, b = _pair(family, ps, sequence_parallel=True)
         batches = [make_batch(config, seed=30 + i) for i in range(3)]
         for batch in batches:
             _loss(a, batch).backward()
-        _run_split(b, batches)
-        out += _compare(_grads(a), _grads(b))
+        with hooks():
+            _run_split(b, batches)
+        split = _grads(b)
+        out += [n for n, g in split.items() if g is None] or _compare(_grads(a), split)
     return out
 
 

@@ -6,8 +6,11 @@
 
 Rows are dim 0 of ``[n, h]``. ``in_splits[j]`` rows go to rank j of ``group``; ``out_splits[j]``
 rows come from it. ``counts[j]`` is rank j's row count (in group order). On a group of one (or
-``None``) every function returns its input. The uneven gather / reduce-scatter are all-to-alls in
-which every rank sends the same rows to everyone (gather) or each rank's rows back to it (scatter).
+``None``) every function returns its input. The uneven gather / reduce-scatter pad every rank's
+rows to ``max(counts)`` (the counts are known to every rank: the dispatcher exchanges them once per
+layer) and run one ``all_gather_into_tensor`` / ``reduce_scatter_tensor``: a rank hands the
+collective ``max(counts)`` rows and gets ``n max(counts)`` back (an all-to-all of ``n`` copies of
+its rows took ``n`` times its rows in and ``sum(counts)`` out).
 """
 
 from __future__ import annotations
@@ -15,7 +18,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megalite.core.tensor_parallel.mappings import group_rank, group_size
+from megalite.core.tensor_parallel.mappings import (
+    all_gather_tensor,
+    group_rank,
+    group_size,
+    reduce_scatter_tensor,
+)
 
 
 def _all_to_all_raw(x: torch.Tensor, group, out_splits: list[int], in_splits: list[int]):
@@ -45,14 +53,38 @@ def all_to_all(x: torch.Tensor, group, out_splits: list[int], in_splits: list[in
 
 
 def _gather_v_raw(x: torch.Tensor, group, counts: list[int]) -> torch.Tensor:
-    n = group_size(group)
-    return _all_to_all_raw(x.repeat(n, *([1] * (x.dim() - 1))), group, counts, [x.shape[0]] * n)
+    """Every rank's rows padded to the largest count, one all-gather, the padding dropped."""
+    n, m = group_size(group), max(counts)
+    rest = x.shape[1:]
+    if m == 0:
+        return x.new_empty((0, *rest))
+    x = x.contiguous()
+    if x.shape[0] < m:
+        x = torch.cat([x, x.new_zeros((m - x.shape[0], *rest))])
+    out = x.new_empty((n * m, *rest))
+    all_gather_tensor(out, x, group)
+    if all(c == m for c in counts):
+        return out
+    return torch.cat([out[j * m : j * m + c] for j, c in enumerate(counts)])
 
 
 def _reduce_scatter_v_raw(x: torch.Tensor, group, counts: list[int]) -> torch.Tensor:
-    n, mine = group_size(group), counts[group_rank(group)]
-    received = _all_to_all_raw(x, group, [mine] * n, counts)  # [n * mine, ...]
-    return received.view(n, mine, *x.shape[1:]).sum(0)
+    """Rank j's block (``counts[j]`` rows, in order) placed at ``j * max(counts)`` of a padded
+    buffer, one reduce-scatter, this rank's rows kept."""
+    n, m, mine = group_size(group), max(counts), counts[group_rank(group)]
+    rest = x.shape[1:]
+    if m == 0:
+        return x.new_empty((0, *rest))
+    x = x.contiguous()
+    if not all(c == m for c in counts):
+        padded, start = x.new_zeros((n * m, *rest)), 0
+        for j, c in enumerate(counts):
+            padded[j * m : j * m + c] = x[start : start + c]
+            start += c
+        x = padded
+    out = x.new_empty((m, *rest))
+    reduce_scatter_tensor(out, x, group)
+    return out if mine == m else out[:mine]
 
 
 class _GatherV(torch.autograd.Function):
@@ -107,4 +139,6 @@ def all_gather_counts(counts: torch.Tensor, group) -> torch.Tensor:
     n = group_size(group)
     if n == 1:
         return counts.unsqueeze(0)
-    return _gather_v_raw(counts.unsqueeze(0), group, [1] * n)
+    out = counts.new_empty((n * counts.shape[0], *counts.shape[1:]))
+    all_gather_tensor(out, counts.contiguous(), group)
+    return out.view(n, *counts.shape)

@@ -212,8 +212,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 continue
             sb, group = self.buffers[pc.buffer], self.optimizer.param_groups[pc.group]
             for a, b in sb.store.chunks(pc.shard_lo, pc.shard_lo + pc.hi - pc.lo):
-                master, exp_avg, exp_avg_sq, grad = sb.store.load(a, b)
-                grad.copy_(g[a - pc.shard_lo : b - pc.shard_lo])
+                master, exp_avg, exp_avg_sq, grad = sb.store.load(
+                    a, b, grad=g[a - pc.shard_lo : b - pc.shard_lo]
+                )  # the grad's copy to the host is in flight while the moments are read
                 adamw_chunk(
                     master, grad, exp_avg, exp_avg_sq, step=self.steps, lr=group["lr"],
                     weight_decay=group["weight_decay"], betas=group["betas"], eps=group["eps"],

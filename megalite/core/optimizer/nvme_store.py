@@ -11,6 +11,13 @@ elements; the host holds four fp32 buffers of ``chunk`` elements (the three stat
 allocated once, plus two chunk-sized temporaries of the AdamW update: ``24 chunk <= host_bytes``.
 Reads and writes go through ``readinto`` / ``write`` on the buffers' memory (no mmap, so the page
 cache, not the process, holds file pages).
+
+On CUDA (``device``) the four buffers are pinned, so their device copies are DMA transfers that
+return at once (``non_blocking``); the store fences the current stream before the host touches a
+buffer a queued copy may still use: before overwriting the master buffer (the caller rounds it into
+the params with a non-blocking copy), before the host reads the grad it staged, and before writing
+a staged buffer to disk. ``load(..., grad=device_slice)`` stages the grad while the moments are
+read from the files. On CPU nothing is pinned and nothing waits.
 """
 
 from __future__ import annotations
@@ -23,8 +30,13 @@ KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
 class NvmeStore:
-    def __init__(self, directory: str, prefix: str, numel: int, *, host_bytes: int):
+    def __init__(
+        self, directory: str, prefix: str, numel: int, *, host_bytes: int,
+        device: torch.device | str | None = None,
+    ):  # fmt: skip
         self.numel = numel
+        self.device = torch.device(device if device is not None else "cpu")
+        self.pinned = self.device.type == "cuda"  # host <-> device copies are DMA, non-blocking
         self.chunk = max(1, min(numel, host_bytes // 24))  # 4 buffers + 2 temporaries, fp32
         if host_bytes < 24:
             raise ValueError(f"the NVMe host buffer bound {host_bytes} B holds no element")
@@ -33,7 +45,18 @@ class NvmeStore:
         for path in self.paths.values():
             with open(path, "wb") as f:
                 f.truncate(numel * 4)  # zeros (sparse until written)
-        self.buffers = {k: torch.zeros(self.chunk, dtype=torch.float32) for k in (*KEYS, "grad")}
+        self.buffers = {k: self._buffer() for k in (*KEYS, "grad")}
+        self._staged = False  # a non-blocking copy into a buffer may still be in flight
+
+    def _buffer(self) -> torch.Tensor:
+        buf = torch.zeros(self.chunk, dtype=torch.float32)
+        return buf.pin_memory() if self.pinned else buf
+
+    def _fence(self) -> None:
+        """Wait for the copies queued on the device's current stream (pinned buffers only)."""
+        if self.pinned:
+            torch.cuda.current_stream(self.device).synchronize()
+        self._staged = False
 
     @property
     def disk_bytes(self) -> int:
@@ -48,24 +71,49 @@ class NvmeStore:
         for a in range(lo, hi, self.chunk):
             yield a, min(a + self.chunk, hi)
 
-    def load(self, lo: int, hi: int, keys=KEYS) -> list[torch.Tensor]:
+    def load(self, lo: int, hi: int, keys=KEYS, grad: torch.Tensor | None = None) -> list:
         """Elements ``[lo, hi)`` of ``keys`` into the host buffers; returns their views (and the
-        grad buffer's last)."""
-        out = []
-        for k in keys:
-            view = self.buffers[k][: hi - lo]
-            with open(self.paths[k], "rb") as f:
-                f.seek(lo * 4)
-                f.readinto(memoryview(view.numpy()).cast("B"))
-            out.append(view)
-        return [*out, self.buffers["grad"][: hi - lo]]
+        grad buffer's last). ``grad``: ``hi - lo`` grads (on the device) copied into the grad
+        buffer, in flight while the files are read."""
+        n = hi - lo
+        if grad is not None:
+            self.buffers["grad"][:n].copy_(grad, non_blocking=self.pinned)
+            self._staged = True
+        # the master buffer last: a non-blocking copy of the previous chunk's masters into the
+        # params may still read it (that fence also lands the grad above)
+        for k in sorted(keys, key=lambda k: k == "master"):
+            if k == "master":
+                self._fence()
+            self._read(k, lo, self.buffers[k][:n])
+        if self._staged:
+            self._fence()
+        return [*(self.buffers[k][:n] for k in keys), self.buffers["grad"][:n]]
+
+    def stage(self, key: str, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (any device) into the first elements of buffer ``key`` without waiting;
+        ``save`` fences before writing them. Returns the buffer's view."""
+        self._fence()  # the buffer may still be read by a queued copy
+        view = self.buffers[key][: values.numel()]
+        view.copy_(values, non_blocking=self.pinned)
+        self._staged = True
+        return view
 
     def save(self, lo: int, hi: int, keys=KEYS) -> None:
         """The host buffers' first ``hi - lo`` elements of ``keys`` -> the files at ``lo``."""
+        if self._staged:
+            self._fence()
         for k in keys:
-            with open(self.paths[k], "r+b") as f:
-                f.seek(lo * 4)
-                f.write(memoryview(self.buffers[k][: hi - lo].numpy()).cast("B"))
+            self._write(k, lo, self.buffers[k][: hi - lo])
+
+    def _read(self, key: str, lo: int, view: torch.Tensor) -> None:
+        with open(self.paths[key], "rb") as f:
+            f.seek(lo * 4)
+            f.readinto(memoryview(view.numpy()).cast("B"))
+
+    def _write(self, key: str, lo: int, view: torch.Tensor) -> None:
+        with open(self.paths[key], "r+b") as f:
+            f.seek(lo * 4)
+            f.write(memoryview(view.numpy()).cast("B"))
 
     def read(self, key: str) -> torch.Tensor:
         """The whole file of ``key`` (checkpoints only: ``numel`` fp32 on the host)."""

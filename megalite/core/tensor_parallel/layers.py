@@ -140,13 +140,18 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, store):
         ctx.save_for_backward(x, weight)
-        ctx.bias, ctx.store = bias, store
+        # W accumulates into the parameter object itself, kept here: the ``weight`` that
+        # ``saved_tensors`` returns is that parameter only while no saved-tensor hooks are on;
+        # under any hooks (identity, save_on_cpu, the planner's meter) autograd returns a
+        # stand-in whose grad accumulator it holds weakly, so once I's graph is freed a W fed
+        # the stand-in would accumulate into the stand-in's own ``.grad`` and the grad is lost
+        ctx.bias, ctx.store, ctx.weight = bias, store, weight if store is not None else None
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        bias, store = ctx.bias, ctx.store
+        x, weight = ctx.saved_tensors  # values only: under hooks not the parameter objects
+        bias, store, target = ctx.bias, ctx.store, ctx.weight
         grad_in = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
         want_w, want_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
 
@@ -154,7 +159,7 @@ class _Linear(torch.autograd.Function):
             dy = grad_out.reshape(-1, grad_out.shape[-1])  # [s*b, h_out]
             params, grads = [], []
             if want_w:
-                params.append(weight)
+                params.append(target)
                 grads.append(dy.t().mm(x.reshape(-1, x.shape[-1])))  # [h_out, h_in]
             if want_b:
                 params.append(bias)
