@@ -11,9 +11,16 @@ Neither is a dependency of megalite: the tests read only the committed files. On
 is built at TP 2 x PP 2, its Adam state made non-trivial by two optimizer steps on seeded random
 gradients, and ``megatron.training.checkpointing.save_checkpoint`` writes iteration 2 twice:
 ``legacy_tp2_pp2`` (``--ckpt-format torch``: ``model_optim_rng.pt`` per (TP, PP) rank) and
-``dist_tp2_pp2`` (``--ckpt-format torch_dist``). Then one process loads ``dist_tp2_pp2`` at
-TP 1 x PP 1 with Megatron's ``load_checkpoint`` and writes the logits of fixed tokens to
-``reference.pt``: the source model's function, which every megalite load must reproduce.
+``dist_tp2_pp2`` (``--ckpt-format torch_dist``). On 8 processes the same run at TP 2 x PP 2 x
+DP 2 with ``--use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 540`` writes
+``legacy_distopt_tp2_pp2_dp2`` (``--ckpt-format torch``: ``distrib_optim.pt`` beside each
+``model_optim_rng.pt``; ``--only-distopt`` writes just that one). Megatron's distributed
+optimizer refuses parameters that are not CUDA tensors by their ``type()`` name; on this CPU-only
+machine the parameters answer with their CUDA name (``_cuda_named_types``), which changes nothing
+else: Megatron's own code shards, steps, gathers over gloo and saves. Then one process loads
+``dist_tp2_pp2`` at TP 1 x PP 1 with Megatron's ``load_checkpoint`` and writes the logits of
+fixed tokens to ``reference.pt``: the source model's function, which every megalite load must
+reproduce.
 
 ``--check-load DIR`` runs only that last step on a checkpoint megalite wrote and compares its
 logits with ``DIR``'s ``reference.pt`` (written beside it by the caller); exit status 0 on a match.
@@ -49,6 +56,7 @@ FLAGS = [
 ITERATION = 2
 CONSUMED = ITERATION * 4
 TOKENS_SEED = 7
+DISTOPT = "legacy_distopt_tp2_pp2_dp2"
 VOCAB = 128  # a multiple of 16 x TP: no padding rows at TP 1, 2, 4 (Megatron pads per TP)
 
 
@@ -61,6 +69,22 @@ def _cpu_patches() -> None:
     torch.cuda.synchronize = lambda *a, **k: None
     for name in ("tensor", "zeros", "empty", "ones", "full", "arange"):
         setattr(torch, name, _on_cpu(getattr(torch, name)))
+
+
+def _cuda_named_types() -> None:
+    """Megatron's distributed optimizer accepts parameters whose ``type()`` names a CUDA tensor
+    only (``torch.cuda.FloatTensor``, ...): a CPU tensor answers with its CUDA name. Nothing else
+    changes: the optimizer's own code shards, steps, gathers (gloo) and saves ``distrib_optim.pt``
+    as on a GPU; only the device of the tensors differs."""
+    plain_type = torch.Tensor.type
+
+    def cuda_named_type(self, *args, **kwargs):
+        name = plain_type(self, *args, **kwargs)
+        if args or kwargs or not isinstance(name, str) or name.startswith("torch.cuda."):
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = cuda_named_type
 
 
 class _InlineProcess:
@@ -135,7 +159,8 @@ def _megatron_args(extra: list[str]):
 
 
 def _build(args, tp: int, pp: int):
-    """The model chunk (in Megatron's DDP), its optimizer and scheduler on this rank."""
+    """The model chunk (in Megatron's DDP), its optimizer and scheduler on this rank (the
+    distributed optimizer and its grad-buffer buckets when ``args`` ask for them)."""
     import megatron.core.tensor_parallel.random as mrandom
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
@@ -162,12 +187,17 @@ def _build(args, tp: int, pp: int):
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
     )
-    ddp = DistributedDataParallel(
-        config, DistributedDataParallelConfig(use_distributed_optimizer=False), model
+    distopt = bool(args.use_distributed_optimizer)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=distopt,
+        overlap_grad_reduce=bool(args.overlap_grad_reduce),
+        bucket_size=args.ddp_bucket_size,
     )
+    ddp = DistributedDataParallel(config, ddp_config, model)
     opt_config = OptimizerConfig(
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         clip_grad=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
+        use_distributed_optimizer=distopt,
     )  # fmt: skip
     optimizer = get_megatron_optimizer(opt_config, [ddp])
     scheduler = get_optimizer_param_scheduler(optimizer)
@@ -203,6 +233,32 @@ def _save_rank(rank: int, world: int, port: int, out: str) -> None:
         args.ckpt_format, args.use_dist_ckpt = fmt, fmt != "torch"
         args.save = os.path.join(out, name)
         save_checkpoint(ITERATION, [ddp], optimizer, scheduler, 0)
+    torch.distributed.destroy_process_group()
+
+
+def _save_distopt_rank(rank: int, world: int, port: int, out: str) -> None:
+    """TP 2 x PP 2 x DP 2 with the distributed optimizer and small grad-buffer buckets:
+    ``--ckpt-format torch`` writes ``distrib_optim.pt`` (DP rank 0's gather of the flat buckets)
+    beside each ``model_optim_rng.pt``. The same seeded gradients on both DP replicas, so the
+    model and Adam state equal those of ``legacy_tp2_pp2``. 540 elements per bucket: on the first
+    stage one bucket closes right after a 32-element norm, so its 64-element alignment padding is
+    not in the file (a reader ignoring the buckets gets other sizes)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
+    os.environ.update(WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    _cpu_patches()
+    _cuda_named_types()
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    args = _megatron_args(
+        ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+         "--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "540"]
+    )  # fmt: skip
+    ddp, optimizer, scheduler = _build(args, 2, 2)
+    _train_on_random_grads(ddp, optimizer, scheduler, args)
+    from megatron.training.checkpointing import save_checkpoint
+
+    args.ckpt_format, args.use_dist_ckpt = "torch", False
+    args.save = os.path.join(out, DISTOPT)
+    save_checkpoint(ITERATION, [ddp], optimizer, scheduler, 0)
     torch.distributed.destroy_process_group()
 
 
@@ -265,6 +321,7 @@ def main() -> None:
     )
     parser.add_argument("--check-load", default=None, help="a checkpoint megalite wrote")
     parser.add_argument("--ckpt-format", default="torch_dist", choices=("torch", "torch_dist"))
+    parser.add_argument("--only-distopt", action="store_true", help="write only " + DISTOPT)
     cli = parser.parse_args()
     if cli.check_load:
         result = os.path.join(tempfile.mkdtemp(), "logits.pt")
@@ -277,10 +334,16 @@ def main() -> None:
               f"consumed {seen}")  # fmt: skip
         raise SystemExit(0 if err < 1e-5 and got["iteration"] == want["iteration"] else 1)
     out = os.path.abspath(cli.output)
-    for name in ("legacy_tp2_pp2", "dist_tp2_pp2"):
+    if cli.only_distopt:
+        shutil.rmtree(os.path.join(out, DISTOPT), ignore_errors=True)
+        _spawn(_save_distopt_rank, 8, out)
+        print(f"fixtures -> {out}/{DISTOPT}")
+        return
+    for name in ("legacy_tp2_pp2", "dist_tp2_pp2", DISTOPT):
         shutil.rmtree(os.path.join(out, name), ignore_errors=True)
     os.makedirs(out, exist_ok=True)
     _spawn(_save_rank, 4, out)
+    _spawn(_save_distopt_rank, 8, out)
     _spawn(_logits_rank, 1, os.path.join(out, "dist_tp2_pp2"), "torch_dist",
            os.path.join(out, "reference.pt"))  # fmt: skip
     print(f"fixtures -> {out}")

@@ -41,6 +41,7 @@ from megalite.checkpoint.files import (
     save_file,
     shard_dir,
 )
+from megalite.checkpoint.megatron import scheduler_samples_from_steps
 from megalite.checkpoint.megatron_legacy import (
     CHECKPOINT_VERSION,
     adam_state_dict,
@@ -116,7 +117,7 @@ def megatron_scheduler(meta: dict) -> dict | None:
     return {
         "max_lr": s["max_lr"],
         "lr_warmup_steps": s["warmup_iters"] * gbs,
-        "num_steps": int(s["num_steps"]) * gbs,
+        "num_steps": scheduler_samples_from_steps(s["num_steps"], gbs),
         "lr_decay_style": s["decay_style"],
         "lr_decay_steps": s["decay_iters"] * gbs,
         "min_lr": s["min_lr"],
