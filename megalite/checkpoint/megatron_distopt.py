@@ -80,7 +80,7 @@ def flat_layout(
     return spans, done + pos
 
 
-def _shared_name(args, pp_rank: int, pp_size: int) -> str | None:
+def shared_embedding_name(args, pp_rank: int, pp_size: int) -> str | None:
     if pp_size == 1 or _arg(args, "untie_embeddings_and_output_weights", False):
         return None
     if pp_rank == 0:
@@ -124,7 +124,7 @@ def read_distrib_optim(path: str, raw: dict, *, tp_rank: int, pp_rank: int) -> d
         args, pp_rank=pp_rank, stage_numel=sum(numel for _, numel in params)
     )
     spans, total = flat_layout(
-        params, bucket_size=bucket, shared=_shared_name(args, pp_rank, pp_size)
+        params, bucket_size=bucket, shared=shared_embedding_name(args, pp_rank, pp_size)
     )
     if total != int(flat["numel_unpadded"]) or flat["param"].numel() != total:
         raise CheckpointError(

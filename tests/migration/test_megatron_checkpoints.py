@@ -179,17 +179,38 @@ def test_distrib_optim_is_megatrons_adam_state_by_name():
     read_distrib_optim(flat.path(0, 1, "distrib_optim.pt"), raw, tp_rank=0, pp_rank=1)
 
 
+# what megalite writes: each format, and the torch format of a --use-distributed-optimizer run
+WRITES = {"torch": [], "torch_dist": [], "torch+distrib_optim": ["--use-distributed-optimizer"]}
+
+
 def test_megalite_writes_megatron_formats_that_load_back(tmp_path):
     """--ckpt-format torch / torch_dist: megalite's files of the loaded fixture load back into
-    megalite with the same logits and counters."""
+    megalite with the same logits and counters; under --use-distributed-optimizer the torch format
+    holds Megatron's distributed-optimizer form (``distrib_optim.pt``), whose Adam state reads
+    back equal to the plain form's."""
+    from megalite.checkpoint.megatron import LegacyReader
+
     single = ParallelState.single()
-    for fmt in FORMATS:
-        save = str(tmp_path / fmt)
-        trainer, _, _ = _load(FORMATS["torch"], single, "--save", save, "--ckpt-format", fmt)
+    for what, extra in WRITES.items():
+        save = str(tmp_path / what)
+        fmt = what.split("+")[0]
+        trainer, _, _ = _load(FORMATS["torch"], single, "--save", save, "--ckpt-format", fmt,
+                              *extra)  # fmt: skip
         checkpoint_io.save_checkpoint(trainer)
         back, _, loaded = _load("", single, "--load", save)
         assert loaded.progress.iteration == 2 and loaded.progress.consumed_train_samples == 8
-        _check_logits(_logits(back, _reference()["tokens"], single), f"megalite {fmt} back")
+        _check_logits(_logits(back, _reference()["tokens"], single), f"megalite {what} back")
+    shard = os.path.join("iter_0000002", "mp_rank_00")
+    assert not os.path.exists(tmp_path / "torch" / shard / "distrib_optim.pt")
+    assert os.path.isfile(tmp_path / "torch+distrib_optim" / shard / "distrib_optim.pt")
+    plain = LegacyReader(str(tmp_path / "torch" / "iter_0000002")).optimizer_state(0, 0)
+    flat = LegacyReader(str(tmp_path / "torch+distrib_optim" / "iter_0000002"))
+    assert flat.distributed_optimizer
+    got = flat.optimizer_state(0, 0)
+    assert got["step"] == plain["step"] == 2 and got["params"].keys() == plain["params"].keys()
+    for name, state in plain["params"].items():
+        for key, tensor in state.items():
+            assert torch.equal(got["params"][name][key], tensor), (name, key)
 
 
 def _megatron_importable() -> bool:
@@ -203,20 +224,27 @@ def _megatron_importable() -> bool:
 
 @pytest.mark.skipif(not _megatron_importable(), reason="megatron-core/Megatron-LM not importable")
 def test_megalite_files_load_in_megatrons_loader(tmp_path):
+    """Megatron's own ``load_checkpoint`` (no --finetune) of megalite's files: the logits of the
+    source model, and the Adam state megalite wrote (by name), also through Megatron's
+    distributed optimizer from ``distrib_optim.pt``."""
     single = ParallelState.single()
     tool = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "make_megatron_fixtures.py")
-    for fmt in FORMATS:
-        save = str(tmp_path / fmt)
+    for what, extra in WRITES.items():
+        save = str(tmp_path / what)
+        fmt = what.split("+")[0]
         # the schedule of the Megatron run that loads it (tools/make_megatron_fixtures.py)
         trainer, _, _ = _load(FORMATS["torch"], single, "--save", save, "--ckpt-format", fmt,
-                              "--train-iters", "10")  # fmt: skip
+                              "--train-iters", "10", *extra)  # fmt: skip
         checkpoint_io.save_checkpoint(trainer)
         shutil.copy(os.path.join(FIXTURES, "reference.pt"), os.path.join(save, "reference.pt"))
+        flags = ["--distributed-optimizer"] if extra else []
         proc = subprocess.run(
-            [sys.executable, "-W", "ignore", tool, "--check-load", save, "--ckpt-format", fmt],
+            [sys.executable, "-W", "ignore", tool, "--check-load", save, "--ckpt-format", fmt,
+             *flags],
             capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert "= megalite's: yes" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_a_corrupt_megatron_file_is_one_line(tmp_path):
