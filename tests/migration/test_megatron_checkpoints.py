@@ -258,3 +258,69 @@ def test_a_corrupt_megatron_file_is_one_line(tmp_path):
 
 
 _ = tempfile
+
+
+# what Megatron's load_checkpoint reads from ``args`` (check_checkpoint_args, the counters)
+LOADER_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings",
+               "make_vocab_size_divisible_by", "padded_vocab_size", "tokenizer_type",
+               "tensor_model_parallel_size", "pipeline_model_parallel_size",
+               "data_parallel_random_init", "global_batch_size", "consumed_train_samples",
+               "consumed_valid_samples", "use_distributed_optimizer", "ckpt_format")  # fmt: skip
+
+
+def test_megalite_files_have_the_structure_of_megatrons(tmp_path):
+    """Where megatron-core is not installed (CI): megalite's ``--ckpt-format`` files hold what
+    Megatron's own save path wrote for the same model (the fixtures), entry for entry: the keys of
+    each file, the model's tensor names, the scheduler, the optimizer's nesting and param-group
+    keys (Megatron matches groups by them), ``distrib_optim.pt``'s buffers, the ``torch_dist``
+    tensor keys and ``common.pt``; and the ``args`` Megatron's loader reads. The load through
+    megatron-core itself is ``test_megalite_files_load_in_megatrons_loader``."""
+    import re
+
+    import torch.distributed.checkpoint as dcp
+
+    from megalite.checkpoint.megatron_legacy import load_megatron_file
+
+    single = ParallelState.single()
+    for what, extra in WRITES.items():
+        trainer, _, _ = _load(FORMATS["torch"], single, "--save", str(tmp_path / what),
+                              "--ckpt-format", what.split("+")[0], *extra)  # fmt: skip
+        checkpoint_io.save_checkpoint(trainer)
+    layer = re.compile(r"decoder\.layers\.\d+\.")
+    for what in ("torch", "torch+distrib_optim"):
+        mine_dir = tmp_path / what / "iter_0000002" / "mp_rank_00"
+        src = os.path.join(FIXTURES, SOURCES[what], "iter_0000002")
+        mine = load_megatron_file(str(mine_dir / "model_optim_rng.pt"))
+        theirs = [load_megatron_file(os.path.join(src, f"mp_rank_00_00{p}", "model_optim_rng.pt"))
+                  for p in (0, 1)]  # fmt: skip
+        assert set(mine) == set(theirs[0]), what
+        names = {layer.sub("decoder.layers.*.", k) for t in theirs for k in t["model"]}
+        assert {layer.sub("decoder.layers.*.", k) for k in mine["model"]} == names, what
+        assert set(mine["opt_param_scheduler"]) == set(theirs[0]["opt_param_scheduler"])
+        mo, to = mine["optimizer"], theirs[0]["optimizer"]
+        assert set(mo) == set(to), what
+        mi, ti = mo.get("optimizer", mo), to.get("optimizer", to)
+        assert set(mi) == set(ti) and len(mi["param_groups"]) == len(ti["param_groups"]), what
+        for mg, tg in zip(mi["param_groups"], ti["param_groups"]):
+            assert set(mg) == set(tg), (what, set(mg) ^ set(tg))
+        args = vars(mine["args"])
+        missing = [a for a in LOADER_ARGS if a not in args]
+        assert not missing, (what, missing)
+        assert args["use_distributed_optimizer"] == ("distrib" in what)
+    mine = torch.load(tmp_path / "torch+distrib_optim" / "iter_0000002" / "mp_rank_00" /
+                      "distrib_optim.pt", weights_only=True)  # fmt: skip
+    src = os.path.join(FIXTURES, SOURCES["torch+distrib_optim"], "iter_0000002", "mp_rank_00_000")
+    theirs = torch.load(os.path.join(src, "distrib_optim.pt"), weights_only=True)
+    assert set(mine) == set(theirs) and list(mine[0]) == list(theirs[0])
+    assert set(next(iter(mine[0].values()))) == set(next(iter(theirs[0].values())))
+
+    def keys(folder):
+        index = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        return {k for k in index if not k.startswith("rng_state/")}  # rng shards name the layout
+
+    dist = tmp_path / "torch_dist" / "iter_0000002"
+    src = os.path.join(FIXTURES, FORMATS["torch_dist"], "iter_0000002")
+    assert keys(dist) == keys(src)
+    common = load_megatron_file(str(dist / "common.pt"))
+    assert set(common) == set(load_megatron_file(os.path.join(src, "common.pt")))
+    assert not [a for a in LOADER_ARGS if a not in vars(common["args"])]
