@@ -5,18 +5,28 @@
     PYTHONPATH=/tmp/mcore/site:/tmp/mlm016 python tools/make_megatron_fixtures.py [--output DIR]
     PYTHONPATH=/tmp/mcore/site:/tmp/mlm016 python tools/make_megatron_fixtures.py \
         --check-load DIR --ckpt-format torch_dist      # megalite's files through Megatron's loader
+        [--distributed-optimizer]                       # (torch: its distrib_optim.pt)
 
 Neither is a dependency of megalite: the tests read only the committed files. On 4 CPU processes
 (gloo) a tiny Llama-style GPTModel (local layer spec: RoPE, RMSNorm, SwiGLU, GQA, untied output)
 is built at TP 2 x PP 2, its Adam state made non-trivial by two optimizer steps on seeded random
 gradients, and ``megatron.training.checkpointing.save_checkpoint`` writes iteration 2 twice:
 ``legacy_tp2_pp2`` (``--ckpt-format torch``: ``model_optim_rng.pt`` per (TP, PP) rank) and
-``dist_tp2_pp2`` (``--ckpt-format torch_dist``). Then one process loads ``dist_tp2_pp2`` at
-TP 1 x PP 1 with Megatron's ``load_checkpoint`` and writes the logits of fixed tokens to
-``reference.pt``: the source model's function, which every megalite load must reproduce.
+``dist_tp2_pp2`` (``--ckpt-format torch_dist``). On 8 processes the same run at TP 2 x PP 2 x
+DP 2 with ``--use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 540`` writes
+``legacy_distopt_tp2_pp2_dp2`` (``--ckpt-format torch``: ``distrib_optim.pt`` beside each
+``model_optim_rng.pt``; ``--only-distopt`` writes just that one). Megatron's distributed
+optimizer refuses parameters that are not CUDA tensors by their ``type()`` name; on this CPU-only
+machine the parameters answer with their CUDA name (``_cuda_named_types``), which changes nothing
+else: Megatron's own code shards, steps, gathers over gloo and saves. Then one process loads
+``dist_tp2_pp2`` at TP 1 x PP 1 with Megatron's ``load_checkpoint`` and writes the logits of
+fixed tokens to ``reference.pt``: the source model's function, which every megalite load must
+reproduce.
 
 ``--check-load DIR`` runs only that last step on a checkpoint megalite wrote and compares its
-logits with ``DIR``'s ``reference.pt`` (written beside it by the caller); exit status 0 on a match.
+logits with ``DIR``'s ``reference.pt`` (written beside it by the caller), and the Adam state
+Megatron's optimizer then holds with the one megalite reads from the same files; exit status 0
+when both match.
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ FLAGS = [
 ITERATION = 2
 CONSUMED = ITERATION * 4
 TOKENS_SEED = 7
+DISTOPT = "legacy_distopt_tp2_pp2_dp2"
 VOCAB = 128  # a multiple of 16 x TP: no padding rows at TP 1, 2, 4 (Megatron pads per TP)
 
 
@@ -61,6 +72,22 @@ def _cpu_patches() -> None:
     torch.cuda.synchronize = lambda *a, **k: None
     for name in ("tensor", "zeros", "empty", "ones", "full", "arange"):
         setattr(torch, name, _on_cpu(getattr(torch, name)))
+
+
+def _cuda_named_types() -> None:
+    """Megatron's distributed optimizer accepts parameters whose ``type()`` names a CUDA tensor
+    only (``torch.cuda.FloatTensor``, ...): a CPU tensor answers with its CUDA name. Nothing else
+    changes: the optimizer's own code shards, steps, gathers (gloo) and saves ``distrib_optim.pt``
+    as on a GPU; only the device of the tensors differs."""
+    plain_type = torch.Tensor.type
+
+    def cuda_named_type(self, *args, **kwargs):
+        name = plain_type(self, *args, **kwargs)
+        if args or kwargs or not isinstance(name, str) or name.startswith("torch.cuda."):
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = cuda_named_type
 
 
 class _InlineProcess:
@@ -135,7 +162,8 @@ def _megatron_args(extra: list[str]):
 
 
 def _build(args, tp: int, pp: int):
-    """The model chunk (in Megatron's DDP), its optimizer and scheduler on this rank."""
+    """The model chunk (in Megatron's DDP), its optimizer and scheduler on this rank (the
+    distributed optimizer and its grad-buffer buckets when ``args`` ask for them)."""
     import megatron.core.tensor_parallel.random as mrandom
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
@@ -162,12 +190,17 @@ def _build(args, tp: int, pp: int):
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
     )
-    ddp = DistributedDataParallel(
-        config, DistributedDataParallelConfig(use_distributed_optimizer=False), model
+    distopt = bool(args.use_distributed_optimizer)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=distopt,
+        overlap_grad_reduce=bool(args.overlap_grad_reduce),
+        bucket_size=args.ddp_bucket_size,
     )
+    ddp = DistributedDataParallel(config, ddp_config, model)
     opt_config = OptimizerConfig(
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         clip_grad=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
+        use_distributed_optimizer=distopt,
     )  # fmt: skip
     optimizer = get_megatron_optimizer(opt_config, [ddp])
     scheduler = get_optimizer_param_scheduler(optimizer)
@@ -206,16 +239,91 @@ def _save_rank(rank: int, world: int, port: int, out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _logits_rank(port: int, load: str, fmt: str, result: str) -> None:
+def _save_distopt_rank(rank: int, world: int, port: int, out: str) -> None:
+    """TP 2 x PP 2 x DP 2 with the distributed optimizer and small grad-buffer buckets:
+    ``--ckpt-format torch`` writes ``distrib_optim.pt`` (DP rank 0's gather of the flat buckets)
+    beside each ``model_optim_rng.pt``. The same seeded gradients on both DP replicas, so the
+    model and Adam state equal those of ``legacy_tp2_pp2``. 540 elements per bucket: on the first
+    stage one bucket closes right after a 32-element norm, so its 64-element alignment padding is
+    not in the file (a reader ignoring the buckets gets other sizes)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
+    os.environ.update(WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    _cpu_patches()
+    _cuda_named_types()
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    args = _megatron_args(
+        ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+         "--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "540"]
+    )  # fmt: skip
+    ddp, optimizer, scheduler = _build(args, 2, 2)
+    _train_on_random_grads(ddp, optimizer, scheduler, args)
+    from megatron.training.checkpointing import save_checkpoint
+
+    args.ckpt_format, args.use_dist_ckpt = "torch", False
+    args.save = os.path.join(out, DISTOPT)
+    save_checkpoint(ITERATION, [ddp], optimizer, scheduler, 0)
+    torch.distributed.destroy_process_group()
+
+
+def _adam_state(ddp, optimizer, distributed: bool) -> dict:
+    """The Adam state Megatron's optimizer holds after a load, by parameter name (one process:
+    a distributed optimizer's shard is the whole parameter)."""
+    out = {}
+    optimizer = getattr(optimizer, "chained_optimizers", [optimizer])[0]
+    for name, param in ddp.module.named_parameters():
+        if distributed:
+            t = optimizer._get_main_param_and_optimizer_states(param)
+            master, state = t["param"], t
+        else:
+            state = optimizer.optimizer.state[param]
+            master = param
+        out[name] = {
+            "master": master.detach().reshape(param.shape).float().clone(),
+            "exp_avg": state["exp_avg"].reshape(param.shape).float().clone(),
+            "exp_avg_sq": state["exp_avg_sq"].reshape(param.shape).float().clone(),
+        }
+    return out
+
+
+def _keep_adam_step() -> None:
+    """megatron-core 0.16 without Transformer Engine or Apex falls back to torch's Adam, whose
+    per-parameter state holds a ``step``; ``DistributedOptimizer._set_main_param_and_optimizer_
+    states`` then copies every key of that state from the ``distrib_optim.pt`` ranges, which hold
+    none (KeyError 'step', for Megatron's own files as well). The step is already set from the
+    param groups by ``load_state_dict``: keep it, copy the rest as Megatron does."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    plain = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        state = self.optimizer.state[main_param]
+        if "step" in state and "step" not in tensors:
+            tensors = {**tensors, "step": state["step"].clone()}
+        return plain(self, model_param, tensors)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
+def _logits_rank(port: int, load: str, fmt: str, result: str, extra=()) -> None:
     """One process: Megatron's load_checkpoint of ``load`` at TP 1 x PP 1, logits -> result."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
     _cpu_patches()
+    distributed = "--use-distributed-optimizer" in extra
+    if distributed:
+        _cuda_named_types()
+        _keep_adam_step()
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    args = _megatron_args(["--load", load, "--ckpt-format", fmt])
+    args = _megatron_args(["--load", load, "--ckpt-format", fmt, *extra])
     ddp, optimizer, scheduler = _build(args, 1, 1)
     from megatron.training.checkpointing import load_checkpoint
 
-    iteration, _ = load_checkpoint([ddp], optimizer, scheduler)
+    # An fp32 model's distributed optimizer keeps views of the parameters as its masters, and
+    # load_parameter_state copies into them in place, which autograd refuses outside no_grad;
+    # no_grad changes no value loaded.
+    with torch.no_grad():
+        iteration, _ = load_checkpoint([ddp], optimizer, scheduler)
     tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(TOKENS_SEED))
     positions = torch.arange(16).unsqueeze(0).expand(2, 16)
     with torch.no_grad():
@@ -228,10 +336,30 @@ def _logits_rank(port: int, load: str, fmt: str, result: str) -> None:
             "consumed_train_samples": args.consumed_train_samples,
             "lr": optimizer.param_groups[0]["lr"],
             "num_steps": scheduler.num_steps,
+            "adam": _adam_state(ddp, optimizer, distributed),
         },
         result,
     )
     torch.distributed.destroy_process_group()
+
+
+def _adam_mismatches(load: str, fmt: str, got: dict) -> list[str]:
+    """Where the Adam state Megatron loaded differs from the one megalite reads in the same files
+    (megalite's readers are checked against Megatron's own files by the tests)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from megalite.checkpoint.files import read_tracker
+    from megalite.checkpoint.megatron import open_reader
+
+    iter_dir = os.path.join(load, f"iter_{read_tracker(load):07d}")
+    reader = open_reader(iter_dir, fmt)
+    want = reader.optimizer_state(0, 0)["params"] if fmt == "torch" else None
+    bad = []
+    for name, state in got.items():
+        expected = want[name] if want is not None else reader.optimizer_tensors(name)
+        for key, tensor in state.items():
+            if not torch.equal(expected[key].float(), tensor):
+                bad.append(f"{name}.{key}")
+    return bad
 
 
 def _spawn(target, world: int, *args) -> None:
@@ -265,22 +393,39 @@ def main() -> None:
     )
     parser.add_argument("--check-load", default=None, help="a checkpoint megalite wrote")
     parser.add_argument("--ckpt-format", default="torch_dist", choices=("torch", "torch_dist"))
+    parser.add_argument("--only-distopt", action="store_true", help="write only " + DISTOPT)
+    parser.add_argument(
+        "--distributed-optimizer",
+        action="store_true",
+        help="with --check-load: Megatron loads with --use-distributed-optimizer",
+    )
     cli = parser.parse_args()
     if cli.check_load:
         result = os.path.join(tempfile.mkdtemp(), "logits.pt")
-        _spawn(_logits_rank, 1, cli.check_load, cli.ckpt_format, result)
+        extra = ["--use-distributed-optimizer"] if cli.distributed_optimizer else []
+        _spawn(_logits_rank, 1, cli.check_load, cli.ckpt_format, result, extra)
         got = torch.load(result, weights_only=False)
         want = torch.load(os.path.join(cli.check_load, "reference.pt"), weights_only=False)
         err = ((got["logits"] - want["logits"]).abs().max() / want["logits"].abs().max()).item()
+        bad = _adam_mismatches(cli.check_load, cli.ckpt_format, got["adam"])
         it, seen = got["iteration"], got["consumed_train_samples"]
-        print(f"Megatron loaded {cli.check_load} at iteration {it}: logits max rel err {err:.2e}, "
-              f"consumed {seen}")  # fmt: skip
-        raise SystemExit(0 if err < 1e-5 and got["iteration"] == want["iteration"] else 1)
+        print(f"Megatron loaded {cli.check_load} ({cli.ckpt_format}{' + ' if extra else ''}"
+              f"{' '.join(extra)}) at iteration {it}: logits max rel err {err:.2e}, consumed "
+              f"{seen}, Adam state of {len(got['adam'])} parameters = megalite's: "
+              f"{'yes' if not bad else 'NO: ' + ', '.join(bad[:4])}")  # fmt: skip
+        ok = err < 1e-5 and got["iteration"] == want["iteration"] and not bad
+        raise SystemExit(0 if ok else 1)
     out = os.path.abspath(cli.output)
-    for name in ("legacy_tp2_pp2", "dist_tp2_pp2"):
+    if cli.only_distopt:
+        shutil.rmtree(os.path.join(out, DISTOPT), ignore_errors=True)
+        _spawn(_save_distopt_rank, 8, out)
+        print(f"fixtures -> {out}/{DISTOPT}")
+        return
+    for name in ("legacy_tp2_pp2", "dist_tp2_pp2", DISTOPT):
         shutil.rmtree(os.path.join(out, name), ignore_errors=True)
     os.makedirs(out, exist_ok=True)
     _spawn(_save_rank, 4, out)
+    _spawn(_save_distopt_rank, 8, out)
     _spawn(_logits_rank, 1, os.path.join(out, "dist_tp2_pp2"), "torch_dist",
            os.path.join(out, "reference.pt"))  # fmt: skip
     print(f"fixtures -> {out}")

@@ -13,9 +13,14 @@ restored (their generators differ from megalite's): the run is re-seeded from ``
 iteration, with a warning, as after a reshard.
 
 Megatron's model settings come from the checkpoint's ``args`` (``model_config_from_args``) and are
-checked against this run's as a megalite checkpoint's are. Refused with one line: expert or
-virtual pipeline parallel checkpoints, and the distributed optimizer's flat ``distrib_optim.pt``
-(its byte layout follows Megatron's grad-buffer bucketing).
+checked against this run's as a megalite checkpoint's are; the model settings megalite
+implements beyond the shapes (``MATH_FLAGS``: ``--add-qkv-bias``, ``--qk-layernorm``,
+``--apply-layernorm-1p``, ``--squared-relu``, ``--rotary-percent``, ...) must equal this run's
+flags, and a checkpoint of a model megalite does not build (``UNREAD_MODEL_ARGS``) is refused,
+each in one line. The distributed optimizer's ``distrib_optim.pt`` (``--use-distributed-
+optimizer`` with ``--ckpt-format torch``) is read by ``megatron_distopt``. The scheduler position
+is Megatron's ``num_steps`` in samples (``--rampup-batch-size`` included), converted to megalite's
+final-size global batches. Refused with one line: expert or virtual pipeline parallel checkpoints.
 """
 
 from __future__ import annotations
@@ -92,6 +97,63 @@ def model_config_from_args(args) -> dict:
         "norm_epsilon": float(_arg(args, "norm_epsilon", 1e-5)),
         "openai_gelu": bool(_arg(args, "openai_gelu", False)),
     }
+
+
+# Megatron's model flags that megalite implements beyond the shapes ``model_config_from_args``
+# gives: (args name, GPTConfig field, flag, Megatron's default); a difference from this run's
+# flags is refused (``check_math_flags``): the tensors would load into another function.
+MATH_FLAGS = (
+    ("add_qkv_bias", "add_qkv_bias", "--add-qkv-bias", False),
+    ("qk_layernorm", "qk_layernorm", "--qk-layernorm", False),
+    ("apply_layernorm_1p", "apply_layernorm_1p", "--apply-layernorm-1p", False),
+    ("squared_relu", "squared_relu", "--squared-relu", False),
+    ("rotary_percent", "rotary_percent", "--rotary-percent", 1.0),
+    ("rotary_interleaved", "rotary_interleaved", "--rotary-interleaved", False),
+    ("use_rope_scaling", "use_rope_scaling", "--use-rope-scaling", False),
+    ("rope_scaling_factor", "rope_scaling_factor", "--rope-scaling-factor", 8.0),
+)
+# Megatron model settings megalite has no equivalent for: a checkpoint that uses one is refused
+UNREAD_MODEL_ARGS = (
+    ("multi_latent_attention", "--multi-latent-attention"),
+    ("mtp_num_layers", "--mtp-num-layers"),
+    ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path"),
+    ("experimental_attention_variant", "--experimental-attention-variant"),
+    ("linear_attention_freq", "--linear-attention-freq"),
+    ("is_hybrid_model", "a hybrid (Mamba) model"),
+)
+
+
+def math_flags_from_args(args) -> dict:
+    """The values of ``MATH_FLAGS`` a Megatron run's ``args`` hold (Megatron's defaults where an
+    older Megatron did not record one), normalised as megalite builds the model."""
+    out = {field: _arg(args, name, default) for name, field, _, default in MATH_FLAGS}
+    out["add_qkv_bias"] = bool(out["add_qkv_bias"]) or bool(_arg(args, "add_bias_linear", True))
+    if _arg(args, "position_embedding_type", "learned_absolute") != "rope":
+        for key in ("rotary_percent", "rotary_interleaved", "use_rope_scaling"):
+            out.pop(key)
+    if not out.get("use_rope_scaling"):
+        out.pop("rope_scaling_factor")
+    return out
+
+
+def check_math_flags(args, current, *, where: str) -> None:
+    """Refuse, in one line, a Megatron checkpoint whose ``args`` name a model setting this run's
+    flags contradict (``MATH_FLAGS``) or one megalite does not implement (``UNREAD_MODEL_ARGS``)."""
+    for name, flag in UNREAD_MODEL_ARGS:
+        if _arg(args, name, None) not in (None, False, 0):
+            raise CheckpointError(
+                f"Megatron checkpoint {where} was trained with {flag} "
+                f"{_arg(args, name)!r}, which megalite does not implement; it cannot be loaded"
+            )
+    saved = math_flags_from_args(args)
+    now = {field: getattr(current, field) for _, field, _, _ in MATH_FLAGS}
+    now["add_qkv_bias"] = bool(now["add_qkv_bias"]) or bool(current.add_bias_linear)
+    for _, field, flag, _ in MATH_FLAGS:
+        if field in saved and saved[field] != now[field]:
+            raise CheckpointError(
+                f"Megatron checkpoint {where} was trained with {flag} {saved[field]!r} but this "
+                f"run has {now[field]!r}; give the checkpoint's {flag} setting"
+            )
 
 
 def layer_ranges_from_args(args) -> list[tuple[int, int]]:
@@ -218,18 +280,16 @@ class LegacyReader(MegatronReader):
         return self._shards[key]
 
     def has_optimizer(self) -> bool:
-        return self._raw_shard(0, 0).get("optimizer") is not None or self.distributed_optimizer
+        if self.distributed_optimizer:  # Adam's state in distrib_optim.pt, the rest in "optimizer"
+            return os.path.isfile(self.path(0, 0, "distrib_optim.pt"))
+        return self._raw_shard(0, 0).get("optimizer") is not None
 
     def optimizer_state(self, tp_rank: int, pp_rank: int) -> dict:
         key = (tp_rank, pp_rank)
         if key not in self._optim:
             if self.distributed_optimizer:
-                raise CheckpointError(
-                    f"{self.path(tp_rank, pp_rank, 'distrib_optim.pt')}: Megatron's distributed "
-                    "optimizer state in the torch format (flat grad-buffer ranges) is not read "
-                    "(issue 18); pass --no-load-optim, or save it from Megatron with "
-                    "--ckpt-format torch_dist"
-                )
+                self._optim[key] = self._distributed_state(tp_rank, pp_rank)
+                return self._optim[key]
             raw = self._raw_shard(tp_rank, pp_rank)
             if raw.get("optimizer") is None:
                 raise CheckpointError(
@@ -240,6 +300,18 @@ class LegacyReader(MegatronReader):
                 raw["optimizer"], raw["model"], where=self.path(tp_rank, pp_rank)
             )
         return self._optim[key]
+
+    def _distributed_state(self, tp_rank: int, pp_rank: int) -> dict:
+        from megalite.checkpoint.megatron_distopt import read_distrib_optim
+
+        path = self.path(tp_rank, pp_rank, "distrib_optim.pt")
+        if not os.path.isfile(path):
+            raise CheckpointError(
+                f"{path} is missing (Megatron saved with --use-distributed-optimizer and not "
+                "--no-save-optim writes it beside model_optim_rng.pt); pass --no-load-optim"
+            )
+        raw = self._raw_shard(tp_rank, pp_rank)
+        return read_distrib_optim(path, raw, tp_rank=tp_rank, pp_rank=pp_rank)
 
 
 def open_reader(iter_dir: str, fmt: str) -> MegatronReader:
@@ -269,6 +341,7 @@ def load_megatron_checkpoint(
     ``(progress_fields | None, reseed | None, reader)`` for ``loading.load_checkpoint``."""
     reader = open_reader(iter_dir, fmt)
     check_model_compatible(reader.model_config, module.config, where=iter_dir)
+    check_math_flags(reader.args, module.config, where=iter_dir)
     reader.use_vocab(module.config.vocab_size)
     state = reshard_model(
         reader,
@@ -295,8 +368,12 @@ def load_megatron_checkpoint(
         except ValueError as e:
             raise CheckpointError(f"{str(e).splitlines()[0]}; or pass --no-load-optim") from None
     iteration = int(reader.meta["iteration"])
-    scheduler.load_state_dict({**scheduler.state_dict(), "num_steps": iteration})
     saved = reader.meta.get("megatron_scheduler") or {}
+    steps = scheduler_steps_from_samples(
+        saved.get("num_steps", reader.meta["consumed_train_samples"]),
+        scheduler.samples_per_step,
+    )
+    scheduler.load_state_dict({**scheduler.state_dict(), "num_steps": steps})
     current = scheduler.state_dict()
     if saved and float(saved.get("max_lr", current["max_lr"])) != float(current["max_lr"]):
         logger.warning(
@@ -312,19 +389,31 @@ def load_megatron_checkpoint(
     return reader.meta, reseed, reader
 
 
-def scheduler_num_steps_in_samples(num_steps: int, samples_per_step: int) -> int:
-    """megalite's scheduler counts iterations, Megatron's samples."""
-    return int(num_steps) * int(samples_per_step)
+def scheduler_steps_from_samples(samples, samples_per_step: int) -> int | float:
+    """Megatron's scheduler position (``num_steps``: samples consumed, ``--rampup-batch-size``
+    included) -> megalite's (global batches of the final size; fractional during a ramp)."""
+    steps = int(samples) / int(samples_per_step)
+    return int(steps) if steps.is_integer() else steps
+
+
+def scheduler_samples_from_steps(num_steps: int | float, samples_per_step: int) -> int:
+    """megalite's scheduler position -> Megatron's, in samples (``scheduler_steps_from_samples``'s
+    inverse)."""
+    return int(round(float(num_steps) * int(samples_per_step)))
 
 
 __all__ = [
     "CKPT_FORMATS",
     "LegacyReader",
+    "MATH_FLAGS",
     "MegatronReader",
+    "check_math_flags",
     "detect_format",
     "load_megatron_checkpoint",
     "model_config_from_args",
     "open_reader",
+    "scheduler_samples_from_steps",
+    "scheduler_steps_from_samples",
 ]
 
 _ = torch  # torch is used by the readers' tensors

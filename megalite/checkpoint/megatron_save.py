@@ -41,6 +41,7 @@ from megalite.checkpoint.files import (
     save_file,
     shard_dir,
 )
+from megalite.checkpoint.megatron import scheduler_samples_from_steps
 from megalite.checkpoint.megatron_legacy import (
     CHECKPOINT_VERSION,
     adam_state_dict,
@@ -49,8 +50,10 @@ from megalite.checkpoint.megatron_legacy import (
 from megalite.checkpoint.resharding import CheckpointReader, global_name
 
 STAGING = ".megalite_staging"
+DISTRIB_OPTIM_FILE = "distrib_optim.pt"
 _LINEAR = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 _LAYER_ORDER = ("input_layernorm", "self_attention.linear_proj", "self_attention.linear_qkv",
+                "self_attention.q_layernorm", "self_attention.k_layernorm",
                 "pre_mlp_layernorm", "mlp.linear_fc1", "mlp.linear_fc2")  # fmt: skip
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
@@ -70,7 +73,11 @@ def megatron_order(name: str) -> tuple:
 
 
 def megatron_args(
-    meta: dict, reader: CheckpointReader, *, use_dist_ckpt: bool
+    meta: dict,
+    reader: CheckpointReader,
+    *,
+    use_dist_ckpt: bool,
+    distributed_optimizer: bool = False,
 ) -> argparse.Namespace:
     """The ``args`` Megatron's loader reads: every section of the recorded config flattened under
     its (Megatron) field names, the layout and the counters."""
@@ -94,7 +101,7 @@ def megatron_args(
         iteration=meta["iteration"],
         ckpt_format="torch_dist" if use_dist_ckpt else "torch",
         use_dist_ckpt=use_dist_ckpt,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=distributed_optimizer,
         no_save_optim=meta.get("optimizer") is None,
         no_save_rng=meta.get("rng_state") is None,
         data_parallel_random_init=False,
@@ -116,7 +123,7 @@ def megatron_scheduler(meta: dict) -> dict | None:
     return {
         "max_lr": s["max_lr"],
         "lr_warmup_steps": s["warmup_iters"] * gbs,
-        "num_steps": int(s["num_steps"]) * gbs,
+        "num_steps": scheduler_samples_from_steps(s["num_steps"], gbs),
         "lr_decay_style": s["decay_style"],
         "lr_decay_steps": s["decay_iters"] * gbs,
         "min_lr": s["min_lr"],
@@ -183,6 +190,60 @@ def _legacy_optimizer(full: dict, names: list[str], model: dict, meta: dict) -> 
     return {"optimizer": sd, "fp32_from_fp16_params": masters, "grad_scaler": full.get("scaler")}
 
 
+def _config_value(meta: dict, key: str, default=None):
+    for section in meta.get("config", {}).values():
+        if isinstance(section, dict) and key in section:
+            return section[key]
+    return default
+
+
+def writes_distrib_optim(meta: dict, reader: CheckpointReader) -> bool:
+    """``--ckpt-format torch`` of a ``--use-distributed-optimizer`` run: Megatron's form of that
+    run, ``distrib_optim.pt`` beside each ``model_optim_rng.pt`` (what Megatron's loader reads when
+    the resuming run has ``--use-distributed-optimizer``)."""
+    return bool(_config_value(meta, "use_distributed_optimizer", False)) and reader.has_optimizer()
+
+
+def _distributed_optimizer(
+    full: dict, names: list[str], model: dict, meta: dict, args, pp_rank: int
+) -> tuple[dict, dict]:
+    """One (TP, PP) rank's Adam state in Megatron's distributed-optimizer form: the ``optimizer``
+    entry of ``model_optim_rng.pt`` (param groups with the step, no per-parameter state) and the
+    ``distrib_optim.pt`` dict (the flat, bucketed ranges of ``megatron_distopt.flat_layout``)."""
+    from megalite.checkpoint.megatron_distopt import (
+        bucket_size_from_args,
+        flat_layout,
+        shared_embedding_name,
+    )
+
+    g = _optimizer_groups(meta)
+    groups = []
+    for wd_mult in (1.0, 0.0):
+        groups.append({"wd_mult": wd_mult, "lr_mult": 1.0, "is_expert_parallel": False,
+                       "is_decoupled_lr": False, "default_config": True, "lr": g["lr"],
+                       "weight_decay": g["weight_decay"] * wd_mult, **g["extra"],
+                       "step": int(full["step"])})  # fmt: skip
+    optimizer = {"optimizer": {"param_groups": groups}}
+    if full.get("scaler") is not None:
+        optimizer["grad_scaler"] = full["scaler"]
+    params = [(n, model[n].numel()) for n in names]
+    bucket = bucket_size_from_args(args, pp_rank=pp_rank, stage_numel=sum(k for _, k in params))
+    shared = shared_embedding_name(args, pp_rank, int(args.pipeline_model_parallel_size))
+    spans, total = flat_layout(params, bucket_size=bucket, shared=shared)
+    flat = {k: torch.zeros(total, dtype=torch.float32) for k in ("param", "exp_avg", "exp_avg_sq")}
+    for name in names:
+        start, end = spans[name]
+        p = full["params"][name]
+        flat["param"][start:end] = p["master"].reshape(-1)
+        flat["exp_avg"][start:end] = p["exp_avg"].reshape(-1)
+        flat["exp_avg_sq"][start:end] = p["exp_avg_sq"].reshape(-1)
+    param_dtype = model[names[0]].dtype if names else torch.float32
+    bf16_grads = bool(_config_value(meta, "grad_reduce_in_bf16", False))
+    grad_dtype = param_dtype if bf16_grads else torch.float32
+    buffer = {(param_dtype, grad_dtype): {**flat, "numel_unpadded": total}}
+    return optimizer, {"buckets_coalesced": True, 0: buffer}
+
+
 def _with_extra_states(model: dict, post_process: bool) -> dict:
     out = {}
     for name in sorted(model, key=megatron_order):
@@ -197,7 +258,8 @@ def _with_extra_states(model: dict, post_process: bool) -> dict:
 
 def _write_legacy(reader: CheckpointReader, dst: str) -> None:
     meta = reader.meta
-    args = megatron_args(meta, reader, use_dist_ckpt=False)
+    distopt = writes_distrib_optim(meta, reader)
+    args = megatron_args(meta, reader, use_dist_ckpt=False, distributed_optimizer=distopt)
     scheduler = megatron_scheduler(meta)
     for t in range(reader.tp_size):
         for p in range(reader.pp_size):
@@ -211,14 +273,22 @@ def _write_legacy(reader: CheckpointReader, dst: str) -> None:
                 "model": _with_extra_states(model, post_process=p == reader.pp_size - 1),
                 "num_floating_point_operations_so_far": 0,
             }
+            distrib_optim = None
             if reader.has_optimizer():
                 full = reader.optimizer_state(t, p)
-                state["optimizer"] = _legacy_optimizer(full, names, model, meta)
+                if distopt:
+                    state["optimizer"], distrib_optim = _distributed_optimizer(
+                        full, names, model, meta, args, p
+                    )
+                else:
+                    state["optimizer"] = _legacy_optimizer(full, names, model, meta)
                 state["opt_param_scheduler"] = scheduler
             if shard.get("rng_state"):
                 state["rng_state"] = [megatron_rng(r) for r in shard["rng_state"]]
             folder = shard_dir(dst, tp_rank=t, pp_rank=p, pp_size=reader.pp_size)
             os.makedirs(folder, exist_ok=True)
+            if distrib_optim is not None:
+                save_file(distrib_optim, os.path.join(folder, DISTRIB_OPTIM_FILE))
             save_file(state, os.path.join(folder, MODEL_FILE))
             fsync_dir(folder)
 

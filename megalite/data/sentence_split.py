@@ -2,9 +2,12 @@
 uses it (``--lang``, default english; ``--keep-newlines`` keeps the whitespace after a sentence
 with the sentence, so newlines between sentences survive in the tokens).
 
-NLTK and its punkt model are optional and never downloaded here: without them the run stops with
-one line saying how to install them. There is no other splitter: a regex "fallback" would give
-other sentences than Megatron's, and other files.
+NLTK is optional and nothing is downloaded here (Megatron's tool fetches punkt at run time):
+without NLTK the run stops with one line saying how to install it. With NLTK but without its
+trained punkt model for ``--lang``, the splitter is NLTK's ``PunktSentenceTokenizer()`` with its
+default, untrained parameters (it still splits at ". ", "? ", "! " before a new sentence, but
+knows no abbreviations: "Dr. Smith" becomes two sentences where the trained english model keeps
+one), said in one warning line; the files then differ from Megatron's wherever that matters.
 
     splitter = PunktSplitter("english")
     splitter("One. Two.")   # -> ["One.", "Two."]
@@ -13,14 +16,18 @@ other sentences than Megatron's, and other files.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 from megalite.errors import UserError
 
-INSTALL = (
-    "pip install nltk, then fetch its punkt model once: python -m nltk.downloader punkt_tab "
-    "(or set NLTK_DATA to a folder holding tokenizers/punkt_tab)"
+logger = logging.getLogger(__name__)
+
+INSTALL_MODEL = (
+    "python -m nltk.downloader punkt_tab (or set NLTK_DATA to a folder holding "
+    "tokenizers/punkt_tab)"
 )
+INSTALL = f"pip install nltk, then fetch its punkt model once: {INSTALL_MODEL}"
 
 
 class SentenceSplitError(UserError, ValueError):
@@ -38,12 +45,27 @@ class PunktSplitter:
         return list(_punkt(self.lang, self.keep_newlines).tokenize(text))
 
     def check(self) -> None:
-        """Load the model now (one line naming the fix when it cannot be)."""
+        """Load the model now: one error line naming the fix without NLTK, one warning line
+        when the trained punkt model is absent (module doc)."""
         _punkt(self.lang, self.keep_newlines)
+        if not _trained(self.lang):
+            logger.warning(
+                "--split-sentences --lang %s: NLTK's trained punkt model for %s is not installed "
+                "(nothing is downloaded here): splitting with an untrained "
+                "PunktSentenceTokenizer(), which knows no abbreviations, so sentences may differ "
+                "from Megatron's; to match them: %s",
+                self.lang, self.lang, INSTALL_MODEL,
+            )  # fmt: skip
+
+
+def _trained(lang: str) -> bool:
+    """Whether NLTK's trained punkt model for ``lang`` is installed (else: the untrained one)."""
+    return _model(lang)[1]
 
 
 @functools.cache
-def _punkt(lang: str, keep_newlines: bool):
+def _model(lang: str):
+    """(NLTK's punkt tokenizer for ``lang``, whether it is the trained model)."""
     try:
         import nltk
         from nltk.tokenize import punkt
@@ -52,17 +74,22 @@ def _punkt(lang: str, keep_newlines: bool):
             f"--split-sentences needs NLTK, which is not installed; {INSTALL}"
         ) from None
     try:  # NLTK >= 3.9: the punkt_tab model
-        tokenizer = nltk.tokenize.PunktTokenizer(lang)
+        return nltk.tokenize.PunktTokenizer(lang), True
     except (AttributeError, LookupError, OSError, ValueError):
-        try:  # older NLTK: the pickled punkt model
-            tokenizer = nltk.data.load(f"tokenizers/punkt/{lang}.pickle")
-        except (LookupError, OSError, ValueError):
-            raise SentenceSplitError(
-                f"--split-sentences --lang {lang}: NLTK's punkt model for {lang} is not "
-                f"installed; {INSTALL}"
-            ) from None
+        pass
+    try:  # older NLTK: the pickled punkt model
+        return nltk.data.load(f"tokenizers/punkt/{lang}.pickle"), True
+    except (LookupError, OSError, ValueError):
+        return punkt.PunktSentenceTokenizer(), False  # untrained: default PunktParameters()
+
+
+@functools.cache
+def _punkt(lang: str, keep_newlines: bool):
+    tokenizer = _model(lang)[0]
     if not keep_newlines:
         return tokenizer
+    from nltk.tokenize import punkt
+
     return punkt.PunktSentenceTokenizer(
         train_text=tokenizer._params, lang_vars=_keep_newline_vars(punkt)()
     )

@@ -1,12 +1,16 @@
 """Issue 18: ``tools/preprocess_data.py --split-sentences`` (Megatron's: NLTK punkt, one sequence
-per sentence, ``{prefix}_{key}_sentence`` files). NLTK is optional and never downloaded: without
-it (or without its punkt model) the run stops with one line saying how to install them. The
-splitting itself is NLTK's; here a stand-in ``nltk`` module (a test double with punkt's interface,
-splitting at ". ") checks what megalite does with the sentences it returns.
+per sentence, ``{prefix}_{key}_sentence`` files). NLTK is optional and nothing is downloaded:
+without NLTK the run stops with one line saying how to install it; without its trained punkt
+model it splits with an untrained ``PunktSentenceTokenizer()`` and says so in one warning line.
+A stand-in ``nltk`` module (a test double with punkt's interface, splitting at ". ") checks what
+megalite does with the sentences; where NLTK is installed, the real untrained
+``PunktSentenceTokenizer`` runs end to end (skipped otherwise: NLTK is not a test dependency).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import sys
 import types
 
@@ -15,6 +19,8 @@ import pytest
 
 from megalite.data import sentence_split
 from megalite.data.indexed_dataset import IndexedDataset
+from megalite.data.tokenizers import make_tokenizer
+from tests.data.bpe_files import write_gpt2_files
 from tests.data.helpers import files_in, write_jsonl
 from tools import preprocess_data
 
@@ -32,8 +38,10 @@ def _argv(tmp_path, *extra):
 @pytest.fixture
 def fresh_punkt():
     sentence_split._punkt.cache_clear()
+    sentence_split._model.cache_clear()
     yield
     sentence_split._punkt.cache_clear()
+    sentence_split._model.cache_clear()
 
 
 def _stub_nltk(monkeypatch, *, has_model: bool) -> None:
@@ -52,6 +60,7 @@ def _stub_nltk(monkeypatch, *, has_model: bool) -> None:
     nltk.tokenize = types.ModuleType("nltk.tokenize")
     nltk.tokenize.PunktTokenizer = Punkt
     nltk.tokenize.punkt = types.ModuleType("nltk.tokenize.punkt")
+    nltk.tokenize.punkt.PunktSentenceTokenizer = lambda: Punkt.__new__(Punkt)  # untrained
     nltk.data = types.SimpleNamespace(load=load)
     monkeypatch.setitem(sys.modules, "nltk", nltk)
     monkeypatch.setitem(sys.modules, "nltk.tokenize", nltk.tokenize)
@@ -67,11 +76,18 @@ def test_without_nltk_one_line_how_to_install_and_no_output(tmp_path, capsys, mo
     assert not (tmp_path / "out").exists() or files_in(tmp_path / "out") == []
 
 
-def test_without_the_punkt_model_one_line(tmp_path, capsys, monkeypatch, fresh_punkt):
+def test_without_the_punkt_model_untrained_punkt_and_one_warning_line(
+    tmp_path, caplog, monkeypatch, fresh_punkt
+):
     _stub_nltk(monkeypatch, has_model=False)
-    assert preprocess_data.main(_argv(tmp_path, "--lang", "german")) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "punkt model for german is not installed" in err[0], err
+    with caplog.at_level(logging.WARNING):
+        assert preprocess_data.main(_argv(tmp_path, "--lang", "german")) == 0
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert "trained punkt model for german is not installed" in lines[0], lines
+    assert "untrained PunktSentenceTokenizer()" in lines[0] and "punkt_tab" in lines[0], lines
+    ds = IndexedDataset(str(tmp_path / "out" / "c_text_sentence"))
+    assert len(ds) == 6  # split by the (stand-in) untrained tokenizer
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
@@ -91,3 +107,28 @@ def test_sentences_are_sequences_of_their_documents(tmp_path, monkeypatch, fresh
     # documents: 3 sentences, 1, (the empty one skipped), 2
     assert ds.document_indices.tolist() == [0, 3, 4, 6]
     assert np.all(np.diff(ds.document_indices) > 0)
+
+
+TEXT = "Dr. Smith went home. He was tired!  Was he? Yes, 3.5 km away.\nThe end"
+# NLTK's untrained punkt: breaks after . ! ? before whitespace, knows no abbreviation ("Dr.")
+UNTRAINED = ["Dr.", "Smith went home.", "He was tired!", "Was he?", "Yes, 3.5 km away.", "The end"]
+
+
+def test_real_untrained_punkt_end_to_end(tmp_path, monkeypatch, caplog, fresh_punkt):
+    nltk = pytest.importorskip("nltk", reason="NLTK is not installed (not a test dependency)")
+    monkeypatch.setattr(nltk.data, "path", [str(tmp_path / "no_nltk_data")])  # no model found
+    assert sentence_split.PunktSplitter("english")(TEXT) == UNTRAINED
+    assert not sentence_split._trained("english")
+    vocab, merges = write_gpt2_files(tmp_path / "bpe", [])
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"text": TEXT}) + "\n", encoding="utf-8")
+    argv = ["--input", str(src), "--output-prefix", str(tmp_path / "out" / "c"),
+            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges,
+            "--split-sentences"]  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        assert preprocess_data.main(argv) == 0
+    assert sum("untrained PunktSentenceTokenizer()" in r.getMessage() for r in caplog.records) == 1
+    tok = make_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
+    ds = IndexedDataset(str(tmp_path / "out" / "c_text_sentence"))
+    assert [tok.detokenize(ds[i].tolist()) for i in range(len(ds))] == UNTRAINED
+    assert ds.document_indices.tolist() == [0, len(UNTRAINED)]

@@ -2,15 +2,18 @@
 
 Fixtures (tests/fixtures/megatron_ckpt/, written by megatron-core's and Megatron-LM's own save
 path, ``tools/make_megatron_fixtures.py``): a 4-layer Llama-style model at TP 2 x PP 2 after two
-Adam steps, saved as iteration 2 in Megatron's ``torch`` (legacy) and ``torch_dist`` formats, and
-``reference.pt``: the logits of fixed tokens computed by Megatron's GPTModel after Megatron's own
-``load_checkpoint`` of the torch_dist files at TP 1 x PP 1.
+Adam steps, saved as iteration 2 in Megatron's ``torch`` (legacy) and ``torch_dist`` formats, the
+same run at TP 2 x PP 2 x DP 2 with Megatron's distributed optimizer and 540-element grad-buffer
+buckets saved in the ``torch`` format (``distrib_optim.pt`` beside each ``model_optim_rng.pt``),
+and ``reference.pt``: the logits of fixed tokens computed by Megatron's GPTModel after Megatron's
+own ``load_checkpoint`` of the torch_dist files at TP 1 x PP 1.
 
-1. Both formats load into megalite at TP 1 x PP 1 (one process), TP 2 x PP 1 and TP 1 x PP 2
-   (two ranks): the logits equal the reference within 1e-5 relative (fp32; the sums are ordered
-   differently), the counters are Megatron's (iteration 2, 8 samples), and the Adam state is
-   Megatron's (the legacy files' moments, read back by name, equal the torch_dist ones).
-2. Training continues: two more iterations from either format at TP 1 and at TP 2 x PP 1 give the
+1. The three load into megalite at TP 1 x PP 1 (one process), TP 2 x PP 1, TP 1 x PP 2 and DP 2
+   with megalite's distributed optimizer (two ranks): the logits equal the reference within 1e-5
+   relative (fp32; the sums are ordered differently), the counters are Megatron's (iteration 2,
+   8 samples), and the Adam state is Megatron's (the flat ``distrib_optim.pt`` ranges, read back
+   by name, equal the plain optimizer's per-parameter state exactly).
+2. Training continues: two more iterations from any of them at any of those layouts give the
    same losses (1e-5); the control run without the optimizer state (--no-load-optim) differs.
 3. megalite's ``--ckpt-format torch`` / ``torch_dist`` files load back into megalite with the same
    logits, and, when megatron-core is importable, into Megatron's own ``load_checkpoint``
@@ -19,6 +22,7 @@ Adam steps, saved as iteration 2 in Megatron's ``torch`` (legacy) and ``torch_di
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
@@ -47,6 +51,8 @@ MODEL = (
     "--train-iters 4 --weight-decay 0.1 --clip-grad 1.0"
 ).split()
 FORMATS = {"torch": "legacy_tp2_pp2", "torch_dist": "dist_tp2_pp2"}
+# the checkpoints Megatron wrote: both formats, and the torch format with its distributed optimizer
+SOURCES = {**FORMATS, "torch+distrib_optim": "legacy_distopt_tp2_pp2_dp2"}
 
 
 def _reference() -> dict:
@@ -92,7 +98,7 @@ def _case(layouts_extra: list[str]) -> dict:
     out = {}
     try:
         ref = _reference()
-        for fmt, name in FORMATS.items():
+        for fmt, name in SOURCES.items():
             trainer, data, loaded = _load(name, ps, *flags, world_size=world, rank=rank)
             logits = _logits(trainer, ref["tokens"], ps)
             result = trainer.train(make_forward_step(torch.device("cpu")), data)
@@ -115,14 +121,15 @@ def _check_logits(logits: torch.Tensor, what: str) -> None:
 def test_megatron_checkpoints_load_at_any_layout_and_continue():
     single = ParallelState.single()
     losses = {}
-    for fmt, name in FORMATS.items():
+    for fmt, name in SOURCES.items():
         trainer, data, loaded = _load(name, single)
         _check_logits(_logits(trainer, _reference()["tokens"], single), f"{fmt} at TP1 PP1")
         assert loaded.progress.iteration == 2 and loaded.progress.consumed_train_samples == 8
         assert trainer.scheduler.num_steps == 2
         losses[fmt] = trainer.train(make_forward_step(torch.device("cpu")), data).losses
         assert len(losses[fmt]) == 2, losses[fmt]
-    assert_close_rel(losses["torch_dist"], losses["torch"], REL, "torch_dist vs torch at TP1")
+    for fmt in SOURCES:
+        assert_close_rel(losses[fmt], losses["torch"], REL, f"{fmt} vs torch at TP1")
     fresh_trainer, fresh_data, _ = _load(FORMATS["torch"], single, "--no-load-optim")
     fresh = fresh_trainer.train(make_forward_step(torch.device("cpu")), fresh_data).losses
     gap = max(abs(a - b) / abs(b) for a, b in zip(fresh, losses["torch"]))
@@ -130,26 +137,80 @@ def test_megatron_checkpoints_load_at_any_layout_and_continue():
 
     tp2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1"]
     pp2 = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
-    for flags, what in ((tp2, "TP2 PP1"), (pp2, "TP1 PP2")):
+    dp2 = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+           "--use-distributed-optimizer"]  # fmt: skip
+    for flags, what in ((tp2, "TP2 PP1"), (pp2, "TP1 PP2"), (dp2, "DP2 ZeRO-1")):
         results = run_distributed(_case, 2, flags, timeout=300)
-        for fmt in FORMATS:
+        for fmt in SOURCES:
             logits, progress, got = results[-1][fmt]
             _check_logits(logits, f"{fmt} at {what}")
             assert progress.iteration == 2 and progress.consumed_train_samples == 8
             assert_close_rel(got, losses["torch"], REL, f"{fmt} continued at {what}")
 
 
+def test_distrib_optim_is_megatrons_adam_state_by_name():
+    """The flat, bucketed ranges of ``distrib_optim.pt`` (stage 0 in 540-element buckets, one
+    closing right after a norm; the other stage in one bucket) decode to exactly the per-parameter
+    Adam state Megatron's plain optimizer saved for the same run; a reader that ignored a bucket
+    rule would find other sizes, and is refused in one line, not left to misread."""
+    from megalite.checkpoint.megatron import LegacyReader
+    from megalite.checkpoint.megatron_distopt import flat_layout, read_distrib_optim
+
+    plain = LegacyReader(os.path.join(FIXTURES, FORMATS["torch"], "iter_0000002"))
+    flat = LegacyReader(os.path.join(FIXTURES, SOURCES["torch+distrib_optim"], "iter_0000002"))
+    assert flat.distributed_optimizer and flat.has_optimizer()
+    for t in range(2):
+        for p in range(2):
+            want, got = plain.optimizer_state(t, p), flat.optimizer_state(t, p)
+            assert got["step"] == want["step"] == 2
+            assert got["params"].keys() == want["params"].keys()
+            for name, state in want["params"].items():
+                for key, tensor in state.items():
+                    assert torch.equal(got["params"][name][key], tensor), (t, p, name, key)
+    model = plain.shard(0, 0)["model"]
+    params = [(n, v.numel()) for n, v in model.items() if isinstance(v, torch.Tensor)]
+    assert flat_layout(params, bucket_size=None)[1] != flat_layout(params, bucket_size=540)[1]
+    raw = dict(flat._raw_shard(0, 0))
+    raw["args"] = argparse.Namespace(**{**vars(raw["args"]), "overlap_grad_reduce": False})
+    with pytest.raises(CheckpointError, match="grad buffer holds") as e:
+        read_distrib_optim(flat.path(0, 0, "distrib_optim.pt"), raw, tp_rank=0, pp_rank=0)
+    assert "\n" not in str(e.value)
+    raw = dict(flat._raw_shard(0, 1))  # stage 1: one bucket whatever --ddp-bucket-size says
+    read_distrib_optim(flat.path(0, 1, "distrib_optim.pt"), raw, tp_rank=0, pp_rank=1)
+
+
+# what megalite writes: each format, and the torch format of a --use-distributed-optimizer run
+WRITES = {"torch": [], "torch_dist": [], "torch+distrib_optim": ["--use-distributed-optimizer"]}
+
+
 def test_megalite_writes_megatron_formats_that_load_back(tmp_path):
     """--ckpt-format torch / torch_dist: megalite's files of the loaded fixture load back into
-    megalite with the same logits and counters."""
+    megalite with the same logits and counters; under --use-distributed-optimizer the torch format
+    holds Megatron's distributed-optimizer form (``distrib_optim.pt``), whose Adam state reads
+    back equal to the plain form's."""
+    from megalite.checkpoint.megatron import LegacyReader
+
     single = ParallelState.single()
-    for fmt in FORMATS:
-        save = str(tmp_path / fmt)
-        trainer, _, _ = _load(FORMATS["torch"], single, "--save", save, "--ckpt-format", fmt)
+    for what, extra in WRITES.items():
+        save = str(tmp_path / what)
+        fmt = what.split("+")[0]
+        trainer, _, _ = _load(FORMATS["torch"], single, "--save", save, "--ckpt-format", fmt,
+                              *extra)  # fmt: skip
         checkpoint_io.save_checkpoint(trainer)
         back, _, loaded = _load("", single, "--load", save)
         assert loaded.progress.iteration == 2 and loaded.progress.consumed_train_samples == 8
-        _check_logits(_logits(back, _reference()["tokens"], single), f"megalite {fmt} back")
+        _check_logits(_logits(back, _reference()["tokens"], single), f"megalite {what} back")
+    shard = os.path.join("iter_0000002", "mp_rank_00")
+    assert not os.path.exists(tmp_path / "torch" / shard / "distrib_optim.pt")
+    assert os.path.isfile(tmp_path / "torch+distrib_optim" / shard / "distrib_optim.pt")
+    plain = LegacyReader(str(tmp_path / "torch" / "iter_0000002")).optimizer_state(0, 0)
+    flat = LegacyReader(str(tmp_path / "torch+distrib_optim" / "iter_0000002"))
+    assert flat.distributed_optimizer
+    got = flat.optimizer_state(0, 0)
+    assert got["step"] == plain["step"] == 2 and got["params"].keys() == plain["params"].keys()
+    for name, state in plain["params"].items():
+        for key, tensor in state.items():
+            assert torch.equal(got["params"][name][key], tensor), (name, key)
 
 
 def _megatron_importable() -> bool:
@@ -163,20 +224,27 @@ def _megatron_importable() -> bool:
 
 @pytest.mark.skipif(not _megatron_importable(), reason="megatron-core/Megatron-LM not importable")
 def test_megalite_files_load_in_megatrons_loader(tmp_path):
+    """Megatron's own ``load_checkpoint`` (no --finetune) of megalite's files: the logits of the
+    source model, and the Adam state megalite wrote (by name), also through Megatron's
+    distributed optimizer from ``distrib_optim.pt``."""
     single = ParallelState.single()
     tool = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "make_megatron_fixtures.py")
-    for fmt in FORMATS:
-        save = str(tmp_path / fmt)
+    for what, extra in WRITES.items():
+        save = str(tmp_path / what)
+        fmt = what.split("+")[0]
         # the schedule of the Megatron run that loads it (tools/make_megatron_fixtures.py)
         trainer, _, _ = _load(FORMATS["torch"], single, "--save", save, "--ckpt-format", fmt,
-                              "--train-iters", "10")  # fmt: skip
+                              "--train-iters", "10", *extra)  # fmt: skip
         checkpoint_io.save_checkpoint(trainer)
         shutil.copy(os.path.join(FIXTURES, "reference.pt"), os.path.join(save, "reference.pt"))
+        flags = ["--distributed-optimizer"] if extra else []
         proc = subprocess.run(
-            [sys.executable, "-W", "ignore", tool, "--check-load", save, "--ckpt-format", fmt],
+            [sys.executable, "-W", "ignore", tool, "--check-load", save, "--ckpt-format", fmt,
+             *flags],
             capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert "= megalite's: yes" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_a_corrupt_megatron_file_is_one_line(tmp_path):
@@ -190,3 +258,69 @@ def test_a_corrupt_megatron_file_is_one_line(tmp_path):
 
 
 _ = tempfile
+
+
+# what Megatron's load_checkpoint reads from ``args`` (check_checkpoint_args, the counters)
+LOADER_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings",
+               "make_vocab_size_divisible_by", "padded_vocab_size", "tokenizer_type",
+               "tensor_model_parallel_size", "pipeline_model_parallel_size",
+               "data_parallel_random_init", "global_batch_size", "consumed_train_samples",
+               "consumed_valid_samples", "use_distributed_optimizer", "ckpt_format")  # fmt: skip
+
+
+def test_megalite_files_have_the_structure_of_megatrons(tmp_path):
+    """Where megatron-core is not installed (CI): megalite's ``--ckpt-format`` files hold what
+    Megatron's own save path wrote for the same model (the fixtures), entry for entry: the keys of
+    each file, the model's tensor names, the scheduler, the optimizer's nesting and param-group
+    keys (Megatron matches groups by them), ``distrib_optim.pt``'s buffers, the ``torch_dist``
+    tensor keys and ``common.pt``; and the ``args`` Megatron's loader reads. The load through
+    megatron-core itself is ``test_megalite_files_load_in_megatrons_loader``."""
+    import re
+
+    import torch.distributed.checkpoint as dcp
+
+    from megalite.checkpoint.megatron_legacy import load_megatron_file
+
+    single = ParallelState.single()
+    for what, extra in WRITES.items():
+        trainer, _, _ = _load(FORMATS["torch"], single, "--save", str(tmp_path / what),
+                              "--ckpt-format", what.split("+")[0], *extra)  # fmt: skip
+        checkpoint_io.save_checkpoint(trainer)
+    layer = re.compile(r"decoder\.layers\.\d+\.")
+    for what in ("torch", "torch+distrib_optim"):
+        mine_dir = tmp_path / what / "iter_0000002" / "mp_rank_00"
+        src = os.path.join(FIXTURES, SOURCES[what], "iter_0000002")
+        mine = load_megatron_file(str(mine_dir / "model_optim_rng.pt"))
+        theirs = [load_megatron_file(os.path.join(src, f"mp_rank_00_00{p}", "model_optim_rng.pt"))
+                  for p in (0, 1)]  # fmt: skip
+        assert set(mine) == set(theirs[0]), what
+        names = {layer.sub("decoder.layers.*.", k) for t in theirs for k in t["model"]}
+        assert {layer.sub("decoder.layers.*.", k) for k in mine["model"]} == names, what
+        assert set(mine["opt_param_scheduler"]) == set(theirs[0]["opt_param_scheduler"])
+        mo, to = mine["optimizer"], theirs[0]["optimizer"]
+        assert set(mo) == set(to), what
+        mi, ti = mo.get("optimizer", mo), to.get("optimizer", to)
+        assert set(mi) == set(ti) and len(mi["param_groups"]) == len(ti["param_groups"]), what
+        for mg, tg in zip(mi["param_groups"], ti["param_groups"]):
+            assert set(mg) == set(tg), (what, set(mg) ^ set(tg))
+        args = vars(mine["args"])
+        missing = [a for a in LOADER_ARGS if a not in args]
+        assert not missing, (what, missing)
+        assert args["use_distributed_optimizer"] == ("distrib" in what)
+    mine = torch.load(tmp_path / "torch+distrib_optim" / "iter_0000002" / "mp_rank_00" /
+                      "distrib_optim.pt", weights_only=True)  # fmt: skip
+    src = os.path.join(FIXTURES, SOURCES["torch+distrib_optim"], "iter_0000002", "mp_rank_00_000")
+    theirs = torch.load(os.path.join(src, "distrib_optim.pt"), weights_only=True)
+    assert set(mine) == set(theirs) and list(mine[0]) == list(theirs[0])
+    assert set(next(iter(mine[0].values()))) == set(next(iter(theirs[0].values())))
+
+    def keys(folder):
+        index = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        return {k for k in index if not k.startswith("rng_state/")}  # rng shards name the layout
+
+    dist = tmp_path / "torch_dist" / "iter_0000002"
+    src = os.path.join(FIXTURES, FORMATS["torch_dist"], "iter_0000002")
+    assert keys(dist) == keys(src)
+    common = load_megatron_file(str(dist / "common.pt"))
+    assert set(common) == set(load_megatron_file(os.path.join(src, "common.pt")))
+    assert not [a for a in LOADER_ARGS if a not in vars(common["args"])]
