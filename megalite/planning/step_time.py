@@ -66,6 +66,7 @@ class StepTime:
     optimizer: float
     tokens_per_s: float
     mfu: float  # percent of peak, model FLOPs (as megalite logs)
+    fixed: float = 0.0  # per-step costs outside the passes (zeroing grads, loss, grad norm)
 
 
 def _ring(bytes_: float, n: int, gbps: float, latency: float, *, factor: float) -> float:
@@ -169,18 +170,32 @@ def predict_step_time(
         for r in range(pp)
     ]  # fmt: skip
     busiest_total = max(busy_rank)
+    world = tp * pp * dp * cp
+    shared = 0 < cluster.cores < world  # CPU: ranks are processes sharing the cores
+    slow = world / cluster.cores if shared else 1.0  # every rank busy: each gets cores / world
     if pp > 1:
         lists = generate(layout.schedule, pp_size=pp, num_microbatches=m, num_chunks=chunks,
                          microbatch_group_size=layout.microbatch_group_size)  # fmt: skip
-        lists = [
-            [Action(a.op, a.microbatch, _RankChunk(a.chunk, r)) for a in actions]
-            for r, actions in enumerate(lists)
-        ]
-        costs = _per_rank_costs(stage_f, stage_b, stages, p2p)
-        sim = simulate_actions(with_p2p(lists, stages), stages, costs)
-        makespan = max(sim.step_time, busiest_total)
+        if shared:
+            from megalite.planning.shared_cores import replay
+
+            def cost(r: int, a) -> float:
+                st = stages.stage(r, a.chunk)
+                return {"F": stage_f[st], "B": stage_b[st], "I": stage_b[st] / 2,
+                        "W": stage_b[st] / 2}[a.op]  # fmt: skip
+
+            makespan, _ = replay(lists, stages, cost, p2p=p2p, cores=cluster.cores,
+                                 group=world // pp)  # fmt: skip
+        else:
+            lists = [
+                [Action(a.op, a.microbatch, _RankChunk(a.chunk, r)) for a in actions]
+                for r, actions in enumerate(lists)
+            ]
+            costs = _per_rank_costs(stage_f, stage_b, stages, p2p)
+            sim = simulate_actions(with_p2p(lists, stages), stages, costs)
+            makespan = max(sim.step_time, busiest_total)
     else:
-        makespan = busiest_total
+        makespan = busiest_total * slow
     busiest = max(
         m * sum(stage_f[stages.stage(r, ch)] + stage_b[stages.stage(r, ch)]
                 - stage_comm[stages.stage(r, ch)] for ch in range(chunks))
@@ -214,7 +229,9 @@ def predict_step_time(
         dp_comm = max(dp_comm - stage_b[0], dp_comm * 0.1)
     shard = dp_n if layout.rung != "no_shard" else 1
     optimizer = params / shard * cluster.optimizer_s_per_param
-    seconds = makespan + dp_comm + optimizer
+    optimizer *= slow
+    fixed = cluster.step_overhead_s * slow
+    seconds = makespan + dp_comm + optimizer + fixed
     model_flops = model_flops_per_iteration(
         num_layers=c.num_layers, padded_vocab_size=vocab, hidden_size=h, seq_length=s,
         global_batch_size=global_batch_size, ffn_hidden_size=c.ffn_hidden_size,
@@ -225,16 +242,16 @@ def predict_step_time(
         dense_mlp = _layer_forward_flops(c, tokens=s, s=s, moe=False)
         moe_mlp = _layer_forward_flops(c, tokens=s, s=s, moe=True)
         model_flops += 3 * sum(moe) * (moe_mlp - dense_mlp) * global_batch_size
-    world = tp * pp * dp * cp
     mfu = 100.0 * model_flops / (seconds * world * cluster.peak_tflops * 1e12)
     return StepTime(
         seconds=seconds,
         compute=busiest,
         tp_comm=tp_comm,
         pp_comm=p2p,
-        bubble=makespan - busiest_total,
+        bubble=max(makespan - busiest_total * slow, 0.0),
         dp_comm=dp_comm,
         optimizer=optimizer,
         tokens_per_s=global_batch_size * s / seconds,
         mfu=mfu,
+        fixed=fixed,
     )
