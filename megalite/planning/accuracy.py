@@ -90,10 +90,12 @@ def step_time_accuracy(
     steps: int = 3,
     reference: list[str] | None = None,
     calibration: dict | None = None,
+    recalibrate: bool = False,
 ) -> tuple[dict, list[Row]]:
     """(the calibration, one ``Row`` per layout); a layout may come with extra model flags
     (``(layout, ["--num-experts", "4"])``); ``reference``: the calibration's model flags (default
-    ``calibrate.REFERENCE``)."""
+    ``calibrate.REFERENCE``); ``recalibrate``: calibrate again before each layout (a loaded
+    machine's speed drifts over seconds: each layout is held against the machine of its moment)."""
     import torch.distributed as dist
 
     from megalite.planning.calibrate import REFERENCE, calibrate_in_world
@@ -102,9 +104,11 @@ def step_time_accuracy(
     torch.set_num_threads(1)
     if calibration is None:
         calibration = calibrate_in_world(reference or REFERENCE)
-    cluster = cpu_cluster(dist.get_world_size(), calibration)
     rows = []
-    for item in layouts:
+    for i, item in enumerate(layouts):
+        if recalibrate and i:
+            calibration = calibrate_in_world(reference or REFERENCE)
+        cluster = cpu_cluster(dist.get_world_size(), calibration)
         lay, extra = item if isinstance(item, tuple) else (item, [])
         c = evaluate(model_argv, lay, cluster, vocab_size=vocab_size,
                      global_batch_size=global_batch_size, extra=extra)  # fmt: skip

@@ -86,6 +86,15 @@ def reference_step(
     return t, cfg
 
 
+def _layers(argv: list[str], n: int) -> list[str]:
+    out = list(argv)
+    if "--num-layers" in out:
+        out[out.index("--num-layers") + 1] = str(n)
+    else:
+        out += ["--num-layers", str(n)]
+    return out
+
+
 def fit_compute(
     argv: list[str],
     device: torch.device,
@@ -94,17 +103,20 @@ def fit_compute(
     optimizer_s_per_param: float,
     repeat: int = 5,
 ) -> dict[str, float]:
-    """``efficiency``, ``layer_overhead_s`` and ``step_overhead_s`` from three steps: micro-batch
-    1 and 4 in one micro-batch (their difference is FLOPs: the rate), and 4 micro-batches of 1
-    (the same FLOPs as micro-batch 4: the difference is 3 micro-batches' fixed cost, spread over
-    the 3 passes of each layer); what is left of the first step, less the optimizer step, is the
-    step's own fixed cost (zeroing the grads, the loss, the grad norm)."""
+    """``efficiency``, ``layer_overhead_s``, ``chunk_overhead_s`` and ``step_overhead_s`` from four
+    steps: micro-batch 1 and 4 in one micro-batch (their difference is FLOPs: the rate); 4
+    micro-batches of 1 (the FLOPs of micro-batch 4: the difference is 3 micro-batches' fixed
+    cost); the same with half the layers (what the fixed cost per micro-batch loses with them is
+    per layer, spread 1 : 2 over forward and backward; the rest is per pass of the chunk, half
+    each way); what is left of the first step, less the optimizer step, is the step's own fixed
+    cost (zeroing the grads, the loss, the grad norm)."""
     from megalite.planning.model_state import param_numels
     from megalite.training.flops import model_flops_per_iteration
 
+    layers = parse_layers(argv)
     points = []
-    for b, gbs in ((1, 1), (4, 4), (1, 4)):
-        t, cfg = reference_step([*argv, "--micro-batch-size", str(b),
+    for b, gbs, n in ((1, 1, layers), (4, 4, layers), (1, 4, layers), (1, 4, layers // 2)):
+        t, cfg = reference_step([*_layers(argv, n), "--micro-batch-size", str(b),
                                  "--global-batch-size", str(gbs)], device,
                                 repeat=repeat)  # fmt: skip
         m = cfg.model
@@ -114,18 +126,25 @@ def fit_compute(
             ffn_hidden_size=m.ffn_hidden_size, num_attention_heads=m.num_attention_heads,
             kv_channels=m.kv_channels, num_query_groups=m.num_query_groups, swiglu=m.swiglu,
         )  # fmt: skip
-        points.append((flops, t))
-    (f1, t1), (f4, t4), (_, t4m) = points
-    layers = cfg.model.num_layers
-    params = sum(n for _, n in param_numels(cfg.model, tp=1, pp=1, pp_rank=0))
+        params = sum(k for _, k in param_numels(m, tp=1, pp=1, pp_rank=0))
+        points.append((flops, t, params))
+    (f1, t1, params), (f4, t4, _), (_, t4m, _), (fh, th, params_h) = points
     rate = (f4 - f1) / max(t4 - t1, 1e-9)  # FLOP/s of the marginal work
     per_microbatch = max((t4m - t4) / 3, 0.0)
     fixed = max(t1 - f1 / rate - per_microbatch - params * optimizer_s_per_param, 0.0)
+    half = (th - fixed - fh / rate - params_h * optimizer_s_per_param) / 4
+    per_layer = min(max((per_microbatch - half) / (layers - layers // 2), 0.0),
+                    per_microbatch / layers)  # fmt: skip
     return {
         "efficiency": rate / (peak_tflops * 1e12),
-        "layer_overhead_s": per_microbatch / (3 * layers),
+        "layer_overhead_s": per_layer / 3,
+        "chunk_overhead_s": (per_microbatch - layers * per_layer) / 2,
         "step_overhead_s": fixed,
     }
+
+
+def parse_layers(argv: list[str]) -> int:
+    return int(argv[argv.index("--num-layers") + 1]) if "--num-layers" in argv else 2
 
 
 def _busy_seconds(n: int = 40) -> float:
@@ -174,15 +193,18 @@ def calibrate_in_world(
     dist.barrier()
     fit = fit_compute(argv, device, peak_tflops=peak_tflops, optimizer_s_per_param=opt,
                       repeat=repeat)  # fmt: skip
-    figures = torch.tensor([fit["efficiency"], fit["layer_overhead_s"], fit["step_overhead_s"],
-                            opt], dtype=torch.float64)  # fmt: skip
+    figures = torch.tensor([fit["efficiency"], fit["layer_overhead_s"], fit["chunk_overhead_s"],
+                            fit["step_overhead_s"], opt], dtype=torch.float64)  # fmt: skip
     dist.all_reduce(figures)
-    eff, layer, step, opt = (figures / world).tolist()
+    eff, layer, chunk, step, opt = (figures / world).tolist()
     sizes = (1 << 12, 1 << 20)
     times = {}
     for n in sizes:
         x = torch.ones(n // 4)
         times[n] = _median_time(lambda x=x: dist.all_reduce(x), repeat=5, sync=lambda: None)
+    both = torch.tensor([times[n] for n in sizes], dtype=torch.float64)
+    dist.all_reduce(both)  # every rank the same figures (and so the same predictions)
+    times = dict(zip(sizes, (both / world).tolist()))
     bw = (sizes[1] - sizes[0]) / max(times[sizes[1]] - times[sizes[0]], 1e-9)
     bus = 2 * (world - 1) / world  # the ring's bus factor
     return {
@@ -191,6 +213,7 @@ def calibrate_in_world(
         "cores": cores if cores < world else 0,
         "efficiency": eff * slow,
         "layer_overhead_s": layer / slow,
+        "chunk_overhead_s": chunk / slow,
         "step_overhead_s": step / slow,
         "optimizer_s_per_param": opt / slow,
         "collectives": {"all_reduce": {"gbps": bus * bw / 1e9,

@@ -5,7 +5,8 @@ ring all-reduce of ``B`` bytes over ``n`` ranks takes ``2 (n-1)/n B / bw``, an a
 reduce-scatter ``(n-1)/n B / bw``. ``efficiency`` is the achieved share of peak of the model's
 matrix multiplications (calibrated: ``tools/plan.py --calibrate``), ``layer_overhead_s`` a fixed
 cost per layer per micro-batch pass (kernel launches on GPU, op dispatch on CPU),
-``step_overhead_s`` a fixed cost per step, ``cores`` the CPU cores the ranks of a CPU run share
+``chunk_overhead_s`` a fixed cost per pass of a model chunk, ``step_overhead_s`` a fixed cost per
+step, ``cores`` the CPU cores the ranks of a CPU run share
 (a rank waiting in the pipeline's bubble lends its core; 0 on GPUs: a device per rank).
 
 Calibration file (JSON, written by ``calibrate.calibrate`` and read by ``load_calibration``)::
@@ -37,6 +38,7 @@ class Cluster:
     inter_node_gbps: float
     efficiency: float = 0.6
     layer_overhead_s: float = 2e-5
+    chunk_overhead_s: float = 0.0  # per forward or backward pass of a model chunk
     step_overhead_s: float = 0.0  # per step, outside the micro-batches and the optimizer
     cores: float = 0.0  # CPU: cores the ranks share (0: every rank has its own device)
     collective_latency_s: float = 2e-5
@@ -104,6 +106,7 @@ def calibrated(cluster: Cluster, data: dict) -> Cluster:
         efficiency=data.get("efficiency", cluster.efficiency),
         layer_overhead_s=data.get("layer_overhead_s", cluster.layer_overhead_s),
         step_overhead_s=data.get("step_overhead_s", cluster.step_overhead_s),
+        chunk_overhead_s=data.get("chunk_overhead_s", cluster.chunk_overhead_s),
         cores=data.get("cores", cluster.cores),
         optimizer_s_per_param=data.get("optimizer_s_per_param", cluster.optimizer_s_per_param),
         collective_latency_s=ar.get("latency_s", cluster.collective_latency_s),

@@ -2,8 +2,10 @@
 
 Per pipeline rank and micro-batch, forward compute is the rank's share of the model FLOPs
 (``training.flops.model_flops_per_iteration``, split into its layers and the output layer) over
-``peak x efficiency``, plus ``layer_overhead_s`` per layer; backward is twice the forward, plus
-one more forward of the recomputed part (full: the layers; selective: the attention core).
+``peak x efficiency``, plus ``layer_overhead_s`` per layer and ``chunk_overhead_s`` per pass of a
+model chunk (the schedule's own work for one micro-batch: data, embedding, loss, the executor);
+backward is twice the forward, plus one more forward of the recomputed part (full: the layers;
+selective: the attention core).
 Tensor-parallel collectives are exposed (megalite does not overlap them): two all-reduces per
 layer forward and two backward of ``[s, b, h]`` (under sequence parallel two all-gathers and two
 reduce-scatters of the same bytes). Pipeline sends are blocking ``[s, b, h]`` (``/tp`` under SP)
@@ -152,8 +154,9 @@ def predict_step_time(
             recompute = fwd_flops - (output_flops if st == stages.num_stages - 1 else 0.0)
         elif c.recompute_granularity == "selective":
             recompute = n_layers * core_attention
-        f = fwd_flops / tp / rate + n_layers * cluster.layer_overhead_s
+        f = fwd_flops / tp / rate + n_layers * cluster.layer_overhead_s + cluster.chunk_overhead_s
         bwd = (2 * fwd_flops + recompute) / tp / rate + 2 * n_layers * cluster.layer_overhead_s
+        bwd += cluster.chunk_overhead_s
         n_moe = sum(moe[start:end])
         comm_f = 2 * n_layers * per_collective + n_layers * cp_f + n_moe * ep_f
         comm_b = (4 if c.recompute_granularity == "full" else 2) * n_layers * per_collective

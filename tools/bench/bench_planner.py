@@ -31,6 +31,7 @@ from megalite.planning.predict import Layout  # noqa: E402
 
 MODEL = [a for a in REFERENCE if a not in ("--vocab-size", "1024")]
 VOCAB = 1024
+SMALL = ["--num-layers", "4", "--hidden-size", "128", "--seq-length", "64"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
 
 
@@ -56,11 +57,15 @@ def layouts(world: int) -> list:
 def _worker(rank: int, world: int, init: str, args, queue) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     model, items = list(MODEL), layouts(world)
+    if args.small:
+        model += SMALL
     if args.tiny:
         model += ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "32"]
         items = items[:2]
+    reference = [*model, "--vocab-size", str(VOCAB)]
     calib, rows = step_time_accuracy(model, items, vocab_size=VOCAB, global_batch_size=8,
-                                     steps=args.steps)  # fmt: skip
+                                     steps=args.steps, reference=reference,
+                                     recalibrate=args.recalibrate)  # fmt: skip
     if rank == 0:
         queue.put((calib, [(r.layout.name(), r.predicted, r.measured) for r in rows]))
     dist.destroy_process_group()
@@ -70,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--small", action="store_true", help="the suite's model (4 layers, h 128)")
+    p.add_argument("--recalibrate", action="store_true", help="calibrate before each layout")
     p.add_argument("--tiny", action="store_true", help="smoke run: 2 layouts, 1 step")
     args = p.parse_args(argv)
     if args.tiny:
@@ -93,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             proc.join()
     print(
         f"calibration: cores {calib['cores'] or args.world:g}, rate {calib['efficiency']:.3g} "
-        f"TFLOP/s, layer overhead {calib['layer_overhead_s'] * 1e6:.0f} us, step overhead "
+        f"TFLOP/s, layer overhead {calib['layer_overhead_s'] * 1e6:.0f} us, chunk overhead "
+        f"{calib.get('chunk_overhead_s', 0) * 1e6:.0f} us, step overhead "
         f"{calib['step_overhead_s'] * 1e3:.1f} ms, all-reduce "
         f"{calib['collectives']['all_reduce']['gbps']:.2f} GB/s + "
         f"{calib['collectives']['all_reduce']['latency_s'] * 1e6:.0f} us"
