@@ -86,32 +86,139 @@ def reference_step(
     return t, cfg
 
 
+def _layers(argv: list[str], n: int) -> list[str]:
+    out = list(argv)
+    if "--num-layers" in out:
+        out[out.index("--num-layers") + 1] = str(n)
+    else:
+        out += ["--num-layers", str(n)]
+    return out
+
+
 def fit_compute(
-    argv: list[str], device: torch.device, *, peak_tflops: float, optimizer_s_per_param: float
+    argv: list[str],
+    device: torch.device,
+    *,
+    peak_tflops: float,
+    optimizer_s_per_param: float,
+    repeat: int = 5,
 ) -> dict[str, float]:
-    """``efficiency`` and ``layer_overhead_s`` from steps at micro-batch 1 and 4 (global batch =
-    micro-batch: one pass each), minus the optimizer step."""
+    """``efficiency``, ``layer_overhead_s``, ``chunk_overhead_s`` and ``step_overhead_s`` from four
+    steps: micro-batch 1 and 4 in one micro-batch (their difference is FLOPs: the rate); 4
+    micro-batches of 1 (the FLOPs of micro-batch 4: the difference is 3 micro-batches' fixed
+    cost); the same with half the layers (what the fixed cost per micro-batch loses with them is
+    per layer, spread 1 : 2 over forward and backward; the rest is per pass of the chunk, half
+    each way); what is left of the first step, less the optimizer step, is the step's own fixed
+    cost (zeroing the grads, the loss, the grad norm)."""
     from megalite.planning.model_state import param_numels
     from megalite.training.flops import model_flops_per_iteration
 
+    layers = parse_layers(argv)
     points = []
-    for b in (1, 4):
-        t, cfg = reference_step([*argv, "--micro-batch-size", str(b),
-                                 "--global-batch-size", str(b)], device)  # fmt: skip
+    for b, gbs, n in ((1, 1, layers), (4, 4, layers), (1, 4, layers), (1, 4, layers // 2)):
+        t, cfg = reference_step([*_layers(argv, n), "--micro-batch-size", str(b),
+                                 "--global-batch-size", str(gbs)], device,
+                                repeat=repeat)  # fmt: skip
         m = cfg.model
         flops = model_flops_per_iteration(
             num_layers=m.num_layers, hidden_size=m.hidden_size, seq_length=m.seq_length,
-            global_batch_size=b, padded_vocab_size=m.padded_vocab_size(1),
+            global_batch_size=gbs, padded_vocab_size=m.padded_vocab_size(1),
             ffn_hidden_size=m.ffn_hidden_size, num_attention_heads=m.num_attention_heads,
             kv_channels=m.kv_channels, num_query_groups=m.num_query_groups, swiglu=m.swiglu,
         )  # fmt: skip
-        params = sum(n for _, n in param_numels(m, tp=1, pp=1, pp_rank=0))
-        points.append((flops, t, m.num_layers, params))
-    (f1, t1, layers, params), (f4, t4, _, _) = points
+        params = sum(k for _, k in param_numels(m, tp=1, pp=1, pp_rank=0))
+        points.append((flops, t, params))
+    (f1, t1, params), (f4, t4, _), (_, t4m, _), (fh, th, params_h) = points
     rate = (f4 - f1) / max(t4 - t1, 1e-9)  # FLOP/s of the marginal work
-    # what the work does not explain: 3 passes (forward, 2 x backward) per layer
-    fixed = max(t1 - f1 / rate - params * optimizer_s_per_param, 0.0)
-    return {"efficiency": rate / (peak_tflops * 1e12), "layer_overhead_s": fixed / (3 * layers)}
+    per_microbatch = max((t4m - t4) / 3, 0.0)
+    fixed = max(t1 - f1 / rate - per_microbatch - params * optimizer_s_per_param, 0.0)
+    half = (th - fixed - fh / rate - params_h * optimizer_s_per_param) / 4
+    per_layer = min(max((per_microbatch - half) / (layers - layers // 2), 0.0),
+                    per_microbatch / layers)  # fmt: skip
+    return {
+        "efficiency": rate / (peak_tflops * 1e12),
+        "layer_overhead_s": per_layer / 3,
+        "chunk_overhead_s": (per_microbatch - layers * per_layer) / 2,
+        "step_overhead_s": fixed,
+    }
+
+
+def parse_layers(argv: list[str]) -> int:
+    return int(argv[argv.index("--num-layers") + 1]) if "--num-layers" in argv else 2
+
+
+def _busy_seconds(n: int = 40) -> float:
+    a, b = torch.randn(192, 192), torch.randn(192, 192)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(n):
+        a @ b
+    return time.perf_counter() - start
+
+
+def shared_cores(*, repeat: int = 3) -> float:
+    """The cores the ranks of this (CPU, gloo) world share: each rank computes alone (the others
+    wait in a barrier, asleep) and then all at once; ``world x alone / together`` (medians),
+    ``world`` when they do not slow each other down. Collective over the default group."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    alone, together = [], []
+    for _ in range(repeat):
+        for r in range(world):
+            dist.barrier()
+            if r == rank:
+                alone.append(_busy_seconds())
+        dist.barrier()
+        together.append(_busy_seconds())
+    mine = torch.tensor([statistics.median(alone), statistics.median(together)])
+    dist.all_reduce(mine)
+    cores = world * float(mine[0] / mine[1])
+    return world if cores > 0.9 * world else max(cores, 1.0)
+
+
+def calibrate_in_world(
+    argv: list[str] = REFERENCE, *, peak_tflops: float = 1.0, repeat: int = 3
+) -> dict:
+    """The calibration of a CPU gloo world, in it (every rank calls it): the shared cores, then
+    the reference steps with every rank busy (``fit_compute``: each rank alone on its model), the
+    figures scaled back to a rank with a core of its own; the all-reduce over the world."""
+    import torch.distributed as dist
+
+    device = torch.device("cpu")
+    world = dist.get_world_size()
+    cores = shared_cores()
+    slow = world / cores
+    opt = optimizer_seconds_per_param(device, n=1_000_000)
+    dist.barrier()
+    fit = fit_compute(argv, device, peak_tflops=peak_tflops, optimizer_s_per_param=opt,
+                      repeat=repeat)  # fmt: skip
+    figures = torch.tensor([fit["efficiency"], fit["layer_overhead_s"], fit["chunk_overhead_s"],
+                            fit["step_overhead_s"], opt], dtype=torch.float64)  # fmt: skip
+    dist.all_reduce(figures)
+    eff, layer, chunk, step, opt = (figures / world).tolist()
+    sizes = (1 << 12, 1 << 20)
+    times = {}
+    for n in sizes:
+        x = torch.ones(n // 4)
+        times[n] = _median_time(lambda x=x: dist.all_reduce(x), repeat=5, sync=lambda: None)
+    both = torch.tensor([times[n] for n in sizes], dtype=torch.float64)
+    dist.all_reduce(both)  # every rank the same figures (and so the same predictions)
+    times = dict(zip(sizes, (both / world).tolist()))
+    bw = (sizes[1] - sizes[0]) / max(times[sizes[1]] - times[sizes[0]], 1e-9)
+    bus = 2 * (world - 1) / world  # the ring's bus factor
+    return {
+        "device": "cpu",
+        "peak_tflops": peak_tflops,
+        "cores": cores if cores < world else 0,
+        "efficiency": eff * slow,
+        "layer_overhead_s": layer / slow,
+        "chunk_overhead_s": chunk / slow,
+        "step_overhead_s": step / slow,
+        "optimizer_s_per_param": opt / slow,
+        "collectives": {"all_reduce": {"gbps": bus * bw / 1e9,
+                                       "latency_s": max(times[sizes[0]] - sizes[0] / bw, 0.0)}},
+    }  # fmt: skip
 
 
 def optimizer_seconds_per_param(device: torch.device, n: int = 4_000_000) -> float:
@@ -183,6 +290,7 @@ def calibrate(*, device: torch.device | None = None, argv: list[str] = REFERENCE
         "matmul_tflops": mm,
         "attention_tflops": attention_tflops(device, dtype),
         "optimizer_s_per_param": optimizer_seconds_per_param(device),
+        "cores": 0 if cuda else os.cpu_count() or 0,
     }
     ref = argv if not cuda else [*argv, "--bf16"]
     data.update(

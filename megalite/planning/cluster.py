@@ -4,12 +4,16 @@ Bandwidths are bus bandwidths per GPU in GB/s (10^9 bytes/s), the figure NCCL's 
 ring all-reduce of ``B`` bytes over ``n`` ranks takes ``2 (n-1)/n B / bw``, an all-gather or a
 reduce-scatter ``(n-1)/n B / bw``. ``efficiency`` is the achieved share of peak of the model's
 matrix multiplications (calibrated: ``tools/plan.py --calibrate``), ``layer_overhead_s`` a fixed
-cost per layer per micro-batch pass (kernel launches on GPU, op dispatch on CPU).
+cost per layer per micro-batch pass (kernel launches on GPU, op dispatch on CPU),
+``chunk_overhead_s`` a fixed cost per pass of a model chunk, ``step_overhead_s`` a fixed cost per
+step, ``cores`` the CPU cores the ranks of a CPU run share
+(a rank waiting in the pipeline's bubble lends its core; 0 on GPUs: a device per rank).
 
 Calibration file (JSON, written by ``calibrate.calibrate`` and read by ``load_calibration``)::
 
     {"format": "megalite-plan-calibration/1", "device": "...", "peak_tflops": 989.0,
-     "efficiency": 0.62, "layer_overhead_s": 2e-5, "optimizer_s_per_param": 1e-11,
+     "efficiency": 0.62, "layer_overhead_s": 2e-5, "step_overhead_s": 0.0, "cores": 0,
+     "optimizer_s_per_param": 1e-11,
      "matmul_tflops": {"1024": 410.0, ...}, "attention_tflops": 300.0,
      "collectives": {"all_reduce": {"gbps": 80.0, "latency_s": 3e-5}, "p2p": {...}}}
 """
@@ -34,6 +38,9 @@ class Cluster:
     inter_node_gbps: float
     efficiency: float = 0.6
     layer_overhead_s: float = 2e-5
+    chunk_overhead_s: float = 0.0  # per forward or backward pass of a model chunk
+    step_overhead_s: float = 0.0  # per step, outside the micro-batches and the optimizer
+    cores: float = 0.0  # CPU: cores the ranks share (0: every rank has its own device)
     collective_latency_s: float = 2e-5
     optimizer_s_per_param: float = 16.0 / 2.0e12  # ~16 bytes read+written per param at HBM speed
     memory_reserve_gib: float = 4.0  # CUDA context, allocator fragmentation, NCCL buffers
@@ -98,6 +105,9 @@ def calibrated(cluster: Cluster, data: dict) -> Cluster:
     values = dict(
         efficiency=data.get("efficiency", cluster.efficiency),
         layer_overhead_s=data.get("layer_overhead_s", cluster.layer_overhead_s),
+        step_overhead_s=data.get("step_overhead_s", cluster.step_overhead_s),
+        chunk_overhead_s=data.get("chunk_overhead_s", cluster.chunk_overhead_s),
+        cores=data.get("cores", cluster.cores),
         optimizer_s_per_param=data.get("optimizer_s_per_param", cluster.optimizer_s_per_param),
         collective_latency_s=ar.get("latency_s", cluster.collective_latency_s),
         calibration=data,

@@ -46,7 +46,7 @@ def step_table(step) -> list[str]:
     return [
         f"step {step.seconds:.4f} s = pipeline (compute {step.compute:.4f} s incl. exposed TP "
         f"{step.tp_comm:.4f} s, bubble {step.bubble:.4f} s, p2p {step.pp_comm:.2e} s/hop) + DP "
-        f"{step.dp_comm:.4f} s + optimizer {step.optimizer:.4f} s; "
+        f"{step.dp_comm:.4f} s + optimizer {step.optimizer:.4f} s + fixed {step.fixed:.4f} s; "
         f"{step.tokens_per_s:,.0f} tokens/s, MFU {step.mfu:.1f}%"
     ]
 

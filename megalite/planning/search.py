@@ -15,7 +15,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from megalite.core.mesh_layout import mesh_sizes
-from megalite.planning.activations import IN_FLIGHT
+from megalite.planning.activations import MODELLED_SCHEDULES
 from megalite.planning.cluster import Cluster
 from megalite.planning.model_state import ZERO_RUNGS
 from megalite.planning.predict import Layout, RankMemory, predict_memory
@@ -73,11 +73,13 @@ def candidate_layouts(cluster: Cluster, *, global_batch_size: int) -> list[Layou
         per_rank = global_batch_size // dp if global_batch_size % dp == 0 else 0
         mbs = [b for b in (1, 2, 4, 8, 16) if per_rank and per_rank % b == 0] or [1]
         for sp, rung, schedule, b, rc in itertools.product(
-            [tp > 1], rungs if dp > 1 else ["no_shard"], list(IN_FLIGHT) if pp > 1 else ["1f1b"],
-            mbs, [None, "selective", "full"],
+            [tp > 1], rungs if dp > 1 else ["no_shard"],
+            list(MODELLED_SCHEDULES) if pp > 1 else ["1f1b"], mbs, [None, "selective", "full"],
         ):  # fmt: skip
+            vp = 2 if schedule in ("interleaved-1f1b", "zbv", "dualpipev") else 1
             out.append(Layout(tp=tp, pp=pp, dp=dp, sequence_parallel=sp, rung=rung,
-                              schedule=schedule, micro_batch_size=b, recompute=rc))  # fmt: skip
+                              schedule=schedule, micro_batch_size=b, recompute=rc,
+                              vp=vp))  # fmt: skip
     return out
 
 

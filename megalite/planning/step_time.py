@@ -2,85 +2,59 @@
 
 Per pipeline rank and micro-batch, forward compute is the rank's share of the model FLOPs
 (``training.flops.model_flops_per_iteration``, split into its layers and the output layer) over
-``peak x efficiency``, plus ``layer_overhead_s`` per layer; backward is twice the forward, plus
-one more forward of the recomputed part (full: the layers; selective: the attention core).
+``peak x efficiency``, plus ``layer_overhead_s`` per layer and ``chunk_overhead_s`` per pass of a
+model chunk (the schedule's own work for one micro-batch: data, embedding, loss, the executor);
+backward is twice the forward, plus one more forward of the recomputed part (full: the layers;
+selective: the attention core).
 Tensor-parallel collectives are exposed (megalite does not overlap them): two all-reduces per
 layer forward and two backward of ``[s, b, h]`` (under sequence parallel two all-gathers and two
 reduce-scatters of the same bytes). Pipeline sends are blocking ``[s, b, h]`` (``/tp`` under SP)
-transfers. The pipeline itself is simulated (``simulate``) over the schedule's per-rank order of
-forwards and backwards, so uneven stages and the bubble come out of the same numbers. After it,
+transfers. The pipeline itself is the core simulator (``pipeline_parallel.simulator``) over the
+schedule's own action lists (every schedule: 1F1B, GPipe, interleaved, ZB-H1, ZBV, DualPipeV), so
+the bubble comes out of the same numbers. Context parallelism divides a rank's tokens by ``cp`` and
+adds the ring's K/V passes (forward) and dK/dV passes (backward); a MoE layer computes ``topk``
+experts per token and moves its tokens to the experts and back (all-to-all or all-gather). After it,
 the data-parallel grad reduction (all-reduce, or ZeRO-1's reduce-scatter + all-gather of the
-params) is exposed unless ``--overlap-grad-reduce`` hides it behind the last backward, and the
-optimizer step costs ``optimizer_s_per_param`` per parameter on the rank.
-
-Schedules are per-rank orders of ``("F", mb)`` / ``("B", mb)`` (``SCHEDULE_ORDERS``); issue 14's
-action lists (with chunks, ``I``/``W`` splits) replace these generators when they land.
+params; ZeRO-2 reduce-scatters every micro-batch, ZeRO-3 also gathers the params forward and
+backward; expert grads over edp) is exposed unless ``--overlap-grad-reduce`` hides it behind the
+last backward, and the optimizer step costs ``optimizer_s_per_param`` per parameter on the rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from megalite.models.config import GPTConfig
 from megalite.planning.cluster import Cluster
-from megalite.planning.model_state import DTYPE_BYTES, param_numels
+from megalite.planning.model_state import DTYPE_BYTES
 from megalite.training.flops import model_flops_per_iteration
 
 
-def _order_1f1b(pp_rank: int, pp: int, m: int) -> list[tuple[str, int]]:
-    warmup = min(pp - pp_rank - 1, m)
-    out = [("F", i) for i in range(warmup)]
-    for i in range(m - warmup):
-        out += [("F", warmup + i), ("B", i)]
-    out += [("B", i) for i in range(m - warmup, m)]
-    return out
+class _RankChunk(int):
+    """A chunk index that also knows its rank: the core simulator asks ``Costs.of(op, chunk)``
+    without the rank, and a pipeline's stages differ by rank (the embedding, the output layer,
+    uneven layer counts). The lists carry these in place of plain chunk indices."""
+
+    rank: int
+
+    def __new__(cls, chunk: int, rank: int):
+        obj = super().__new__(cls, chunk)
+        obj.rank = rank
+        return obj
 
 
-def _order_gpipe(pp_rank: int, pp: int, m: int) -> list[tuple[str, int]]:
-    return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
+def _per_rank_costs(stage_f, stage_b, stages, p2p: float):
+    """``Costs`` whose ``of(op, chunk)`` reads the stage of ``(chunk.rank, chunk)``; ``B = I + W``
+    with half of the backward in ``W`` (the weight-grad GEMMs)."""
+    from megalite.core.pipeline_parallel.simulator import Costs
 
+    class _Costs(Costs):
+        def of(self, op: str, chunk: int) -> float:
+            st = stages.stage(chunk.rank, int(chunk))
+            return {"F": stage_f[st], "B": stage_b[st], "I": stage_b[st] / 2,
+                    "W": stage_b[st] / 2}.get(op, 0.0)  # fmt: skip
 
-SCHEDULE_ORDERS: dict[str, Callable[[int, int, int], list[tuple[str, int]]]] = {
-    "1f1b": _order_1f1b,
-    "gpipe": _order_gpipe,
-}
-
-
-def simulate(
-    orders: list[list[tuple[str, int]]], forward: list[float], backward: list[float], p2p: float
-) -> float:
-    """Makespan of a pipeline: rank r runs ``orders[r]`` in turn; F(r, mb) waits for F(r-1, mb),
-    B(r, mb) for B(r+1, mb) (and for its own F), each hop costing ``p2p`` seconds."""
-    pp = len(orders)
-    done: dict[tuple[str, int, int], float] = {}
-    clock = [0.0] * pp
-    position = [0] * pp
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for r in range(pp):
-            while position[r] < len(orders[r]):
-                kind, mb = orders[r][position[r]]
-                if kind == "F":
-                    dep = done.get(("F", r - 1, mb), None) if r > 0 else 0.0
-                    cost = forward[r]
-                else:
-                    dep = done.get(("B", r + 1, mb), None) if r < pp - 1 else 0.0
-                    own = done.get(("F", r, mb))
-                    dep = None if dep is None or own is None else max(dep, own)
-                    cost = backward[r]
-                if dep is None:
-                    break
-                hop = p2p if (kind == "F" and r > 0) or (kind == "B" and r < pp - 1) else 0.0
-                start = max(clock[r], dep + hop)
-                clock[r] = done[(kind, r, mb)] = start + cost
-                position[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError("pipeline schedule deadlocks (a dependency is never produced)")
-    return max(clock)
+    return _Costs(p2p=p2p)
 
 
 @dataclass
@@ -94,12 +68,33 @@ class StepTime:
     optimizer: float
     tokens_per_s: float
     mfu: float  # percent of peak, model FLOPs (as megalite logs)
+    fixed: float = 0.0  # per-step costs outside the passes (zeroing grads, loss, grad norm)
 
 
 def _ring(bytes_: float, n: int, gbps: float, latency: float, *, factor: float) -> float:
     if n <= 1 or bytes_ <= 0:
         return 0.0
     return latency + factor * (n - 1) / n * bytes_ / (gbps * 1e9)
+
+
+def _layer_forward_flops(c: GPTConfig, *, tokens: int, s: int, moe: bool) -> float:
+    """Forward FLOPs of one transformer layer for ``tokens`` tokens of sequences of ``s`` (each
+    token attends over ``s``, also under CP): the formula megalite logs; a MoE layer's MLP counts
+    its ``topk`` experts per token (the router's ``2 h E`` too)."""
+    common = dict(
+        hidden_size=c.hidden_size, seq_length=s, global_batch_size=1,
+        num_attention_heads=c.num_attention_heads, kv_channels=c.kv_channels,
+        num_query_groups=c.num_query_groups, swiglu=c.swiglu, padded_vocab_size=0,
+    )  # fmt: skip
+    per_token = tokens / (3 * s)
+    attention = model_flops_per_iteration(num_layers=1, ffn_hidden_size=0, **common) * per_token
+    if not moe:
+        mlp = model_flops_per_iteration(num_layers=1, ffn_hidden_size=c.ffn_hidden_size, **common)
+        return mlp * per_token
+    f = c.moe_ffn_hidden_size or c.ffn_hidden_size
+    expert = (6 if c.swiglu else 4) * c.hidden_size * f * tokens
+    router = 2 * c.hidden_size * c.num_experts * tokens
+    return attention + c.moe_router_topk * expert + router
 
 
 def predict_step_time(
@@ -111,75 +106,155 @@ def predict_step_time(
     precision: str,
     overlap_grad_reduce: bool = False,
 ) -> StepTime:
+    """The step of ``layout`` (module docstring). The pipeline is the core simulator
+    (``pipeline_parallel.simulator.simulate``) run over the schedule's own action lists
+    (``generators.generate``) with each stage's own costs (``_per_rank_costs``); its makespan
+    less the busiest rank's work is the bubble."""
+    from megalite.core.pipeline_parallel.actions import Action, with_p2p
+    from megalite.core.pipeline_parallel.generators import generate, layout_of
+    from megalite.core.pipeline_parallel.simulator import simulate as simulate_actions
+    from megalite.models.moe_config import moe_layer_pattern
+    from megalite.training.model_chunks import stage_blocks
+
     tp, pp, dp, b = layout.tp, layout.pp, layout.dp, layout.micro_batch_size
+    cp, ep = layout.cp, layout.ep
     s, e = c.seq_length, DTYPE_BYTES[precision]
     m = global_batch_size // (b * dp)
     vocab = c.padded_vocab_size(tp)
-    common = dict(
-        hidden_size=c.hidden_size, seq_length=s, global_batch_size=b,
-        ffn_hidden_size=c.ffn_hidden_size, num_attention_heads=c.num_attention_heads,
-        kv_channels=c.kv_channels, num_query_groups=c.num_query_groups, swiglu=c.swiglu,
-    )  # fmt: skip
-    layer_flops = model_flops_per_iteration(num_layers=1, padded_vocab_size=0, **common) / 3
-    output_flops = model_flops_per_iteration(num_layers=0, padded_vocab_size=vocab, **common) / 3
-    core_attention = 4 * s * c.num_attention_heads * c.kv_channels * s * b  # QK^T and x V
+    h = c.hidden_size
+    tokens = s * b // cp  # this CP rank's tokens of a micro-batch
+    output_flops = 2 * h * vocab * tokens
+    core_attention = 4 * s * c.num_attention_heads * c.kv_channels * s * b / cp
     rate = cluster.peak_tflops * 1e12 * cluster.efficiency
-    tokens = s * b
-    act_bytes = tokens * c.hidden_size * e
+    act_bytes = tokens * h * e
+    lat = cluster.collective_latency_s
     tp_gbps = cluster.link_gbps(tp)
     factor = 1.0 if layout.sequence_parallel else 2.0  # an AG or RS moves half an all-reduce
-    per_collective = _ring(act_bytes, tp, tp_gbps, cluster.collective_latency_s, factor=factor)
-    forward, backward, busiest = [], [], 0.0
-    tp_comm = 0.0
-    for r, (start, end) in enumerate(c.stage_layer_ranges(pp)):
+    per_collective = _ring(act_bytes, tp, tp_gbps, lat, factor=factor)
+    # CP: the ring passes every other rank's K and V (forward), and dK, dV back (backward)
+    kv_bytes = 2 * tokens * (c.num_query_groups // tp) * c.kv_channels * e
+    cp_gbps = cluster.link_gbps(tp * cp)
+    cp_f = (cp - 1) * (lat + kv_bytes / (cp_gbps * 1e9)) if cp > 1 else 0.0
+    # EP: tokens to their experts and back (all-to-all), or gathered and reduce-scattered
+    ep_bytes = tokens // (tp if tp > 1 else 1) * c.moe_router_topk * h * e
+    ep_gbps = cluster.link_gbps(tp * dp * cp)
+    ep_f = 2 * _ring(ep_bytes, ep, ep_gbps, lat, factor=1.0) if c.num_experts else 0.0
+    moe = moe_layer_pattern(c)
+    stages = layout_of(layout.schedule if pp > 1 else "1f1b", pp, layout.vp)
+    blocks = stage_blocks(c, stages)
+    stage_f, stage_b, stage_comm = [], [], []
+    for st, (start, end) in enumerate(blocks):
         n_layers = end - start
-        fwd_flops = n_layers * layer_flops + (output_flops if r == pp - 1 else 0.0)
+        fwd_flops = sum(
+            _layer_forward_flops(c, tokens=tokens, s=s, moe=moe[i]) for i in range(start, end)
+        )
+        fwd_flops += output_flops if st == stages.num_stages - 1 else 0.0
         recompute = 0.0
         if c.recompute_granularity == "full":
-            recompute = n_layers * layer_flops
+            recompute = fwd_flops - (output_flops if st == stages.num_stages - 1 else 0.0)
         elif c.recompute_granularity == "selective":
             recompute = n_layers * core_attention
-        f = fwd_flops / tp / rate + n_layers * cluster.layer_overhead_s
+        f = fwd_flops / tp / rate + n_layers * cluster.layer_overhead_s + cluster.chunk_overhead_s
         bwd = (2 * fwd_flops + recompute) / tp / rate + 2 * n_layers * cluster.layer_overhead_s
-        comm_f = 2 * n_layers * per_collective
+        bwd += cluster.chunk_overhead_s
+        n_moe = sum(moe[start:end])
+        comm_f = 2 * n_layers * per_collective + n_layers * cp_f + n_moe * ep_f
         comm_b = (4 if c.recompute_granularity == "full" else 2) * n_layers * per_collective
-        forward.append(f + comm_f)
-        backward.append(bwd + comm_b)
-        busiest = max(busiest, m * (f + bwd))
-        tp_comm = max(tp_comm, m * (comm_f + comm_b))
-    pp_span = tp * dp * pp  # with the default order PP is the slowest axis
+        comm_b += 2 * n_layers * cp_f + n_moe * ep_f
+        stage_f.append(f + comm_f)
+        stage_b.append(bwd + comm_b)
+        stage_comm.append(comm_f + comm_b)
+    pp_span = tp * dp * cp * pp  # with the default order PP is the slowest axis
     send = act_bytes / (tp if layout.sequence_parallel else 1)
-    p2p = cluster.collective_latency_s + send / (cluster.link_gbps(pp_span) * 1e9) if pp > 1 else 0
-    orders = [SCHEDULE_ORDERS[layout.schedule](r, pp, m) for r in range(pp)]
-    makespan = simulate(orders, forward, backward, p2p)
-    busiest_total = max(m * (f + bw) for f, bw in zip(forward, backward))
-    # data parallel: the largest stage's grads
-    params = max(sum(n for _, n in param_numels(c, tp=tp, pp=pp, pp_rank=r)) for r in range(pp))
-    grad_bytes = params * e
-    dp_gbps = cluster.link_gbps(tp * dp)
-    if layout.rung == "no_shard":
-        dp_comm = _ring(grad_bytes, dp, dp_gbps, cluster.collective_latency_s, factor=2.0)
-    else:  # reduce-scatter grads, all-gather params
-        dp_comm = 2 * _ring(grad_bytes, dp, dp_gbps, cluster.collective_latency_s, factor=1.0)
-    if overlap_grad_reduce:
-        dp_comm = max(dp_comm - backward[0], dp_comm * 0.1)
-    shard = dp if layout.rung != "no_shard" else 1
-    optimizer = params / shard * cluster.optimizer_s_per_param
-    seconds = makespan + dp_comm + optimizer
-    model_flops = model_flops_per_iteration(
-        num_layers=c.num_layers, padded_vocab_size=vocab,
-        **{**common, "global_batch_size": global_batch_size},
+    p2p = lat + send / (cluster.link_gbps(pp_span) * 1e9) if pp > 1 else 0.0
+    chunks = stages.num_chunks
+    busy_rank = [
+        m * sum(stage_f[stages.stage(r, ch)] + stage_b[stages.stage(r, ch)] for ch in range(chunks))
+        for r in range(pp)
+    ]  # fmt: skip
+    busiest_total = max(busy_rank)
+    world = tp * pp * dp * cp
+    shared = 0 < cluster.cores < world  # CPU: ranks are processes sharing the cores
+    slow = world / cluster.cores if shared else 1.0  # every rank busy: each gets cores / world
+    if pp > 1:
+        lists = generate(layout.schedule, pp_size=pp, num_microbatches=m, num_chunks=chunks,
+                         microbatch_group_size=layout.microbatch_group_size)  # fmt: skip
+        if shared:
+            from megalite.planning.shared_cores import replay
+
+            def cost(r: int, a) -> float:
+                st = stages.stage(r, a.chunk)
+                return {"F": stage_f[st], "B": stage_b[st], "I": stage_b[st] / 2,
+                        "W": stage_b[st] / 2}[a.op]  # fmt: skip
+
+            makespan, _ = replay(lists, stages, cost, p2p=p2p, cores=cluster.cores,
+                                 group=world // pp)  # fmt: skip
+        else:
+            lists = [
+                [Action(a.op, a.microbatch, _RankChunk(a.chunk, r)) for a in actions]
+                for r, actions in enumerate(lists)
+            ]
+            costs = _per_rank_costs(stage_f, stage_b, stages, p2p)
+            sim = simulate_actions(with_p2p(lists, stages), stages, costs)
+            makespan = max(sim.step_time, busiest_total)
+    else:
+        makespan = busiest_total * slow
+    busiest = max(
+        m * sum(stage_f[stages.stage(r, ch)] + stage_b[stages.stage(r, ch)]
+                - stage_comm[stages.stage(r, ch)] for ch in range(chunks))
+        for r in range(pp)
     )  # fmt: skip
-    world = tp * pp * dp
+    tp_comm = max(
+        m * sum(stage_comm[stages.stage(r, ch)] for ch in range(chunks)) for r in range(pp)
+    )
+    # data parallel: the largest stage's grads (ZeRO-2/3: reduce-scattered every micro-batch;
+    # ZeRO-3 gathers the params forward and backward, every micro-batch)
+    from megalite.planning.model_state import rank_params
+
+    def grads_of(r: int) -> tuple[int, int]:
+        specs = rank_params(c, tp=tp, pp=pp, pp_rank=r, schedule=layout.schedule, vp=layout.vp,
+                            ep=ep, etp=layout.etp)  # fmt: skip
+        return sum(p.numel for p in specs if not p.expert), sum(p.numel for p in specs if p.expert)
+
+    dense, expert = max((grads_of(r) for r in range(pp)), key=sum)
+    params = dense + expert
+    dp_n, dp_gbps = dp * cp, cluster.link_gbps(tp * dp * cp)
+    ring = lambda n_bytes, f_: _ring(n_bytes, dp_n, dp_gbps, lat, factor=f_)  # noqa: E731
+    edp = layout.edp
+    if layout.rung == "no_shard":
+        dp_comm = ring(dense * e, 2.0) + _ring(expert * e, edp, dp_gbps, lat, factor=2.0)
+    elif layout.rung == "optim":  # reduce-scatter grads, all-gather params
+        dp_comm = 2 * ring(dense * e, 1.0) + 2 * _ring(expert * e, edp, dp_gbps, lat, factor=1.0)
+    else:
+        times = m + (2 * m if layout.rung == "optim_grads_params" else 1)
+        dp_comm = times * (ring(dense * e, 1.0) + _ring(expert * e, edp, dp_gbps, lat, factor=1.0))
+    if overlap_grad_reduce:
+        dp_comm = max(dp_comm - stage_b[0], dp_comm * 0.1)
+    shard = dp_n if layout.rung != "no_shard" else 1
+    optimizer = params / shard * cluster.optimizer_s_per_param
+    optimizer *= slow
+    fixed = cluster.step_overhead_s * slow
+    seconds = makespan + dp_comm + optimizer + fixed
+    model_flops = model_flops_per_iteration(
+        num_layers=c.num_layers, padded_vocab_size=vocab, hidden_size=h, seq_length=s,
+        global_batch_size=global_batch_size, ffn_hidden_size=c.ffn_hidden_size,
+        num_attention_heads=c.num_attention_heads, kv_channels=c.kv_channels,
+        num_query_groups=c.num_query_groups, swiglu=c.swiglu,
+    )  # fmt: skip
+    if c.num_experts:  # the FLOPs a MoE model does: topk experts per token
+        dense_mlp = _layer_forward_flops(c, tokens=s, s=s, moe=False)
+        moe_mlp = _layer_forward_flops(c, tokens=s, s=s, moe=True)
+        model_flops += 3 * sum(moe) * (moe_mlp - dense_mlp) * global_batch_size
     mfu = 100.0 * model_flops / (seconds * world * cluster.peak_tflops * 1e12)
     return StepTime(
         seconds=seconds,
         compute=busiest,
         tp_comm=tp_comm,
         pp_comm=p2p,
-        bubble=makespan - busiest_total,
+        bubble=max(makespan - busiest_total * slow, 0.0),
         dp_comm=dp_comm,
         optimizer=optimizer,
         tokens_per_s=global_batch_size * s / seconds,
         mfu=mfu,
+        fixed=fixed,
     )
