@@ -25,7 +25,7 @@ from megalite.core.pipeline_parallel.schedules import forward_backward_pipelinin
 from megalite.planning.measure import SavedTensorMeter
 from megalite.training.model_chunks import build_gpt_chunks
 from tests.harness import run_distributed
-from tests.models.helpers import make_batch, make_config
+from tests.models.helpers import make_batch, make_config, weighted_lm_step
 
 M = 4
 SCHEDULES = (("zb-h1", 1), ("zbv", 2), ("dualpipev", 2))
@@ -35,17 +35,6 @@ HOOKS = {
     "save_on_cpu": torch.autograd.graph.save_on_cpu,
     "meter": SavedTensorMeter,
 }
-
-
-def _forward_step(data_iterator, model):
-    tokens, labels, weights = next(data_iterator)
-    out = model(tokens, None, labels)
-
-    def loss_func(per_token):
-        loss = (per_token * weights).sum() / weights.sum()
-        return loss, {"lm loss": loss.detach()}
-
-    return out, loss_func
 
 
 def _step(ps, family, schedule, v, hooks, ddp):
@@ -67,7 +56,7 @@ def _step(ps, family, schedule, v, hooks, ddp):
     it = iter(batches)
     with HOOKS[hooks]():
         losses = forward_backward_pipelining(
-            schedule=schedule, forward_step_func=_forward_step, data_iterator=[it] * v,
+            schedule=schedule, forward_step_func=weighted_lm_step, data_iterator=[it] * v,
             model=chunks, num_microbatches=M, p2p=p2p, pp_rank=ps.pp_rank, pp_size=ps.pp_size,
         )  # fmt: skip
     grads = {}

@@ -228,17 +228,6 @@ E2E = {  # pp -> (schedule, v, m, overlap)
 }  # fmt: skip
 
 
-def _forward_step(data_iterator, model):
-    tokens, labels, weights = next(data_iterator)
-    out = model(tokens, None, labels)
-
-    def loss_func(per_token):
-        loss = (per_token * weights).sum() / weights.sum()
-        return loss, {"lm loss": loss.detach()}
-
-    return out, loss_func
-
-
 def _gloo_matches_tag_zero_by_posting_order() -> list[float]:
     """Rank 0 sends 0..4 with tag 0 (in two batches), rank 1 receives them (in other batches)."""
     got = []
@@ -269,7 +258,7 @@ def _tag_blind_world():
     )
     from megalite.models import GPTModel
     from megalite.training.model_chunks import build_gpt_chunks, stage_blocks, tied_params
-    from tests.models.helpers import make_batch, make_config
+    from tests.models.helpers import make_batch, make_config, weighted_lm_step
 
     order = _gloo_matches_tag_zero_by_posting_order()
     config = make_config("gpt2", num_layers=LAYERS)
@@ -282,7 +271,7 @@ def _tag_blind_world():
                 model = GPTModel(config, ParallelState.single())
                 batches = [make_batch(config, seed=200 + i) for i in range(m)]
                 losses = forward_backward_no_pipelining(
-                    forward_step_func=_forward_step, data_iterator=[iter(batches)],
+                    forward_step_func=weighted_lm_step, data_iterator=[iter(batches)],
                     model=[model], num_microbatches=m,
                 )  # fmt: skip
                 grads = {n: q.grad for n, q in model.named_parameters()}
@@ -297,7 +286,7 @@ def _tag_blind_world():
             )  # fmt: skip
             it = iter(batches)
             losses = forward_backward_pipelining(
-                schedule=schedule, forward_step_func=_forward_step,
+                schedule=schedule, forward_step_func=weighted_lm_step,
                 data_iterator=[it] * len(chunks), model=chunks, num_microbatches=m, p2p=p2p,
                 pp_rank=ps.pp_rank, pp_size=pp,
             )  # fmt: skip

@@ -84,3 +84,16 @@ def shard_of_full(
     if module in ("linear_proj", "linear_fc2") and kind == "weight":  # split input columns
         return full.chunk(tp_size, 1)[tp_rank]
     return full  # norms, row-parallel biases, position embeddings: replicated
+
+
+def weighted_lm_step(data_iterator, model):
+    """The forward step the pipeline tests give a schedule: (tokens, labels, loss weights) batches,
+    the loss a weighted mean of the per-token losses."""
+    tokens, labels, weights = next(data_iterator)
+    out = model(tokens, None, labels)
+
+    def loss_func(per_token):
+        loss = (per_token * weights).sum() / weights.sum()
+        return loss, {"lm loss": loss.detach()}
+
+    return out, loss_func

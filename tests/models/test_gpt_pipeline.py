@@ -23,7 +23,7 @@ from megalite.core.pipeline_parallel.schedules import (
     forward_backward_pipelining_gpipe,
 )
 from megalite.models import GPTModel
-from tests.models.helpers import make_batch, make_config
+from tests.models.helpers import make_batch, make_config, weighted_lm_step
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 SCHEDULES = {"1f1b": forward_backward_pipelining_1f1b, "gpipe": forward_backward_pipelining_gpipe}
@@ -37,17 +37,6 @@ def _sum_tied_embedding_grad(weight, embedding_group) -> None:
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
     dist.all_reduce(weight.grad, group=embedding_group)
-
-
-def _forward_step(data_iterator, model):
-    tokens, labels, weights = next(data_iterator)
-    out = model(tokens, None, labels)
-
-    def loss_func(per_token):
-        loss = (per_token * weights).sum() / weights.sum()
-        return loss, {"lm loss": loss.detach()}
-
-    return out, loss_func
 
 
 def _microbatches(config, m):
@@ -86,14 +75,14 @@ def _stage_case(pp, cases):
             device=torch.device("cpu"), group=ps.pp_group,
         )  # fmt: skip
         losses = SCHEDULES[schedule](
-            forward_step_func=_forward_step, data_iterator=[iter(_microbatches(config, m))],
+            forward_step_func=weighted_lm_step, data_iterator=[iter(_microbatches(config, m))],
             model=[model], num_microbatches=m, p2p=p2p, pp_rank=ps.pp_rank, pp_size=pp,
         )  # fmt: skip
         _sum_tied_embedding_grad(model.shared_embedding_or_output_weight(), ps.embedding_group)
 
         oracle = GPTModel(config, ParallelState.single())
         want = forward_backward_no_pipelining(
-            forward_step_func=_forward_step, data_iterator=[iter(_microbatches(config, m))],
+            forward_step_func=weighted_lm_step, data_iterator=[iter(_microbatches(config, m))],
             model=[oracle], num_microbatches=m,
         )  # fmt: skip
         label = (family, tied, m, schedule, first_last, ps.pp_rank)

@@ -28,7 +28,7 @@ from megalite.core.pipeline_parallel.schedules import (
 from megalite.models import GPTModel
 from megalite.training.model_chunks import build_gpt_chunks, stage_blocks, tied_params
 from tests.harness import run_distributed
-from tests.models.helpers import make_batch, make_config
+from tests.models.helpers import make_batch, make_config, weighted_lm_step
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 COMBOS = [("gpt2", True), ("gpt2", False), ("llama", True), ("llama", False)]
@@ -36,17 +36,6 @@ SCHEDULE_CHUNKS = {
     "1f1b": (1,), "gpipe": (1,), "interleaved-1f1b": (2,), "zb-h1": (1, 2), "zbv": (2,),
     "dualpipev": (2,),
 }  # fmt: skip
-
-
-def _forward_step(data_iterator, model):
-    tokens, labels, weights = next(data_iterator)
-    out = model(tokens, None, labels)
-
-    def loss_func(per_token):
-        loss = (per_token * weights).sum() / weights.sum()
-        return loss, {"lm loss": loss.detach()}
-
-    return out, loss_func
 
 
 def _global_name(name: str, offset: int) -> str:
@@ -63,7 +52,7 @@ def _oracle(family, tied, m, layers):
     model = GPTModel(config, ParallelState.single())
     batches = [make_batch(config, seed=100 + i) for i in range(m)]
     losses = forward_backward_no_pipelining(
-        forward_step_func=_forward_step, data_iterator=[iter(batches)], model=[model],
+        forward_step_func=weighted_lm_step, data_iterator=[iter(batches)], model=[model],
         num_microbatches=m,
     )  # fmt: skip
     grads = {n: p.grad for n, p in model.named_parameters()}
@@ -121,7 +110,7 @@ def _world(pp):
         )  # fmt: skip
         it = iter(batches)
         losses = forward_backward_pipelining(
-            schedule=schedule, forward_step_func=_forward_step, data_iterator=[it] * len(chunks),
+            schedule=schedule, forward_step_func=weighted_lm_step, data_iterator=[it] * len(chunks),
             model=chunks, num_microbatches=m, p2p=p2p, pp_rank=ps.pp_rank, pp_size=pp,
             microbatch_group_size=g,
         )  # fmt: skip
