@@ -140,13 +140,13 @@ def _timed(step, steps, chunks):
 def _worker(rank, pp, m, steps, init_file, timeline_dir, q):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=pp)
-    out, all_chunks = {}, {}
+    out = {}
+    profile = _profile_all(pp, m, rank)  # before any step: fresh chunks, untouched by torch's
     for schedule, v in CASES:
         torch.manual_seed(rank)
         layout = layout_of(schedule, pp, v)
         n = BLOCKS // layout.num_stages
         chunks = [Chunk(n, layout.stage(rank, c) == 0) for c in range(layout.num_chunks)]
-        all_chunks[schedule] = chunks
         p2p = P2PCommunicator(
             prev_rank=rank - 1 if rank else None, next_rank=rank + 1 if rank < pp - 1 else None,
             tensor_shape=(MICRO_BATCH, HIDDEN), dtype=torch.float32, device=torch.device("cpu"),
@@ -169,22 +169,26 @@ def _worker(rank, pp, m, steps, init_file, timeline_dir, q):
         gathered = [None] * pp
         dist.all_gather_object(gathered, (spans, end - base))
         out[schedule] = (ours, theirs, [g[0] for g in gathered], [g[1] for g in gathered])
-    profile = _profile_all(all_chunks, pp, m, rank)
     if rank == 0:
         q.put((out, profile))
     dist.destroy_process_group()
     del timeline_dir
 
 
-def _profile_all(all_chunks, pp, m, rank) -> dict:
-    """Stage costs (per stage count), p2p latency, effective cores: see the module docstring."""
+def _profile_all(pp, m, rank) -> dict:
+    """Stage costs (per stage count), p2p latency, effective cores: see the module docstring.
+    Fresh chunks of the benchmark's shapes, profiled before any step is timed."""
     xs, ys = _data(m)
     batches = list(zip(xs, ys))
-    stages, cases = {}, {}
+    stages, cases, all_chunks = {}, {}, {}
     for schedule, v in CASES:
         cases.setdefault(layout_of(schedule, pp, v).num_stages, (schedule, v))
     for n, (schedule, v) in cases.items():
         layout, mine = layout_of(schedule, pp, v), {}
+        torch.manual_seed(rank)
+        all_chunks[schedule] = [
+            Chunk(BLOCKS // n, layout.stage(rank, c) == 0) for c in range(layout.num_chunks)
+        ]
         for turn in range(pp):  # each rank alone, in turn
             dist.barrier()
             if turn != rank:
@@ -254,7 +258,7 @@ def run_all(*, pp: int, m: int, steps: int, timeline_dir: str | None) -> dict[st
         f"effective cores {cores:.2f} of {len(os.sched_getaffinity(0))}; executor "
         f"{per_action * 1e6:.0f} us/action"
     )
-    shared = cores if cores < pp else None
+    shared = max(1.0, cores) if cores < pp else None  # the model needs a core at least
     sims, ideal = {}, {}
     for schedule, v in CASES:
         layout = layout_of(schedule, pp, v)
