@@ -22,6 +22,8 @@ v 2, zb-h1, zb-h1 v 2, zbv, dualpipev), at ``--m`` micro-batches. Per schedule:
    assumes one device per rank, predicts about half the measured step at PP 4 on 2 cores.
 
 Prints predicted / measured per schedule (``--check``: exit 1 unless all lie within 15%), the
+"/1f1b" column (each run's ratio over the same run's 1F1B ratio, median: the load drifting between
+the profiling and the step moves every schedule of a run alike, and this takes it out), the
 "nominal" ratio (the machine's core count, no executor time: what the effective cores and the
 executor's own time add), the measured bubble (receive waits and idle head / tail, as a share of
 ``pp x step``) beside the simulated one and
@@ -272,7 +274,8 @@ def compare(results: dict, m: int, cores: int | str | None) -> dict:
         t0 = min(s for s, _, _ in mid)
         rows[(schedule, v)] = {
             "predicted": statistics.median(x.step_time for x in sims), "measured": measured,
-            "ratio": ratio, "cores": statistics.median(shares) if shares[0] else None,
+            "ratio": ratio, "ratios": ratios,
+            "cores": statistics.median(shares) if shares[0] else None,
             "per_action": statistics.median(per_action), "overhead": _overhead(case["runs"], lists),
             "stretch": _stretch(case["runs"], case["stages"], layout),
             "bubble_measured": statistics.median(measured_bubble(r) for r in case["runs"]),
@@ -282,6 +285,9 @@ def compare(results: dict, m: int, cores: int | str | None) -> dict:
             "predicted_spans": sim.spans,
             "measured_spans": [[(lb, s - t0, e - t0) for lb, s, e in spans] for _, _, spans in mid],
         }  # fmt: skip
+    base = next(iter(rows.values()))["ratios"]  # the first case's (1f1b) per-run ratios
+    for row in rows.values():  # the machine's drift moves every case of a run alike: taken out
+        row["relative"] = statistics.median(a / b for a, b in zip(row["ratios"], base))
     return rows
 
 
@@ -361,14 +367,15 @@ def main() -> None:
         )
         print(
             f"  {'schedule':22s} {'predicted':>10s} {'measured':>10s} {'ratio':>6s} {'nominal':>7s}"
-            "   bubble: "
+            f" {'/1f1b':>6s}   bubble: "
             f"{'measured':>8s} {'simulated':>9s} {'formula':>7s}"
         )
         for (schedule, v), row in rows.items():
             name = schedule + (f" v{v}" if v > 1 and schedule not in ("zbv", "dualpipev") else "")
             print(
                 f"  {name:22s} {row['predicted'] * 1e3:8.1f}ms {row['measured'] * 1e3:8.1f}ms "
-                f"{row['ratio']:6.3f} {nominal[(schedule, v)]['ratio']:7.3f}           "
+                f"{row['ratio']:6.3f} {nominal[(schedule, v)]['ratio']:7.3f} "
+                f"{row['relative']:6.3f}           "
                 f"{row['bubble_measured']:8.3f} "
                 f"{row['bubble_simulated']:9.3f} {row['bubble_theory']:7.3f}   overhead/action "
                 f"{row['overhead'] * 1e6:5.0f} us, spans / profiled {row['stretch']:.2f}"
