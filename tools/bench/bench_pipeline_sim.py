@@ -87,7 +87,11 @@ def _batches(config, m: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Te
 
 
 def measure(
-    m: int, runs: int, model: dict | None = None, cases: list | None = None
+    m: int,
+    runs: int,
+    model: dict | None = None,
+    cases: list | None = None,
+    per_case_cores: bool = True,
 ) -> dict[str, object]:
     """Run on every rank of a gloo world of pp ranks (one pipeline over the world): profile and
     measure each case. Returns, identically on every rank, ``{"latency": s, "cases": {(schedule,
@@ -125,6 +129,9 @@ def measure(
         cores = _effective_cores(first, chunks[first], batches, shape, ps, stages[n])
         per_action = _executor_overhead(first, chunks[first], p2p, batches, ps) / (pp / cores)
         for case in cases:
+            if per_case_cores:  # the load drifts within a run: the cores just before each step
+                n = layout_of(case[0], pp, case[1]).num_stages
+                cores = _effective_cores(case, chunks[case], batches, shape, ps, stages[n])
             tl = Timeline()
             start, end = _step(*case, chunks[case], p2p, batches, ps, timeline=tl)
             everyone = [None] * pp
@@ -295,7 +302,9 @@ def _worker(rank, pp, init_file, args, q):
     os.environ["OMP_NUM_THREADS"] = "1"
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=pp)
     try:
-        results = measure(args.m, args.runs, TINY if args.tiny else MODEL)
+        results = measure(
+            args.m, args.runs, TINY if args.tiny else MODEL, per_case_cores=args.per_case_cores
+        )
         if rank == 0:
             q.put(results)
     finally:
@@ -337,6 +346,11 @@ def main() -> None:
     parser.add_argument("--raw", default=None, help="save the raw spans to RAW.pp<P>.pkl")
     parser.add_argument("--reuse", action="store_true", help="re-read --raw instead of running")
     parser.add_argument("--tiny", action="store_true", help="a smoke run: tiny model, 1 run")
+    parser.add_argument(
+        "--cores-once-per-run", dest="per_case_cores", action="store_false",
+        help="measure the effective cores once per run (before the first schedule), not before "
+        "every schedule's step (the default: the load drifts within a run)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.tiny:
         args.runs, args.pp = 1, [2]
