@@ -268,7 +268,7 @@ def compare(results: dict, m: int, cores: int | str | None) -> dict:
                 lists,
                 layout,
                 Costs(stages=st, p2p=results["latency"], per_action=o),
-                cores=c if c is None or c < pp else None,
+                cores=None if c is None or c >= pp else max(1.0, c),  # the model needs 1 core
             )
             for st, c, o in zip(case["stages"], shares, per_action)
         ]
