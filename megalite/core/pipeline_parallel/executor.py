@@ -16,7 +16,9 @@ Communication: ``actions`` is this rank's ``actions.p2p_program`` (compute actio
 lists, in that order -- ``p2p_program``'s docstring says why this is deadlock-free and
 FIFO-correct on nccl, which ignores tags. Sends are never waited for (once a send is
 done the executor drops its reference to the sent output and keeps only the output's autograd edge,
-``release_output``: the next stage has a copy); with overlap a
+``release_output``: the next stage has a copy; on gloo a send reports done only once waited for,
+so with overlap the release comes at the end of the step -- no saving on CPU -- while nccl's
+works report it as it happens); with overlap a
 received tensor is waited for by its consumer, without (``--no-overlap-p2p-communication``) the
 whole batch is waited for right after posting. Messages still carry a tag per (direction,
 micro-batch, stage) for gloo; ``P2PCommunicator(tagged=False)`` sends all with tag 0, as nccl
