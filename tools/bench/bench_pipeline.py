@@ -8,9 +8,11 @@ and vs megalite's own 1F1B, and the simulator's prediction vs the measurement.
 and ``--m`` micro-batches on a stack of 8 MLP blocks (megalite's column/row-parallel linears, so
 the weight grads really defer), medians of ``--steps`` steps; torch's class of the same name where
 it has one (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble,
-ScheduleDualPipeV; its error is printed when it cannot run); the simulator fed with F / I / W times
-profiled from one ZB-H1 step. With ``--timeline-dir`` it writes each schedule's measured and
-predicted timelines as SVG.
+ScheduleDualPipeV; its error is printed when it cannot run); per schedule the MEASURED step over
+megalite's 1F1B step beside the simulator's PREDICTED one (F / I / W of every stage profiled alone
+in the same run, p2p, executor time and the cores the ranks really share: see
+``bench_pipeline_all.py``), and the prediction with one core per rank (a GPU cluster). With
+``--timeline-dir`` it writes each schedule's measured and predicted timelines as SVG.
 
 One process per stage (2 stages by default, one core each), the same compute-bound stack of residual
 MLP blocks on every side, the same micro-batches. Prints per-step medians and the ratio megalite /

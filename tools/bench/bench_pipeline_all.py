@@ -2,12 +2,23 @@
 
 One process per pipeline rank, one thread each. Prints per schedule: megalite's median step, the
 ratio to megalite's 1F1B, torch.distributed.pipelining's class of the same name (or why it cannot
-run), and the simulator's predicted step (F / I / W times profiled from one ZB-H1 step, p2p from
-the same step's receive waits being ignored: given as 0) with predicted / measured.
+run), and the simulator's prediction from costs profiled in the same run:
+
+- F / I / W of every global stage, each rank timing its chunks ALONE in turn
+  (``profiling.profile_chunk``, one profile per stage count: 4 and 8 stages at PP 4), the p2p
+  latency from a ping-pong, the executor's own time per action from a timed 1F1B step, and the
+  cores the ranks really get (all computing at once; PP 4 on a 2-core machine shares them);
+- "predicted" replays each schedule's action list with those costs and that core sharing
+  (``simulate(..., cores=c)``): its step over the predicted 1F1B step is printed beside the
+  MEASURED step over the measured 1F1B step, so "faster than 1F1B by about what the simulator
+  predicts" is checked on this machine;
+- "one core per rank" replays the same lists with the same F / I / W and p2p but a core (a
+  device) per rank and no executor time: the ratio to 1F1B a GPU cluster would see.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -22,6 +33,11 @@ from torch import nn
 from megalite.core.pipeline_parallel.actions import with_p2p
 from megalite.core.pipeline_parallel.generators import generate, layout_of
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
+from megalite.core.pipeline_parallel.profiling import (
+    gather_stage_costs,
+    p2p_latency,
+    profile_chunk,
+)
 from megalite.core.pipeline_parallel.schedules import forward_backward_pipelining
 from megalite.core.pipeline_parallel.simulator import Costs, simulate
 from megalite.core.pipeline_parallel.timeline import Timeline
@@ -65,15 +81,16 @@ def _data(m):
             torch.randn(m, MICRO_BATCH, HIDDEN, generator=g))  # fmt: skip
 
 
+def _forward_step(it, model):
+    x, y = next(it)
+    out = model(x)
+    return out, lambda o: (torch.nn.functional.mse_loss(o, y), {})
+
+
 def _megalite(schedule, v, chunks, p2p, m, rank, pp, timeline=None):
     xs, ys = _data(m)
-
-    def forward_step(it, model):
-        i = next(it)
-        out = model(xs[i])
-        return out, lambda o: (torch.nn.functional.mse_loss(o, ys[i]), {})
-
-    its = [iter(range(m)) for _ in chunks]
+    forward_step = _forward_step
+    its = [iter(list(zip(xs, ys))) for _ in chunks]
     forward_backward_pipelining(
         schedule=schedule, forward_step_func=forward_step, data_iterator=its, model=chunks,
         num_microbatches=m, p2p=p2p, pp_rank=rank, pp_size=pp, timeline=timeline,
@@ -124,7 +141,7 @@ def _worker(rank, pp, m, steps, init_file, timeline_dir, q):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=pp)
     out = {}
-    profile = None
+    profile = _profile_all(pp, m, rank)  # before any step: fresh chunks, untouched by torch's
     for schedule, v in CASES:
         torch.manual_seed(rank)
         layout = layout_of(schedule, pp, v)
@@ -147,32 +164,74 @@ def _worker(rank, pp, m, steps, init_file, timeline_dir, q):
         dist.barrier()
         base = time.perf_counter()
         _megalite(schedule, v, chunks, p2p, m, rank, pp, timeline=tl)
+        end = time.perf_counter()
         spans = [[label, s - base, e - base] for label, s, e in tl.spans]
         gathered = [None] * pp
-        dist.all_gather_object(gathered, spans)
-        if schedule == "zb-h1":
-            profile = gathered
-        out[schedule] = (ours, theirs, gathered)
+        dist.all_gather_object(gathered, (spans, end - base))
+        out[schedule] = (ours, theirs, [g[0] for g in gathered], [g[1] for g in gathered])
     if rank == 0:
         q.put((out, profile))
     dist.destroy_process_group()
     del timeline_dir
 
 
-def _costs(profile) -> Costs:
-    """Mean F / I / W of one ZB-H1 step (one chunk = one stage), over all ranks."""
-    times = {"forward": [], "backward-input": [], "backward-weight": []}
-    for spans in profile:
-        for label, s, e in spans:
-            kind = label.split()[0]
-            if kind in times:
-                times[kind].append(e - s)
-    mean = {k: statistics.mean(v) for k, v in times.items()}
-    return Costs(mean["forward"], mean["backward-input"], mean["backward-weight"], p2p=0.0)
+def _profile_all(pp, m, rank) -> dict:
+    """Stage costs (per stage count), p2p latency, effective cores: see the module docstring.
+    Fresh chunks of the benchmark's shapes, profiled before any step is timed."""
+    xs, ys = _data(m)
+    batches = list(zip(xs, ys))
+    stages, cases, all_chunks = {}, {}, {}
+    for schedule, v in CASES:
+        cases.setdefault(layout_of(schedule, pp, v).num_stages, (schedule, v))
+    for n, (schedule, v) in cases.items():
+        layout, mine = layout_of(schedule, pp, v), {}
+        torch.manual_seed(rank)
+        all_chunks[schedule] = [
+            Chunk(BLOCKS // n, layout.stage(rank, c) == 0) for c in range(layout.num_chunks)
+        ]
+        for turn in range(pp):  # each rank alone, in turn
+            dist.barrier()
+            if turn != rank:
+                continue
+            for c, chunk in enumerate(all_chunks[schedule]):
+                s = layout.stage(rank, c)
+                mine[s] = profile_chunk(
+                    chunk, _forward_step, itertools.cycle(batches),
+                    input_shape=(MICRO_BATCH, HIDDEN), first=s == 0,
+                    loss=s == layout.num_stages - 1, num_microbatches=m,
+                )  # fmt: skip
+        dist.barrier()
+        stages[n] = gather_stage_costs(mine)
+    latency = p2p_latency((MICRO_BATCH, HIDDEN), list(range(pp)))
+    # the cores the ranks get when all compute at once: work done at the alone-costs per second
+    layout = layout_of("1f1b", pp, 1)
+    chunk, s = all_chunks["1f1b"][0], layout.stage(rank, 0)
+    unit = sum(stages[pp][s])
+    dist.barrier()
+    t0, done = time.perf_counter(), 0
+    while time.perf_counter() - t0 < 0.4:
+        profile_chunk(chunk, _forward_step, itertools.cycle(batches),
+                      input_shape=(MICRO_BATCH, HIDDEN), first=s == 0, loss=s == pp - 1,
+                      num_microbatches=m, repeats=1, warmup=0)  # fmt: skip
+        done += 1
+    rate = torch.tensor([done * unit / (time.perf_counter() - t0)])
+    dist.all_reduce(rate)
+    chunk.zero_grad(set_to_none=True)
+    return {"stages": stages, "latency": latency, "cores": min(float(pp), float(rate))}
+
+
+def _per_action(spans, ends, lists, cores, pp) -> float:
+    """The executor's own time per action in a measured step (outside every compute span and
+    receive wait), mean over ranks, as CPU work: divided by the core-sharing stretch."""
+    outside = [
+        (end - sum(e - s for _, s, e in rank_spans)) / len(actions)
+        for rank_spans, end, actions in zip(spans, ends, lists)
+    ]
+    return max(0.0, sum(outside) / len(outside)) / max(1.0, pp / cores)
 
 
 def run_all(*, pp: int, m: int, steps: int, timeline_dir: str | None) -> dict[str, float]:
-    """Run and print every schedule; returns predicted / measured per schedule."""
+    """Run and print every schedule; returns predicted / measured step per schedule."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     init_file = os.path.join(tempfile.mkdtemp(), "rdzv")
@@ -183,29 +242,46 @@ def run_all(*, pp: int, m: int, steps: int, timeline_dir: str | None) -> dict[st
     out, profile = q.get(timeout=1800)
     for p in procs:
         p.join()
-    stage = _costs(profile)
+    cores, latency = profile["cores"], profile["latency"]
+    lists = {
+        (schedule, v): with_p2p(generate(schedule, pp_size=pp, num_microbatches=m, num_chunks=v),
+                                layout_of(schedule, pp, v))
+        for schedule, v in CASES
+    }  # fmt: skip
+    _, _, spans, ends = out["1f1b"]
+    per_action = _per_action(spans, ends, lists[("1f1b", 1)], cores, pp)
+    one = profile["stages"][pp]
     print(
         f"pp={pp} m={m}, {BLOCKS} MLP blocks of h={HIDDEN}, micro-batch {MICRO_BATCH}, "
-        f"medians of {steps} steps; profiled per stage F {stage.forward * 1e3:.2f} ms, I "
-        f"{stage.backward_input * 1e3:.2f} ms, W {stage.backward_weight * 1e3:.2f} ms"
+        f"medians of {steps} steps; stage 0 alone: F {one[0][0] * 1e3:.2f} ms, I "
+        f"{one[0][1] * 1e3:.2f} ms, W {one[0][2] * 1e3:.2f} ms; p2p {latency * 1e6:.0f} us; "
+        f"effective cores {cores:.2f} of {len(os.sched_getaffinity(0))}; executor "
+        f"{per_action * 1e6:.0f} us/action"
     )
+    shared = max(1.0, cores) if cores < pp else None  # the model needs a core at least
+    sims, ideal = {}, {}
+    for schedule, v in CASES:
+        layout = layout_of(schedule, pp, v)
+        st = profile["stages"][layout.num_stages]
+        costs = Costs(stages=st, p2p=latency, per_action=per_action)
+        sims[schedule] = simulate(lists[(schedule, v)], layout, costs, cores=shared)
+        ideal[schedule] = simulate(lists[(schedule, v)], layout, Costs(stages=st, p2p=latency))
     base = out["1f1b"][0]
     ratios = {}
-    for schedule, v in CASES:
-        ours, theirs, gathered = out[schedule]
-        layout = layout_of(schedule, pp, v)
-        scale = 1 / layout.num_chunks
-        costs = Costs(stage.forward * scale, stage.backward_input * scale,
-                      stage.backward_weight * scale, p2p=0.0)  # fmt: skip
-        sim = simulate(with_p2p(generate(schedule, pp_size=pp, num_microbatches=m,
-                                         num_chunks=v), layout), layout, costs)  # fmt: skip
+    print(f"  {'schedule':17s} {'megalite':>9s} {'vs 1F1B: measured':>18s} {'predicted':>9s} "
+          f"{'1 core/rank':>11s}   predicted step (x measured); torch")  # fmt: skip
+    for schedule, _v in CASES:
+        ours, theirs, gathered, _ = out[schedule]
+        sim = sims[schedule]
         torch_part = (f"torch {TORCH_CLASS[schedule]} {theirs * 1e3:7.1f} ms, ratio "
                       f"{ours / theirs:.3f}x" if isinstance(theirs, float)
                       else f"torch {TORCH_CLASS[schedule]}: {theirs}")  # fmt: skip
         ratios[schedule] = sim.step_time / ours
-        print(f"  {schedule:17s} megalite {ours * 1e3:7.1f} ms ({ours / base:.3f}x 1F1B), "
-              f"predicted {sim.step_time * 1e3:7.1f} ms ({sim.step_time / ours:.2f}x measured, "
-              f"bubble {sim.bubble:.3f}); {torch_part}")  # fmt: skip
+        print(f"  {schedule:17s} {ours * 1e3:7.1f}ms {ours / base:18.3f} "
+              f"{sim.step_time / sims['1f1b'].step_time:9.3f} "
+              f"{ideal[schedule].step_time / ideal['1f1b'].step_time:11.3f}   "
+              f"{sim.step_time * 1e3:6.1f} ms ({sim.step_time / ours:.2f}x); "
+              f"{torch_part}")  # fmt: skip
         if timeline_dir:
             from tools.pipeline_timeline import render_svg
 

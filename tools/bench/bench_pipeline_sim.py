@@ -22,6 +22,8 @@ v 2, zb-h1, zb-h1 v 2, zbv, dualpipev), at ``--m`` micro-batches. Per schedule:
    assumes one device per rank, predicts about half the measured step at PP 4 on 2 cores.
 
 Prints predicted / measured per schedule (``--check``: exit 1 unless all lie within 15%), the
+"/1f1b" column (each run's ratio over the same run's 1F1B ratio, median: the load drifting between
+the profiling and the step moves every schedule of a run alike, and this takes it out), the
 "nominal" ratio (the machine's core count, no executor time: what the effective cores and the
 executor's own time add), the measured bubble (receive waits and idle head / tail, as a share of
 ``pp x step``) beside the simulated one and
@@ -85,7 +87,11 @@ def _batches(config, m: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Te
 
 
 def measure(
-    m: int, runs: int, model: dict | None = None, cases: list | None = None
+    m: int,
+    runs: int,
+    model: dict | None = None,
+    cases: list | None = None,
+    per_case_cores: bool = True,
 ) -> dict[str, object]:
     """Run on every rank of a gloo world of pp ranks (one pipeline over the world): profile and
     measure each case. Returns, identically on every rank, ``{"latency": s, "cases": {(schedule,
@@ -123,6 +129,9 @@ def measure(
         cores = _effective_cores(first, chunks[first], batches, shape, ps, stages[n])
         per_action = _executor_overhead(first, chunks[first], p2p, batches, ps) / (pp / cores)
         for case in cases:
+            if per_case_cores:  # the load drifts within a run: the cores just before each step
+                n = layout_of(case[0], pp, case[1]).num_stages
+                cores = _effective_cores(case, chunks[case], batches, shape, ps, stages[n])
             tl = Timeline()
             start, end = _step(*case, chunks[case], p2p, batches, ps, timeline=tl)
             everyone = [None] * pp
@@ -259,7 +268,7 @@ def compare(results: dict, m: int, cores: int | str | None) -> dict:
                 lists,
                 layout,
                 Costs(stages=st, p2p=results["latency"], per_action=o),
-                cores=c if c is None or c < pp else None,
+                cores=None if c is None or c >= pp else max(1.0, c),  # the model needs 1 core
             )
             for st, c, o in zip(case["stages"], shares, per_action)
         ]
@@ -272,7 +281,8 @@ def compare(results: dict, m: int, cores: int | str | None) -> dict:
         t0 = min(s for s, _, _ in mid)
         rows[(schedule, v)] = {
             "predicted": statistics.median(x.step_time for x in sims), "measured": measured,
-            "ratio": ratio, "cores": statistics.median(shares) if shares[0] else None,
+            "ratio": ratio, "ratios": ratios,
+            "cores": statistics.median(shares) if shares[0] else None,
             "per_action": statistics.median(per_action), "overhead": _overhead(case["runs"], lists),
             "stretch": _stretch(case["runs"], case["stages"], layout),
             "bubble_measured": statistics.median(measured_bubble(r) for r in case["runs"]),
@@ -282,6 +292,9 @@ def compare(results: dict, m: int, cores: int | str | None) -> dict:
             "predicted_spans": sim.spans,
             "measured_spans": [[(lb, s - t0, e - t0) for lb, s, e in spans] for _, _, spans in mid],
         }  # fmt: skip
+    base = next(iter(rows.values()))["ratios"]  # the first case's (1f1b) per-run ratios
+    for row in rows.values():  # the machine's drift moves every case of a run alike: taken out
+        row["relative"] = statistics.median(a / b for a, b in zip(row["ratios"], base))
     return rows
 
 
@@ -289,7 +302,9 @@ def _worker(rank, pp, init_file, args, q):
     os.environ["OMP_NUM_THREADS"] = "1"
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=pp)
     try:
-        results = measure(args.m, args.runs, TINY if args.tiny else MODEL)
+        results = measure(
+            args.m, args.runs, TINY if args.tiny else MODEL, per_case_cores=args.per_case_cores
+        )
         if rank == 0:
             q.put(results)
     finally:
@@ -331,6 +346,11 @@ def main() -> None:
     parser.add_argument("--raw", default=None, help="save the raw spans to RAW.pp<P>.pkl")
     parser.add_argument("--reuse", action="store_true", help="re-read --raw instead of running")
     parser.add_argument("--tiny", action="store_true", help="a smoke run: tiny model, 1 run")
+    parser.add_argument(
+        "--cores-once-per-run", dest="per_case_cores", action="store_false",
+        help="measure the effective cores once per run (before the first schedule), not before "
+        "every schedule's step (the default: the load drifts within a run)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.tiny:
         args.runs, args.pp = 1, [2]
@@ -361,14 +381,15 @@ def main() -> None:
         )
         print(
             f"  {'schedule':22s} {'predicted':>10s} {'measured':>10s} {'ratio':>6s} {'nominal':>7s}"
-            "   bubble: "
+            f" {'/1f1b':>6s}   bubble: "
             f"{'measured':>8s} {'simulated':>9s} {'formula':>7s}"
         )
         for (schedule, v), row in rows.items():
             name = schedule + (f" v{v}" if v > 1 and schedule not in ("zbv", "dualpipev") else "")
             print(
                 f"  {name:22s} {row['predicted'] * 1e3:8.1f}ms {row['measured'] * 1e3:8.1f}ms "
-                f"{row['ratio']:6.3f} {nominal[(schedule, v)]['ratio']:7.3f}           "
+                f"{row['ratio']:6.3f} {nominal[(schedule, v)]['ratio']:7.3f} "
+                f"{row['relative']:6.3f}           "
                 f"{row['bubble_measured']:8.3f} "
                 f"{row['bubble_simulated']:9.3f} {row['bubble_theory']:7.3f}   overhead/action "
                 f"{row['overhead'] * 1e6:5.0f} us, spans / profiled {row['stretch']:.2f}"

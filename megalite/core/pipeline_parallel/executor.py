@@ -14,8 +14,11 @@ computes them.
 Communication: ``actions`` is this rank's ``actions.p2p_program`` (compute actions and
 ``P2PBatch`` es); each batch is posted as ONE ``batch_isend_irecv`` of the ops ``posting_plan``
 lists, in that order -- ``p2p_program``'s docstring says why this is deadlock-free and
-FIFO-correct on nccl, which ignores tags. Sends are never waited for (the storage
-of a sent output is freed once the send is done, keeping its autograd node); with overlap a
+FIFO-correct on nccl, which ignores tags. Sends are never waited for (once a send is
+done the executor drops its reference to the sent output and keeps only the output's autograd edge,
+``release_output``: the next stage has a copy; on gloo a send reports done only once waited for,
+so with overlap the release comes at the end of the step -- no saving on CPU -- while nccl's
+works report it as it happens); with overlap a
 received tensor is waited for by its consumer, without (``--no-overlap-p2p-communication``) the
 whole batch is waited for right after posting. Messages still carry a tag per (direction,
 micro-batch, stage) for gloo; ``P2PCommunicator(tagged=False)`` sends all with tag 0, as nccl
@@ -40,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from megalite.core.pipeline_parallel.actions import (
     COMM,
@@ -63,16 +67,25 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def free_output_storage(output: torch.Tensor | None) -> None:
-    """After an activation is sent, keep its autograd node but drop its data: the next stage has a
-    copy, and backward needs only the node. Saves one ``[s, b, h]`` per in-flight micro-batch."""
-    if output is not None and output.grad_fn is not None:
-        output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
+def release_output(
+    output: torch.Tensor | GradientEdge | None,
+) -> torch.Tensor | GradientEdge | None:
+    """After an activation is sent: what backward needs of it, without the tensor. The next stage
+    has a copy, and backward only needs the output's autograd edge (its ``grad_fn`` and output
+    index), so the tensor is dropped and its storage goes with the last reference -- one
+    ``[s, b, h]`` per in-flight micro-batch, as Megatron's swap of ``output.data`` saves. Unlike
+    that swap it stays right when the chunk's last op saved its own output for backward (a
+    ``tanh``, a ``sigmoid``), with or without saved-tensor hooks: the saved copy keeps the storage
+    alive instead of being replaced by an empty tensor. An output without an autograd node (no
+    grad needed) is kept as it is."""
+    if isinstance(output, torch.Tensor) and output.grad_fn is not None:
+        return get_gradient_edge(output)
+    return output
 
 
-def backward_freed_output(output: torch.Tensor, grad: torch.Tensor) -> None:
-    """``output.backward(grad)`` for an output whose storage was freed (autograd's Python entry
-    point would reject the shape mismatch; the engine itself only needs the node)."""
+def backward_freed_output(output: torch.Tensor | GradientEdge, grad: torch.Tensor) -> None:
+    """``output.backward(grad)`` for an output (or the ``GradientEdge`` ``release_output`` kept of
+    it); the engine itself only needs the node."""
     Variable._execution_engine.run_backward(
         tensors=(output,),
         grad_tensors=(grad,),
@@ -203,7 +216,7 @@ class _Run:
         self.input_grads: dict[tuple[int, int], torch.Tensor | None] = {}
         self.mailbox: dict[tuple[str, int, int], torch.Tensor] = {}  # (kind, mb, stage)
         self.recvs: dict[tuple[str, int, int], tuple[object, torch.Tensor]] = {}
-        self.sends: list[tuple[object, torch.Tensor | None]] = []
+        self.sends: list[tuple[object, tuple[int, int] | None]] = []  # (work, output key)
         self.to_send: dict[tuple[int, int], torch.Tensor] = {}
         self.losses: dict[int, dict] = {}
         self.stores = [WeightGradStore() for _ in self.model]
@@ -212,13 +225,14 @@ class _Run:
 
     def _poll_sends(self, wait: bool = False) -> None:
         keep = []
-        for work, tensor in self.sends:
+        for work, key in self.sends:
             if wait:
                 work.wait()
             if wait or work.is_completed():
-                free_output_storage(tensor)
+                if key is not None and key in self.outputs:
+                    self.outputs[key] = release_output(self.outputs[key])
             else:
-                keep.append((work, tensor))
+                keep.append((work, key))
         self.sends = keep
 
     def _post(self, ops: tuple[PostedOp, ...]) -> None:
@@ -232,7 +246,8 @@ class _Run:
             to = self.p2p.global_rank(op.peer, self.rank)
             if op.send:
                 if op.kind == "F":
-                    tensor = free = self.to_send.pop((op.microbatch, op.chunk))
+                    tensor = self.to_send.pop((op.microbatch, op.chunk))
+                    free = (op.microbatch, op.chunk)  # released once the send is done
                     self.p2p.validate(tensor, "send to the next stage")
                 else:
                     tensor, free = self.input_grads.pop((op.microbatch, op.chunk)), None
