@@ -255,8 +255,21 @@ def test_measured_bubble_matches_each_schedules_formula():
     executor's own time between a compute and its send only add to it: +0.03 to +0.07 seen on
     the loaded 2-core CI machine -- and within 0.08 of the simulator's replay at the step's costs;
     zb-h1 at v 2 has no closed form: below interleaved 1F1B's formula + 0.10. And the ranking the
-    formulas promise holds: every bubble-cutting schedule below 1F1B."""
+    formulas promise holds: every bubble-cutting schedule below 1F1B. A miss is measured once
+    more from fresh runs (sleeping ranks wake late on a loaded machine); a wrong schedule or
+    formula misses both times."""
+    bad = _bubbles_out_of_bounds(_bubbles(_results()))
+    if bad:  # a timing miss under load (late wake-ups of sleeping ranks) does not repeat
+        _RESULTS.clear()
+        bad = _bubbles_out_of_bounds(_bubbles(_results()))
+    assert not bad, f"(measured, simulated, formula) out of bounds, twice: {bad}"
     bubbles = _bubbles(_results())
+    one = bubbles[("1f1b", 1)][0]
+    for case in [("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2), ("dualpipev", 2)]:
+        assert bubbles[case][0] < one, (case, bubbles)
+
+
+def _bubbles_out_of_bounds(bubbles: dict) -> dict:
     bad = {}
     for (schedule, v), (measured, simulated) in bubbles.items():
         want = theory(schedule, pp_size=PP, num_microbatches=M, num_chunks=v)["bubble"]
@@ -268,10 +281,7 @@ def test_measured_bubble_matches_each_schedules_formula():
             ok = -0.03 < measured - want < 0.10
         if not ok or abs(measured - simulated) > 0.08:
             bad[f"{schedule} v{v}"] = tuple(round(x, 3) for x in (measured, simulated, want))
-    assert not bad, f"(measured, simulated, formula) out of bounds: {bad}; all: {bubbles}"
-    one = bubbles[("1f1b", 1)][0]
-    for case in [("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2), ("dualpipev", 2)]:
-        assert bubbles[case][0] < one, (case, bubbles)
+    return bad
 
 
 def test_cores_shared_by_more_ranks_stretch_the_work():
