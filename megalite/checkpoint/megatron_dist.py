@@ -44,6 +44,7 @@ NORM_KEYS = {
 }
 OPTIM_PREFIX = {"exp_avg": "optimizer.state.exp_avg.", "exp_avg_sq": "optimizer.state.exp_avg_sq."}
 MASTER_PREFIX = "optimizer.state.fp32_param."
+DISTOPT_MASTER_PREFIX = "optimizer.state.param."  # the distributed optimizer's fully_reshardable
 
 
 def sharded_key(name: str) -> tuple[str, int | None]:
@@ -124,9 +125,11 @@ class DistReader(MegatronReader):
         if self._optim_refusal:
             raise CheckpointError(self._optim_refusal)
         key, _ = sharded_key(logical_name(name, tied=self.tied))
-        has_master = (MASTER_PREFIX + key) in self._index
+        master = next(
+            (p for p in (MASTER_PREFIX, DISTOPT_MASTER_PREFIX) if p + key in self._index), ""
+        )
         out = {
-            "master": self._tensor(MASTER_PREFIX if has_master else "", name).float(),
+            "master": self._tensor(master, name).float(),
             "exp_avg": self._tensor(OPTIM_PREFIX["exp_avg"], name).float(),
             "exp_avg_sq": self._tensor(OPTIM_PREFIX["exp_avg_sq"], name).float(),
         }
@@ -146,8 +149,11 @@ class DistReader(MegatronReader):
         return [entry for obj in _read_objects(self._storage, per_dp) for entry in obj]
 
     def optimizer_header(self) -> dict:
-        state = (self.common.get("optimizer") or {}).get("state", {})
-        step = state.get("common_step", 0)
+        optim = self.common.get("optimizer") or {}
+        step = optim.get("state", {}).get("common_step")
+        if step is None:  # the distributed optimizer's form: the step in its param groups
+            groups = (optim.get("optimizer") or {}).get("param_groups") or [{}]
+            step = max(int(g.get("step") or 0) for g in groups)
         return {"step": int(step), "scaler": None}
 
 
