@@ -214,5 +214,26 @@ def test_ddp_num_buckets_is_recorded_for_megatrons_bucket_layout(tmp_path):
         want = plain.optimizer_tensors(name)
         for key, tensor in state.items():
             assert torch.equal(tensor, want[key]), (name, key)
+    # the torch_dist files of this distributed-optimizer run: Megatron's fully_reshardable form
+    # (fp32 masters beside the moments; what the real loader reads, test_megatron_loader_layouts)
+    trainer.cfg.training.ckpt_format = "torch_dist"
+    checkpoint_io.save_checkpoint(trainer, save_dir=str(tmp_path / "dist"))
+    iter_dir = tmp_path / "dist" / "iter_0000002"
+    common = load_megatron_file(str(iter_dir / "common.pt"))
+    assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
+    assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
+    assert {g["step"] for g in common["optimizer"]["optimizer"]["param_groups"]} == {2}
+    assert vars(common["args"])["use_distributed_optimizer"]
+    dist_reader = open_reader(str(iter_dir), "torch_dist")
+    index = dist_reader._index
+    moments = {k.split(".", 3)[3] for k in index if k.startswith("optimizer.state.exp_avg.")}
+    assert moments and moments == {
+        k.split(".", 3)[3] for k in index if k.startswith("optimizer.state.param.")
+    }
+    assert dist_reader.optimizer_header()["step"] == 2
+    for name in got["params"]:
+        back = dist_reader.optimizer_tensors(name)
+        for key, tensor in plain.optimizer_tensors(name).items():
+            assert torch.equal(back[key], tensor), (name, key)
     with pytest.raises(ConfigError, match="--ddp-num-buckets 2: .* --ddp-bucket-size"):
         config(*FAMILIES["gpt2"], "--ddp-num-buckets", "2", "--ddp-bucket-size", "100")
