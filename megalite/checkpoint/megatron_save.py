@@ -14,9 +14,11 @@ the run's settings under Megatron's names, counters included), ``checkpoint_vers
 model (with the ``_extra_state`` entries of Megatron's linear layers), the Adam state in the form
 of Megatron's plain optimizer (``FP32Optimizer``; ``Float16Optimizer``'s with
 ``fp32_from_fp16_params`` for a bf16/fp16 model), the scheduler in samples, and RNG states under
-Megatron's names. Megatron reads it without ``--use-distributed-optimizer`` (its distributed
-optimizer keeps flat grad-buffer ranges whose layout megalite does not reproduce; load with
-``--no-load-optim`` there).
+Megatron's names (``megatron_rng``; read back by ``megatron.rng_state_from_megatron``). A
+``--use-distributed-optimizer`` run is written in the form of Megatron's distributed optimizer:
+``distrib_optim.pt`` (``megatron_distopt.flat_layout``, from the bucket flags recorded in
+``args``) in the ``torch`` format, the ``fully_reshardable`` form (``optimizer.state.param.*``
+beside the moments, the step in the param groups of ``common.pt``) in ``torch_dist``.
 """
 
 from __future__ import annotations
