@@ -26,7 +26,12 @@ reproduce.
 ``--check-load DIR`` runs only that last step on a checkpoint megalite wrote and compares its
 logits with ``DIR``'s ``reference.pt`` (written beside it by the caller), and the Adam state
 Megatron's optimizer then holds with the one megalite reads from the same files; exit status 0
-when both match.
+when both match. ``--layout TP PP DP`` loads it at that layout instead (TP x PP x DP processes;
+the logits pipelined by hand and gathered over TP); with ``--distributed-optimizer`` (and
+``--bucket-flags``, the grad-buffer flags of the megalite run) the Adam state Megatron then
+holds, gathered by its own ``get_parameter_state_dp_zero`` per (TP, PP) rank, must equal the
+flat tensors of ``--distopt-ref DIR``'s ``distrib_optim.pt`` files exactly (megalite's, in the
+torch format: so a torch_dist load is checked against the same state).
 """
 
 from __future__ import annotations
@@ -343,6 +348,100 @@ def _logits_rank(port: int, load: str, fmt: str, result: str, extra=()) -> None:
     torch.distributed.destroy_process_group()
 
 
+def _layout_rank(rank: int, world: int, port: int, cli_args: tuple) -> None:
+    """One of TP x PP x DP processes: Megatron's load_checkpoint of a megalite checkpoint at that
+    layout; the last stage's TP-gathered logits and each (TP, PP) rank's DP-gathered flat Adam
+    state (DP rank 0) -> ``result_dir``."""
+    load, fmt, result_dir, extra, tp, pp = cli_args
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
+    os.environ.update(WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    _cpu_patches()
+    distributed = "--use-distributed-optimizer" in extra
+    if distributed:
+        _cuda_named_types()
+        _keep_adam_step()
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    layout = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+    args = _megatron_args(["--load", load, "--ckpt-format", fmt, *layout, *extra])
+    ddp, optimizer, scheduler = _build(args, tp, pp)
+    from megatron.core import parallel_state as mpu
+    from megatron.training.checkpointing import load_checkpoint
+
+    if distributed and fmt == "torch_dist":
+        # megatron-core 0.16 without Transformer Engine or Apex reads Adam's step from the
+        # per-parameter state in ``state_dict()``, which the sharded load calls before any state
+        # exists (``assert len(steps) == 1``, for Megatron's own files too): give the state its
+        # slots first, as Megatron's dummy-state initialiser does; the load then replaces them.
+        getattr(optimizer, "chained_optimizers", [optimizer])[
+            0
+        ]._init_optimizer_states_with_dummy_values()
+    with torch.no_grad():  # as _logits_rank
+        iteration, _ = load_checkpoint([ddp], optimizer, scheduler)
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(TOKENS_SEED))
+    positions = torch.arange(16).unsqueeze(0).expand(2, 16)
+    model = ddp.module
+    with torch.no_grad():
+        if not mpu.is_pipeline_first_stage():
+            hidden = torch.empty(16, 2, 32)
+            torch.distributed.recv(hidden, src=mpu.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(hidden)
+        out = model(tokens, positions, None)
+        if not mpu.is_pipeline_last_stage():
+            torch.distributed.send(
+                out.contiguous(), dst=mpu.get_pipeline_model_parallel_next_rank()
+            )
+    t, p = mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank()
+    d = mpu.get_data_parallel_rank()
+    result = {"iteration": iteration, "consumed_train_samples": args.consumed_train_samples}
+    if mpu.is_pipeline_last_stage():
+        parts = [torch.empty_like(out) for _ in range(tp)]
+        torch.distributed.all_gather(
+            parts, out.contiguous(), group=mpu.get_tensor_model_parallel_group()
+        )
+        result["logits"] = torch.cat(parts, dim=-1)[..., :VOCAB].clone()
+    if distributed:
+        inner = getattr(optimizer, "chained_optimizers", [optimizer])[0]
+        result["flat"] = inner.get_parameter_state_dp_zero()
+    if d == 0:
+        torch.save(result, os.path.join(result_dir, f"rank_{t}_{p}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def _check_layout(cli, extra: list[str]) -> bool:
+    tp, pp, dp = cli.layout
+    result_dir = tempfile.mkdtemp()
+    _spawn(_layout_rank, tp * pp * dp, (cli.check_load, cli.ckpt_format, result_dir, extra, tp, pp))
+    want = torch.load(os.path.join(cli.check_load, "reference.pt"), weights_only=False)
+    ok, notes = True, []
+    for t in range(tp):
+        for p in range(pp):
+            got = torch.load(os.path.join(result_dir, f"rank_{t}_{p}.pt"), weights_only=False)
+            ok &= got["iteration"] == want["iteration"]
+            if "logits" in got:
+                err = (got["logits"] - want["logits"]).abs().max() / want["logits"].abs().max()
+                notes.append(f"logits (TP {t}) max rel err {err.item():.2e}")
+                ok &= err.item() < 1e-5
+            if "flat" in got and cli.distopt_ref:
+                ref_dir = os.path.join(
+                    cli.distopt_ref,
+                    sorted(d for d in os.listdir(cli.distopt_ref) if d.startswith("iter_"))[-1],
+                )
+                shard = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+                ref = torch.load(
+                    os.path.join(ref_dir, shard, "distrib_optim.pt"), weights_only=False
+                )
+                mine, theirs = next(iter(ref[0].values())), next(iter(got["flat"][0].values()))
+                same = all(
+                    torch.equal(mine[k], theirs[k]) for k in ("param", "exp_avg", "exp_avg_sq")
+                )
+                notes.append(f"Adam state of {shard} = megalite's: {'yes' if same else 'NO'}")
+                ok &= same
+    verdict = "ok" if ok else "MISMATCH"
+    print(f"Megatron loaded {cli.check_load} ({cli.ckpt_format} {' '.join(extra)}) at TP {tp} x "
+          f"PP {pp} x DP {dp}: " + "; ".join(notes) + f" -> {verdict}")  # fmt: skip
+    return ok
+
+
 def _adam_mismatches(load: str, fmt: str, got: dict) -> list[str]:
     """Where the Adam state Megatron loaded differs from the one megalite reads in the same files
     (megalite's readers are checked against Megatron's own files by the tests)."""
@@ -399,7 +498,28 @@ def main() -> None:
         action="store_true",
         help="with --check-load: Megatron loads with --use-distributed-optimizer",
     )
+    parser.add_argument(
+        "--layout",
+        type=int,
+        nargs=3,
+        default=None,
+        metavar=("TP", "PP", "DP"),
+        help="with --check-load: load at this layout (TP x PP x DP processes)",
+    )
+    parser.add_argument(
+        "--bucket-flags",
+        default="",
+        help="with --layout: e.g. '--overlap-grad-reduce --ddp-bucket-size 540'",
+    )
+    parser.add_argument(
+        "--distopt-ref",
+        default=None,
+        help="with --layout: megalite's torch-format save of the same state",
+    )
     cli = parser.parse_args()
+    if cli.check_load and cli.layout:
+        extra = ["--use-distributed-optimizer"] if cli.distributed_optimizer else []
+        raise SystemExit(0 if _check_layout(cli, extra + cli.bucket_flags.split()) else 1)
     if cli.check_load:
         result = os.path.join(tempfile.mkdtemp(), "logits.pt")
         extra = ["--use-distributed-optimizer"] if cli.distributed_optimizer else []

@@ -181,7 +181,7 @@ def _megatron_format(iter_dir: str) -> str | None:
 
 
 def _load_if_megatron(
-    iter_dir, iteration, module, optimizer, scheduler, ps, seed, *, load_optim, finetune
+    iter_dir, iteration, module, optimizer, scheduler, ps, seed, *, load_optim, finetune, load_rng
 ) -> LoadedCheckpoint | None:
     """Issue 18: a checkpoint Megatron-LM wrote (``torch`` or ``torch_dist``) goes through
     ``megatron.load_megatron_checkpoint``; None for megalite's own files."""
@@ -190,10 +190,10 @@ def _load_if_megatron(
     fmt = megatron.detect_format(iter_dir)
     if fmt is None:
         return None
-    meta, reseed, reader = megatron.load_megatron_checkpoint(
+    meta, rng_state, reseed, reader = megatron.load_megatron_checkpoint(
         iter_dir, fmt, module=module, optimizer=optimizer, scheduler=scheduler, ps=ps,
         seed=seed, load_optim=load_optim, finetune=finetune or iteration == RELEASE,
-        load_model_state=_load_model,
+        load_model_state=_load_model, load_rng=load_rng,
     )  # fmt: skip
     progress = None
     if meta is not None:
@@ -209,7 +209,7 @@ def _load_if_megatron(
         progress.iteration if progress else 0, progress.consumed_train_samples if progress else 0,
         " (--finetune: weights only)" if progress is None else "",
     )  # fmt: skip
-    return LoadedCheckpoint(iter_dir, iteration, progress, None, reseed)
+    return LoadedCheckpoint(iter_dir, iteration, progress, rng_state, reseed)
 
 
 def load_checkpoint(
@@ -261,7 +261,8 @@ def load_checkpoint(
             "them, save with --ckpt-format megalite, then resume from that"
         )
     megatron = _load_if_megatron(iter_dir, iteration, module, optimizer, scheduler, ps, seed,
-                                 load_optim=load_optim, finetune=finetune)  # fmt: skip  # issue 18
+                                 load_optim=load_optim, finetune=finetune,
+                                 load_rng=load_rng)  # fmt: skip  # issue 18
     if megatron is not None:
         return megatron
     reader = CheckpointReader(iter_dir, full_distributed=_full_from_distributed)

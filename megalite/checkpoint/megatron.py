@@ -8,9 +8,10 @@ global name) by a ``CheckpointReader`` subclass: ``LegacyReader`` converts each
 ``model_optim_rng.pt`` into megalite's per-stage shard form, ``DistReader`` (``megatron_dist``)
 reads the global tensors of a ``torch_dist`` directory. The load then goes through the same
 resharding as a megalite checkpoint of another layout: model, Adam state (fp32 masters, moments,
-step), scheduler position, iteration and consumed samples. Megatron's RNG states are not
-restored (their generators differ from megalite's): the run is re-seeded from ``--seed`` +
-iteration, with a warning, as after a reshard.
+step), scheduler position, iteration and consumed samples. Megatron's RNG states
+(``rng_state``: Python ``random``, numpy, torch CPU, CUDA and the tracker's per (TP, PP[, DP])
+rank) are restored when the layout matches (same TP and PP: ``rng_state_from_megatron``);
+otherwise the run is re-seeded from ``--seed`` + iteration with one warning, as after a reshard.
 
 Megatron's model settings come from the checkpoint's ``args`` (``model_config_from_args``) and are
 checked against this run's as a megalite checkpoint's are; the model settings megalite
@@ -28,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -210,6 +212,10 @@ class MegatronReader(CheckpointReader):
             "layout": {"padded_vocab_size": self.padded_vocab_size},
         }
 
+    def rng_states(self, tp_rank: int, pp_rank: int) -> list[dict] | None:
+        """The ``rng_state`` list of a (TP, PP) rank (one entry per DP rank, or one), or None."""
+        raise NotImplementedError
+
     def use_vocab(self, vocab_size: int) -> None:
         """Serve the first ``vocab_size`` rows of the (Megatron-padded) vocabulary tensors."""
         if self.padded_vocab_size and vocab_size > self.padded_vocab_size:
@@ -279,6 +285,9 @@ class LegacyReader(MegatronReader):
             self._shards[key] = {"model": model, "optimizer": raw.get("optimizer")}
         return self._shards[key]
 
+    def rng_states(self, tp_rank: int, pp_rank: int) -> list[dict] | None:
+        return self._raw_shard(tp_rank, pp_rank).get("rng_state")
+
     def has_optimizer(self) -> bool:
         if self.distributed_optimizer:  # Adam's state in distrib_optim.pt, the rest in "optimizer"
             return os.path.isfile(self.path(0, 0, "distrib_optim.pt"))
@@ -334,6 +343,7 @@ def load_megatron_checkpoint(
     load_optim: bool,
     finetune: bool,
     load_model_state,
+    load_rng: bool = True,
 ):
     """Load a Megatron checkpoint into this rank's stage ``module`` (any layout; module doc).
 
@@ -353,7 +363,7 @@ def load_megatron_checkpoint(
     )
     load_model_state(module, state, iter_dir)
     if finetune:
-        return None, None, reader
+        return None, None, None, reader
     if load_optim:
         full = reshard_optimizer(
             reader,
@@ -380,13 +390,70 @@ def load_megatron_checkpoint(
             "the Megatron checkpoint's --lr %s differs from this run's %s; this run's is used",
             saved.get("max_lr"), current["max_lr"],
         )  # fmt: skip
+    if not load_rng:
+        return reader.meta, None, None, reader
+    rng_state, why = _rng_for_rank(reader, ps)
+    if rng_state is not None:
+        return reader.meta, rng_state, None, reader
     reseed = seed + iteration
     logger.warning(
-        "Megatron checkpoint %s (%s format, TP %d x PP %d): its RNG states are not restored "
-        "(Megatron's generators differ); re-seeded with --seed + iteration = %d",
-        iter_dir, fmt, reader.tp_size, reader.pp_size, reseed,
+        "Megatron checkpoint %s (%s format, TP %d x PP %d): RNG states not restored (%s); "
+        "Python, numpy, torch and tensor-parallel generators re-seeded with --seed + "
+        "iteration = %d",
+        iter_dir, fmt, reader.tp_size, reader.pp_size, why, reseed,
     )  # fmt: skip
-    return reader.meta, reseed, reader
+    return reader.meta, None, reseed, reader
+
+
+def _rng_for_rank(reader: MegatronReader, ps) -> tuple[dict | None, str]:
+    """This rank's saved RNG states in megalite's form, or (None, why not)."""
+    if (reader.tp_size, reader.pp_size) != (ps.tp_size, ps.pp_size):
+        return None, f"saved at another layout than this run's TP {ps.tp_size} x PP {ps.pp_size}"
+    entries = reader.rng_states(ps.tp_rank, ps.pp_rank)
+    if not entries:
+        return None, "saved with --no-save-rng"
+    dp_size, dp_rank = ps.size("dp", "cp"), ps.rank("dp", "cp")
+    if len(entries) == dp_size:
+        return rng_state_from_megatron(entries[dp_rank]), ""
+    if _arg(reader.args, "data_parallel_random_init", False):
+        return (
+            None,
+            f"--data-parallel-random-init states of DP {len(entries)}, this run's {dp_size}",
+        )
+    # without --data-parallel-random-init every DP rank of Megatron holds the same states: [0]
+    return rng_state_from_megatron(entries[0]), ""
+
+
+def _is_cpu_state(state) -> bool:
+    return isinstance(state, torch.Tensor) and state.numel() == torch.get_rng_state().numel()
+
+
+def rng_state_from_megatron(entry: dict) -> dict:
+    """One rank's Megatron ``rng_state`` entry -> megalite's form (``records.capture_rng_state``).
+
+    The device generator and the tracker's ``"tensor-parallel"`` state (Megatron's
+    ``"model-parallel-rng"``: per TP rank, shared over DP, as megalite's) are CUDA states when
+    Megatron ran on GPUs; on a CPU run (megalite's, or Megatron's under the fixtures' workaround)
+    they are CPU generator states and the default generator is torch's CPU one."""
+    from megalite.core.tensor_parallel.random import TP_RNG
+
+    py = entry["random_rng_state"]
+    n = entry["np_rng_state"]
+    cuda = entry.get("cuda_rng_state")
+    tracker = (entry.get("rng_tracker_states") or {}).get("model-parallel-rng")
+    return {
+        "torch_cpu": entry["torch_rng_state"],
+        "cuda": None if cuda is None or _is_cpu_state(cuda) else cuda,
+        "tracker": None if tracker is None else {TP_RNG: tracker},
+        "python": (py[0], tuple(py[1]), py[2]),
+        "numpy": {
+            "kind": n[0],
+            "keys": torch.from_numpy(np.asarray(n[1]).astype(np.int64)),
+            "pos": int(n[2]),
+            "has_gauss": int(n[3]),
+            "cached_gaussian": float(n[4]),
+        },
+    }
 
 
 def scheduler_steps_from_samples(samples, samples_per_step: int) -> int | float:
@@ -412,6 +479,7 @@ __all__ = [
     "load_megatron_checkpoint",
     "model_config_from_args",
     "open_reader",
+    "rng_state_from_megatron",
     "scheduler_samples_from_steps",
     "scheduler_steps_from_samples",
 ]

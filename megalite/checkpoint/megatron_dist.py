@@ -44,6 +44,7 @@ NORM_KEYS = {
 }
 OPTIM_PREFIX = {"exp_avg": "optimizer.state.exp_avg.", "exp_avg_sq": "optimizer.state.exp_avg_sq."}
 MASTER_PREFIX = "optimizer.state.fp32_param."
+DISTOPT_MASTER_PREFIX = "optimizer.state.param."  # the distributed optimizer's fully_reshardable
 
 
 def sharded_key(name: str) -> tuple[str, int | None]:
@@ -124,19 +125,60 @@ class DistReader(MegatronReader):
         if self._optim_refusal:
             raise CheckpointError(self._optim_refusal)
         key, _ = sharded_key(logical_name(name, tied=self.tied))
-        has_master = (MASTER_PREFIX + key) in self._index
+        master = next(
+            (p for p in (MASTER_PREFIX, DISTOPT_MASTER_PREFIX) if p + key in self._index), ""
+        )
         out = {
-            "master": self._tensor(MASTER_PREFIX if has_master else "", name).float(),
+            "master": self._tensor(master, name).float(),
             "exp_avg": self._tensor(OPTIM_PREFIX["exp_avg"], name).float(),
             "exp_avg_sq": self._tensor(OPTIM_PREFIX["exp_avg_sq"], name).float(),
         }
         assert set(out) == set(OPTIMIZER_KEYS)
         return out
 
+    def rng_states(self, tp_rank: int, pp_rank: int) -> list[dict] | None:
+        """Megatron's ``rng_state`` sharded object of (PP, TP) (``shard_{pp}.{tp}_{PP}.{TP}``; one
+        per DP rank, ``shard_{pp}.{tp}.{dp}_...``, under --data-parallel-random-init)."""
+        plain = f"rng_state/shard_{pp_rank}.{tp_rank}_{self.pp_size}.{self.tp_size}"
+        if plain in self._index:
+            return _read_objects(self._storage, [plain])[0]
+        per_dp = [f"rng_state/shard_{pp_rank}.{tp_rank}.{d}_{self.pp_size}.{self.tp_size}."
+                  f"{self.dp_size}" for d in range(self.dp_size)]  # fmt: skip
+        if not all(k in self._index for k in per_dp):
+            return None
+        return [entry for obj in _read_objects(self._storage, per_dp) for entry in obj]
+
     def optimizer_header(self) -> dict:
-        state = (self.common.get("optimizer") or {}).get("state", {})
-        step = state.get("common_step", 0)
+        optim = self.common.get("optimizer") or {}
+        step = optim.get("state", {}).get("common_step")
+        if step is None:  # the distributed optimizer's form: the step in its param groups
+            groups = (optim.get("optimizer") or {}).get("param_groups") or [{}]
+            step = max(int(g.get("step") or 0) for g in groups)
         return {"step": int(step), "scaler": None}
+
+
+def _read_objects(storage, keys: list[str]) -> list:
+    """The sharded objects ``keys`` (bytes items, each ``torch.save`` of a one-element list, as
+    megatron-core writes them), unpickled safely."""
+    import io
+
+    from megalite.checkpoint.megatron_legacy import safe_pickle
+
+    raw: dict[str, bytes] = {}
+
+    class _Bytes(dcp.DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            raw[read_item.dest_index.fqn] = value.read()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({k: io.BytesIO() for k in keys}, storage_reader=storage, planner=_Bytes(),
+                 no_dist=True)  # fmt: skip
+    out = []
+    for key in keys:
+        obj = torch.load(io.BytesIO(raw[key]), weights_only=False, pickle_module=safe_pickle)
+        out.append(obj[0] if isinstance(obj, list) and len(obj) == 1 else obj)
+    return out
 
 
 def write_metadata_json(iter_dir: str) -> None:

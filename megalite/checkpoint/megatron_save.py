@@ -14,9 +14,11 @@ the run's settings under Megatron's names, counters included), ``checkpoint_vers
 model (with the ``_extra_state`` entries of Megatron's linear layers), the Adam state in the form
 of Megatron's plain optimizer (``FP32Optimizer``; ``Float16Optimizer``'s with
 ``fp32_from_fp16_params`` for a bf16/fp16 model), the scheduler in samples, and RNG states under
-Megatron's names. Megatron reads it without ``--use-distributed-optimizer`` (its distributed
-optimizer keeps flat grad-buffer ranges whose layout megalite does not reproduce; load with
-``--no-load-optim`` there).
+Megatron's names (``megatron_rng``; read back by ``megatron.rng_state_from_megatron``). A
+``--use-distributed-optimizer`` run is written in the form of Megatron's distributed optimizer:
+``distrib_optim.pt`` (``megatron_distopt.flat_layout``, from the bucket flags recorded in
+``args``) in the ``torch`` format, the ``fully_reshardable`` form (``optimizer.state.param.*``
+beside the moments, the step in the param groups of ``common.pt``) in ``torch_dist``.
 """
 
 from __future__ import annotations
@@ -312,6 +314,7 @@ class _RawBytesPlanner(dcp.DefaultSavePlanner):
 
 def _write_dist(reader: CheckpointReader, dst: str) -> None:
     from megalite.checkpoint.megatron_dist import (
+        DISTOPT_MASTER_PREFIX,
         MASTER_PREFIX,
         OPTIM_PREFIX,
         sharded_key,
@@ -329,6 +332,10 @@ def _write_dist(reader: CheckpointReader, dst: str) -> None:
             if not (reader.tied and name == OUTPUT_LAYER):
                 names.append(name)
     has_optim = reader.has_optimizer()
+    # --use-distributed-optimizer: Megatron's "fully_reshardable" form of its distributed
+    # optimizer (the fp32 masters as optimizer.state.param.<key> beside the moments, the param
+    # groups with the step in common.pt), which its loader reads at any DP size
+    distopt = has_optim and bool(_config_value(meta, "use_distributed_optimizer", False))
     half = False
     out: dict = {}
     layers: dict[str, list] = {}
@@ -353,6 +360,8 @@ def _write_dist(reader: CheckpointReader, dst: str) -> None:
             put(OPTIM_PREFIX["exp_avg_sq"], name, o["exp_avg_sq"])
             if weight.dtype != torch.float32:
                 put(MASTER_PREFIX, name, o["master"])
+            if distopt:
+                put(DISTOPT_MASTER_PREFIX, name, o["master"].float())
     num_layers = int(meta["config"]["model"]["num_layers"])
     for key, by_layer in layers.items():
         out[key] = torch.stack([by_layer[i] for i in range(num_layers)]).contiguous()
@@ -374,7 +383,7 @@ def _write_dist(reader: CheckpointReader, dst: str) -> None:
         dcp.save(out, storage_writer=dcp.FileSystemWriter(dst), planner=_RawBytesPlanner(),
                  no_dist=True)  # fmt: skip
     common = {
-        "args": megatron_args(meta, reader, use_dist_ckpt=True),
+        "args": megatron_args(meta, reader, use_dist_ckpt=True, distributed_optimizer=distopt),
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": meta["iteration"],
         "num_floating_point_operations_so_far": 0,
@@ -390,6 +399,15 @@ def _write_dist(reader: CheckpointReader, dst: str) -> None:
         step = reader.optimizer_header()["step"]
         common["optimizer"] = {"state": {"common_step": torch.tensor(float(step))},
                                "param_groups": groups}  # fmt: skip
+        if distopt:
+            for group in groups:
+                group["step"] = int(step)
+            common["optimizer"] = {"optimizer": {"param_groups": groups},
+                                   "param_state_sharding_type": "fully_reshardable"}  # fmt: skip
+            common["content_metadata"].update(
+                distrib_optim_sharding_type="fully_reshardable",
+                distrib_optim_fully_reshardable_mem_efficient=False,
+            )
         common["opt_param_scheduler"] = megatron_scheduler(meta)
     del half
     save_file(common, os.path.join(dst, "common.pt"))

@@ -176,7 +176,10 @@ def setup_model_and_optimizer(
         shared_params=shared,
         duplicates=duplicates,
         accumulate_allreduce_grads_in_fp32=par.accumulate_allreduce_grads_in_fp32,
-        bucket_size=par.bucket_size(ps.dp_size),
+        bucket_size=par.bucket_size(
+            ps.dp_size,
+            stage_numel=sum(p.numel() for p in module.parameters()),  # issue 18
+        ),
         overlap_grad_reduce=par.overlap_grad_reduce,
         overlap_param_gather=par.overlap_param_gather,
         lr=opt.lr,

@@ -58,6 +58,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     ddp_bucket_size: int | None = None  # elements; None: max(40M, 1M x dp)
+    ddp_num_buckets: int | None = None  # issue 18: bucket size = the rank's parameters // N
     accumulate_allreduce_grads_in_fp32: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False  # ZeRO-1: all-gather a bucket before its first use
@@ -156,8 +157,10 @@ class ParallelConfig:
         if strategy != "no_shard":
             self.use_distributed_optimizer = True
 
-    def bucket_size(self, dp_size: int | None = None) -> int:
+    def bucket_size(self, dp_size: int | None = None, stage_numel: int | None = None) -> int:
         """Elements per grad bucket: ``ddp_bucket_size``, else max(40M, 1M x ``dp_size``)."""
+        if self.ddp_num_buckets is not None and stage_numel is not None:  # issue 18
+            return max(stage_numel // self.ddp_num_buckets, 1)
         if self.ddp_bucket_size is not None:
             return self.ddp_bucket_size
         dp = dp_size if dp_size is not None else self.data_parallel_size or 1
@@ -184,6 +187,13 @@ class ParallelConfig:
             )
         if self.ddp_bucket_size is not None and self.ddp_bucket_size < 1:
             raise ConfigError(f"ddp_bucket_size must be >= 1 element, got {self.ddp_bucket_size}")
+        if self.ddp_num_buckets is not None and (  # issue 18, as Megatron
+            self.ddp_num_buckets < 1 or self.ddp_bucket_size is not None
+        ):
+            raise ConfigError(
+                f"ddp_num_buckets {self.ddp_num_buckets}: give a count >= 1 and not together "
+                f"with ddp_bucket_size ({self.ddp_bucket_size}); drop one of the two"
+            )
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ConfigError(
                 "overlap_param_gather needs use_distributed_optimizer (it overlaps ZeRO-1's "

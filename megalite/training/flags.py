@@ -161,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     par.switch("--no-overlap-p2p-communication",
                help="wait for each stage-to-stage receive where it is posted")  # fmt: skip
     par.add("--ddp-bucket-size", type=int)
+    # issue 18: Megatron's bucket count (bucket size = this rank's parameters // N)
+    par.add("--ddp-num-buckets", type=int)
     par.add("--distributed-timeout-minutes", type=float)
     par.plain("--distributed-backend", choices=["nccl", "gloo"])
     par.add("--device", choices=DEVICES)
