@@ -7,8 +7,8 @@ Usage:
     python tools/plan.py --calibrate --calibration-out calib.json     # this machine's figures
     python tools/plan.py --model gpt2-125m --gpus 8 --calibration calib.json ...
 
-Model: ``--model PRESET`` (gpt2-125m ... gpt3-175b, llama2-7b ... llama3-405b; mixtral-8x7b is
-refused until MoE lands) or pretrain_gpt.py's model flags with ``--vocab-size``; ``--bf16`` is the
+Model: ``--model PRESET`` (gpt2-125m ... gpt3-175b, llama2-7b ... llama3-405b, mixtral-8x7b)
+or pretrain_gpt.py's model flags with ``--vocab-size``; ``--bf16`` is the
 default precision (``--fp16``/``--fp32`` to change). Cluster: ``--gpu H100|H200|A100`` presets,
 each figure overridable (``--gpu-memory-gib --peak-tflops --intra-node-gbps --inter-node-gbps``,
 bus bandwidth per GPU in GB/s). Prints the top layouts (``--top N``) with a breakdown and the

@@ -39,7 +39,8 @@ class Row:
 
 def cpu_cluster(world: int, calibration: dict) -> Cluster:
     base = Cluster(gpus=world, gpus_per_node=world, gpu_memory_gib=64, peak_tflops=PEAK,
-                   intra_node_gbps=1.0, inter_node_gbps=1.0, device="cpu", name="cpu")  # fmt: skip
+                   intra_node_gbps=1.0, inter_node_gbps=1.0, device="cpu", name="cpu",
+                   reduce_scatter_cost=1.0)  # fmt: skip
     return calibrated(base, {**calibration, "peak_tflops": PEAK})
 
 

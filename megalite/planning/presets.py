@@ -1,7 +1,7 @@
 """Model presets for ``tools/plan.py --model``: pretrain_gpt.py's model flags of published models.
 
 Shapes are the published ones (GPT-2/GPT-3 papers' tables; Meta's Llama 2 and Llama 3 model
-cards). ``mixtral-8x7b`` is listed so that asking for it says why it is refused (MoE, issue 16).
+cards; Mistral's Mixtral 8x7B config: Llama-shaped, 8 experts, top-2, 32K vocabulary).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ MODEL_PRESETS: dict[str, dict] = {
     "llama3-405b": _llama(126, 16384, 128, 8, 53248, 128256, 8192, 500000),
 }
 MODEL_PRESETS["llama3-70b"] = MODEL_PRESETS["llama-70b"]
-REFUSED_PRESETS = {
-    "mixtral-8x7b": "mixtral-8x7b is a mixture-of-experts model; the planner covers MoE when "
-    "issue 16 (MoE, EP/ETP) lands",
-}
+MODEL_PRESETS["mixtral-8x7b"] = _llama(32, 4096, 32, 8, 14336, 32000, 4096, 1000000)
+MODEL_PRESETS["mixtral-8x7b"]["argv"] += ["--num-experts", "8", "--moe-router-topk", "2"]
+# presets named so that asking for them says why they are refused (none today)
+REFUSED_PRESETS: dict[str, str] = {}

@@ -8,7 +8,9 @@ backward is twice the forward, plus one more forward of the recomputed part (ful
 selective: the attention core).
 Tensor-parallel collectives are exposed (megalite does not overlap them): two all-reduces per
 layer forward and two backward of ``[s, b, h]`` (under sequence parallel two all-gathers and two
-reduce-scatters of the same bytes). Pipeline sends are blocking ``[s, b, h]`` (``/tp`` under SP)
+reduce-scatters, each with its own latency; a reduce-scatter costs ``reduce_scatter_cost`` of an
+all-reduce), and one more each way per micro-batch for the embedding and the output layer.
+Pipeline sends are blocking ``[s, b, h]`` (``/tp`` under SP)
 transfers. The pipeline itself is the core simulator (``pipeline_parallel.simulator``) over the
 schedule's own action lists (every schedule: 1F1B, GPipe, interleaved, ZB-H1, ZBV, DualPipeV), so
 the bubble comes out of the same numbers. Context parallelism divides a rank's tokens by ``cp`` and
@@ -129,8 +131,16 @@ def predict_step_time(
     act_bytes = tokens * h * e
     lat = cluster.collective_latency_s
     tp_gbps = cluster.link_gbps(tp)
-    factor = 1.0 if layout.sequence_parallel else 2.0  # an AG or RS moves half an all-reduce
-    per_collective = _ring(act_bytes, tp, tp_gbps, lat, factor=factor)
+    # per layer and pass, TP issues two all-reduces of [s, b, h]; under SP two all-gathers and two
+    # reduce-scatters (each its own latency; a reduce-scatter costs ``reduce_scatter_cost`` of an
+    # all-reduce: half on NCCL, a whole one on gloo). The embedding (forward) and the output
+    # layer's input (backward) add one more each per micro-batch (counted by logging the calls).
+    if layout.sequence_parallel:
+        all_reduce = _ring(act_bytes, tp, tp_gbps, lat, factor=2.0)
+        gather = _ring(act_bytes, tp, tp_gbps, lat, factor=1.0)
+        per_collective = gather + cluster.reduce_scatter_cost * all_reduce
+    else:
+        per_collective = _ring(act_bytes, tp, tp_gbps, lat, factor=2.0)
     # CP: the ring passes every other rank's K and V (forward), and dK, dV back (backward)
     kv_bytes = 2 * tokens * (c.num_query_groups // tp) * c.kv_channels * e
     cp_gbps = cluster.link_gbps(tp * cp)
@@ -158,8 +168,10 @@ def predict_step_time(
         bwd = (2 * fwd_flops + recompute) / tp / rate + 2 * n_layers * cluster.layer_overhead_s
         bwd += cluster.chunk_overhead_s
         n_moe = sum(moe[start:end])
-        comm_f = 2 * n_layers * per_collective + n_layers * cp_f + n_moe * ep_f
+        ends = (st == 0) + (st == stages.num_stages - 1)  # the embedding, the output layer
+        comm_f = (2 * n_layers + ends / 2) * per_collective + n_layers * cp_f + n_moe * ep_f
         comm_b = (4 if c.recompute_granularity == "full" else 2) * n_layers * per_collective
+        comm_b += ends / 2 * per_collective
         comm_b += 2 * n_layers * cp_f + n_moe * ep_f
         stage_f.append(f + comm_f)
         stage_b.append(bwd + comm_b)

@@ -3,9 +3,9 @@ r"""The planner on published training configurations: does its memory fit, is it
     python tools/bench/planner_published.py            # prints the table of docs/PLANNER.md
 
 Each row is a published run (model, GPUs, layout, batch, and the MFU its authors report, cited in
-docs/PLANNER.md), mapped onto the nearest layout megalite runs today (no interleaving, CP or
-ZeRO-3 yet: the row says what was changed). The planner's default efficiency per GPU preset is
-used, no calibration on those GPUs.
+docs/PLANNER.md), mapped onto the same layout in megalite (interleaving, CP, ZeRO-3 for FSDP and
+EP have landed; the note says what still differs). The planner's default efficiency per GPU
+preset is used, no calibration on those GPUs.
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ from megalite.planning.search import evaluate  # noqa: E402
 # (name, preset, gpu, gpus, layout, global batch, extra model flags, published MFU range %, note)
 ROWS = [
     ("Megatron-Core GPT-3 175B", "gpt3-175b", "H100", 128,
-     Layout(tp=4, pp=8, dp=4, sequence_parallel=True, rung="optim", micro_batch_size=1),
-     256, [], (47.0, 47.0), "VP 6 -> plain 1F1B"),
+     Layout(tp=4, pp=8, dp=4, sequence_parallel=True, rung="optim", micro_batch_size=1,
+            schedule="interleaved-1f1b", vp=6),
+     256, [], (47.0, 47.0), "as published (VP 6)"),
     ("Llama 3 405B (Meta, 8K GPUs)", "llama3-405b", "H100", 8192,
      Layout(tp=8, pp=16, dp=64, sequence_parallel=True, rung="optim", micro_batch_size=1),
      2048, ["--decoder-first-pipeline-num-layers", "7", "--decoder-last-pipeline-num-layers", "7"],
-     (38.0, 43.0), "interleaving -> plain 1F1B"),
+     (38.0, 43.0), "plain 1F1B (Meta's interleaving v unpublished)"),
     ("  same, full recompute", "llama3-405b", "H100", 8192,
      Layout(tp=8, pp=16, dp=64, sequence_parallel=True, rung="optim", micro_batch_size=1,
             recompute="full"),
@@ -46,19 +47,27 @@ ROWS = [
            "--seq-length", "131072", "--max-position-embeddings", "131072"],
      (38.0, 38.0), "16M tokens = 128 x 131072"),
     ("Megatron-Core Llama 3 70B", "llama-70b", "H100", 64,
-     Layout(tp=4, pp=4, dp=4, sequence_parallel=True, rung="optim", micro_batch_size=1),
-     128, [], (41.0, 47.0), "CP 2 -> DP (issue 15)"),
+     Layout(tp=4, pp=4, dp=2, cp=2, sequence_parallel=True, rung="optim", micro_batch_size=1),
+     128, [], (41.0, 47.0), "as published (CP 2)"),
     ("  same, full recompute", "llama-70b", "H100", 64,
-     Layout(tp=4, pp=4, dp=4, sequence_parallel=True, rung="optim", micro_batch_size=1,
+     Layout(tp=4, pp=4, dp=2, cp=2, sequence_parallel=True, rung="optim", micro_batch_size=1,
             recompute="full"),
-     128, [], (41.0, 47.0), "CP 2 -> DP (issue 15)"),
+     128, [], (41.0, 47.0), "CP 2, full recompute"),
     ("torchtitan Llama 3 8B", "llama3-8b", "A100", 64,
-     Layout(tp=1, pp=1, dp=64, rung="optim", micro_batch_size=1, recompute="selective"),
-     64, [], (56.3, 58.2), "FSDP -> ZeRO-1 (issue 13)"),
+     Layout(tp=1, pp=1, dp=64, rung="optim_grads_params", micro_batch_size=1,
+            recompute="selective"),
+     64, [], (56.3, 58.2), "FSDP = ZeRO-3"),
     ("torchtitan Llama 3 70B", "llama-70b", "A100", 64,
      Layout(tp=8, pp=4, dp=2, sequence_parallel=True, rung="optim", micro_batch_size=1,
             recompute="full"),
-     64, [], (50.5, 51.7), "FSDP 64 -> TP8 PP4 DP2 (issue 13)"),
+     64, [], (50.5, 51.7), "FSDP 64 -> TP8 PP4 DP2"),
+    ("  same as ZeRO-3 over 64", "llama-70b", "A100", 64,
+     Layout(tp=1, pp=1, dp=64, rung="optim_grads_params", micro_batch_size=1, recompute="full"),
+     64, [], (50.5, 51.7), "FSDP = ZeRO-3"),
+    ("Megatron-Core Mixtral 8x7B", "mixtral-8x7b", "H100", 64,
+     Layout(tp=1, pp=4, dp=16, ep=8, rung="optim", micro_batch_size=1,
+            schedule="interleaved-1f1b", vp=8),
+     256, [], (47.3, 47.3), "as published (468 TFLOP/s)"),
 ]  # fmt: skip
 
 
