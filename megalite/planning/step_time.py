@@ -32,33 +32,6 @@ from megalite.planning.model_state import DTYPE_BYTES
 from megalite.training.flops import model_flops_per_iteration
 
 
-class _RankChunk(int):
-    """A chunk index that also knows its rank: the core simulator asks ``Costs.of(op, chunk)``
-    without the rank, and a pipeline's stages differ by rank (the embedding, the output layer,
-    uneven layer counts). The lists carry these in place of plain chunk indices."""
-
-    rank: int
-
-    def __new__(cls, chunk: int, rank: int):
-        obj = super().__new__(cls, chunk)
-        obj.rank = rank
-        return obj
-
-
-def _per_rank_costs(stage_f, stage_b, stages, p2p: float):
-    """``Costs`` whose ``of(op, chunk)`` reads the stage of ``(chunk.rank, chunk)``; ``B = I + W``
-    with half of the backward in ``W`` (the weight-grad GEMMs)."""
-    from megalite.core.pipeline_parallel.simulator import Costs
-
-    class _Costs(Costs):
-        def of(self, op: str, chunk: int) -> float:
-            st = stages.stage(chunk.rank, int(chunk))
-            return {"F": stage_f[st], "B": stage_b[st], "I": stage_b[st] / 2,
-                    "W": stage_b[st] / 2}.get(op, 0.0)  # fmt: skip
-
-    return _Costs(p2p=p2p)
-
-
 @dataclass
 class StepTime:
     seconds: float
@@ -110,11 +83,11 @@ def predict_step_time(
 ) -> StepTime:
     """The step of ``layout`` (module docstring). The pipeline is the core simulator
     (``pipeline_parallel.simulator.simulate``) run over the schedule's own action lists
-    (``generators.generate``) with each stage's own costs (``_per_rank_costs``); its makespan
-    less the busiest rank's work is the bubble."""
-    from megalite.core.pipeline_parallel.actions import Action, with_p2p
+    (``generators.generate``) with each stage's own costs (``Costs(stages=...)``) and, on a CPU,
+    the ranks sharing its cores; its makespan less the busiest rank's work is the bubble."""
+    from megalite.core.pipeline_parallel.actions import with_p2p
     from megalite.core.pipeline_parallel.generators import generate, layout_of
-    from megalite.core.pipeline_parallel.simulator import simulate as simulate_actions
+    from megalite.core.pipeline_parallel.simulator import Costs, simulate
     from megalite.models.moe_config import moe_layer_pattern
     from megalite.training.model_chunks import stage_blocks
 
@@ -191,24 +164,12 @@ def predict_step_time(
     if pp > 1:
         lists = generate(layout.schedule, pp_size=pp, num_microbatches=m, num_chunks=chunks,
                          microbatch_group_size=layout.microbatch_group_size)  # fmt: skip
-        if shared:
-            from megalite.planning.shared_cores import replay
-
-            def cost(r: int, a) -> float:
-                st = stages.stage(r, a.chunk)
-                return {"F": stage_f[st], "B": stage_b[st], "I": stage_b[st] / 2,
-                        "W": stage_b[st] / 2}[a.op]  # fmt: skip
-
-            makespan, _ = replay(lists, stages, cost, p2p=p2p, cores=cluster.cores,
-                                 group=world // pp)  # fmt: skip
-        else:
-            lists = [
-                [Action(a.op, a.microbatch, _RankChunk(a.chunk, r)) for a in actions]
-                for r, actions in enumerate(lists)
-            ]
-            costs = _per_rank_costs(stage_f, stage_b, stages, p2p)
-            sim = simulate_actions(with_p2p(lists, stages), stages, costs)
-            makespan = max(sim.step_time, busiest_total)
+        # B = I + W with half of the backward in W (the weight-grad GEMMs)
+        costs = Costs(stages=[(f, bw / 2, bw / 2) for f, bw in zip(stage_f, stage_b)], p2p=p2p)
+        # a pipeline rank is world // pp processes computing in step: cores / group per rank
+        sim = simulate(with_p2p(lists, stages), stages, costs,
+                       cores=cluster.cores / (world // pp) if shared else None)  # fmt: skip
+        makespan = sim.step_time if shared else max(sim.step_time, busiest_total)
     else:
         makespan = busiest_total * slow
     busiest = max(
