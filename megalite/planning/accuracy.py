@@ -49,22 +49,14 @@ def measure_layout(argv: list[str], *, steps: int) -> float:
     ``argv`` on this world (a fresh ``ParallelState``, destroyed after)."""
     import torch.distributed as dist
 
-    from megalite.core.parallel_state import initialize_model_parallel
     from megalite.training.arguments import parse_args
     from megalite.training.config import with_tokenizer
     from megalite.training.forward_step import make_forward_step
-    from megalite.training.pretrain import build_run
+    from megalite.training.pretrain import build_run, mesh_for
 
     world, rank = dist.get_world_size(), dist.get_rank()
     cfg = with_tokenizer(parse_args(argv, env={"WORLD_SIZE": str(world), "RANK": str(rank)}))
-    par = cfg.parallel
-    ps = initialize_model_parallel(
-        par.tensor_model_parallel_size,
-        par.pipeline_model_parallel_size,
-        context_parallel_size=par.context_parallel_size,
-        expert_model_parallel_size=par.expert_model_parallel_size,
-        expert_tensor_parallel_size=par.expert_tensor_parallel_size,
-    )
+    ps = mesh_for(cfg.parallel)
     try:
         run = build_run(cfg, ps, torch.device("cpu"), seed_rng=True, resume=False)
         step = make_forward_step(torch.device("cpu"))

@@ -137,6 +137,19 @@ def _exit_signal_handler(cfg: PretrainConfig) -> ExitSignalHandler | None:
     return handler
 
 
+def mesh_for(par, **kwargs) -> ParallelState:
+    """The process groups of a run's parallel config (``cfg.parallel``): tp, pp, cp and the expert
+    view; ``kwargs`` (order, device, timeout) pass to ``initialize_model_parallel``."""
+    return initialize_model_parallel(
+        par.tensor_model_parallel_size,
+        par.pipeline_model_parallel_size,
+        context_parallel_size=par.context_parallel_size,
+        expert_model_parallel_size=par.expert_model_parallel_size,
+        expert_tensor_parallel_size=par.expert_tensor_parallel_size,
+        **kwargs,
+    )
+
+
 def pretrain(
     cfg: PretrainConfig, *, forward_step_func: Callable | None = None, env=None
 ) -> TrainResult:
@@ -147,12 +160,8 @@ def pretrain(
     device = select_device(cfg.parallel.device, launch.local_rank)
     owns_world = not dist.is_initialized()
     init_distributed(launch, device, timeout_minutes=cfg.parallel.distributed_timeout_minutes)
-    ps = initialize_model_parallel(
-        cfg.parallel.tensor_model_parallel_size,
-        cfg.parallel.pipeline_model_parallel_size,
-        context_parallel_size=cfg.parallel.context_parallel_size,  # issue 15
-        expert_model_parallel_size=cfg.parallel.expert_model_parallel_size,  # issue 16
-        expert_tensor_parallel_size=cfg.parallel.expert_tensor_parallel_size,
+    ps = mesh_for(
+        cfg.parallel,
         order=cfg.parallel.rank_order,
         device=device,
         timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes),

@@ -19,11 +19,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.core.parallel_state import ParallelState, initialize_model_parallel
+from megalite.core.parallel_state import ParallelState
 from megalite.planning.measure import measure_step
 from megalite.planning.predict import predict_for_config
 from megalite.training.forward_step import make_forward_step
-from megalite.training.pretrain import build_run
+from megalite.training.pretrain import build_run, mesh_for
 from tests.harness import run_distributed
 from tests.training.common import FAMILIES, config
 
@@ -154,14 +154,7 @@ def _world_case(cases: dict) -> dict:
     out = {}
     for name, flags in cases.items():
         cfg = config(*flags, world_size=world, rank=rank)
-        par = cfg.parallel
-        ps = initialize_model_parallel(
-            par.tensor_model_parallel_size,
-            par.pipeline_model_parallel_size,
-            context_parallel_size=par.context_parallel_size,
-            expert_model_parallel_size=par.expert_model_parallel_size,
-            expert_tensor_parallel_size=par.expert_tensor_parallel_size,
-        )
+        ps = mesh_for(cfg.parallel)
         try:
             out[name] = _measure(cfg, ps)
         finally:

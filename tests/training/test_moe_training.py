@@ -27,8 +27,8 @@ import tempfile
 import pytest
 import torch.distributed as dist
 
-from megalite.core.parallel_state import ParallelState, initialize_model_parallel
-from megalite.training.pretrain import pretrain
+from megalite.core.parallel_state import ParallelState
+from megalite.training.pretrain import mesh_for, pretrain
 from tests.harness import run_distributed
 from tests.training.common import FAMILIES, assert_close_rel, config, train_losses
 
@@ -82,13 +82,7 @@ def _layouts_case(layouts: list[tuple[str, tuple, tuple]]) -> dict:
     out = {}
     for family, model_extra, layout in layouts:
         cfg = config(*_flags(family, model_extra), *layout, world_size=world, rank=rank)
-        par = cfg.parallel
-        ps = initialize_model_parallel(
-            par.tensor_model_parallel_size,
-            par.pipeline_model_parallel_size,
-            expert_model_parallel_size=par.expert_model_parallel_size,
-            expert_tensor_parallel_size=par.expert_tensor_parallel_size,
-        )
+        ps = mesh_for(cfg.parallel)
         try:
             result = train_losses(cfg, ps)
         finally:
