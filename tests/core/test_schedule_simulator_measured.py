@@ -165,6 +165,17 @@ def _measure():
     return out
 
 
+def _replay_inputs(schedule: str, v: int, per_rank: list, latency: float):
+    """(layout, action lists, costs) to replay one measured step: costs from its own spans."""
+    layout = layout_of(schedule, PP, v)
+    lists = with_p2p(generate(schedule, pp_size=PP, num_microbatches=M, num_chunks=v), layout)
+    costs = costs_from_spans(
+        [spans for spans, _, _ in per_rank], p2p=latency,
+        steps=[(s, e) for _, s, e in per_rank], num_actions=[len(a) for a in lists],
+    )  # fmt: skip
+    return layout, lists, costs
+
+
 def _ratios(results, *, wrong: str | None = None) -> dict:
     """Per case, the median over repetitions of predicted / measured step time."""
     ratios = {case: [] for case in CASES}
@@ -173,14 +184,7 @@ def _ratios(results, *, wrong: str | None = None) -> dict:
         for schedule, v in CASES:
             per_rank = [results[r][rep][1][(schedule, v)] for r in range(PP)]
             measured = max(e for _, _, e in per_rank) - min(s for _, s, _ in per_rank)
-            layout = layout_of(schedule, PP, v)
-            lists = with_p2p(
-                generate(schedule, pp_size=PP, num_microbatches=M, num_chunks=v), layout
-            )
-            costs = costs_from_spans(
-                [spans for spans, _, _ in per_rank], p2p=latency,
-                steps=[(s, e) for _, s, e in per_rank], num_actions=[len(a) for a in lists],
-            )  # fmt: skip
+            layout, lists, costs = _replay_inputs(schedule, v, per_rank, latency)
             if wrong == "chunk is a stage":  # forgets that a chunk holds 1/v of the layers
                 costs = costs.scaled(v)
             elif wrong == "no weight grad":  # W (or half of a fused B) free
@@ -231,14 +235,7 @@ def _bubbles(results) -> dict:
             for spans, _, _ in per_rank:
                 idle += sum(e - s for lb, s, e in spans if lb.split()[0] == "recv")
                 idle += min(s for _, s, _ in spans) - t0 + t1 - max(e for _, _, e in spans)
-            layout = layout_of(schedule, PP, v)
-            lists = with_p2p(
-                generate(schedule, pp_size=PP, num_microbatches=M, num_chunks=v), layout
-            )
-            costs = costs_from_spans(
-                [spans for spans, _, _ in per_rank], p2p=latency,
-                steps=[(s, e) for _, s, e in per_rank], num_actions=[len(a) for a in lists],
-            )  # fmt: skip
+            layout, lists, costs = _replay_inputs(schedule, v, per_rank, latency)
             sim = simulate(lists, layout, costs)
             comm = sum(1 for acts in lists for a in acts if a.op not in LABELS) * costs.per_action
             out[(schedule, v)][0].append(idle / (PP * (t1 - t0)))
