@@ -87,14 +87,33 @@ def to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.
     for i in range(config.num_layers):  # the checkpoint layout on disk (per expert)
         m, t = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.block_sparse_moe."
         out[t + "gate.weight"] = state[m + "router.weight"].contiguous()
-        for e, (w1, w2) in enumerate(
-            zip(state[m + "experts.weight1"], state[m + "experts.weight2"])
-        ):
-            gate, up = w1.chunk(2)
-            out[f"{t}experts.{e}.w1.weight"] = gate.contiguous()
-            out[f"{t}experts.{e}.w3.weight"] = up.contiguous()
-            out[f"{t}experts.{e}.w2.weight"] = w2.contiguous()
+        out.update(experts_to_hf(state, m, t + "experts.", MIXTRAL_EXPERT_NAMES))
     return out
+
+
+MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")  # gate, up, down
+
+
+def experts_to_hf(state: dict, m: str, t: str, names: tuple[str, str, str]) -> dict:
+    """megalite's stacked ``{m}experts.weight1`` ([E, 2f, h], [gate; up]) and ``weight2`` as HF's
+    per-expert ``{t}{e}.{gate|up|down name}.weight`` tensors."""
+    out = {}
+    gate_name, up_name, down_name = names
+    for e, (w1, w2) in enumerate(zip(state[m + "experts.weight1"], state[m + "experts.weight2"])):
+        gate, up = w1.chunk(2)
+        out[f"{t}{e}.{gate_name}.weight"] = gate.contiguous()
+        out[f"{t}{e}.{up_name}.weight"] = up.contiguous()
+        out[f"{t}{e}.{down_name}.weight"] = w2.contiguous()
+    return out
+
+
+def experts_from_hf(s: dict, t: str, num_experts: int, names: tuple[str, str, str]):
+    """The inverse of ``experts_to_hf``: (weight1 # [E, 2f, h], weight2 # [E, h, f])."""
+    gate_name, up_name, down_name = names
+    w1 = torch.stack([torch.cat([s[f"{t}{e}.{gate_name}.weight"], s[f"{t}{e}.{up_name}.weight"]])
+                      for e in range(num_experts)])  # fmt: skip
+    w2 = torch.stack([s[f"{t}{e}.{down_name}.weight"] for e in range(num_experts)])
+    return w1, w2
 
 
 def config_from_hf(hf) -> GPTConfig:
@@ -122,10 +141,7 @@ def _experts(s: dict, t: str, num_experts: int) -> tuple[torch.Tensor, torch.Ten
         raise ConversionError(
             f"the Mixtral weights have no experts under {t}mlp or block_sparse_moe"
         )
-    w1 = torch.stack([torch.cat([s[f"{old}{e}.w1.weight"], s[f"{old}{e}.w3.weight"]])
-                      for e in range(num_experts)])  # fmt: skip
-    w2 = torch.stack([s[f"{old}{e}.w2.weight"] for e in range(num_experts)])
-    return w1, w2
+    return experts_from_hf(s, old, num_experts, MIXTRAL_EXPERT_NAMES)
 
 
 def from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:

@@ -26,8 +26,11 @@ import torch
 
 from megalite.conversion import llama
 from megalite.conversion.errors import ConversionError
+from megalite.conversion.mixtral import experts_from_hf, experts_to_hf
 from megalite.models.config import GPTConfig
 from megalite.models.moe_config import moe_layer_pattern
+
+QWEN2_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 def _needs(model: str, needs) -> None:
@@ -205,13 +208,7 @@ def to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.
         for name in ("gate_proj", "up_proj", "down_proj"):
             del out[f"{t}{name}.weight"]
         out[t + "gate.weight"] = state[m + "router.weight"].contiguous()
-        for e, (w1, w2) in enumerate(
-            zip(state[m + "experts.weight1"], state[m + "experts.weight2"])
-        ):
-            gate, up = w1.chunk(2)
-            out[f"{t}experts.{e}.gate_proj.weight"] = gate.contiguous()
-            out[f"{t}experts.{e}.up_proj.weight"] = up.contiguous()
-            out[f"{t}experts.{e}.down_proj.weight"] = w2.contiguous()
+        out.update(experts_to_hf(state, m, t + "experts.", QWEN2_EXPERT_NAMES))
         gate, up = state[m + "shared_experts.linear_fc1.weight"].chunk(2)
         out[t + "shared_expert.gate_proj.weight"] = gate.contiguous()
         out[t + "shared_expert.up_proj.weight"] = up.contiguous()
@@ -267,11 +264,7 @@ def _experts(s: dict, t: str, num_experts: int) -> tuple[torch.Tensor, torch.Ten
         return s[t + "experts.gate_up_proj"], s[t + "experts.down_proj"]
     if t + "experts.0.gate_proj.weight" not in s:
         raise ConversionError(f"the Qwen2-MoE weights have no experts under {t}experts")
-    w1 = torch.stack([torch.cat([s[f"{t}experts.{e}.gate_proj.weight"],
-                                 s[f"{t}experts.{e}.up_proj.weight"]])
-                      for e in range(num_experts)])  # fmt: skip
-    w2 = torch.stack([s[f"{t}experts.{e}.down_proj.weight"] for e in range(num_experts)])
-    return w1, w2
+    return experts_from_hf(s, t + "experts.", num_experts, QWEN2_EXPERT_NAMES)
 
 
 def from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
