@@ -45,6 +45,20 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
+class ConfigError(UserError, ValueError):
+    """A bad setting or combination of a run's configuration (``megalite.training.config``); the
+    message is one line, ready to print after ``error: ``."""
+
+    exit_code = 2
+
+
+def at_least(low: float, *named: tuple[str, float | None]) -> None:
+    """ConfigError naming the first ``(name, value)`` below ``low`` (None: unset, skipped)."""
+    for name, value in named:
+        if value is not None and value < low:
+            raise ConfigError(f"{name} must be >= {low}, got {value}")
+
+
 class DataError(UserError, ValueError):
     """Data that cannot be trained on (an empty split, token ids outside the vocabulary)."""
 

@@ -16,30 +16,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from megalite.core.pipeline_parallel.stages import stage_layer_ranges
 from megalite.data.config import DataConfig
-from megalite.errors import UserError
+from megalite.errors import ConfigError, at_least
 from megalite.models.config import VOCAB_FROM_TOKENIZER, GPTConfig
-from megalite.training.lr_schedule import DECAY_STYLES
+from megalite.training.optimizer_config import OptimizerConfig
 from megalite.training.signals import parse_signal
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")  # issue 14
 CP_COMM_TYPES = ("p2p", "a2a", "all_gather")  # issue 15
 DEVICES = ("auto", "cpu", "cuda")
-
-
-class ConfigError(UserError, ValueError):  # issue 17: a UserError (megalite.errors)
-    """A bad setting or combination; the message is one line, ready to print after ``error: ``."""
-
-    exit_code = 2
-
-
-def _at_least(low: float, *named: tuple[str, float | None]) -> None:
-    for name, value in named:
-        if value is not None and value < low:
-            raise ConfigError(f"{name} must be >= {low}, got {value}")
 
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")  # issue 13
@@ -234,100 +220,6 @@ class ParallelConfig:
 
 
 @dataclass
-class OptimizerConfig:
-    """AdamW, its LR schedule, clipping, and mixed precision (bf16 / fp16 with loss scaling)."""
-
-    lr: float = 1e-4
-    min_lr: float = 0.0
-    lr_decay_style: str = "linear"
-    lr_decay_iters: int | None = None  # None: train_iters
-    lr_warmup_iters: int = 0
-    lr_warmup_fraction: float | None = None
-    lr_warmup_init: float = 0.0
-    weight_decay: float = 0.01
-    clip_grad: float = 1.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    bf16: bool = False
-    fp16: bool = False
-    loss_scale: float | None = None  # constant scale; None: dynamic
-    initial_loss_scale: float = 2.0**32
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    # issue 18: the word embedding / output weights' own LR schedule (Megatron's flags)
-    decoupled_lr: float | None = None
-    decoupled_min_lr: float | None = None
-
-    @property
-    def params_dtype(self) -> torch.dtype:
-        if self.bf16:
-            return torch.bfloat16
-        if self.fp16:
-            return torch.float16
-        return torch.float32
-
-    @property
-    def precision_name(self) -> str:
-        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
-
-    def warmup_iters(self, decay_iters: int) -> float:
-        if self.lr_warmup_fraction is not None:  # Megatron: a fraction of the decay samples
-            return self.lr_warmup_fraction * decay_iters
-        return self.lr_warmup_iters
-
-    def validate(self, *, train_iters: int | None = None) -> None:
-        """``train_iters`` stands in for ``lr_decay_iters`` when that is None."""
-        if self.fp16 and self.bf16:
-            raise ConfigError("fp16 and bf16 are mutually exclusive; choose one")
-        if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ConfigError(f"need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr})")
-        if self.lr_decay_style not in DECAY_STYLES:
-            raise ConfigError(
-                f"lr_decay_style must be one of {', '.join(DECAY_STYLES)}, got "
-                f"{self.lr_decay_style!r}"
-            )
-        _at_least(0, ("lr_warmup_iters", self.lr_warmup_iters))
-        _at_least(1, ("loss_scale_window", self.loss_scale_window))
-        _at_least(1, ("hysteresis", self.hysteresis))
-        if self.lr_warmup_fraction is not None:
-            if self.lr_warmup_iters:
-                raise ConfigError(
-                    "lr_warmup_fraction and lr_warmup_iters are mutually exclusive; choose one"
-                )
-            if not 0.0 <= self.lr_warmup_fraction <= 1.0:
-                raise ConfigError(
-                    f"lr_warmup_fraction must be in [0, 1], got {self.lr_warmup_fraction}"
-                )
-        decay = self.lr_decay_iters if self.lr_decay_iters is not None else train_iters
-        if decay is not None:
-            _at_least(1, ("lr_decay_iters", decay))
-            if self.lr_warmup_iters > decay:
-                raise ConfigError(
-                    f"lr_warmup_iters {self.lr_warmup_iters} exceeds lr_decay_iters {decay}"
-                    + ("" if self.lr_decay_iters is not None else " (= train_iters)")
-                    + "; shorten the warmup or lengthen the decay"
-                )
-        if self.clip_grad < 0 or self.weight_decay < 0:
-            raise ConfigError(
-                f"clip_grad ({self.clip_grad}) and weight_decay ({self.weight_decay}) must be >= 0"
-            )
-        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1 and self.adam_eps > 0):
-            raise ConfigError(
-                f"need 0 <= adam_beta1 ({self.adam_beta1}), adam_beta2 ({self.adam_beta2}) < 1 "
-                f"and adam_eps ({self.adam_eps}) > 0"
-            )
-        if self.loss_scale is not None and self.loss_scale <= 0:
-            raise ConfigError(f"loss_scale must be > 0, got {self.loss_scale}")
-        if self.initial_loss_scale < self.min_loss_scale or self.min_loss_scale <= 0:
-            raise ConfigError(
-                f"need 0 < min_loss_scale ({self.min_loss_scale}) <= initial_loss_scale "
-                f"({self.initial_loss_scale})"
-            )
-
-
-@dataclass
 class TrainingConfig:
     micro_batch_size: int = 1
     global_batch_size: int = 1
@@ -371,16 +263,16 @@ class TrainingConfig:
         return self.global_batch_size // per_step
 
     def validate(self) -> None:
-        _at_least(1, ("micro_batch_size", self.micro_batch_size))
-        _at_least(1, ("global_batch_size", self.global_batch_size))
-        _at_least(1, ("train_iters", self.train_iters))
-        _at_least(0, ("eval_interval", self.eval_interval), ("eval_iters", self.eval_iters))
-        _at_least(0, ("seed", self.seed))
+        at_least(1, ("micro_batch_size", self.micro_batch_size))
+        at_least(1, ("global_batch_size", self.global_batch_size))
+        at_least(1, ("train_iters", self.train_iters))
+        at_least(0, ("eval_interval", self.eval_interval), ("eval_iters", self.eval_iters))
+        at_least(0, ("seed", self.seed))
         self.num_microbatches(1)  # the global batch is whole micro-batches
-        _at_least(1, ("save_interval", self.save_interval))
-        _at_least(1, ("keep_last_n_checkpoints", self.keep_last_n_checkpoints))
-        _at_least(1, ("exit_interval", self.exit_interval))
-        _at_least(0, ("ckpt_step", self.ckpt_step))
+        at_least(1, ("save_interval", self.save_interval))
+        at_least(1, ("keep_last_n_checkpoints", self.keep_last_n_checkpoints))
+        at_least(1, ("exit_interval", self.exit_interval))
+        at_least(0, ("ckpt_step", self.ckpt_step))
         if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
             raise ConfigError(
                 f"exit_duration_in_mins must be > 0, got {self.exit_duration_in_mins}"
@@ -415,9 +307,9 @@ class LoggingConfig:
     log_num_zeros_in_grad: bool = False
 
     def validate(self) -> None:
-        _at_least(1, ("log_interval", self.log_interval))
-        _at_least(1, ("tensorboard_log_interval", self.tensorboard_log_interval))
-        _at_least(1, ("tensorboard_queue_size", self.tensorboard_queue_size))
+        at_least(1, ("log_interval", self.log_interval))
+        at_least(1, ("tensorboard_log_interval", self.tensorboard_log_interval))
+        at_least(1, ("tensorboard_queue_size", self.tensorboard_queue_size))
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ConfigError(f"peak_tflops must be > 0, got {self.peak_tflops}")
 

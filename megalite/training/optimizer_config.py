@@ -1,0 +1,105 @@
+"""The optimizer's part of a run's configuration (``PretrainConfig.optimizer``): AdamW, its LR
+schedule, clipping, and mixed precision with loss scaling; it validates itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megalite.errors import ConfigError, at_least
+from megalite.training.lr_schedule import DECAY_STYLES
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW, its LR schedule, clipping, and mixed precision (bf16 / fp16 with loss scaling)."""
+
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    lr_decay_style: str = "linear"
+    lr_decay_iters: int | None = None  # None: train_iters
+    lr_warmup_iters: int = 0
+    lr_warmup_fraction: float | None = None
+    lr_warmup_init: float = 0.0
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    bf16: bool = False
+    fp16: bool = False
+    loss_scale: float | None = None  # constant scale; None: dynamic
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    # issue 18: the word embedding / output weights' own LR schedule (Megatron's flags)
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        if self.bf16:
+            return torch.bfloat16
+        if self.fp16:
+            return torch.float16
+        return torch.float32
+
+    @property
+    def precision_name(self) -> str:
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+    def warmup_iters(self, decay_iters: int) -> float:
+        if self.lr_warmup_fraction is not None:  # Megatron: a fraction of the decay samples
+            return self.lr_warmup_fraction * decay_iters
+        return self.lr_warmup_iters
+
+    def validate(self, *, train_iters: int | None = None) -> None:
+        """``train_iters`` stands in for ``lr_decay_iters`` when that is None."""
+        if self.fp16 and self.bf16:
+            raise ConfigError("fp16 and bf16 are mutually exclusive; choose one")
+        if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr})")
+        if self.lr_decay_style not in DECAY_STYLES:
+            raise ConfigError(
+                f"lr_decay_style must be one of {', '.join(DECAY_STYLES)}, got "
+                f"{self.lr_decay_style!r}"
+            )
+        at_least(0, ("lr_warmup_iters", self.lr_warmup_iters))
+        at_least(1, ("loss_scale_window", self.loss_scale_window))
+        at_least(1, ("hysteresis", self.hysteresis))
+        if self.lr_warmup_fraction is not None:
+            if self.lr_warmup_iters:
+                raise ConfigError(
+                    "lr_warmup_fraction and lr_warmup_iters are mutually exclusive; choose one"
+                )
+            if not 0.0 <= self.lr_warmup_fraction <= 1.0:
+                raise ConfigError(
+                    f"lr_warmup_fraction must be in [0, 1], got {self.lr_warmup_fraction}"
+                )
+        decay = self.lr_decay_iters if self.lr_decay_iters is not None else train_iters
+        if decay is not None:
+            at_least(1, ("lr_decay_iters", decay))
+            if self.lr_warmup_iters > decay:
+                raise ConfigError(
+                    f"lr_warmup_iters {self.lr_warmup_iters} exceeds lr_decay_iters {decay}"
+                    + ("" if self.lr_decay_iters is not None else " (= train_iters)")
+                    + "; shorten the warmup or lengthen the decay"
+                )
+        if self.clip_grad < 0 or self.weight_decay < 0:
+            raise ConfigError(
+                f"clip_grad ({self.clip_grad}) and weight_decay ({self.weight_decay}) must be >= 0"
+            )
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1 and self.adam_eps > 0):
+            raise ConfigError(
+                f"need 0 <= adam_beta1 ({self.adam_beta1}), adam_beta2 ({self.adam_beta2}) < 1 "
+                f"and adam_eps ({self.adam_eps}) > 0"
+            )
+        if self.loss_scale is not None and self.loss_scale <= 0:
+            raise ConfigError(f"loss_scale must be > 0, got {self.loss_scale}")
+        if self.initial_loss_scale < self.min_loss_scale or self.min_loss_scale <= 0:
+            raise ConfigError(
+                f"need 0 < min_loss_scale ({self.min_loss_scale}) <= initial_loss_scale "
+                f"({self.initial_loss_scale})"
+            )
