@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,12 +29,26 @@ PEAK = 1.0  # TFLOP/s: on CPU the calibrated efficiency is then the achieved rat
 class Row:
     layout: Layout
     predicted: float  # seconds per step
-    measured: float
+    measured: float  # median of the layout's steps
     step: object = None  # the predicted StepTime
+    reference_predicted: float = 0.0  # the calibration's reference step, predicted
+    reference_measured: float = 0.0  # ... and measured, each step beside one of the layout's
+    paired_ratio: float = 0.0  # median over steps of (layout step / the reference step beside it)
+
+    @property
+    def raw_error(self) -> float:
+        """Predicted over measured, less one, with the machine's speed as at calibration."""
+        return self.predicted / self.measured - 1
 
     @property
     def error(self) -> float:
-        return self.predicted / self.measured - 1
+        """The error with the machine's speed of the moment: each of the layout's steps is timed
+        beside a reference step (``measure_layout``), and the prediction is scaled by how much
+        slower or faster that reference ran than it was predicted to (a shared machine's speed
+        drifts 30-50% within a minute; the model's relative costs are what this checks)."""
+        if not self.reference_measured:
+            return self.raw_error
+        return (self.predicted / self.reference_predicted) / self.paired_ratio - 1
 
 
 def cpu_cluster(world: int, calibration: dict) -> Cluster:
@@ -44,34 +58,63 @@ def cpu_cluster(world: int, calibration: dict) -> Cluster:
     return calibrated(base, {**calibration, "peak_tflops": PEAK})
 
 
-def measure_layout(argv: list[str], *, steps: int) -> float:
-    """Median over ``steps`` steps of the slowest rank's step seconds, of pretrain_gpt.py's
-    ``argv`` on this world (a fresh ``ParallelState``, destroyed after)."""
-    import torch.distributed as dist
-
+def _build(argv: list[str], ps=None):
     from megalite.training.arguments import parse_args
     from megalite.training.config import with_tokenizer
-    from megalite.training.forward_step import make_forward_step
-    from megalite.training.pretrain import build_run, mesh_for
+    from megalite.training.pretrain import build_run
 
-    world, rank = dist.get_world_size(), dist.get_rank()
-    cfg = with_tokenizer(parse_args(argv, env={"WORLD_SIZE": str(world), "RANK": str(rank)}))
-    ps = mesh_for(cfg.parallel)
+    env = {} if ps is not None else None
+    if env is None:
+        import torch.distributed as dist
+
+        env = {"WORLD_SIZE": str(dist.get_world_size()), "RANK": str(dist.get_rank())}
+    cfg = with_tokenizer(parse_args(argv, env=env))
+    if ps is None:
+        from megalite.training.pretrain import mesh_for
+
+        ps = mesh_for(cfg.parallel)
+    return build_run(cfg, ps, torch.device("cpu"), seed_rng=True, resume=False), ps
+
+
+def measure_layout(
+    argv: list[str], *, steps: int, reference: list[str] | None = None
+) -> tuple[float, float, float]:
+    """(median step seconds, the reference's median, the median of their per-step ratio) of
+    pretrain_gpt.py's ``argv`` on this world (a fresh ``ParallelState``, destroyed after); a step's
+    time is the slowest rank's. With ``reference`` (model flags of a one-process run), each step
+    comes right after a step of that run on every rank at once, which is how the calibration ran
+    it: the pair sees the same machine. The first pair is untimed (it allocates the optimizer)."""
+    import torch.distributed as dist
+
+    from megalite.core.parallel_state import ParallelState
+    from megalite.training.forward_step import make_forward_step
+
+    step = make_forward_step(torch.device("cpu"))
+    ref = _build(reference, ParallelState.single(torch.device("cpu")))[0] if reference else None
+    run, ps = _build(argv)
     try:
-        run = build_run(cfg, ps, torch.device("cpu"), seed_rng=True, resume=False)
-        step = make_forward_step(torch.device("cpu"))
-        times = []
+        times, ref_times = [], []
         for i in range(steps + 1):
+            t_ref = 0.0
+            if ref is not None:
+                dist.barrier()
+                start = time.perf_counter()
+                ref.trainer.step(step, ref.train_iter)
+                t_ref = time.perf_counter() - start
             dist.barrier()
             start = time.perf_counter()
             run.trainer.step(step, run.train_iter)
-            t = torch.tensor([time.perf_counter() - start])
+            t = torch.tensor([time.perf_counter() - start, t_ref])
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             if i:
-                times.append(t.item())
+                times.append(t[0].item())
+                ref_times.append(t[1].item())
     finally:
         ps.destroy()
-    return statistics.median(times)
+    if ref is None:
+        return statistics.median(times), 0.0, 0.0
+    ratio = statistics.median(a / b for a, b in zip(times, ref_times))
+    return statistics.median(times), statistics.median(ref_times), ratio
 
 
 def step_time_accuracy(
@@ -95,18 +138,42 @@ def step_time_accuracy(
     from megalite.planning.search import evaluate
 
     torch.set_num_threads(1)
+    reference = list(reference or REFERENCE)
     if calibration is None:
-        calibration = calibrate_in_world(reference or REFERENCE)
+        calibration = calibrate_in_world(reference)
+    ref_argv = [*reference, "--micro-batch-size", "4", "--global-batch-size", "4",
+                "--train-iters", str(steps + 2)]  # fmt: skip
     rows = []
     for i, item in enumerate(layouts):
         if recalibrate and i:
-            calibration = calibrate_in_world(reference or REFERENCE)
-        cluster = cpu_cluster(dist.get_world_size(), calibration)
+            calibration = calibrate_in_world(reference)
+        world = dist.get_world_size()
+        cluster = cpu_cluster(world, calibration)
         lay, extra = item if isinstance(item, tuple) else (item, [])
         c = evaluate(model_argv, lay, cluster, vocab_size=vocab_size,
                      global_batch_size=global_batch_size, extra=extra)  # fmt: skip
         if c.error:
             raise ValueError(f"{lay.name()}: {c.error}")
-        measured = measure_layout([*c.argv, "--train-iters", str(steps + 2)], steps=steps)
-        rows.append(Row(lay, c.step.seconds, measured, c.step))
+        measured, ref_measured, ratio = measure_layout(
+            [*c.argv, "--train-iters", str(steps + 2)], steps=steps, reference=ref_argv
+        )
+        rows.append(Row(lay, c.step.seconds, measured, c.step,
+                        reference_predicted=reference_seconds(reference, cluster, world),
+                        reference_measured=ref_measured, paired_ratio=ratio))  # fmt: skip
     return calibration, rows
+
+
+def reference_seconds(reference: list[str], cluster: Cluster, world: int) -> float:
+    """The predicted step of the calibration's reference (micro-batch 4, one process) as
+    ``measure_layout`` runs it: on every rank of the world at once, sharing the cores."""
+    from megalite.planning.search import evaluate
+
+    vocab = int(reference[reference.index("--vocab-size") + 1])
+    k = reference.index("--vocab-size")
+    model = reference[:k] + reference[k + 2 :]
+    one = Layout(micro_batch_size=4)
+    c = evaluate(model, one, replace(cluster, gpus=1, gpus_per_node=1), vocab_size=vocab,
+                 global_batch_size=4)  # fmt: skip
+    if c.error:
+        raise ValueError(f"the reference: {c.error}")
+    return c.step.seconds * (world / cluster.cores if 0 < cluster.cores < world else 1.0)

@@ -182,7 +182,8 @@ def calibrate_in_world(
 ) -> dict:
     """The calibration of a CPU gloo world, in it (every rank calls it): the shared cores, then
     the reference steps with every rank busy (``fit_compute``: each rank alone on its model), the
-    figures scaled back to a rank with a core of its own; the all-reduce over the world."""
+    figures scaled back to a rank with a core of its own; each collective between busy ranks, over
+    the world (``calibrate_comm.busy_collectives``)."""
     import torch.distributed as dist
 
     device = torch.device("cpu")
@@ -197,16 +198,9 @@ def calibrate_in_world(
                             fit["step_overhead_s"], opt], dtype=torch.float64)  # fmt: skip
     dist.all_reduce(figures)
     eff, layer, chunk, step, opt = (figures / world).tolist()
-    sizes = (1 << 12, 1 << 20)
-    times = {}
-    for n in sizes:
-        x = torch.ones(n // 4)
-        times[n] = _median_time(lambda x=x: dist.all_reduce(x), repeat=5, sync=lambda: None)
-    both = torch.tensor([times[n] for n in sizes], dtype=torch.float64)
-    dist.all_reduce(both)  # every rank the same figures (and so the same predictions)
-    times = dict(zip(sizes, (both / world).tolist()))
-    bw = (sizes[1] - sizes[0]) / max(times[sizes[1]] - times[sizes[0]], 1e-9)
-    bus = 2 * (world - 1) / world  # the ring's bus factor
+    from megalite.planning.calibrate_comm import busy_collectives
+
+    collectives = busy_collectives()  # every rank the same figures (and so the same predictions)
     return {
         "device": "cpu",
         "peak_tflops": peak_tflops,
@@ -216,9 +210,8 @@ def calibrate_in_world(
         "chunk_overhead_s": chunk / slow,
         "step_overhead_s": step / slow,
         "optimizer_s_per_param": opt / slow,
-        "collectives": {"all_reduce": {"gbps": bus * bw / 1e9,
-                                       "latency_s": max(times[sizes[0]] - sizes[0] / bw, 0.0)}},
-    }  # fmt: skip
+        "collectives": collectives,
+    }
 
 
 def optimizer_seconds_per_param(device: torch.device, n: int = 4_000_000) -> float:

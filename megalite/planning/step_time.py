@@ -46,12 +46,6 @@ class StepTime:
     fixed: float = 0.0  # per-step costs outside the passes (zeroing grads, loss, grad norm)
 
 
-def _ring(bytes_: float, n: int, gbps: float, latency: float, *, factor: float) -> float:
-    if n <= 1 or bytes_ <= 0:
-        return 0.0
-    return latency + factor * (n - 1) / n * bytes_ / (gbps * 1e9)
-
-
 def _layer_forward_flops(c: GPTConfig, *, tokens: int, s: int, moe: bool) -> float:
     """Forward FLOPs of one transformer layer for ``tokens`` tokens of sequences of ``s`` (each
     token attends over ``s``, also under CP): the formula megalite logs; a MoE layer's MLP counts
@@ -89,7 +83,12 @@ def predict_step_time(
     from megalite.core.pipeline_parallel.generators import generate, layout_of
     from megalite.core.pipeline_parallel.simulator import Costs, simulate
     from megalite.models.moe_config import moe_layer_pattern
+    from megalite.planning.traffic import pass_traffic, step_traffic
     from megalite.training.model_chunks import stage_blocks
+
+    def cost(comms) -> float:
+        return sum(cluster.collective_seconds(x.op, x.nbytes, x.n, x.span) * x.count
+                   for x in comms)  # fmt: skip
 
     tp, pp, dp, b = layout.tp, layout.pp, layout.dp, layout.micro_batch_size
     cp, ep = layout.cp, layout.ep
@@ -102,26 +101,6 @@ def predict_step_time(
     core_attention = 4 * s * c.num_attention_heads * c.kv_channels * s * b / cp
     rate = cluster.peak_tflops * 1e12 * cluster.efficiency
     act_bytes = tokens * h * e
-    lat = cluster.collective_latency_s
-    tp_gbps = cluster.link_gbps(tp)
-    # per layer and pass, TP issues two all-reduces of [s, b, h]; under SP two all-gathers and two
-    # reduce-scatters (each its own latency; a reduce-scatter costs ``reduce_scatter_cost`` of an
-    # all-reduce: half on NCCL, a whole one on gloo). The embedding (forward) and the output
-    # layer's input (backward) add one more each per micro-batch (counted by logging the calls).
-    if layout.sequence_parallel:
-        all_reduce = _ring(act_bytes, tp, tp_gbps, lat, factor=2.0)
-        gather = _ring(act_bytes, tp, tp_gbps, lat, factor=1.0)
-        per_collective = gather + cluster.reduce_scatter_cost * all_reduce
-    else:
-        per_collective = _ring(act_bytes, tp, tp_gbps, lat, factor=2.0)
-    # CP: the ring passes every other rank's K and V (forward), and dK, dV back (backward)
-    kv_bytes = 2 * tokens * (c.num_query_groups // tp) * c.kv_channels * e
-    cp_gbps = cluster.link_gbps(tp * cp)
-    cp_f = (cp - 1) * (lat + kv_bytes / (cp_gbps * 1e9)) if cp > 1 else 0.0
-    # EP: tokens to their experts and back (all-to-all), or gathered and reduce-scattered
-    ep_bytes = tokens // (tp if tp > 1 else 1) * c.moe_router_topk * h * e
-    ep_gbps = cluster.link_gbps(tp * dp * cp)
-    ep_f = 2 * _ring(ep_bytes, ep, ep_gbps, lat, factor=1.0) if c.num_experts else 0.0
     moe = moe_layer_pattern(c)
     stages = layout_of(layout.schedule if pp > 1 else "1f1b", pp, layout.vp)
     blocks = stage_blocks(c, stages)
@@ -141,17 +120,15 @@ def predict_step_time(
         bwd = (2 * fwd_flops + recompute) / tp / rate + 2 * n_layers * cluster.layer_overhead_s
         bwd += cluster.chunk_overhead_s
         n_moe = sum(moe[start:end])
-        ends = (st == 0) + (st == stages.num_stages - 1)  # the embedding, the output layer
-        comm_f = (2 * n_layers + ends / 2) * per_collective + n_layers * cp_f + n_moe * ep_f
-        comm_b = (4 if c.recompute_granularity == "full" else 2) * n_layers * per_collective
-        comm_b += ends / 2 * per_collective
-        comm_b += 2 * n_layers * cp_f + n_moe * ep_f
+        fwd_c, bwd_c = pass_traffic(c, layout, n_layers=n_layers, n_moe=n_moe, first=st == 0,
+                                    last=st == stages.num_stages - 1, e=e)  # fmt: skip
+        comm_f, comm_b = cost(fwd_c), cost(bwd_c)
         stage_f.append(f + comm_f)
         stage_b.append(bwd + comm_b)
         stage_comm.append(comm_f + comm_b)
     pp_span = tp * dp * cp * pp  # with the default order PP is the slowest axis
     send = act_bytes / (tp if layout.sequence_parallel else 1)
-    p2p = lat + send / (cluster.link_gbps(pp_span) * 1e9) if pp > 1 else 0.0
+    p2p = cluster.collective_seconds("p2p", send, 2, pp_span) if pp > 1 else 0.0
     chunks = stages.num_chunks
     busy_rank = [
         m * sum(stage_f[stages.stage(r, ch)] + stage_b[stages.stage(r, ch)] for ch in range(chunks))
@@ -180,29 +157,28 @@ def predict_step_time(
     tp_comm = max(
         m * sum(stage_comm[stages.stage(r, ch)] for ch in range(chunks)) for r in range(pp)
     )
-    # data parallel: the largest stage's grads (ZeRO-2/3: reduce-scattered every micro-batch;
-    # ZeRO-3 gathers the params forward and backward, every micro-batch)
+    # per step: the data-parallel grads (ZeRO-2/3: every micro-batch), the tied embedding, SP's
+    # replicated grads, the grad norm (traffic.step_traffic), on the rank that sends the most
+    # (a grad reduction hides behind the backward under --overlap-grad-reduce; ZeRO-3's gathers
+    # and the rest do not)
+    cpu = cluster.device == "cpu"
+
+    def per_step(r: int) -> float:
+        comms = step_traffic(c, layout, pp_rank=r, m=m, e=e, cpu=cpu)
+        grads = cost([x for x in comms if x.grad_reduction])
+        if overlap_grad_reduce:
+            grads = max(grads - stage_b[0], grads * 0.1)
+        return grads + cost([x for x in comms if not x.grad_reduction])
+
+    dp_comm = max(per_step(r) for r in range(pp))
     from megalite.planning.model_state import rank_params
 
-    def grads_of(r: int) -> tuple[int, int]:
-        specs = rank_params(c, tp=tp, pp=pp, pp_rank=r, schedule=layout.schedule, vp=layout.vp,
-                            ep=ep, etp=layout.etp)  # fmt: skip
-        return sum(p.numel for p in specs if not p.expert), sum(p.numel for p in specs if p.expert)
-
-    dense, expert = max((grads_of(r) for r in range(pp)), key=sum)
-    params = dense + expert
-    dp_n, dp_gbps = dp * cp, cluster.link_gbps(tp * dp * cp)
-    ring = lambda n_bytes, f_: _ring(n_bytes, dp_n, dp_gbps, lat, factor=f_)  # noqa: E731
-    edp = layout.edp
-    if layout.rung == "no_shard":
-        dp_comm = ring(dense * e, 2.0) + _ring(expert * e, edp, dp_gbps, lat, factor=2.0)
-    elif layout.rung == "optim":  # reduce-scatter grads, all-gather params
-        dp_comm = 2 * ring(dense * e, 1.0) + 2 * _ring(expert * e, edp, dp_gbps, lat, factor=1.0)
-    else:
-        times = m + (2 * m if layout.rung == "optim_grads_params" else 1)
-        dp_comm = times * (ring(dense * e, 1.0) + _ring(expert * e, edp, dp_gbps, lat, factor=1.0))
-    if overlap_grad_reduce:
-        dp_comm = max(dp_comm - stage_b[0], dp_comm * 0.1)
+    params = max(
+        sum(p.numel for p in rank_params(c, tp=tp, pp=pp, pp_rank=r, schedule=layout.schedule,
+                                         vp=layout.vp, ep=ep, etp=layout.etp))
+        for r in range(pp)
+    )  # fmt: skip
+    dp_n = dp * cp
     shard = dp_n if layout.rung != "no_shard" else 1
     optimizer = params / shard * cluster.optimizer_s_per_param
     optimizer *= slow

@@ -67,7 +67,8 @@ def _worker(rank: int, world: int, init: str, args, queue) -> None:
                                      steps=args.steps, reference=reference,
                                      recalibrate=args.recalibrate)  # fmt: skip
     if rank == 0:
-        queue.put((calib, [(r.layout.name(), r.predicted, r.measured) for r in rows]))
+        queue.put((calib, [(r.layout.name(), r.predicted, r.measured, r.raw_error, r.error)
+                           for r in rows]))  # fmt: skip
     dist.destroy_process_group()
 
 
@@ -102,15 +103,15 @@ def main(argv: list[str] | None = None) -> int:
         f"calibration: cores {calib['cores'] or args.world:g}, rate {calib['efficiency']:.3g} "
         f"TFLOP/s, layer overhead {calib['layer_overhead_s'] * 1e6:.0f} us, chunk overhead "
         f"{calib.get('chunk_overhead_s', 0) * 1e6:.0f} us, step overhead "
-        f"{calib['step_overhead_s'] * 1e3:.1f} ms, all-reduce "
-        f"{calib['collectives']['all_reduce']['gbps']:.2f} GB/s + "
-        f"{calib['collectives']['all_reduce']['latency_s'] * 1e6:.0f} us"
+        f"{calib['step_overhead_s'] * 1e3:.1f} ms; between busy ranks: "
+        + ", ".join(f"{op} {v['latency_s'] * 1e3:.2f} ms + {v['gbps']:.2f} GB/s"
+                    for op, v in calib["collectives"].items())  # fmt: skip
     )
-    print(f"{'layout':<40} {'predicted s':>12} {'measured s':>11} {'error':>8}")
+    print(f"{'layout':<40} {'predicted s':>12} {'measured s':>11} {'raw':>8} {'error':>8}")
     errors = []
-    for name, pred, meas in rows:
-        errors.append(abs(pred / meas - 1))
-        print(f"{name:<40} {pred:>12.4f} {meas:>11.4f} {pred / meas - 1:>+8.1%}")
+    for name, pred, meas, raw, err in rows:
+        errors.append(abs(err))
+        print(f"{name:<40} {pred:>12.4f} {meas:>11.4f} {raw:>+8.1%} {err:>+8.1%}")
     best = min(range(len(rows)), key=lambda i: rows[i][1])
     ratio = rows[best][2] / min(r[2] for r in rows)
     print(

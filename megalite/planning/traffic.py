@@ -1,0 +1,175 @@
+"""The collectives and messages of a training step, as the planner counts them.
+
+    fwd, bwd = pass_traffic(c, layout, n_layers=2, n_moe=0, first=True, last=False, e=4)
+    per_step = step_traffic(c, layout, pp_rank=0, m=4, e=4)
+
+A ``Comm`` is one op (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``, ``p2p``)
+over ``n`` ranks on a group spanning ``span`` consecutive global ranks, of ``nbytes`` (the full
+tensor as ``comm_log.CommLog`` counts it: an all-gather's output, a reduce-scatter's input, one
+message), ``count`` times. ``step_time`` charges each with ``Cluster.collective_seconds``;
+``tests/planning/test_traffic.py`` holds the counts against a real step's ``CommLog``.
+
+Per micro-batch and pass of a stage (megalite's modules, logged):
+
+- TP: two all-reduces of ``[s, b, h]`` per layer each way, one more for the embedding (forward,
+  first stage) and the output layer's input (backward, last stage); under SP each becomes an
+  all-gather and a reduce-scatter pair (same placement). The vocab-parallel loss: three all-reduces
+  of ``[s, b]`` fp32 (forward, last stage). Full recompute repeats the layers' forward ones.
+- CP ring (``--cp-comm-type p2p``): per layer ``cp - 1`` K/V messages forward; backward the K/V
+  again and ``cp`` messages of their grads (the accumulator travels round).
+- MoE, allgather dispatcher (over etp x ep): forward all-gathers tokens, probabilities and the
+  routing map and reduce-scatters the outputs; backward the reverse of the tokens' and the
+  probabilities'. alltoall dispatcher (over ep): a count exchange and two token all-to-alls each
+  way (``topk`` copies of each token).
+
+Per step: the data-parallel grads (all-reduce; ZeRO-1/2 reduce-scatter + all-gather, ZeRO-2 every
+micro-batch; ZeRO-3 gathers each unit forward and backward and reduce-scatters it every micro-
+batch; on gloo ZeRO's exchanges are point-to-point messages of a shard, ``shard_collectives``),
+the tied embedding's grad between the first and the last stage, SP's replicated grads over TP, and
+the grad norm's scalar all-reduces.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from megalite.models.config import GPTConfig
+
+
+@dataclass(frozen=True)
+class Comm:
+    op: str
+    n: int
+    nbytes: float
+    span: int
+    count: float = 1.0
+    grad_reduction: bool = False  # a DP grad reduction: --overlap-grad-reduce hides it in backward
+
+
+def _keep(comms: list[Comm]) -> list[Comm]:
+    return [x for x in comms if x.n > 1 and x.count > 0 and x.nbytes > 0]
+
+
+def pass_traffic(
+    c: GPTConfig, layout, *, n_layers: int, n_moe: int, first: bool, last: bool, e: int
+) -> tuple[list[Comm], list[Comm]]:
+    """(forward, backward) of one micro-batch through one stage (module docstring)."""
+    tp, cp, b, s, h = layout.tp, layout.cp, layout.micro_batch_size, c.seq_length, c.hidden_size
+    tokens = s * b // cp
+    act = tokens * h * e
+    full = c.recompute_granularity == "full"
+    fwd: list[Comm] = []
+    bwd: list[Comm] = []
+    per_layer = 2 * n_layers
+    if layout.sequence_parallel:
+        fwd += [Comm("all_gather", tp, act, tp, per_layer + last),
+                Comm("reduce_scatter", tp, act, tp, per_layer + first)]  # fmt: skip
+        again = per_layer if full else 0
+        bwd += [Comm("all_gather", tp, act, tp, per_layer + again + first),
+                Comm("reduce_scatter", tp, act, tp, per_layer + again + last)]  # fmt: skip
+    else:
+        fwd.append(Comm("all_reduce", tp, act, tp, per_layer + first))
+        bwd.append(Comm("all_reduce", tp, act, tp, per_layer * (2 if full else 1) + last))
+    if last:
+        fwd.append(Comm("all_reduce", tp, tokens * 4, tp, 3))  # the vocab-parallel loss
+    if cp > 1 and c.cp_comm_type == "p2p":
+        kv = 2 * tokens * (c.num_query_groups // tp) * c.kv_channels * e
+        fwd.append(Comm("p2p", cp, kv, tp * cp, n_layers * (cp - 1)))
+        redo = n_layers * (cp - 1) if full else 0
+        bwd.append(Comm("p2p", cp, kv, tp * cp, n_layers * (2 * cp - 1) + redo))
+    if n_moe and c.num_experts:
+        f, bk = _moe_traffic(c, layout, tokens=tokens, e=e)
+        fwd += [Comm(x.op, x.n, x.nbytes, x.span, x.count * n_moe) for x in f]
+        bwd += [Comm(x.op, x.n, x.nbytes, x.span, x.count * n_moe) for x in bk]
+        if full:
+            bwd += [Comm(x.op, x.n, x.nbytes, x.span, x.count * n_moe) for x in f]
+    return _keep(fwd), _keep(bwd)
+
+
+def _moe_traffic(c: GPTConfig, layout, *, tokens: int, e: int) -> tuple[list[Comm], list[Comm]]:
+    """One MoE layer's (forward, backward) for this rank's ``tokens`` (``/tp`` under SP)."""
+    etp = layout.etp or layout.tp
+    ep, h = layout.ep, c.hidden_size
+    t = tokens // layout.tp if layout.sequence_parallel else tokens
+    span = layout.tp * layout.cp * layout.dp
+    if c.moe_token_dispatcher_type == "allgather":
+        n = etp * ep
+        x, probs = n * t * h * e, n * t * c.num_experts * 4
+        fwd = [Comm("all_gather", n, x, span), Comm("all_gather", n, probs, span, 2),
+               Comm("reduce_scatter", n, x, span)]  # fmt: skip
+        bwd = [Comm("reduce_scatter", n, x, span), Comm("reduce_scatter", n, probs, span),
+               Comm("all_gather", n, x, span)]  # fmt: skip
+        return fwd, bwd
+    routed = t * c.moe_router_topk * h * e
+    counts = Comm("all_to_all", ep, ep * (c.num_experts // ep) * 8, span)
+    fwd = [counts, Comm("all_to_all", ep, routed, span, 2)]
+    bwd = [Comm("all_to_all", ep, routed, span, 2)]
+    if etp > 1:  # expert TP: tokens gathered over etp, partial outputs reduce-scattered
+        fwd += [Comm("all_gather", etp, etp * routed, span), Comm("reduce_scatter", etp,
+                                                                  etp * routed, span)]  # fmt: skip
+        bwd += [Comm("all_gather", etp, etp * routed, span), Comm("reduce_scatter", etp,
+                                                                  etp * routed, span)]  # fmt: skip
+    return fwd, bwd
+
+
+def step_traffic(c: GPTConfig, layout, *, pp_rank: int, m: int, e: int, cpu: bool) -> list[Comm]:
+    """What pipeline rank ``pp_rank`` sends once per step, outside the passes (module
+    docstring). ``cpu``: gloo, where ZeRO's reduce-scatter and all-gather are p2p exchanges."""
+    from megalite.planning.model_state import rank_params
+
+    tp, pp, cp = layout.tp, layout.pp, layout.cp
+    specs = rank_params(c, tp=tp, pp=pp, pp_rank=pp_rank, schedule=layout.schedule,
+                        vp=layout.vp, ep=layout.ep, etp=layout.etp)  # fmt: skip
+    dense = sum(p.numel for p in specs if not p.expert)
+    expert = sum(p.numel for p in specs if p.expert)
+    n, span = layout.dp * cp, tp * layout.dp * cp
+    out: list[Comm] = []
+    for numel, group, is_expert in ((dense, n, False), (expert, layout.edp, True)):
+        if layout.rung == "no_shard" or group == 1:
+            out.append(Comm("all_reduce", group, numel * e, span, grad_reduction=True))
+            continue
+        grads = m if layout.rung in ("optim_grads", "optim_grads_params") else 1
+        if layout.rung == "optim_grads_params":
+            units = Counter()
+            for p in specs:
+                if p.expert == is_expert:
+                    units[p.unit] += p.numel
+            for k in units.values():
+                out.append(_shard("all_gather", group, k * e, span, 2 * m, cpu=cpu))
+                out.append(_shard("reduce_scatter", group, k * e, span, m, cpu=cpu, grad=True))
+        else:
+            out.append(_shard("reduce_scatter", group, numel * e, span, grads, cpu=cpu, grad=True))
+            out.append(_shard("all_gather", group, numel * e, span, 1, cpu=cpu))
+    ends = (pp_rank == 0) + (pp_rank == pp - 1)
+    if pp > 1 and ends and not c.untie_embeddings_and_output_weights:
+        vocab = c.padded_vocab_size(tp) // tp
+        learned = c.position_embedding_type == "learned_absolute"
+        out.append(Comm("all_reduce", 2, (vocab + (c.max_position_embeddings if learned else 0))
+                        * c.hidden_size * 4, tp * layout.dp * cp * pp))  # fmt: skip
+    if layout.sequence_parallel:  # replicated over TP (norms, row biases, positions): one bucket
+        out.append(Comm("all_reduce", tp, sp_replicated(c, specs) * 4, tp))
+    scalars = 1 + (layout.rung != "no_shard" and n > 1) + bool(c.num_experts)
+    out.append(Comm("all_reduce", tp * pp * n, 4, tp * pp * n, scalars))
+    return _keep(out)
+
+
+def _shard(op: str, n: int, nbytes: float, span: int, count: float, *, cpu: bool,
+           grad: bool = False) -> Comm:  # fmt: skip
+    if cpu:  # shard_collectives on gloo: one message of a shard to each other rank
+        return Comm("p2p", n, nbytes / n, span, count * (n - 1), grad)
+    return Comm(op, n, nbytes, span, count, grad)
+
+
+def sp_replicated(c: GPTConfig, specs) -> int:
+    """Elements of the params that sequence parallelism keeps whole on every TP rank."""
+    names = ("norm", "layernorm", "position", "linear_proj.bias", "linear_fc2.bias")
+    return sum(p.numel for p in specs if any(k in p.name for k in names))
+
+
+def counts(comms: list[Comm], times: float = 1.0) -> Counter:
+    """``{(op, n, bytes): count}``, as ``CommLog.counts`` reports a rank's step."""
+    out: Counter = Counter()
+    for x in comms:
+        out[(x.op, x.n if x.op != "p2p" else 2, int(x.nbytes))] += x.count * times
+    return out
