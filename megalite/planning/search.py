@@ -57,6 +57,7 @@ def validate(model_argv: list[str], layout: Layout, *, vocab_size: int, global_b
         pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
     )
     return cfg, argv
 

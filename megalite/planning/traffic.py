@@ -62,13 +62,14 @@ def pass_traffic(
     fwd: list[Comm] = []
     bwd: list[Comm] = []
     per_layer = 2 * n_layers
-    if layout.sequence_parallel:
+    if layout.sequence_parallel:  # a MoE layer takes its input sharded: its dispatcher gathers
+        per_layer -= n_moe if c.num_experts else 0
         fwd += [Comm("all_gather", tp, act, tp, per_layer + last),
                 Comm("reduce_scatter", tp, act, tp, per_layer + first)]  # fmt: skip
         again = per_layer if full else 0
         bwd += [Comm("all_gather", tp, act, tp, per_layer + again + first),
                 Comm("reduce_scatter", tp, act, tp, per_layer + again + last)]  # fmt: skip
-    else:
+    else:  # (a MoE layer's output is reduced over TP once, as a dense MLP's)
         fwd.append(Comm("all_reduce", tp, act, tp, per_layer + first))
         bwd.append(Comm("all_reduce", tp, act, tp, per_layer * (2 if full else 1) + last))
     if last:
@@ -135,23 +136,70 @@ def step_traffic(c: GPTConfig, layout, *, pp_rank: int, m: int, e: int, cpu: boo
             for p in specs:
                 if p.expert == is_expert:
                     units[p.unit] += p.numel
-            for k in units.values():
-                out.append(_shard("all_gather", group, k * e, span, 2 * m, cpu=cpu))
+            tied = _tied_unit(c, layout, specs, pp_rank) if not is_expert else None
+            for unit, k in units.items():
+                gathers = 2 * m + (m if unit == tied else 0)  # forward, backward; a tied output
+                out.append(_shard("all_gather", group, k * e, span, gathers, cpu=cpu))
                 out.append(_shard("reduce_scatter", group, k * e, span, m, cpu=cpu, grad=True))
         else:
             out.append(_shard("reduce_scatter", group, numel * e, span, grads, cpu=cpu, grad=True))
             out.append(_shard("all_gather", group, numel * e, span, 1, cpu=cpu))
-    ends = (pp_rank == 0) + (pp_rank == pp - 1)
-    if pp > 1 and ends and not c.untie_embeddings_and_output_weights:
-        vocab = c.padded_vocab_size(tp) // tp
-        learned = c.position_embedding_type == "learned_absolute"
-        out.append(Comm("all_reduce", 2, (vocab + (c.max_position_embeddings if learned else 0))
-                        * c.hidden_size * 4, tp * layout.dp * cp * pp))  # fmt: skip
+    from megalite.core.pipeline_parallel.generators import layout_of
+
+    stages = layout_of(layout.schedule if pp > 1 else "1f1b", pp, layout.vp)
+    first, last = stages.place(0)[0], stages.loss_rank()
+    if first != last and pp_rank in (first, last) and not c.untie_embeddings_and_output_weights:
+        vocab = c.padded_vocab_size(tp) // tp  # the tied word embeddings' grads, fp32
+        out.append(Comm("all_reduce", 2, vocab * c.hidden_size * 4, tp * layout.dp * cp * pp))
+    if pp_rank == last != pp - 1:  # a V layout: the losses to the last rank, which reports them
+        out.append(Comm("p2p", 2, m * 4, tp * layout.dp * cp * pp))
     if layout.sequence_parallel:  # replicated over TP (norms, row biases, positions): one bucket
         out.append(Comm("all_reduce", tp, sp_replicated(c, specs) * 4, tp))
     scalars = 1 + (layout.rung != "no_shard" and n > 1) + bool(c.num_experts)
     out.append(Comm("all_reduce", tp * pp * n, 4, tp * pp * n, scalars))
     return _keep(out)
+
+
+def _tied_unit(c: GPTConfig, layout, specs, pp_rank: int) -> int | None:
+    """The ZeRO-3 unit of the word embeddings when this rank also runs the output layer with
+    them (tied, first and last stage on one rank): gathered once more, for the output layer."""
+    from megalite.core.pipeline_parallel.generators import layout_of
+
+    stages = layout_of(layout.schedule if layout.pp > 1 else "1f1b", layout.pp, layout.vp)
+    mine = {stages.stage(pp_rank, ch) for ch in range(stages.num_chunks)}
+    if c.untie_embeddings_and_output_weights or not {0, stages.num_stages - 1} <= mine:
+        return None
+    return next(p.unit for p in specs if "word_embeddings" in p.name)
+
+
+def rank_traffic(c: GPTConfig, layout, *, pp_rank: int, m: int, e: int, cpu: bool) -> list[Comm]:
+    """Everything pipeline rank ``pp_rank`` sends in one step of ``m`` micro-batches: the passes
+    of its chunks, its pipeline messages (the schedule's sends, ``actions.with_p2p``) and
+    ``step_traffic``: what ``CommLog`` records on that rank."""
+    from megalite.core.pipeline_parallel.actions import with_p2p
+    from megalite.core.pipeline_parallel.generators import generate, layout_of
+    from megalite.models.moe_config import moe_layer_pattern
+    from megalite.training.model_chunks import stage_blocks
+
+    schedule = layout.schedule if layout.pp > 1 else "1f1b"
+    stages = layout_of(schedule, layout.pp, layout.vp)
+    blocks, moe = stage_blocks(c, stages), moe_layer_pattern(c)
+    out: list[Comm] = []
+    for ch in range(stages.num_chunks):
+        st = stages.stage(pp_rank, ch)
+        start, end = blocks[st]
+        fwd, bwd = pass_traffic(c, layout, n_layers=end - start, n_moe=sum(moe[start:end]),
+                                first=st == 0, last=st == stages.num_stages - 1, e=e)  # fmt: skip
+        out += [Comm(x.op, x.n, x.nbytes, x.span, x.count * m) for x in fwd + bwd]
+    if layout.pp > 1:
+        lists = generate(schedule, pp_size=layout.pp, num_microbatches=m,
+                         num_chunks=stages.num_chunks,
+                         microbatch_group_size=layout.microbatch_group_size)  # fmt: skip
+        sends = sum(a.op.startswith("SEND") for a in with_p2p(lists, stages)[pp_rank])
+        tokens = c.seq_length * layout.micro_batch_size // layout.cp
+        act = tokens * c.hidden_size * e // (layout.tp if layout.sequence_parallel else 1)
+        out.append(Comm("p2p", 2, act, layout.world_size, sends))
+    return out + step_traffic(c, layout, pp_rank=pp_rank, m=m, e=e, cpu=cpu)
 
 
 def _shard(op: str, n: int, nbytes: float, span: int, count: float, *, cpu: bool,
@@ -163,7 +211,7 @@ def _shard(op: str, n: int, nbytes: float, span: int, count: float, *, cpu: bool
 
 def sp_replicated(c: GPTConfig, specs) -> int:
     """Elements of the params that sequence parallelism keeps whole on every TP rank."""
-    names = ("norm", "layernorm", "position", "linear_proj.bias", "linear_fc2.bias")
+    names = ("norm", "layernorm", "position", "linear_proj.bias", "linear_fc2.bias", "router")
     return sum(p.numel for p in specs if any(k in p.name for k in names))
 
 
