@@ -49,6 +49,7 @@ MODEL_PRESETS: dict[str, dict] = {
 }
 MODEL_PRESETS["llama3-70b"] = MODEL_PRESETS["llama-70b"]
 MODEL_PRESETS["mixtral-8x7b"] = _llama(32, 4096, 32, 8, 14336, 32000, 4096, 1000000)
-MODEL_PRESETS["mixtral-8x7b"]["argv"] += ["--num-experts", "8", "--moe-router-topk", "2"]
+MODEL_PRESETS["mixtral-8x7b"]["argv"] += ["--num-experts", "8", "--moe-router-topk", "2",
+                                          "--moe-token-dispatcher-type", "alltoall"]  # fmt: skip
 # presets named so that asking for them says why they are refused (none today)
 REFUSED_PRESETS: dict[str, str] = {}

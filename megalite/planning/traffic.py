@@ -93,7 +93,7 @@ def _moe_traffic(c: GPTConfig, layout, *, tokens: int, e: int) -> tuple[list[Com
     etp = layout.etp or layout.tp
     ep, h = layout.ep, c.hidden_size
     t = tokens // layout.tp if layout.sequence_parallel else tokens
-    span = layout.tp * layout.cp * layout.dp
+    span = etp * ep  # the expert view's order etp-ep-edp: EP groups are consecutive ranks
     if c.moe_token_dispatcher_type == "allgather":
         n = etp * ep
         x, probs = n * t * h * e, n * t * c.num_experts * 4

@@ -52,6 +52,10 @@ ACCURATE = [
     Layout(pp=2, micro_batch_size=1, schedule="zbv", vp=2),
     Layout(pp=2, micro_batch_size=1, schedule="dualpipev", vp=2),
     Layout(cp=2, micro_batch_size=4),
+    Layout(tp=2, micro_batch_size=4),
+    Layout(tp=2, micro_batch_size=4, sequence_parallel=True),
+    Layout(tp=2, micro_batch_size=4, recompute="selective"),
+    (Layout(dp=2, ep=2, micro_batch_size=4), ["--num-experts", "4", "--moe-router-topk", "2"]),
 ]
 RANKED = [  # clearly different speeds: the ranking, not the noise, decides
     Layout(dp=2, micro_batch_size=4),
@@ -65,17 +69,19 @@ RANKED = [  # clearly different speeds: the ranking, not the noise, decides
 def _case():
     from megalite.planning.accuracy import step_time_accuracy
 
-    layouts = list(dict.fromkeys(ACCURATE + RANKED))
+    items = ACCURATE + [lay for lay in RANKED if lay not in ACCURATE]
     reference = [*MODEL, "--vocab-size", str(VOCAB)]
     calibration, rows = step_time_accuracy(
-        MODEL, layouts, vocab_size=VOCAB, global_batch_size=GBS, reference=reference
+        MODEL, items, vocab_size=VOCAB, global_batch_size=GBS, reference=reference
     )
     for i, row in enumerate(rows):
-        if row.layout in ACCURATE and abs(row.error) > BAR:  # once more, freshly calibrated
-            _, again = step_time_accuracy(MODEL, [row.layout], vocab_size=VOCAB,
+        if i < len(ACCURATE) and abs(row.error) > BAR:  # once more, freshly calibrated
+            _, again = step_time_accuracy(MODEL, [items[i]], vocab_size=VOCAB,
                                           global_batch_size=GBS, reference=reference)  # fmt: skip
             rows[i] = again[0]
-    return calibration, {r.layout: (r.predicted, r.measured) for r in rows}
+    accurate = {lay if isinstance(lay, Layout) else lay[0] for lay in ACCURATE}
+    return calibration, {r.layout: (r.predicted, r.measured, r.error, r.layout in accurate)
+                         for r in rows}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -88,9 +94,10 @@ def test_step_time_within_20_percent_after_calibration(measured):
     calibration, rows = measured
     assert calibration["efficiency"] > 0
     misses = [
-        f"{lay.name()}: predicted {p:.3f} s, measured {m:.3f} s ({p / m - 1:+.0%})"
-        for lay, (p, m) in rows.items()
-        if lay in ACCURATE and abs(p / m - 1) > BAR
+        f"{lay.name()}: predicted {p:.3f} s, measured {m:.3f} s ({err:+.0%} at the machine's speed "
+        f"of the moment, {p / m - 1:+.0%} at calibration's)"
+        for lay, (p, m, err, accurate) in rows.items()
+        if accurate and abs(err) > BAR
     ]
     assert not misses, "; ".join(misses)
 
@@ -115,7 +122,7 @@ def _ranking_case():
     reference = [*SMALL, "--vocab-size", str(VOCAB)]
     _, rows = step_time_accuracy(SMALL, SMALL_RANKED, vocab_size=VOCAB, global_batch_size=GBS,
                                  reference=reference)  # fmt: skip
-    return {r.layout: (r.predicted, r.measured) for r in rows}
+    return {r.layout: (r.predicted, r.measured, r.error) for r in rows}
 
 
 def test_ranking_agrees_with_measurement():
