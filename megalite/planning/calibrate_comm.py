@@ -5,10 +5,10 @@ slightly different moments (the faster one waits), and a rank that waits sleeps 
 must be woken (on a shared or virtual machine that is milliseconds, not microseconds). An idle
 micro-benchmark (barrier, collective, repeat; its median) sees none of that: on this 2-core
 machine a 64 KiB all-reduce takes 0.3-0.6 ms idle, its median, but 1.8-2.7 ms between two 5 ms
-matmul loops, its mean. The step pays the mean. So each op's latency is timed as a loop of
-``work(); op()`` against the loop of ``work()`` alone at a small size, its bandwidth idle at two
-large sizes (where the transfer dominates); ``Cluster.collective_seconds`` charges
-``latency + bus_factor(op, n) x bytes / bus_bandwidth``.
+matmul loops, its mean. The step pays the mean. So each op is timed as a loop of ``work(); op()``
+against the loop of ``work()`` alone, at a small and a large size (loop means are steady where
+single idle timings are not: those catch the wake-ups at random); ``Cluster.collective_seconds``
+charges ``latency + bus_factor(op, n) x bytes / bus_bandwidth``.
 
     figures = busy_collectives()  # {"all_reduce": {"latency_s": ..., "gbps": ...}, ...}
 
@@ -25,8 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 
-LATENCY_BYTES = 1 << 16  # a latency-bound size: timed between busy ranks
-BANDWIDTH_BYTES = (1 << 18, 1 << 22)  # the sizes of activations and buckets: timed idle
+LATENCY_BYTES = 1 << 16  # a latency-bound size
+BANDWIDTH_BYTES = 1 << 22  # a bandwidth-bound size (activations, buckets)
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -85,12 +85,27 @@ def _idle(fn, repeat: int) -> float:
     return t.item()
 
 
-def busy_collectives(*, iterations: int = 20, repeat: int = 3) -> dict:
-    """Per op: ``latency_s`` between busy ranks and ``gbps`` (bus bandwidth; module docstring).
-    The latency is the busy loop's cost at ``LATENCY_BYTES`` (medians of ``repeat`` loop pairs of
-    ``iterations``); the bandwidth comes from two large sizes started together (``BANDWIDTH_BYTES``,
-    medians), where the transfer dominates and the wake-up is noise. Collective over the default
-    group; every rank gets the same figures."""
+def _busy(nbytes: int, work, *, iterations: int, repeat: int) -> dict[str, float]:
+    """Per op: seconds it adds to a loop of ``work()`` (medians of ``repeat`` loop pairs)."""
+    ops = _ops(nbytes)
+    for fn in ops.values():
+        fn()  # warm up (connections, buffers)
+    samples: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(repeat):
+        base = _loop(lambda: None, work, iterations)
+        for name, fn in ops.items():
+            samples[name].append(_loop(fn, work, iterations) - base)
+    return {name: max(statistics.median(v), 0.0) for name, v in samples.items()}
+
+
+def busy_collectives(*, iterations: int = 40, repeat: int = 5) -> dict:
+    """Per op, between busy ranks (module docstring): ``latency_s`` and ``gbps`` (bus bandwidth)
+    fitted to the busy loop at ``LATENCY_BYTES`` and ``BANDWIDTH_BYTES`` (``repeat`` loop pairs of
+    ``iterations`` at the first, fewer at the second: its transfer dominates), and
+    ``idle_latency_s``: the op started by every rank at once (median), what a collective costs
+    that follows another on the same ranks with only elementwise work between (the ranks arrive
+    in step: sequence parallelism's all-gathers). Collective over the default group; every rank
+    gets the same figures."""
     world = dist.get_world_size()
     a, b = torch.randn(256, 256), torch.randn(256, 512)
 
@@ -98,24 +113,21 @@ def busy_collectives(*, iterations: int = 20, repeat: int = 3) -> dict:
         for _ in range(6):
             a @ b
 
-    def nothing() -> None:
-        pass
-
-    ops = _ops(LATENCY_BYTES)
-    for fn in ops.values():
-        fn()  # warm up (connections, buffers)
-    samples: dict[str, list[float]] = {name: [] for name in ops}
-    for _ in range(repeat):
-        base = _loop(nothing, work, iterations)
-        for name, fn in ops.items():
-            samples[name].append(_loop(fn, work, iterations) - base)
-    medium, large = BANDWIDTH_BYTES
-    timed = {n: {name: _idle(fn, 5) for name, fn in _ops(n).items()} for n in BANDWIDTH_BYTES}
+    small = _busy(LATENCY_BYTES, work, iterations=iterations, repeat=repeat)
+    large = _busy(BANDWIDTH_BYTES, work, iterations=max(iterations * 3 // 4, 1),
+                  repeat=max(repeat - 2, 1))  # fmt: skip
+    idle = {name: _idle(fn, 9) for name, fn in _ops(LATENCY_BYTES).items()}
     figures = {}
-    for name, busy in samples.items():
-        bus_bytes = bus_factor(name, world) * (large - medium)
-        seconds_per_byte = max(timed[large][name] - timed[medium][name], 1e-12) / bus_bytes
-        small = bus_factor(name, world) * LATENCY_BYTES * seconds_per_byte
-        latency = max(statistics.median(busy) - small, 0.0)
-        figures[name] = {"latency_s": latency, "gbps": 1 / seconds_per_byte / 1e9}
+    for name in small:
+        bus_bytes = bus_factor(name, world) * (BANDWIDTH_BYTES - LATENCY_BYTES)
+        # a loop pair that came out the wrong way round (the machine sped up between them):
+        # bound the bandwidth by the large size's own time
+        slope = large[name] - small[name]
+        seconds_per_byte = (slope if slope > 0 else large[name]) / bus_bytes
+        transfer = bus_factor(name, world) * LATENCY_BYTES * seconds_per_byte
+        figures[name] = {
+            "latency_s": max(small[name] - transfer, 0.0),
+            "gbps": 1 / max(seconds_per_byte, 1e-15) / 1e9,
+            "idle_latency_s": max(idle[name] - transfer, 0.0),
+        }
     return figures

@@ -55,12 +55,25 @@ class Cluster:
     def usable_bytes(self) -> float:
         return (self.gpu_memory_gib - self.memory_reserve_gib) * GIB
 
-    def collective_seconds(self, op: str, nbytes: float, n: int, span: int) -> float:
+    def collective_seconds(
+        self,
+        op: str,
+        nbytes: float,
+        n: int,
+        span: int,
+        *,
+        overlapped: bool = False,
+        synced: bool = False,
+    ) -> float:
         """One ``op`` (``traffic.Comm``'s names) of ``nbytes`` over ``n`` ranks spanning ``span``
         consecutive global ranks: ``latency + bus_factor x bytes / bus bandwidth``, with the
         op's own calibrated figures inside a node where the calibration has them
         (``calibrate_comm``: between busy ranks), else the link's bandwidth and
-        ``collective_latency_s`` (a reduce-scatter: ``reduce_scatter_cost`` of an all-reduce)."""
+        ``collective_latency_s`` (a reduce-scatter: ``reduce_scatter_cost`` of an all-reduce).
+        ``overlapped``: posted before compute and waited on after it (the CP ring), so no rank
+        sleeps through the latency: the transfer alone. ``synced``: right after another collective
+        of the same ranks with only elementwise work between, so the ranks arrive in step: the
+        op's idle latency where calibrated."""
         from megalite.planning.calibrate_comm import bus_factor
 
         if n <= 1 or nbytes <= 0:
@@ -68,11 +81,15 @@ class Cluster:
         figures = self.calibration.get("collectives", {}).get(op, {})
         if "gbps" in figures and span <= self.gpus_per_node:
             latency, gbps = figures["latency_s"], figures["gbps"]
+            if synced:
+                latency = figures.get("idle_latency_s", latency)
         elif op == "reduce_scatter":
-            return self.reduce_scatter_cost * self.collective_seconds("all_reduce", nbytes, n, span)
+            return self.reduce_scatter_cost * self.collective_seconds(
+                "all_reduce", nbytes, n, span, overlapped=overlapped, synced=synced
+            )
         else:
             latency, gbps = self.collective_latency_s, self.link_gbps(span)
-        return latency + bus_factor(op, n) * nbytes / (gbps * 1e9)
+        return (0.0 if overlapped else latency) + bus_factor(op, n) * nbytes / (gbps * 1e9)
 
     def link_gbps(self, span: int) -> float:
         """Bandwidth of a group whose ranks span ``span`` consecutive global ranks."""

@@ -87,7 +87,8 @@ def predict_step_time(
     from megalite.training.model_chunks import stage_blocks
 
     def cost(comms) -> float:
-        return sum(cluster.collective_seconds(x.op, x.nbytes, x.n, x.span) * x.count
+        return sum(cluster.collective_seconds(x.op, x.nbytes, x.n, x.span,
+                                              overlapped=x.overlapped, synced=x.synced) * x.count
                    for x in comms)  # fmt: skip
 
     tp, pp, dp, b = layout.tp, layout.pp, layout.dp, layout.micro_batch_size

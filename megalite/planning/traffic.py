@@ -16,7 +16,8 @@ Per micro-batch and pass of a stage (megalite's modules, logged):
   all-gather and a reduce-scatter pair (same placement). The vocab-parallel loss: three all-reduces
   of ``[s, b]`` fp32 (forward, last stage). Full recompute repeats the layers' forward ones.
 - CP ring (``--cp-comm-type p2p``): per layer ``cp - 1`` K/V messages forward; backward the K/V
-  again and ``cp`` messages of their grads (the accumulator travels round).
+  again and ``cp`` messages of their grads (the accumulator travels round). All but the last grad
+  message travel while a block computes (``overlapped``).
 - MoE, allgather dispatcher (over etp x ep): forward all-gathers tokens, probabilities and the
   routing map and reduce-scatters the outputs; backward the reverse of the tokens' and the
   probabilities'. alltoall dispatcher (over ep): a count exchange and two token all-to-alls each
@@ -45,6 +46,8 @@ class Comm:
     span: int
     count: float = 1.0
     grad_reduction: bool = False  # a DP grad reduction: --overlap-grad-reduce hides it in backward
+    overlapped: bool = False  # posted before compute, waited after it: the transfer alone
+    synced: bool = False  # right after another on the same ranks: they arrive in step
 
 
 def _keep(comms: list[Comm]) -> list[Comm]:
@@ -64,10 +67,13 @@ def pass_traffic(
     per_layer = 2 * n_layers
     if layout.sequence_parallel:  # a MoE layer takes its input sharded: its dispatcher gathers
         per_layer -= n_moe if c.num_experts else 0
-        fwd += [Comm("all_gather", tp, act, tp, per_layer + last),
+        # every all-gather follows a reduce-scatter with only a norm or a residual between
+        # (forward: each block's input after the previous block's output; backward the same
+        # mirrored), so the ranks meet it in step: ``synced``
+        fwd += [Comm("all_gather", tp, act, tp, per_layer + last, synced=True),
                 Comm("reduce_scatter", tp, act, tp, per_layer + first)]  # fmt: skip
         again = per_layer if full else 0
-        bwd += [Comm("all_gather", tp, act, tp, per_layer + again + first),
+        bwd += [Comm("all_gather", tp, act, tp, per_layer + again + first, synced=True),
                 Comm("reduce_scatter", tp, act, tp, per_layer + again + last)]  # fmt: skip
     else:  # (a MoE layer's output is reduced over TP once, as a dense MLP's)
         fwd.append(Comm("all_reduce", tp, act, tp, per_layer + first))
@@ -76,9 +82,13 @@ def pass_traffic(
         fwd.append(Comm("all_reduce", tp, tokens * 4, tp, 3))  # the vocab-parallel loss
     if cp > 1 and c.cp_comm_type == "p2p":
         kv = 2 * tokens * (c.num_query_groups // tp) * c.kv_channels * e
-        fwd.append(Comm("p2p", cp, kv, tp * cp, n_layers * (cp - 1)))
+        # each block's K/V (forward and backward) and dK/dV travel while a block computes; only
+        # the last dK/dV of a layer's backward is waited on with nothing left to compute
+        ring = dict(overlapped=True)
+        fwd.append(Comm("p2p", cp, kv, tp * cp, n_layers * (cp - 1), **ring))
         redo = n_layers * (cp - 1) if full else 0
-        bwd.append(Comm("p2p", cp, kv, tp * cp, n_layers * (2 * cp - 1) + redo))
+        bwd.append(Comm("p2p", cp, kv, tp * cp, n_layers * (2 * cp - 2) + redo, **ring))
+        bwd.append(Comm("p2p", cp, kv, tp * cp, n_layers))
     if n_moe and c.num_experts:
         f, bk = _moe_traffic(c, layout, tokens=tokens, e=e)
         fwd += [Comm(x.op, x.n, x.nbytes, x.span, x.count * n_moe) for x in f]
