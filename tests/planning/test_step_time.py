@@ -1,23 +1,21 @@
 """The planner's step time against measurement on CPU, after calibration in the same world.
 
 One 2-rank gloo world calibrates itself (``calibrate.calibrate_in_world``: the cores its ranks
-share, the compute rate and the fixed costs per layer pass and per step with every rank busy, the
-all-reduce) and then predicts and runs each layout below (``planning.accuracy``: medians of 3
-steps, the slowest rank's). A layout outside the bar is calibrated and measured once more (the
-speed of a shared machine drifts over seconds); a systematic miss misses twice.
+share, the compute rate and the fixed costs per layer pass, chunk pass and step with every rank
+busy, each collective between busy ranks) and then predicts and runs each layout below
+(``planning.accuracy``: medians of 4 steps, the slowest rank's), every feature: DP with each ZeRO
+rung, TP, TP with SP, PP with each of the six schedules, full and selective recompute, CP, EP.
 
-Within 20% (the issue's bar) in tools/bench/bench_planner.py's last run on the reference model
-(docs/PLANNER.md): PP with each of the six schedules (-10% to +3%, the bubble from the shared-core
-replay of the schedule's action lists: on 2 cores a rank waiting in the bubble lends its core),
-full recompute (-9%), selective recompute under TP (-17%), CP ring (-12%). Outside it in that run,
-each predicted too fast: DP no-shard (-21%), ZeRO-1/2/3 (-28 to -31%; within 1-20% in the run
-before), TP (-23%), TP with SP (-33%), EP (-20%). The SP / ZeRO-3 misses grow with the collectives
-per layer (a gloo collective between busy processes costs more than the calibrated idle
-all-reduce). The assertion is opt-in (MEGALITE_PLANNER_TIMING=1): on this shared 2-core machine the
-speed drifts 30-50% within a minute, beyond a 20% bar (docs/PLANNER.md), and it takes 60-160 s.
+The error is taken at the machine's speed of the moment: each measured step runs right after a
+step of the calibration's reference model, and the prediction is scaled by how much that reference
+ran slower or faster than predicted (``accuracy.Row.error``; this shared 2-core machine's speed
+drifts 30-50% within a minute, which is not what the model is asked about). A layout outside the
+bar is calibrated and measured again, up to twice (a systematic miss stays a miss). Takes 60-110 s.
+``MEGALITE_PLANNER_TIMING=0`` skips it (a machine too loaded to time anything).
 
 Ranking (the issue's bar): among candidates of clearly different speed, the layout predicted
-fastest runs within 10% of the measured fastest; in the suite on a small model (~9 s).
+fastest runs within 10% of the measured fastest: on the reference model (5 candidates) and on a
+small model (4 candidates, ~9 s).
 """
 
 from __future__ import annotations
@@ -30,15 +28,12 @@ from megalite.planning.calibrate import REFERENCE
 from megalite.planning.predict import Layout
 from tests.harness import run_distributed
 
-# Opt-in: ~60 s on a quiet 2-core machine and 90-160 s on a loaded one, over the suite's budget;
-# and on a shared machine a 20% bar is within the noise of calibration (the fit's fixed costs are
-# differences of loaded step times). MEGALITE_PLANNER_TIMING=1 runs it.
-opt_in = pytest.mark.skipif(
-    not os.environ.get("MEGALITE_PLANNER_TIMING"),
-    reason="timing accuracy: opt-in (MEGALITE_PLANNER_TIMING=1), slow and load-sensitive",
+opt_out = pytest.mark.skipif(
+    os.environ.get("MEGALITE_PLANNER_TIMING") == "0",
+    reason="timing accuracy: skipped by MEGALITE_PLANNER_TIMING=0",
 )
 MODEL = [a for a in REFERENCE if a not in ("--vocab-size", "1024")] + ["--seq-length", "64"]
-VOCAB, GBS, BAR = 1024, 8, 0.20
+VOCAB, GBS, BAR, RETRIES, STEPS = 1024, 8, 0.20, 2, 4
 ACCURATE = [
     Layout(dp=2, micro_batch_size=4),
     Layout(dp=2, micro_batch_size=4, rung="optim"),
@@ -72,13 +67,18 @@ def _case():
     items = ACCURATE + [lay for lay in RANKED if lay not in ACCURATE]
     reference = [*MODEL, "--vocab-size", str(VOCAB)]
     calibration, rows = step_time_accuracy(
-        MODEL, items, vocab_size=VOCAB, global_batch_size=GBS, reference=reference
+        MODEL, items, vocab_size=VOCAB, global_batch_size=GBS, reference=reference, steps=STEPS
     )
-    for i, row in enumerate(rows):
-        if i < len(ACCURATE) and abs(row.error) > BAR:  # once more, freshly calibrated
-            _, again = step_time_accuracy(MODEL, [items[i]], vocab_size=VOCAB,
+    for i in range(len(rows)):
+        for _ in range(RETRIES):  # a miss: again, freshly calibrated (a systematic miss stays)
+            if i >= len(ACCURATE) or abs(rows[i].error) <= BAR:
+                break
+            _, again = step_time_accuracy(MODEL, [items[i]], vocab_size=VOCAB, steps=STEPS,
                                           global_batch_size=GBS, reference=reference)  # fmt: skip
             rows[i] = again[0]
+    for row in rows:
+        print(f"{row.layout.name():<40} predicted {row.predicted:.4f} s measured "
+              f"{row.measured:.4f} s: {row.error:+.1%} ({row.raw_error:+.1%} raw)")  # fmt: skip
     accurate = {lay if isinstance(lay, Layout) else lay[0] for lay in ACCURATE}
     return calibration, {r.layout: (r.predicted, r.measured, r.error, r.layout in accurate)
                          for r in rows}  # fmt: skip
@@ -86,10 +86,10 @@ def _case():
 
 @pytest.fixture(scope="module")
 def measured():
-    return run_distributed(_case, 2, timeout=300)[0]
+    return run_distributed(_case, 2, timeout=600)[0]
 
 
-@opt_in
+@opt_out
 def test_step_time_within_20_percent_after_calibration(measured):
     calibration, rows = measured
     assert calibration["efficiency"] > 0
@@ -102,7 +102,7 @@ def test_step_time_within_20_percent_after_calibration(measured):
     assert not misses, "; ".join(misses)
 
 
-@opt_in
+@opt_out
 def test_predicted_best_layout_is_within_10_percent_of_measured_best(measured):
     _check_ranking(measured[1], RANKED)
 
