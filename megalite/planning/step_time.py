@@ -169,7 +169,11 @@ def predict_step_time(
         grads = cost([x for x in comms if x.grad_reduction])
         if overlap_grad_reduce:
             grads = max(grads - stage_b[0], grads * 0.1)
-        return grads + cost([x for x in comms if not x.grad_reduction])
+        gathers = cost([x for x in comms if x.prefetched])
+        if not cpu:  # a device's collectives run beside its compute; on a CPU they take its core
+            gathers = max(gathers - busy_rank[r], gathers * 0.1)
+        rest = cost([x for x in comms if not (x.grad_reduction or x.prefetched)])
+        return grads + gathers + rest
 
     dp_comm = max(per_step(r) for r in range(pp))
     from megalite.planning.model_state import rank_params

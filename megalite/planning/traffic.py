@@ -33,7 +33,7 @@ the grad norm's scalar all-reduces.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megalite.models.config import GPTConfig
 
@@ -48,6 +48,7 @@ class Comm:
     grad_reduction: bool = False  # a DP grad reduction: --overlap-grad-reduce hides it in backward
     overlapped: bool = False  # posted before compute, waited after it: the transfer alone
     synced: bool = False  # right after another on the same ranks: they arrive in step
+    prefetched: bool = False  # ZeRO-3's gather of the next unit, started before this one computes
 
 
 def _keep(comms: list[Comm]) -> list[Comm]:
@@ -149,7 +150,8 @@ def step_traffic(c: GPTConfig, layout, *, pp_rank: int, m: int, e: int, cpu: boo
             tied = _tied_unit(c, layout, specs, pp_rank) if not is_expert else None
             for unit, k in units.items():
                 gathers = 2 * m + (m if unit == tied else 0)  # forward, backward; a tied output
-                out.append(_shard("all_gather", group, k * e, span, gathers, cpu=cpu))
+                gather = _shard("all_gather", group, k * e, span, gathers, cpu=cpu)
+                out.append(replace(gather, prefetched=True))
                 out.append(_shard("reduce_scatter", group, k * e, span, m, cpu=cpu, grad=True))
         else:
             out.append(_shard("reduce_scatter", group, numel * e, span, grads, cpu=cpu, grad=True))
