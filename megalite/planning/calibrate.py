@@ -7,7 +7,8 @@
   FLOPs over the time give the achieved rate, the two sizes split it into ``efficiency`` (of peak)
   and a fixed ``layer_overhead_s`` per layer per pass;
 - the optimizer step's seconds per parameter;
-- all-reduce latency and bus bandwidth between two local processes (gloo on CPU, NCCL on GPUs).
+- each collective's latency and bus bandwidth between two busy local processes on CPU
+  (``calibrate_comm``: what a step meets); an all-reduce between two GPUs over NCCL.
 
 Medians of several repetitions. The file format is in ``planning.cluster``.
 """
@@ -239,6 +240,36 @@ def _all_reduce_worker(rank: int, world: int, init_file: str, backend: str, size
     dist.destroy_process_group()
 
 
+def _busy_worker(rank: int, world: int, init_file: str, queue) -> None:
+    import torch.distributed as dist
+
+    from megalite.planning.calibrate_comm import busy_collectives
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    figures = busy_collectives()
+    if rank == 0:
+        queue.put(figures)
+    dist.destroy_process_group()
+
+
+def _in_world(worker, world: int = 2):
+    """What rank 0 of a spawned ``world``-process gloo group puts in the queue."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "init")
+        procs = [ctx.Process(target=worker, args=(r, world, init, queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+        out = queue.get(timeout=300)
+        for p in procs:
+            p.join()
+    return out
+
+
 def all_reduce_figures(backend: str, *, sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 23)) -> dict:
     """Latency (s) and bus bandwidth (GB/s) of a 2-rank all-reduce: ``t = lat + bytes / bw``
     (for two ranks the bus factor 2 (n-1)/n is 1)."""
@@ -291,11 +322,12 @@ def calibrate(*, device: torch.device | None = None, argv: list[str] = REFERENCE
             ref, device, peak_tflops=peak, optimizer_s_per_param=data["optimizer_s_per_param"]
         )
     )
-    backend = "nccl" if cuda and torch.cuda.device_count() >= 2 else "gloo"
-    if cuda and backend == "gloo":
-        data["collectives"] = {}  # one GPU: keep the cluster's link figures
+    if not cuda:  # each op between busy ranks, as a CPU step meets it (calibrate_comm)
+        data["collectives"] = _in_world(_busy_worker)
+    elif torch.cuda.device_count() >= 2:
+        data["collectives"] = {"all_reduce": all_reduce_figures("nccl")}
     else:
-        data["collectives"] = {"all_reduce": all_reduce_figures(backend)}
+        data["collectives"] = {}  # one GPU: keep the cluster's link figures
     return data
 
 

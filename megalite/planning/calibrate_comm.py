@@ -25,6 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from megalite.core.tensor_parallel.mappings import all_gather_tensor, reduce_scatter_tensor
+
 LATENCY_BYTES = 1 << 16  # a latency-bound size
 BANDWIDTH_BYTES = 1 << 22  # a bandwidth-bound size (activations, buckets)
 
@@ -53,8 +55,8 @@ def _ops(nbytes: int) -> dict:
 
     return {
         "all_reduce": lambda: dist.all_reduce(full),
-        "all_gather": lambda: dist.all_gather_into_tensor(out, shard),
-        "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
+        "all_gather": lambda: all_gather_tensor(out, shard, None),
+        "reduce_scatter": lambda: reduce_scatter_tensor(shard, full, None),
         "all_to_all": lambda: dist.all_to_all_single(out, full),
         "p2p": p2p,
     }

@@ -57,6 +57,8 @@ def layouts(world: int) -> list:
 def _worker(rank: int, world: int, init: str, args, queue) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     model, items = list(MODEL), layouts(world)
+    if world > 2:  # two layers per stage: every V / interleaved schedule has chunks to split
+        model[model.index("--num-layers") + 1] = str(2 * world)
     if args.small:
         model += SMALL
     if args.tiny:
@@ -104,9 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         f"TFLOP/s, layer overhead {calib['layer_overhead_s'] * 1e6:.0f} us, chunk overhead "
         f"{calib.get('chunk_overhead_s', 0) * 1e6:.0f} us, step overhead "
         f"{calib['step_overhead_s'] * 1e3:.1f} ms; between busy ranks: "
-        + ", ".join(f"{op} {v['latency_s'] * 1e3:.2f} ms ({v.get('idle_latency_s', 0) * 1e3:.2f} "
-                    f"in step) + {v['gbps']:.2f} GB/s"
-                    for op, v in calib["collectives"].items())  # fmt: skip
+        + ", ".join(
+            f"{op} {v['latency_s'] * 1e3:.2f} ms ({v.get('idle_latency_s', 0) * 1e3:.2f} "
+            f"in step) + {v['gbps']:.2f} GB/s"
+            for op, v in calib["collectives"].items()
+        )  # fmt: skip
     )
     print(f"{'layout':<40} {'predicted s':>12} {'measured s':>11} {'raw':>8} {'error':>8}")
     errors = []
