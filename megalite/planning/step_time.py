@@ -83,7 +83,7 @@ def predict_step_time(
     from megalite.core.pipeline_parallel.generators import generate, layout_of
     from megalite.core.pipeline_parallel.simulator import Costs, simulate
     from megalite.models.moe_config import moe_layer_pattern
-    from megalite.planning.traffic import pass_traffic, step_traffic
+    from megalite.planning.traffic import pass_traffic, recomputed_layers, step_traffic
     from megalite.training.model_chunks import stage_blocks
 
     def cost(comms) -> float:
@@ -113,8 +113,12 @@ def predict_step_time(
         )
         fwd_flops += output_flops if st == stages.num_stages - 1 else 0.0
         recompute = 0.0
-        if c.recompute_granularity == "full":
-            recompute = fwd_flops - (output_flops if st == stages.num_stages - 1 else 0.0)
+        if c.recompute_granularity == "full":  # uniform: every layer; block: the first k
+            k = recomputed_layers(c, n_layers)
+            recompute = sum(
+                _layer_forward_flops(c, tokens=tokens, s=s, moe=moe[i])
+                for i in range(start, start + k)
+            )
         elif c.recompute_granularity == "selective":
             recompute = n_layers * core_attention
         f = fwd_flops / tp / rate + n_layers * cluster.layer_overhead_s + cluster.chunk_overhead_s

@@ -14,7 +14,9 @@ Per micro-batch and pass of a stage (megalite's modules, logged):
 - TP: two all-reduces of ``[s, b, h]`` per layer each way, one more for the embedding (forward,
   first stage) and the output layer's input (backward, last stage); under SP each becomes an
   all-gather and a reduce-scatter pair (same placement). The vocab-parallel loss: three all-reduces
-  of ``[s, b]`` fp32 (forward, last stage). Full recompute repeats the layers' forward ones.
+  of ``[s, b]`` fp32 (forward, last stage). Full recompute repeats the recomputed layers' forward
+  ones (``recomputed_layers``: all under ``uniform``, the first ``recompute_num_layers`` under
+  ``block``).
 - CP ring (``--cp-comm-type p2p``): per layer ``cp - 1`` K/V messages forward; backward the K/V
   again and ``cp`` messages of their grads (the accumulator travels round). All but the last grad
   message travel while a block computes (``overlapped``).
@@ -62,7 +64,8 @@ def pass_traffic(
     tp, cp, b, s, h = layout.tp, layout.cp, layout.micro_batch_size, c.seq_length, c.hidden_size
     tokens = s * b // cp
     act = tokens * h * e
-    full = c.recompute_granularity == "full"
+    k = recomputed_layers(c, n_layers)
+    k_moe = n_moe * k // n_layers if n_layers else 0  # (exact when all or none are MoE)
     fwd: list[Comm] = []
     bwd: list[Comm] = []
     per_layer = 2 * n_layers
@@ -73,12 +76,12 @@ def pass_traffic(
         # mirrored), so the ranks meet it in step: ``synced``
         fwd += [Comm("all_gather", tp, act, tp, per_layer + last, synced=True),
                 Comm("reduce_scatter", tp, act, tp, per_layer + first)]  # fmt: skip
-        again = per_layer if full else 0
+        again = 2 * k - (k_moe if c.num_experts else 0)
         bwd += [Comm("all_gather", tp, act, tp, per_layer + again + first, synced=True),
                 Comm("reduce_scatter", tp, act, tp, per_layer + again + last)]  # fmt: skip
     else:  # (a MoE layer's output is reduced over TP once, as a dense MLP's)
         fwd.append(Comm("all_reduce", tp, act, tp, per_layer + first))
-        bwd.append(Comm("all_reduce", tp, act, tp, per_layer * (2 if full else 1) + last))
+        bwd.append(Comm("all_reduce", tp, act, tp, per_layer + 2 * k + last))
     if last:
         fwd.append(Comm("all_reduce", tp, tokens * 4, tp, 3))  # the vocab-parallel loss
     if cp > 1 and c.cp_comm_type == "p2p":
@@ -87,16 +90,25 @@ def pass_traffic(
         # the last dK/dV of a layer's backward is waited on with nothing left to compute
         ring = dict(overlapped=True)
         fwd.append(Comm("p2p", cp, kv, tp * cp, n_layers * (cp - 1), **ring))
-        redo = n_layers * (cp - 1) if full else 0
+        redo = k * (cp - 1)
         bwd.append(Comm("p2p", cp, kv, tp * cp, n_layers * (2 * cp - 2) + redo, **ring))
         bwd.append(Comm("p2p", cp, kv, tp * cp, n_layers))
     if n_moe and c.num_experts:
         f, bk = _moe_traffic(c, layout, tokens=tokens, e=e)
         fwd += [Comm(x.op, x.n, x.nbytes, x.span, x.count * n_moe) for x in f]
         bwd += [Comm(x.op, x.n, x.nbytes, x.span, x.count * n_moe) for x in bk]
-        if full:
-            bwd += [Comm(x.op, x.n, x.nbytes, x.span, x.count * n_moe) for x in f]
+        bwd += [Comm(x.op, x.n, x.nbytes, x.span, x.count * k_moe) for x in f]
     return _keep(fwd), _keep(bwd)
+
+
+def recomputed_layers(c: GPTConfig, n_layers: int) -> int:
+    """Layers of a stage of ``n_layers`` whose forward full recompute runs again in backward:
+    all under ``uniform``, the first ``recompute_num_layers`` under ``block``."""
+    if c.recompute_granularity != "full":
+        return 0
+    if c.recompute_method == "block":
+        return min(c.recompute_num_layers or 0, n_layers)
+    return n_layers
 
 
 def _moe_traffic(c: GPTConfig, layout, *, tokens: int, e: int) -> tuple[list[Comm], list[Comm]]:

@@ -39,6 +39,18 @@ CASES = [  # (layout, extra model flags, global batch)
     (Layout(pp=2, micro_batch_size=1), UNTIED, 4),
     (Layout(pp=2, micro_batch_size=1, schedule="zbv", vp=2), [], 4),
     (Layout(pp=2, micro_batch_size=1, schedule="interleaved-1f1b", vp=2), [], 4),
+    (
+        Layout(tp=2, micro_batch_size=2, sequence_parallel=True, recompute="full"),
+        [
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "block",
+            "--recompute-num-layers",
+            "3",
+        ],
+        4,
+    ),
     (Layout(cp=2, micro_batch_size=2), [], 4),
     (Layout(cp=2, micro_batch_size=2, recompute="full"), FULL, 4),
     (Layout(dp=2, ep=2, micro_batch_size=2), MOE, 8),

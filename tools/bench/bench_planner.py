@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_worker, args=(r, args.world, init, args, queue))
+        procs = [ctx.Process(target=_worker, args=(r, args.world, init, args, queue), daemon=True)
                  for r in range(args.world)]  # fmt: skip
         for proc in procs:
             proc.start()
