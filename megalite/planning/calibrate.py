@@ -222,7 +222,9 @@ def optimizer_seconds_per_param(device: torch.device, n: int = 4_000_000) -> flo
     return _median_time(opt.step, repeat=5, sync=_sync(device)) / n
 
 
-def _all_reduce_worker(rank: int, world: int, init_file: str, backend: str, sizes, queue) -> None:
+def _all_reduce_worker(
+    rank: int, world: int, init_file: str, queue, *, backend: str, sizes
+) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -273,21 +275,9 @@ def _in_world(worker, world: int = 2):
 def all_reduce_figures(backend: str, *, sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 23)) -> dict:
     """Latency (s) and bus bandwidth (GB/s) of a 2-rank all-reduce: ``t = lat + bytes / bw``
     (for two ranks the bus factor 2 (n-1)/n is 1)."""
-    import torch.multiprocessing as mp
+    import functools
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = os.path.join(tmp, "init")
-        procs = [
-            ctx.Process(target=_all_reduce_worker, args=(r, 2, init, backend, sizes, queue))
-            for r in range(2)
-        ]
-        for p in procs:
-            p.start()
-        times = queue.get(timeout=300)
-        for p in procs:
-            p.join()
+    times = _in_world(functools.partial(_all_reduce_worker, backend=backend, sizes=sizes))
     small, large = min(sizes), max(sizes)
     bw = (large - small) / max(times[large] - times[small], 1e-9)
     return {
