@@ -152,8 +152,9 @@ def predict_step_time(
         sim = simulate(with_p2p(lists, stages), stages, costs,
                        cores=cluster.cores / (world // pp) if shared else None)  # fmt: skip
         makespan = sim.step_time if shared else max(sim.step_time, busiest_total)
-    else:
-        makespan = busiest_total * slow
+    else:  # the collectives were calibrated among the same sharing ranks: not slowed again
+        comm = m * sum(stage_comm[stages.stage(0, ch)] for ch in range(chunks))
+        makespan = (busiest_total - comm) * slow + comm
     busiest = max(
         m * sum(stage_f[stages.stage(r, ch)] + stage_b[stages.stage(r, ch)]
                 - stage_comm[stages.stage(r, ch)] for ch in range(chunks))
