@@ -12,13 +12,15 @@ or pretrain_gpt.py's model flags with ``--vocab-size``; ``--bf16`` is the
 default precision (``--fp16``/``--fp32`` to change). Cluster: ``--gpu H100|H200|A100`` presets,
 each figure overridable (``--gpu-memory-gib --peak-tflops --intra-node-gbps --inter-node-gbps``,
 bus bandwidth per GPU in GB/s). Prints the top layouts (``--top N``) with a breakdown and the
-exact pretrain_gpt.py flags; ``--explain`` says why each rejected (TP, PP, DP) family was
-rejected. docs/PLANNER.md explains the model and its measured accuracy.
+exact pretrain_gpt.py flags; ``--explain`` says why each rejected (TP, PP, CP, EP, DP) family
+was rejected. ``--jobs N`` spreads a large search over N processes (default: every core).
+docs/PLANNER.md explains the model and its measured accuracy.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from megalite.planning.cluster import calibrated, load_calibration, preset
@@ -47,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     precision.add_argument("--fp32", action="store_true")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--explain", action="store_true")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="worker processes for a large search (default: every core)")  # fmt: skip
     p.add_argument("--calibrate", action="store_true", help="measure this machine, then exit")
     p.add_argument("--calibration-out", default="plan_calibration.json")
     return p
@@ -111,7 +115,9 @@ def main(argv: list[str] | None = None, out=None) -> int:
         if args.calibration:
             cluster = calibrated(cluster, load_calibration(args.calibration))
         gbs = args.global_batch_size or cluster.gpus
-        result = search(margv, cluster, vocab_size=vocab, global_batch_size=gbs)
+        if args.jobs < 1:
+            raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+        result = search(margv, cluster, vocab_size=vocab, global_batch_size=gbs, jobs=args.jobs)
     except ValueError as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
@@ -119,7 +125,8 @@ def main(argv: list[str] | None = None, out=None) -> int:
         f"{args.model or 'model'} on {cluster.gpus} x {cluster.name} "
         f"({cluster.gpu_memory_gib:g} GiB, {cluster.peak_tflops:g} TFLOP/s peak, efficiency "
         f"{cluster.efficiency:.2f}), global batch {gbs}: {len(result.ranked)} layouts fit, "
-        f"{len(result.rejected)} rejected",
+        f"{len(result.rejected)} rejected, {result.dominated} not evaluated (they fit with less "
+        "recompute)",
         file=out,
     )
     if not result.ranked:
@@ -131,7 +138,7 @@ def main(argv: list[str] | None = None, out=None) -> int:
         for line in breakdown(c):
             print(line, file=out)
     if args.explain:
-        print("\nwhy each (TP, PP, DP) family ranks where it does:", file=out)
+        print("\nwhy each (TP, PP, CP, EP, DP) family ranks where it does:", file=out)
         for line in explain(result, cluster):
             print("  " + line, file=out)
     return 0

@@ -32,6 +32,7 @@ is that many micro-batches' saved bytes plus the transient of a recomputed chunk
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -307,6 +308,19 @@ def replay_peak(actions, held: list[int], transient: list[int]) -> tuple[int, in
     return peak, most
 
 
+@functools.lru_cache(maxsize=512)
+def schedule_lists(schedule: str, pp: int, m: int, vp: int, group: int | None) -> tuple:
+    """The schedule's compute actions, one tuple per pipeline rank (``generators.generate``):
+    the same for every layout of this shape, so built once (the planner's search asks for them
+    thousands of times; callers only read them)."""
+    from megalite.core.pipeline_parallel.generators import generate, layout_of
+
+    chunks = layout_of(schedule, pp, vp).num_chunks
+    lists = generate(schedule, pp_size=pp, num_microbatches=m, num_chunks=chunks,
+                     microbatch_group_size=group)  # fmt: skip
+    return tuple(tuple(rank) for rank in lists)
+
+
 def stage_activations(
     c: GPTConfig,
     *,
@@ -328,7 +342,7 @@ def stage_activations(
     ``vp`` model chunks per rank (the V schedules: 2): the schedule's own action list for this
     rank is replayed (``replay_peak``), so each schedule's in-flight micro-batches and chunks,
     uneven chunks included, come from the lists the executor runs."""
-    from megalite.core.pipeline_parallel.generators import generate, layout_of
+    from megalite.core.pipeline_parallel.generators import layout_of
     from megalite.planning.model_state import DTYPE_BYTES
     from megalite.training.model_chunks import stage_blocks
 
@@ -355,9 +369,7 @@ def stage_activations(
     transient = [p[3] if p[3] else p[0] + p[2] for p in parts]
     if pp == 1 and layout.num_chunks == 1:
         return StageActivations(layers, per_layer, extras, parts[0][3], 1)
-    lists = generate(schedule, pp_size=pp, num_microbatches=num_microbatches,
-                     num_chunks=layout.num_chunks,
-                     microbatch_group_size=microbatch_group_size)  # fmt: skip
+    lists = schedule_lists(schedule, pp, num_microbatches, vp, microbatch_group_size)
     peak, most = replay_peak(lists[pp_rank], held, transient)
     backward_peak = max(p[3] for p in parts)
     return StageActivations(layers, per_layer, extras, backward_peak, most, replayed=peak)

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megalite.core.optimizer.memory_report import ModelStateBytes
 from megalite.planning.activations import StageActivations, stage_activations
@@ -145,14 +145,22 @@ def predict_memory(
     dp_ranks: list[int] | None = None,
     device: str = "cuda",
     edp_rank: int = 0,
+    memo: dict | None = None,
 ) -> list[RankMemory]:
     """Every pipeline rank's prediction (on DP ranks ``dp_ranks``, default 0 only, of the dense
     dp x cp group; ``edp_rank`` of the expert DP group): ``cfg`` is the ``GPTConfig`` with the
-    layout's model options (sequence parallel, recompute) set."""
+    layout's model options (sequence parallel, recompute) set. ``memo``: a dict kept across
+    calls for one model (the same flags but the layout's), precision, bucket size and device:
+    activations do not depend on the ZeRO rung or offload, model state not on the micro-batch
+    size or recompute, so layouts differing only there share them."""
     m = global_batch_size // (layout.micro_batch_size * layout.dp)
+    memo = {} if memo is None else memo
+    acts_key = replace(layout, rung="no_shard", offload_fraction=0.0)
+    state_key = replace(layout, micro_batch_size=1, recompute=None)
     out = []
     for pp_rank in range(layout.pp):
-        acts = stage_activations(
+        key = ("activations", acts_key, pp_rank)
+        acts = memo.get(key) or stage_activations(
             cfg,
             micro_batch_size=layout.micro_batch_size,
             tp=layout.tp,
@@ -168,8 +176,10 @@ def predict_memory(
             ep=layout.ep,
             etp=layout.etp,
         )
+        memo[key] = acts
         for dp_rank in dp_ranks or [0]:
-            state = model_state_bytes(
+            key = ("state", state_key, pp_rank, dp_rank, edp_rank)
+            state = memo.get(key) or model_state_bytes(
                 cfg,
                 tp=layout.tp,
                 pp=layout.pp,
@@ -188,6 +198,7 @@ def predict_memory(
                 edp_rank=edp_rank,
                 offload_fraction=layout.offload_fraction,
             )
+            memo[key] = state
             out.append(RankMemory(pp_rank, dp_rank, state, acts))
     return out
 

@@ -4,15 +4,23 @@ predicted memory and step time, the ones that fit ranked by tokens/s.
 Validation is pretrain_gpt.py's own: each candidate's flags (the model's, the layout's and the
 batch's) go through ``training.arguments.parse_args`` for a world of ``cluster.gpus`` ranks, and
 the mesh through ``core.mesh_layout.mesh_sizes``; whatever those refuse, the planner refuses with
-their one-line message. Candidates: TP up to a node, PP dividing the world, DP the rest; SP on
-under TP; every available ZeRO rung; every schedule under PP; micro-batch sizes that divide the
-per-rank batch; recompute none / selective / full.
+their one-line message. Candidates (``SearchSpace``): TP up to a node, PP and CP dividing the
+world (CP while each CP rank keeps ``min_tokens_per_cp_rank`` of a sequence), DP the rest; on a
+MoE model every EP dividing the experts, with ETP = TP or 1; SP on under TP; every available ZeRO
+rung; every schedule under PP (interleaved with each ``interleaved_vp``); micro-batch sizes that
+divide the per-rank batch; recompute none / selective / full.
+
+Work is bounded without changing a prediction: one argument parser serves every validation, the
+schedule's action lists are built once per shape (``step_time.pipeline_program``), a layout's
+step time is predicted only once its memory fits, and a layout is not evaluated with more
+recompute once it fits with less (recompute only adds compute and traffic: it cannot rank
+higher); ``SearchResult.dominated`` counts those, ``exhaustive=True`` evaluates them too.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megalite.core.mesh_layout import mesh_sizes
 from megalite.planning.activations import MODELLED_SCHEDULES
@@ -40,7 +48,7 @@ class Candidate:
 
 
 def validate(model_argv: list[str], layout: Layout, *, vocab_size: int, global_batch_size: int,
-             seq_length: int | None = None, extra: list[str] = ()):  # fmt: skip
+             seq_length: int | None = None, extra: list[str] = (), parser=None):  # fmt: skip
     """The ``PretrainConfig`` pretrain_gpt.py builds for these flags on ``layout.world_size``
     ranks (``ConfigError``/``ValueError`` with its one-line message if it refuses them)."""
     from megalite.training.arguments import parse_args
@@ -50,7 +58,7 @@ def validate(model_argv: list[str], layout: Layout, *, vocab_size: int, global_b
     if seq_length is not None:
         argv += ["--seq-length", str(seq_length)]
     env = {"WORLD_SIZE": str(layout.world_size), "RANK": "0"}
-    cfg = parse_args(argv, env=env)
+    cfg = parse_args(argv, env=env, parser=parser)
     mesh_sizes(
         layout.world_size,
         tensor_model_parallel_size=layout.tp,
@@ -62,26 +70,72 @@ def validate(model_argv: list[str], layout: Layout, *, vocab_size: int, global_b
     return cfg, argv
 
 
-def candidate_layouts(cluster: Cluster, *, global_batch_size: int) -> list[Layout]:
+@dataclass(frozen=True)
+class SearchSpace:
+    """The options the search enumerates beyond the mesh (module docstring)."""
+
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
+    recompute: tuple[str | None, ...] = (None, "selective", "full")
+    interleaved_vp: tuple[int, ...] = (2, 4)  # model chunks per rank under interleaved-1f1b
+    min_tokens_per_cp_rank: int = 1024
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _expert_options(num_experts: int, tp: int, dp: int, cp: int) -> list[tuple[int, int | None]]:
+    """(EP, ETP) pairs for a MoE model: EP dividing the experts and, times ETP, the ranks of a
+    pipeline stage (tp x dp x cp); ETP the dense TP or 1. A dense model: (1, None) alone."""
+    if not num_experts:
+        return [(1, None)]
+    out = []
+    for etp in sorted({tp, 1}, reverse=True):
+        for ep in _divisors(num_experts):
+            if (tp * dp * cp) % (etp * ep) == 0:
+                out.append((ep, None if etp == tp else etp))
+    return out
+
+
+def candidate_layouts(
+    cluster: Cluster,
+    *,
+    global_batch_size: int,
+    seq_length: int | None = None,
+    num_experts: int = 0,
+    space: SearchSpace = SearchSpace(),
+) -> list[Layout]:
+    """Every layout of ``space`` on ``cluster`` (validation is ``evaluate``'s). ``seq_length``:
+    the model's (CP is enumerated only when given); ``num_experts``: the MoE model's."""
     n = cluster.gpus
-    divisors = [d for d in range(1, n + 1) if n % d == 0]
     out = []
     rungs = [r for r, v in ZERO_RUNGS.items() if v.available]
-    for tp, pp in itertools.product(divisors, divisors):
-        if n % (tp * pp) or tp > cluster.gpus_per_node:
+    for tp, pp, cp in itertools.product(_divisors(n), _divisors(n), _divisors(n)):
+        if n % (tp * pp * cp) or tp > cluster.gpus_per_node:
             continue
-        dp = n // (tp * pp)
+        if cp > 1 and (seq_length is None or seq_length // cp < space.min_tokens_per_cp_rank):
+            continue
+        dp = n // (tp * pp * cp)
         per_rank = global_batch_size // dp if global_batch_size % dp == 0 else 0
-        mbs = [b for b in (1, 2, 4, 8, 16) if per_rank and per_rank % b == 0] or [1]
-        for sp, rung, schedule, b, rc in itertools.product(
-            [tp > 1], rungs if dp > 1 else ["no_shard"],
-            list(MODELLED_SCHEDULES) if pp > 1 else ["1f1b"], mbs, [None, "selective", "full"],
+        mbs = [b for b in space.micro_batch_sizes if per_rank and per_rank % b == 0] or [1]
+        schedules = [("1f1b", 1)]
+        if pp > 1:
+            schedules = [(name, v) for name in MODELLED_SCHEDULES for v in _chunks(name, space)]
+        for (ep, etp), sp, (schedule, vp), b, rc in itertools.product(
+            _expert_options(num_experts, tp, dp, cp), [tp > 1], schedules, mbs, space.recompute
         ):  # fmt: skip
-            vp = 2 if schedule in ("interleaved-1f1b", "zbv", "dualpipev") else 1
-            out.append(Layout(tp=tp, pp=pp, dp=dp, sequence_parallel=sp, rung=rung,
-                              schedule=schedule, micro_batch_size=b, recompute=rc,
-                              vp=vp))  # fmt: skip
+            edp = tp * dp * cp // ((etp or tp) * ep)  # ZeRO shards over dp x cp and over edp
+            for rung in rungs if dp * cp > 1 or edp > 1 else ["no_shard"]:
+                out.append(Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, sequence_parallel=sp,
+                                  rung=rung, schedule=schedule, micro_batch_size=b,
+                                  recompute=rc, vp=vp))  # fmt: skip
     return out
+
+
+def _chunks(schedule: str, space: SearchSpace) -> tuple[int, ...]:
+    if schedule == "interleaved-1f1b":
+        return space.interleaved_vp
+    return (2,) if schedule in ("zb-h1", "zbv", "dualpipev") else (1,)
 
 
 def evaluate(
@@ -92,11 +146,17 @@ def evaluate(
     vocab_size: int,
     global_batch_size: int,
     extra: list[str] = (),
+    parser=None,
+    time_misfits: bool = True,
+    memo: dict | None = None,
 ) -> Candidate:
+    """``layout`` validated, its memory predicted and (if it fits, or ``time_misfits``) its step
+    time; ``parser``: a ``build_parser()`` to reuse, ``memo``: ``predict_memory``'s, kept for
+    one model."""
     try:
         cfg, argv = validate(
             model_argv, layout, vocab_size=vocab_size, global_batch_size=global_batch_size,
-            extra=extra,
+            extra=extra, parser=parser,
         )  # fmt: skip
     except ValueError as e:
         return Candidate(layout, [], error=str(e).splitlines()[0])
@@ -110,13 +170,15 @@ def evaluate(
         bucket_size=par.bucket_size(layout.dp),
         grads_in_fp32=par.accumulate_allreduce_grads_in_fp32,
         device=cluster.device,
+        memo=memo,
     )
-    step = predict_step_time(
-        cfg.model, layout, cluster, global_batch_size=global_batch_size, precision=precision,
-        overlap_grad_reduce=par.overlap_grad_reduce,
-    )  # fmt: skip
-    cand = Candidate(layout, argv, memory=memory, step=step)
+    cand = Candidate(layout, argv, memory=memory)
     cand.fits = cand.peak_bytes <= cluster.usable_bytes
+    if cand.fits or time_misfits:
+        cand.step = predict_step_time(
+            cfg.model, layout, cluster, global_batch_size=global_batch_size, precision=precision,
+            overlap_grad_reduce=par.overlap_grad_reduce,
+        )  # fmt: skip
     return cand
 
 
@@ -124,6 +186,46 @@ def evaluate(
 class SearchResult:
     ranked: list[Candidate]  # fit, best first
     rejected: list[Candidate]  # refused by validation or too big
+    dominated: int = 0  # not evaluated: the same layout fits with less recompute
+
+
+RECOMPUTE_ORDER = {None: 0, "selective": 1, "full": 2}
+PARALLEL_FROM = 2000  # candidates: below this, worker start-up costs more than it saves
+
+
+@dataclass
+class _Evaluator:
+    """Evaluates one (TP, PP, CP, EP, DP) family's layouts at a time, with the memo and the
+    recompute dominance that only hold inside a family (picklable: a worker process runs it)."""
+
+    model_argv: list[str]
+    cluster: Cluster
+    vocab_size: int
+    global_batch_size: int
+    extra: list[str]
+    exhaustive: bool
+
+    def family(self, layouts: list[Layout]) -> SearchResult:
+        from megalite.training.arguments import build_parser
+
+        parser, memo, out = build_parser(), {}, SearchResult([], [])
+        fit_with_less: set[Layout] = set()  # layouts (recompute None) fitting with some recompute
+        for layout in sorted(layouts, key=lambda x: RECOMPUTE_ORDER[x.recompute]):
+            base = replace(layout, recompute=None)
+            if base in fit_with_less and not self.exhaustive:
+                out.dominated += 1
+                continue
+            cand = evaluate(
+                self.model_argv, layout, self.cluster, vocab_size=self.vocab_size,
+                global_batch_size=self.global_batch_size, extra=self.extra, parser=parser,
+                time_misfits=False, memo=memo,
+            )  # fmt: skip
+            if cand.error is None and cand.fits:
+                out.ranked.append(cand)
+                fit_with_less.add(base)
+            else:
+                out.rejected.append(cand)
+        return out
 
 
 def search(
@@ -134,32 +236,66 @@ def search(
     global_batch_size: int,
     extra: list[str] = (),
     layouts: list[Layout] | None = None,
+    space: SearchSpace = SearchSpace(),
+    exhaustive: bool = False,
+    jobs: int = 1,
 ) -> SearchResult:
-    ranked, rejected = [], []
-    for layout in layouts or candidate_layouts(cluster, global_batch_size=global_batch_size):
-        cand = evaluate(
-            model_argv, layout, cluster, vocab_size=vocab_size,
-            global_batch_size=global_batch_size, extra=extra,
+    """Rank ``layouts`` (default: ``candidate_layouts`` of ``space`` for this model), one family
+    at a time, on ``jobs`` worker processes when there are many; the result does not depend on
+    ``jobs`` (ties keep the candidates' order)."""
+    if layouts is None:
+        cfg, _ = validate(model_argv, Layout(), vocab_size=vocab_size, global_batch_size=1,
+                          extra=extra)  # fmt: skip
+        layouts = candidate_layouts(
+            cluster, global_batch_size=global_batch_size, seq_length=cfg.model.seq_length,
+            num_experts=cfg.model.num_experts or 0, space=space,
         )  # fmt: skip
-        (ranked if cand.error is None and cand.fits else rejected).append(cand)
-    ranked.sort(key=lambda c: -c.step.tokens_per_s)
-    return SearchResult(ranked, rejected)
+    order = {layout: i for i, layout in enumerate(layouts)}
+    families: dict[tuple, list[Layout]] = {}
+    for layout in layouts:
+        families.setdefault(family_of(layout), []).append(layout)
+    evaluator = _Evaluator(list(model_argv), cluster, vocab_size, global_batch_size, list(extra),
+                           exhaustive)  # fmt: skip
+    if jobs > 1 and len(layouts) >= PARALLEL_FROM and len(families) > 1:
+        import multiprocessing
+
+        # spawn, not fork: the caller may hold torch's threads
+        with multiprocessing.get_context("spawn").Pool(min(jobs, len(families))) as pool:
+            parts = pool.map(evaluator.family, list(families.values()), chunksize=1)
+    else:
+        parts = [evaluator.family(f) for f in families.values()]
+    result = SearchResult([], [])
+    for part in parts:
+        result.ranked += part.ranked
+        result.rejected += part.rejected
+        result.dominated += part.dominated
+    result.ranked.sort(key=lambda c: (-c.step.tokens_per_s, order[c.layout]))
+    result.rejected.sort(key=lambda c: order[c.layout])
+    return result
 
 
-def family_of(layout: Layout) -> tuple[int, int, int]:
-    return (layout.tp, layout.pp, layout.dp)
+def family_of(layout: Layout) -> tuple[int, int, int, int, int]:
+    return (layout.tp, layout.pp, layout.cp, layout.ep, layout.dp)
+
+
+def family_name(fam: tuple[int, int, int, int, int]) -> str:
+    tp, pp, cp, ep, dp = fam
+    return " ".join(
+        [f"TP{tp}", f"PP{pp}", f"DP{dp}"] + [f"CP{cp}"] * (cp > 1) + [f"EP{ep}"] * (ep > 1)
+    )
 
 
 def explain(result: SearchResult, cluster: Cluster) -> list[str]:
-    """One line per (TP, PP, DP) family: its best fitting layout's rank, or why none fits."""
+    """One line per (TP, PP, CP, EP, DP) family: its best fitting layout's rank, or why none
+    fits."""
     lines = []
-    families: dict[tuple[int, int, int], list[Candidate]] = {}
+    families: dict[tuple[int, int, int, int, int], list[Candidate]] = {}
     for c in result.ranked + result.rejected:
         families.setdefault(family_of(c.layout), []).append(c)
     position = {id(c): i for i, c in enumerate(result.ranked)}
     for fam in sorted(families):
         cands = families[fam]
-        name = f"TP{fam[0]} PP{fam[1]} DP{fam[2]}"
+        name = family_name(fam)
         fitting = [c for c in cands if id(c) in position]
         if fitting:
             best = min(fitting, key=lambda c: position[id(c)])

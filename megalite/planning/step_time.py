@@ -24,6 +24,7 @@ last backward, and the optimizer step costs ``optimizer_s_per_param`` per parame
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from megalite.models.config import GPTConfig
@@ -66,6 +67,33 @@ def _layer_forward_flops(c: GPTConfig, *, tokens: int, s: int, moe: bool) -> flo
     return attention + c.moe_router_topk * expert + router
 
 
+@functools.lru_cache(maxsize=512)
+def pipeline_program(schedule: str, pp: int, m: int, vp: int, group: int | None) -> tuple:
+    """The schedule's action lists with their sends and receives, one per pipeline rank: the same
+    for every layout with this schedule and shape (the search asks for it thousands of times;
+    the simulator only reads it)."""
+    from megalite.core.pipeline_parallel.actions import with_p2p
+    from megalite.core.pipeline_parallel.generators import layout_of
+    from megalite.planning.activations import schedule_lists
+
+    lists = [list(rank) for rank in schedule_lists(schedule, pp, m, vp, group)]
+    return tuple(tuple(rank) for rank in with_p2p(lists, layout_of(schedule, pp, vp)))
+
+
+@functools.lru_cache(maxsize=4096)
+def simulated_step(schedule: str, pp: int, m: int, vp: int, group: int | None,
+                   stages: tuple, p2p: float, cores: float | None) -> float:  # fmt: skip
+    """The simulator's step time of ``pipeline_program`` at per-stage (F, I, W) costs ``stages``:
+    layouts that differ only in what the pipeline does not see (the ZeRO rung, offload) share
+    one replay."""
+    from megalite.core.pipeline_parallel.generators import layout_of
+    from megalite.core.pipeline_parallel.simulator import Costs, simulate
+
+    program = pipeline_program(schedule, pp, m, vp, group)
+    costs = Costs(stages=list(stages), p2p=p2p)
+    return simulate(program, layout_of(schedule, pp, vp), costs, cores=cores).step_time
+
+
 def predict_step_time(
     c: GPTConfig,
     layout,
@@ -79,9 +107,7 @@ def predict_step_time(
     (``pipeline_parallel.simulator.simulate``) run over the schedule's own action lists
     (``generators.generate``) with each stage's own costs (``Costs(stages=...)``) and, on a CPU,
     the ranks sharing its cores; its makespan less the busiest rank's work is the bubble."""
-    from megalite.core.pipeline_parallel.actions import with_p2p
-    from megalite.core.pipeline_parallel.generators import generate, layout_of
-    from megalite.core.pipeline_parallel.simulator import Costs, simulate
+    from megalite.core.pipeline_parallel.generators import layout_of
     from megalite.models.moe_config import moe_layer_pattern
     from megalite.planning.traffic import pass_traffic, recomputed_layers, step_traffic
     from megalite.training.model_chunks import stage_blocks
@@ -144,14 +170,14 @@ def predict_step_time(
     shared = 0 < cluster.cores < world  # CPU: ranks are processes sharing the cores
     slow = world / cluster.cores if shared else 1.0  # every rank busy: each gets cores / world
     if pp > 1:
-        lists = generate(layout.schedule, pp_size=pp, num_microbatches=m, num_chunks=chunks,
-                         microbatch_group_size=layout.microbatch_group_size)  # fmt: skip
-        # B = I + W with half of the backward in W (the weight-grad GEMMs)
-        costs = Costs(stages=[(f, bw / 2, bw / 2) for f, bw in zip(stage_f, stage_b)], p2p=p2p)
-        # a pipeline rank is world // pp processes computing in step: cores / group per rank
-        sim = simulate(with_p2p(lists, stages), stages, costs,
-                       cores=cluster.cores / (world // pp) if shared else None)  # fmt: skip
-        makespan = sim.step_time if shared else max(sim.step_time, busiest_total)
+        # B = I + W with half of the backward in W (the weight-grad GEMMs); a pipeline rank is
+        # world // pp processes computing in step: cores / group per rank
+        simulated = simulated_step(
+            layout.schedule, pp, m, layout.vp, layout.microbatch_group_size,
+            tuple((f, bw / 2, bw / 2) for f, bw in zip(stage_f, stage_b)), p2p,
+            cluster.cores / (world // pp) if shared else None,
+        )  # fmt: skip
+        makespan = simulated if shared else max(simulated, busiest_total)
     else:  # the collectives were calibrated among the same sharing ranks: not slowed again
         comm = m * sum(stage_comm[stages.stage(0, ch)] for ch in range(chunks))
         makespan = (busiest_total - comm) * slow + comm

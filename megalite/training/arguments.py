@@ -84,11 +84,17 @@ def flag_message(message: str) -> str:
     return _NAME.sub(rewrite, message)
 
 
-def parse_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> PretrainConfig:
+def parse_args(
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    *,
+    parser: argparse.ArgumentParser | None = None,
+) -> PretrainConfig:
     """Parse and validate; ``env`` (default ``os.environ``) gives the launcher's world size.
-    Errors are ConfigErrors that name flags."""
+    Errors are ConfigErrors that name flags. ``parser``: one ``build_parser()`` reused (the
+    planner validates thousands of layouts; building the parser is most of a parse)."""
     try:
-        args, unknown = build_parser().parse_known_args(list(argv))
+        args, unknown = (parser or build_parser()).parse_known_args(list(argv))
         if unknown:
             _refuse_unknown(unknown)
         try:
