@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None, out=None) -> int:
         for line in breakdown(c):
             print(line, file=out)
     if args.explain:
-        print("\nwhy each (TP, PP, CP, EP, DP) family ranks where it does:", file=out)
+        print("\nwhy each (TP, PP, DP, CP, EP) family ranks where it does:", file=out)
         for line in explain(result, cluster):
             print("  " + line, file=out)
     return 0

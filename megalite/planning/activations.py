@@ -9,7 +9,8 @@ activation dtype's bytes, ``n, g`` heads and query groups per TP rank, ``d`` the
 
     norm (LayerNorm)          x [Tn, h] e  + mean, rstd [Tn] fp32
     norm (RMSNorm)            x in fp32 [Tn, h] 4 + rstd [Tn] 4 + normalised y [Tn, h] e
-    linear inputs             norm output [Tn, h] e (sequence parallel: gathered [T, h] e)
+    linear inputs             norm output [Tn, h] e (sequence parallel: the shard; backward
+                              all-gathers it again for the weight grad)
     attention (sdpa)          q, k, v (3 [T, n d] e; RoPE with k = v heads: +2 [T, n d] e for
                               the rotated q, k besides the fused qkv) + logsumexp [n T] fp32 +
                               output [T, n d] e
@@ -116,7 +117,7 @@ def layer_bytes(
     f = c.ffn_hidden_size // tp
     k = c.heads_per_group
     s = tokens // b
-    linear_in = (tokens if sp else tn) * h * e  # the norm output, gathered under SP
+    linear_in = tn * h * e  # the norm output (under SP the shard: backward gathers it again)
     total = 2 * (_norm_bytes(c, tn, e) + linear_in)
     qkv = tokens * n * d * e
     rope = c.position_embedding_type == "rope"
@@ -227,7 +228,7 @@ def stage_extras(
             out += tn * h * mask_bytes
     if last:
         vocab = c.padded_vocab_size(tp) // tp
-        out += _norm_bytes(c, tn, e) + tokens * h * e  # final norm, output layer input
+        out += _norm_bytes(c, tn, e) + tn * h * e  # final norm, output layer input (shard)
         out += tokens * vocab * 4 + tokens * (8 + 1) + vocab + tokens * 4 + 4  # loss
     return out
 

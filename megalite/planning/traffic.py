@@ -13,10 +13,11 @@ Per micro-batch and pass of a stage (megalite's modules, logged):
 
 - TP: two all-reduces of ``[s, b, h]`` per layer each way, one more for the embedding (forward,
   first stage) and the output layer's input (backward, last stage); under SP each becomes an
-  all-gather and a reduce-scatter pair (same placement). The vocab-parallel loss: three all-reduces
-  of ``[s, b]`` fp32 (forward, last stage). Full recompute repeats the recomputed layers' forward
-  ones (``recomputed_layers``: all under ``uniform``, the first ``recompute_num_layers`` under
-  ``block``).
+  all-gather and a reduce-scatter pair (same placement), and each column-parallel linear's
+  backward all-gathers its saved input shard again for the weight grad. The vocab-parallel
+  loss: three all-reduces of ``[s, b]`` fp32 (forward, last stage). Full recompute repeats the
+  recomputed layers' forward ones (``recomputed_layers``: all under ``uniform``, the first
+  ``recompute_num_layers`` under ``block``).
 - CP ring (``--cp-comm-type p2p``): per layer ``cp - 1`` K/V messages forward; backward the K/V
   again and ``cp`` messages of their grads (the accumulator travels round). All but the last grad
   message travel while a block computes (``overlapped``).
@@ -78,7 +79,9 @@ def pass_traffic(
                 Comm("reduce_scatter", tp, act, tp, per_layer + first)]  # fmt: skip
         again = 2 * k - (k_moe if c.num_experts else 0)
         bwd += [Comm("all_gather", tp, act, tp, per_layer + again + first, synced=True),
-                Comm("reduce_scatter", tp, act, tp, per_layer + again + last)]  # fmt: skip
+                Comm("reduce_scatter", tp, act, tp, per_layer + again + last),
+                # each column-parallel linear saved its input shard: gathered again for dW
+                Comm("all_gather", tp, act, tp, per_layer + last)]  # fmt: skip
     else:  # (a MoE layer's output is reduced over TP once, as a dense MLP's)
         fwd.append(Comm("all_reduce", tp, act, tp, per_layer + first))
         bwd.append(Comm("all_reduce", tp, act, tp, per_layer + 2 * k + last))

@@ -8,7 +8,7 @@ and bias grads are absent (deferred) while the input grad is already there; afte
 ``torch.equal`` to the fused run's: W computes the same GEMM on the same tensors and hands it to
 autograd's accumulation, so the sums happen in the same order. Also through the data-parallel
 wrapper (its grad hooks see the deferred grads: ``main_grad`` bitwise), and under TP 2 with
-sequence parallelism (2 ranks; the column-parallel W keeps the all-gathered input), and under
+sequence parallelism (2 ranks; the column-parallel W keeps the input re-gathered at I), and under
 saved-tensor hooks (an identity pack/unpack and torch's ``save_on_cpu``).
 """
 

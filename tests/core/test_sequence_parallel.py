@@ -5,8 +5,9 @@ reference) on the unsharded weights, sliced with ``chunk``. fp32, rtol 1e-5 / at
 order of reductions differs).
 
 With the fused Triton kernels on (a CUDA run, or ``TRITON_INTERPRET=1`` on CPU) the norm weight
-grads get a bound derived from the kernel's numerics instead (``_norm_weight_grad_atol``); every
-other tensor, and every tensor with the kernels off, keeps rtol 1e-5 / atol 1e-6.
+grads, and fc1's weight grad (a sum over the same rows of products with the fused norm's output),
+get a bound derived from the kernel's numerics instead (``_norm_weight_grad_atol``); every other
+tensor, and every tensor with the kernels off, keeps rtol 1e-5 / atol 1e-6.
 """
 
 from __future__ import annotations
@@ -135,14 +136,18 @@ def _oracle(norm, with_norms, x, dy):
     h = n(x, w1) if with_norms else x
     if with_norms:
         h.retain_grad()
-    z = fc2(F.gelu(fc1(h)))
+    u = fc1(h)
+    u.retain_grad()
+    z = fc2(F.gelu(u))
     y = n(z, w2) if with_norms else z
     y.backward(dy)
-    terms = (None, None)
+    terms = (None, None, None)
     if with_norms:  # sum over rows of |dy * xhat| per hidden unit: what the weight grads sum
         terms = tuple(
             (g * _xhat(norm, t)).abs().reshape(-1, H).sum(0) for g, t in ((h.grad, x), (dy, z))
         )
+        # fc1's weight grad sums its output grad times norm1's output over the same rows
+        terms += (u.grad.abs().reshape(-1, FFN).t() @ h.detach().abs().reshape(-1, H),)
     return (y.detach(), x.grad, fc1.weight.grad, fc2.weight.grad, w1.grad, w2.grad, *terms)
 
 
@@ -154,7 +159,7 @@ def _block_cases(tp):
     for norm in ("LayerNorm", "RMSNorm"):
         for with_norms in (False, True):
             oracle = _oracle(norm, with_norms, x, dy)
-            y_ref, dx_ref, dw1_ref, dw2_ref, dn1_ref, dn2_ref, terms1, terms2 = oracle
+            y_ref, dx_ref, dw1_ref, dw2_ref, dn1_ref, dn2_ref, terms1, terms2, terms_fc1 = oracle
             fused = fusions._use_triton(x, True)
             outs = {}
             for sp in (False, True):
@@ -166,7 +171,13 @@ def _block_cases(tp):
                 shard = (lambda t: t.chunk(tp, 0)[r]) if sp else (lambda t: t)
                 torch.testing.assert_close(y, shard(y_ref), **TOL)
                 torch.testing.assert_close(xin.grad, shard(dx_ref), **TOL)
-                torch.testing.assert_close(block.fc1.weight.grad, dw1_ref.chunk(tp, 0)[r], **TOL)
+                if with_norms and fused:  # its input is the fused norm1's output
+                    _assert_norm_grad(block.fc1.weight.grad, dw1_ref.chunk(tp, 0)[r],
+                                      terms_fc1.chunk(tp, 0)[r], fused)  # fmt: skip
+                else:
+                    torch.testing.assert_close(
+                        block.fc1.weight.grad, dw1_ref.chunk(tp, 0)[r], **TOL
+                    )
                 torch.testing.assert_close(block.fc2.weight.grad, dw2_ref.chunk(tp, 1)[r], **TOL)
                 if with_norms:  # SP: after the TP all-reduce of the shard grads
                     _assert_norm_grad(block.norm1.weight.grad, dn1_ref, terms1, fused)
@@ -181,6 +192,35 @@ def _block_cases(tp):
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_mlp_and_norm_blocks_equal_with_sequence_parallel_on_and_off(tp):
     assert run_distributed(_block_cases, tp, tp) == [True] * tp
+
+
+def _saved_shapes(tp):
+    ps = initialize_model_parallel(tp, 1)
+    fc1 = ColumnParallelLinear(H, FFN, tp_group=ps.tp_group, sequence_parallel=True,
+                               init_method=init_normal(0.5, seed=3, key="fc1"))  # fmt: skip
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(1))
+    xin = x.chunk(tp, 0)[ps.tp_rank].clone().requires_grad_()
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y, _ = fc1(xin)
+    y.sum().backward()  # backward gathers the shard again: the grads are the oracle's
+    w = _full((FFN, H), "fc1")  # the unsharded weight: every rank's output grad is ones
+    torch.testing.assert_close(fc1.weight.grad, torch.ones(S, B, FFN // tp).reshape(-1, FFN // tp)
+                               .t().mm(x.reshape(-1, H)), **TOL)  # fmt: skip
+    torch.testing.assert_close(xin.grad, torch.ones(S // tp, B, FFN) @ w, **TOL)
+    return shapes
+
+
+def test_column_parallel_saves_only_the_sequence_shard():
+    """Under SP a column-parallel linear saves its [s/tp, b, h] input, not the gathered [s, b, h]
+    (Megatron's memory trade: one more all-gather in backward)."""
+    for shapes in run_distributed(_saved_shapes, 2, 2):
+        assert (S // 2, B, H) in shapes and (S, B, H) not in shapes, shapes
 
 
 def _dropout_masks(tp):

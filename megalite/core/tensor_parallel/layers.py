@@ -15,11 +15,11 @@ deferring, the weight and bias grads, exactly as autograd would. While the store
 weight-grad GEMM ``dW = dY^T X`` (and ``db = sum dY``) waits in the store, holding ``X`` and ``dY``;
 ``store.flush(key)`` later computes it with the same operations and hands it to autograd's
 accumulation (``torch.autograd.backward`` on the parameter), so the grads -- and the data-parallel
-hooks -- see bit-identical values. Under sequence parallelism ``X`` of a column-parallel layer is
-the all-gathered ``[s, b, h]`` input: the store keeps it (no second all-gather; it is the tensor
-the fused backward saves anyway, held until W instead of until I: ``s x b x h`` elements per
-column-parallel layer per micro-batch between I and W, a tp-fold more than the ``[s/tp, b, h]``
-shard a regather would keep, and one all-gather less). Other parameters (norms, embeddings, a
+hooks -- see bit-identical values. Under sequence parallelism a column-parallel layer saves only its
+``[s/tp, b, h]`` input shard for backward and all-gathers it again there (as Megatron does); the
+store keeps that re-gathered ``[s, b, h]`` ``X`` from I until W (``s x b x h`` elements per
+column-parallel layer per micro-batch between I and W, a tp-fold more than the shard a regather
+at W would keep, and one all-gather less). Other parameters (norms, embeddings, a
 weight passed in at call time such as the tied output layer) get their grads at I.
 """
 
@@ -34,8 +34,9 @@ from torch import nn
 
 from megalite.core.tensor_parallel.init import InitMethod, default_init
 from megalite.core.tensor_parallel.mappings import (
+    _gather_first,
+    _reduce_scatter_first,
     copy_to_tp_region,
-    gather_from_sp_region,
     gather_from_tp_region,
     group_rank,
     group_size,
@@ -135,11 +136,17 @@ def attach_weight_grad_store(module: nn.Module, store: WeightGradStore | None) -
 
 
 class _Linear(torch.autograd.Function):
-    """``F.linear`` whose weight-grad GEMM may be deferred into a ``WeightGradStore``."""
+    """``F.linear`` whose weight-grad GEMM may be deferred into a ``WeightGradStore``. With
+    ``sp_group`` the input is a sequence shard ``[s/tp, b, h]``, all-gathered here; only the
+    shard is saved and backward all-gathers it again for the weight grad (a tp-fold fewer saved
+    bytes for one more all-gather, Megatron's trade) and reduce-scatters the input grad."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, store):
+    def forward(ctx, x, weight, bias, store, sp_group):
         ctx.save_for_backward(x, weight)
+        ctx.sp_group = sp_group
+        if sp_group is not None:
+            x = _gather_first(x, sp_group)  # [s/tp, b, h] -> [s, b, h]
         # W accumulates into the parameter object itself, kept here: the ``weight`` that
         # ``saved_tensors`` returns is that parameter only while no saved-tensor hooks are on;
         # under any hooks (identity, save_on_cpu, the planner's meter) autograd returns a
@@ -151,9 +158,13 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors  # values only: under hooks not the parameter objects
-        bias, store, target = ctx.bias, ctx.store, ctx.weight
-        grad_in = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        bias, store, target, group = ctx.bias, ctx.store, ctx.weight, ctx.sp_group
         want_w, want_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
+        if group is not None and want_w:  # the gathered input again, for dW (same order on
+            x = _gather_first(x, group)  # every TP rank: gather, then reduce-scatter)
+        grad_in = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        if group is not None and grad_in is not None:
+            grad_in = _reduce_scatter_first(grad_in, group)  # partial sums -> [s/tp, b, h]
 
         def weight_grads() -> tuple[list, list]:
             dy = grad_out.reshape(-1, grad_out.shape[-1])  # [s*b, h_out]
@@ -168,16 +179,21 @@ class _Linear(torch.autograd.Function):
 
         if store is not None and store.deferring and (want_w or want_b):
             store.put(weight_grads)
-            return grad_in, None, None, None
+            return grad_in, None, None, None, None
         _, grads = weight_grads()
         grad_w = grads.pop(0) if want_w else None
         grad_b = grads.pop(0) if want_b else None
-        return grad_in, grad_w, grad_b, None
+        return grad_in, grad_w, grad_b, None, None
 
 
-def linear(x, weight, bias=None, store: WeightGradStore | None = None) -> torch.Tensor:
-    """``x @ weight^T + bias`` whose backward may defer the weight grads into ``store``."""
-    return _Linear.apply(x, weight, bias, store)
+def linear(
+    x, weight, bias=None, store: WeightGradStore | None = None, *, sp_group=None
+) -> torch.Tensor:
+    """``x @ weight^T + bias`` whose backward may defer the weight grads into ``store``;
+    ``sp_group``: ``x`` is this rank's sequence shard, all-gathered over that group first."""
+    if sp_group is not None and group_size(sp_group) == 1:
+        sp_group = None
+    return _Linear.apply(x, weight, bias, store, sp_group)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -242,13 +258,12 @@ class ColumnParallelLinear(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``weight`` overrides the layer's own (the output layer tied to the word embedding)."""
         weight = self.weight if weight is None else weight
-        if self.sequence_parallel:
-            x = gather_from_sp_region(x, self.tp_group)  # [s/tp, b, h] -> [s, b, h]
-        else:
+        sp_group = self.tp_group if self.sequence_parallel else None  # [s/tp, b, h] in
+        if sp_group is None:
             x = copy_to_tp_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
         store = self.weight_grad_store if weight is self.weight else None  # a borrowed: at I
-        y = linear(x, weight, bias, store)  # [s, b, h_out/tp]
+        y = linear(x, weight, bias, store, sp_group=sp_group)  # [s, b, h_out/tp]
         if self.gather_output:
             y = gather_from_tp_region(y, self.tp_group)
         return y, (self.bias if self.skip_bias_add else None)
