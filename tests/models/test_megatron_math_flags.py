@@ -294,10 +294,12 @@ def _perturb_norms(model: torch.nn.Module) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
 
 
-def _err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Relative error, against 1e-3 for a grad that is zero in exact arithmetic (a key norm's
-    bias adds the same score to every key of a query: softmax cancels it)."""
-    return ((a.double() - b.double()).norm() / max(b.double().norm().item(), 1e-3)).item()
+def _err(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-3) -> float:
+    """Relative error, against ``floor`` for a grad that is zero in exact arithmetic (a key
+    norm's bias adds the same score to every key of a query: softmax cancels it, leaving only
+    rounding, which scales with the terms summed: those of the key norm's weight grad, about
+    0.03 here; the fixed 1e-3 floor failed on one machine's rounding, 1.2e-5 > 1e-5)."""
+    return ((a.double() - b.double()).norm() / max(b.double().norm().item(), floor)).item()
 
 
 def _tp_case():
@@ -327,7 +329,10 @@ def _tp_case():
             ref = dict(oracle.named_parameters())
             for name, p in model.named_parameters():
                 want = shard_of_full(name, ref[name].grad, config, tp_size=2, tp_rank=ps.tp_rank)
-                errors[name] = _err(p.grad, want) if p.grad is not None else float("inf")
+                floor = 1e-3
+                if name.endswith("k_layernorm.bias"):
+                    floor = ref[name[: -len("bias")] + "weight"].grad.double().norm().item()
+                errors[name] = _err(p.grad, want, floor) if p.grad is not None else float("inf")
             assert {n for n, _ in model.named_parameters()} == set(ref)
             out.append((f"{family}-sp{int(sp)}", errors))
     return out
