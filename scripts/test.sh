@@ -30,13 +30,15 @@ echo "== ruff"
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # The tests marked kernels_on (norms and softmax through the models, the SP norm blocks, HF and
-# Mixtral equivalence) with the fused Triton kernels forced on (as on a GPU), through triton's
-# interpreter on CPU; tests/kernels runs them interpreted in the main suite already. Only on a
-# whole-suite run, before it (so its summary line comes last). ~60 s.
+# Mixtral equivalence, the planner's activations with the fused norms) with the fused Triton
+# kernels forced on (as on a GPU), through triton's interpreter on CPU; tests/kernels runs them
+# interpreted in the main suite already. Only on a whole-suite run, before it (so its summary
+# line comes last). ~60 s.
 if [[ $# -eq 0 ]]; then
   echo "== pytest, fused kernels on (TRITON_INTERPRET=1)"
   TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider -m kernels_on \
-    tests/core/test_sequence_parallel.py tests/models tests/conversion
+    tests/core/test_sequence_parallel.py tests/models tests/conversion \
+    tests/planning/test_memory_prediction.py
 fi
 
 echo "== pytest"

@@ -8,7 +8,8 @@ activation dtype's bytes, ``n, g`` heads and query groups per TP rank, ``d`` the
 ``f`` the FFN size per TP rank::
 
     norm (LayerNorm)          x [Tn, h] e  + mean, rstd [Tn] fp32
-    norm (RMSNorm)            x in fp32 [Tn, h] 4 + rstd [Tn] 4 + normalised y [Tn, h] e
+    norm (RMSNorm)            x in fp32 [Tn, h] 4 + rstd [Tn] 4 + normalised y [Tn, h] e;
+                              the fused Triton kernel (a GPU): x [Tn, h] e + rstd [Tn] 4
     linear inputs             norm output [Tn, h] e (sequence parallel: the shard; backward
                               all-gathers it again for the weight grad)
     attention (sdpa)          q, k, v (3 [T, n d] e; RoPE with k = v heads: +2 [T, n d] e for
@@ -87,12 +88,29 @@ class StageActivations:
         return max(held, held - self.per_microbatch + self.backward_peak)
 
 
-def _norm_bytes(c: GPTConfig, tn: int, e: int) -> int:
-    """Saved by a norm over [tn, h] (its output, saved by the next linear, is counted there)."""
+def _norm_bytes(c: GPTConfig, tn: int, e: int, fused: bool = False) -> int:
+    """Saved by a norm over [tn, h] (its output, saved by the next linear, is counted there).
+    ``fused``: megalite's Triton kernels run the norms (``fused_norms``); the fused RMSNorm saves
+    its input and rstd alone, where the reference path keeps an fp32 copy and the normalised y."""
     h = c.hidden_size
     if c.normalization == "LayerNorm":
         return tn * h * e + 2 * tn * 4
+    if fused:
+        return tn * h * e + tn * 4
     return tn * h * 4 + tn * 4 + tn * h * e
+
+
+def fused_norms(c: GPTConfig, device: str) -> bool:
+    """Whether megalite's fused Triton norm kernels run (``core.fusions``): with
+    ``use_fused_kernels`` on a GPU (a GPU install has triton: the planner plans for the cluster,
+    not this machine), or on a CPU under ``TRITON_INTERPRET=1`` with triton importable."""
+    if not c.use_fused_kernels:
+        return False
+    if device != "cpu":
+        return True
+    from megalite.kernels import runtime
+
+    return runtime.interpreting() and runtime.kernels_ready()
 
 
 def layer_bytes(
@@ -107,9 +125,10 @@ def layer_bytes(
     cpu: bool = False,
     cp: int = 1,
     moe: MoEShape | None = None,
+    fused: bool = False,
 ) -> int:
     """Saved bytes of one transformer layer on one TP rank for ``tokens = s b`` tokens (this CP
-    rank's ``s``); ``moe``: the layer's MLP is a mixture of experts."""
+    rank's ``s``); ``moe``: the layer's MLP is a mixture of experts; ``fused``: fused norms."""
     sp = c.sequence_parallel and tp > 1
     tn = tokens // tp if sp else tokens
     h, d = c.hidden_size, c.kv_channels
@@ -118,7 +137,7 @@ def layer_bytes(
     k = c.heads_per_group
     s = tokens // b
     linear_in = tn * h * e  # the norm output (under SP the shard: backward gathers it again)
-    total = 2 * (_norm_bytes(c, tn, e) + linear_in)
+    total = 2 * (_norm_bytes(c, tn, e, fused) + linear_in)
     qkv = tokens * n * d * e
     rope = c.position_embedding_type == "rope"
     scores = b * n * s * s
@@ -211,6 +230,7 @@ def stage_extras(
     last: bool,
     mask_bytes: int = 1,
     cp: int = 1,
+    fused: bool = False,
 ) -> int:
     sp = c.sequence_parallel and tp > 1
     tn = tokens // tp if sp else tokens
@@ -228,7 +248,7 @@ def stage_extras(
             out += tn * h * mask_bytes
     if last:
         vocab = c.padded_vocab_size(tp) // tp
-        out += _norm_bytes(c, tn, e) + tn * h * e  # final norm, output layer input (shard)
+        out += _norm_bytes(c, tn, e, fused) + tn * h * e  # final norm, output layer input
         out += tokens * vocab * 4 + tokens * (8 + 1) + vocab + tokens * 4 + 4  # loss
     return out
 
@@ -246,6 +266,7 @@ def _chunk_activations(
     cpu: bool,
     cp: int = 1,
     moe: MoEShape | None = None,
+    fused: bool = False,
 ) -> tuple[int, int, int, int]:
     """(layers, per_layer, extras, backward_peak) of one model chunk for one micro-batch."""
     from megalite.models.moe_config import moe_layer_pattern
@@ -258,12 +279,12 @@ def _chunk_activations(
     each = [
         layer_bytes(
             c, tokens=tokens, b=b, tp=tp, e=e, selective=selective, mask_bytes=mask_bytes,
-            cpu=cpu, cp=cp, moe=moe if pattern[i] else None,
+            cpu=cpu, cp=cp, moe=moe if pattern[i] else None, fused=fused,
         )
         for i in range(*layers)
     ]  # fmt: skip
     per_layer = max(each, default=0)
-    common = dict(tokens=tokens, tp=tp, e=e, mask_bytes=mask_bytes, cp=cp)
+    common = dict(tokens=tokens, tp=tp, e=e, mask_bytes=mask_bytes, cp=cp, fused=fused)
     extras = stage_extras(c, **common, first=first, last=last)
     # in backward the loss and output layer are freed before any layer is recomputed
     early_extras = stage_extras(c, **common, first=first, last=False)
@@ -360,7 +381,7 @@ def stage_activations(
             _chunk_activations(
                 c, layers=blocks[s], first=s == 0, last=s == layout.num_stages - 1,
                 micro_batch_size=micro_batch_size, tp=tp, e=e, mask_bytes=mask_bytes,
-                cpu=device == "cpu", cp=cp, moe=moe,
+                cpu=device == "cpu", cp=cp, moe=moe, fused=fused_norms(c, device),
             )
         )  # fmt: skip
     layers = sum(p[0] for p in parts)

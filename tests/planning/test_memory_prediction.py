@@ -149,6 +149,26 @@ def test_single_process_prediction_matches(name):
     _check(name, 0, *_measure(config(*SINGLE[name]), ParallelState.single()))
 
 
+FUSED = {
+    "llama bf16": (*LLAMA, "--bf16"),
+    "llama bf16 full recompute 2": (*LLAMA, "--bf16", "--num-layers", "4", *FULL, "2"),
+    "gpt2 bf16": ("--bf16",),
+}
+
+
+@pytest.mark.kernels_on  # scripts/test.sh reruns it under TRITON_INTERPRET=1: the fused norms
+@pytest.mark.parametrize("name", list(FUSED))
+def test_prediction_follows_the_norm_kernels_that_run(name):
+    """With the fused Triton norms running (a GPU, or the interpreter on CPU) the RMSNorm saves
+    its input and rstd alone; the planner predicts whichever path runs."""
+    from megalite.kernels import runtime
+    from megalite.planning.activations import fused_norms
+
+    cfg = config(*FUSED[name])
+    assert fused_norms(cfg.model, "cpu") == (runtime.interpreting() and runtime.kernels_ready())
+    _check(name, 0, *_measure(cfg, ParallelState.single()))
+
+
 def _world_case(cases: dict) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
