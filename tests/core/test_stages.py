@@ -30,6 +30,12 @@ VIRTUAL = [
     # last/v (Megatron's offsets for num_layers_in_first/last_pipeline_stage with VPP)
     (12, 3, 2, 2, 6, [[(0, 1), (6, 7)], [(1, 3), (7, 9)], [(3, 6), (9, 12)]]),
     (10, 2, 2, 4, None, [[(0, 2), (5, 7)], [(2, 5), (7, 10)]]),
+    # a rank's count that does not divide by v (Megatron refuses it): the earlier chunks get one
+    # layer more; Llama 3 405B's shape in small: first and last rank 7 layers, the middle 8, v 4
+    (6, 2, 2, None, None, [[(0, 2), (4, 5)], [(2, 4), (5, 6)]]),
+    (22, 3, 4, 7, 7, [[(0, 2), (6, 8), (12, 14), (18, 19)],
+                      [(2, 4), (8, 10), (14, 16), (19, 21)],
+                      [(4, 6), (10, 12), (16, 18), (21, 22)]]),
 ]  # fmt: skip
 
 
@@ -56,10 +62,10 @@ def test_virtual_stages(num_layers, pp, v, first, last, expected):
         ((4, 2), dict(last_stage_layers=0), "last_stage_layers must be >= 1, got 0"),
         ((4, 2), dict(first_stage_layers=1, last_stage_layers=2),
          "first_stage_layers + last_stage_layers = 3 but num_layers is 4"),
-        ((6, 2), dict(num_virtual_stages=2),
-         "pipeline rank 0 holds 3 layers, which do not divide into num_virtual_stages 2"),
-        ((10, 2), dict(num_virtual_stages=2, first_stage_layers=3),
-         "pipeline rank 0 holds 3 layers, which do not divide into num_virtual_stages 2"),
+        ((6, 2), dict(num_virtual_stages=4),
+         "pipeline rank 0 holds 3 layers, fewer than num_virtual_stages 4"),
+        ((10, 2), dict(num_virtual_stages=4, first_stage_layers=3),
+         "pipeline rank 0 holds 3 layers, fewer than num_virtual_stages 4"),
         ((8, 2), dict(num_virtual_stages=0), "num_virtual_stages >= 1"),
     ],
 )  # fmt: skip

@@ -97,6 +97,9 @@ A2A_PAD = (
 )  # no token dropped: every expert `cap` rows
 WORLD4_MORE = {
     "PP2 DP2 interleaved": (*PP2, "--num-virtual-stages-per-pipeline-rank", "2"),
+    "PP2 DP2 interleaved uneven chunks": (*PP2, "--num-virtual-stages-per-pipeline-rank", "2",
+                                          "--num-layers", "5",
+                                          "--decoder-first-pipeline-num-layers", "3"),
     "PP2 TP2 zb-h1 llama": (*LLAMA, *PP2, "--tensor-model-parallel-size", "2",
                             "--pipeline-schedule", "zb-h1"),
     "PP2 DP2 zbv": (*PP2, "--pipeline-schedule", "zbv"),

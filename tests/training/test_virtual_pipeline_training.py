@@ -5,7 +5,8 @@ for the interleaved schedule (``--num-virtual-stages-per-pipeline-rank 2``, GPT-
 embedding on rank 0's first chunk and rank 1's last) and ZB-H1 (Llama, one chunk per rank, weight
 grads deferred); then PP2 x DP2 with ZBV and DualPipeV (two chunks per rank in a V: the loss and
 the tied embedding both on rank 0, the losses shipped to the last rank for the log) and the
-interleaved schedule set by ``--num-layers-per-virtual-pipeline-stage`` without p2p overlap. The
+interleaved schedule set by ``--num-layers-per-virtual-pipeline-stage`` without p2p overlap, and
+the interleaved schedule with chunks of unequal layer counts (5 layers, 3 on the first rank). The
 losses and grad norms equal the oracle's (the same model with ``ParallelState.single()``) to 1e-5
 relative, as in test_pipeline_training (fp32: only the order of sums differs).
 """
@@ -35,5 +36,10 @@ def test_pp2_dp2_zbv_dualpipev_and_interleaved_without_overlap_equal_single_proc
         ("llama", (*L4, "--global-batch-size", "16"), (*pp2, "--pipeline-schedule", "dualpipev")),
         ("llama", (*L4, "--global-batch-size", "16"),
          (*pp2, "--num-layers-per-virtual-pipeline-stage", "1", "--no-overlap-p2p-communication")),
+        # uneven chunks (Megatron refuses them): 5 layers, rank 0 holds 3 in chunks of 2 and 1,
+        # rank 1 holds 2 (1 and 1); the tied embedding on rank 0's first chunk and rank 1's last
+        ("gpt2", ("--num-layers", "5", "--global-batch-size", "16"),
+         (*pp2, "--num-virtual-stages-per-pipeline-rank", "2",
+          "--decoder-first-pipeline-num-layers", "3")),
     ]  # fmt: skip
     _check(layouts, run_distributed(_run, 4, layouts, timeout=600))

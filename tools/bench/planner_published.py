@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -22,6 +23,25 @@ from megalite.planning.search import evaluate  # noqa: E402
 
 BLOCK2 = ["--recompute-granularity", "full", "--recompute-method", "block",
           "--recompute-num-layers", "2"]  # fmt: skip
+PICK = "<pick>"  # in a row's extra flags: the planner picks the interleaving depth and recompute
+
+
+def _pick(argv: list[str], layout: Layout, cluster, vocab: int, gbs: int):
+    """The fastest fitting variant of ``layout``: interleaved with v of 2, 4 or 8 chunks per rank
+    (or plain 1F1B), the first N layers of each chunk recomputed (N of 0-4)."""
+    best = None
+    for v in (1, 2, 4, 8):
+        for n in range(5):
+            rc = ["--recompute-granularity", "full", "--recompute-method", "block",
+                  "--recompute-num-layers", str(n)] if n else []  # fmt: skip
+            sched = dict(schedule="interleaved-1f1b", vp=v) if v > 1 else {}
+            c = evaluate([*argv, *rc], replace(layout, **sched), cluster, vocab_size=vocab,
+                         global_batch_size=gbs)  # fmt: skip
+            if c.error is None and c.fits and (best is None or c.step.mfu > best[0].step.mfu):
+                best = (c, c.layout.name() + (f" rc-block{n}" if n else ""))
+    return best
+
+
 # (name, preset, gpu, gpus, layout, global batch, extra model flags, published MFU range %, note)
 ROWS = [
     ("Megatron-Core GPT-3 175B", "gpt3-175b", "H100", 128,
@@ -41,6 +61,10 @@ ROWS = [
      Layout(tp=8, pp=16, dp=64, sequence_parallel=True, rung="optim", micro_batch_size=1),
      2048, ["--decoder-first-pipeline-num-layers", "7", "--decoder-last-pipeline-num-layers", "7",
             *BLOCK2], (38.0, 43.0), "the first 2 layers of each stage recomputed"),
+    ("  same, interleaved (planner's pick)", "llama3-405b", "H100", 8192,
+     Layout(tp=8, pp=16, dp=64, sequence_parallel=True, rung="optim", micro_batch_size=1),
+     2048, ["--decoder-first-pipeline-num-layers", "7", "--decoder-last-pipeline-num-layers", "7",
+            PICK], (38.0, 43.0), "Meta interleaved (v unpublished): best v and block recompute"),
     ("Llama 3 405B long context (Meta)", "llama3-405b", "H100", 16384,
      Layout(tp=8, pp=16, dp=8, cp=16, sequence_parallel=True, rung="optim", micro_batch_size=1),
      128, ["--decoder-first-pipeline-num-layers", "7", "--decoder-last-pipeline-num-layers", "7",
@@ -51,6 +75,11 @@ ROWS = [
      128, ["--decoder-first-pipeline-num-layers", "7", "--decoder-last-pipeline-num-layers", "7",
            "--seq-length", "131072", "--max-position-embeddings", "131072", *BLOCK2],
      (38.0, 38.0), "the first 2 layers of each stage recomputed"),
+    ("  same, interleaved (planner's pick)", "llama3-405b", "H100", 16384,
+     Layout(tp=8, pp=16, dp=8, cp=16, sequence_parallel=True, rung="optim", micro_batch_size=1),
+     128, ["--decoder-first-pipeline-num-layers", "7", "--decoder-last-pipeline-num-layers", "7",
+           "--seq-length", "131072", "--max-position-embeddings", "131072", PICK],
+     (38.0, 38.0), "best v and block recompute"),
     ("Megatron-Core Llama 3 70B", "llama-70b", "H100", 64,
      Layout(tp=4, pp=4, dp=2, cp=2, sequence_parallel=True, rung="optim", micro_batch_size=1),
      128, [], (41.0, 47.0), "as published (CP 2)"),
@@ -83,9 +112,12 @@ def main() -> int:
     for name, model, gpu, gpus, layout, gbs, extra, (lo, hi), note in ROWS:
         cluster = preset(gpu, gpus)
         p = MODEL_PRESETS[model]
-        c = evaluate([*p["argv"], "--bf16", *extra], layout, cluster,
-                     vocab_size=p["vocab_size"], global_batch_size=gbs)  # fmt: skip
-        shown = layout.name() + (" rc-block2" if "block" in extra else "")
+        argv = [*p["argv"], "--bf16", *(x for x in extra if x != PICK)]
+        if PICK in extra:
+            c, shown = _pick(argv, layout, cluster, p["vocab_size"], gbs)
+        else:
+            c = evaluate(argv, layout, cluster, vocab_size=p["vocab_size"], global_batch_size=gbs)
+            shown = layout.name() + (" rc-block2" if "block" in extra else "")
         if c.error:
             print(f"| {name} | {gpus} x {gpu} | {shown} | refused: {c.error} |")
             continue

@@ -5,10 +5,13 @@ counts): the first and/or last rank take ``first_stage_layers`` / ``last_stage_l
 ranks between share the rest evenly. Ranges are global ``[start, end)`` layer numbers.
 
 With ``v = num_virtual_stages`` > 1 (interleaved pipeline) every rank holds ``v`` model chunks and
-its layer count is cut into ``v`` equal blocks. The layers are dealt out in ``v`` rounds, as
-Megatron does: round ``c`` gives every rank, in rank order, its ``c``-th block, so chunk ``c`` of
-rank ``r`` holds the ``(c * pp_size + r)``-th block of layers. E.g. 8 layers, pp 2, v 2:
-rank 0 holds [0, 2) and [4, 6), rank 1 holds [2, 4) and [6, 8).
+its layer count is cut into ``v`` blocks, equal when they divide (Megatron requires that). When
+they do not (Llama 3 405B: 126 layers over 16 stages, the first and last holding 7), the earlier
+chunks take one layer more (7 over 4 chunks: 2, 2, 2, 1; the last rank's last chunk, which also
+holds the output layer and the loss, is the lighter one); every chunk needs a layer. The layers are
+dealt out in ``v`` rounds, as Megatron does: round ``c`` gives every rank, in rank order, its
+``c``-th block, so chunk ``c`` of rank ``r`` holds the ``(c * pp_size + r)``-th block of layers.
+E.g. 8 layers, pp 2, v 2: rank 0 holds [0, 2) and [4, 6), rank 1 holds [2, 4) and [6, 8).
 """
 
 from __future__ import annotations
@@ -97,16 +100,17 @@ def chunk_layer_ranges(
         )
     counts = _rank_layer_counts(num_layers, pp_size, first_stage_layers, last_stage_layers)
     for rank, count in enumerate(counts):
-        if count % v:
+        if count < v:
             raise ValueError(
-                f"pipeline rank {rank} holds {count} layers, which do not divide into "
-                f"num_virtual_stages {v} equal chunks; change num_layers, pp_size, "
-                "num_virtual_stages or first_stage_layers / last_stage_layers"
+                f"pipeline rank {rank} holds {count} layers, fewer than num_virtual_stages {v}: "
+                "every chunk needs a layer; change num_layers, pp_size, num_virtual_stages or "
+                "first_stage_layers / last_stage_layers"
             )
     ranges: list[list[tuple[int, int]]] = [[] for _ in range(pp_size)]
     start = 0
-    for _ in range(v):  # round c deals every rank its c-th block, in rank order
+    for c in range(v):  # round c deals every rank its c-th block, in rank order
         for rank, count in enumerate(counts):
-            ranges[rank].append((start, start + count // v))
-            start += count // v
+            size = count // v + (c < count % v)  # uneven: the earlier chunks one layer more
+            ranges[rank].append((start, start + size))
+            start += size
     return ranges
