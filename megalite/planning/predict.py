@@ -24,7 +24,7 @@ class Layout:
     rung: str = "no_shard"  # a ZERO_RUNGS key
     schedule: str = "1f1b"
     micro_batch_size: int = 1
-    recompute: str | None = None  # None | "selective" | "full"
+    recompute: str | None = None  # None | "selective" | "full" | "block<N>" (first N per chunk)
     cp: int = 1  # context parallel
     ep: int = 1  # expert parallel (MoE)
     vp: int = 1  # model chunks per pipeline rank (interleaved, zb-h1; the V schedules: 2)
@@ -75,6 +75,9 @@ class Layout:
         elif self.recompute == "full":
             out += ["--recompute-granularity", "full", "--recompute-method", "uniform",
                     "--recompute-num-layers", "1"]  # fmt: skip
+        elif self.recompute:  # "block<N>": the first N layers of each chunk
+            out += ["--recompute-granularity", "full", "--recompute-method", "block",
+                    "--recompute-num-layers", self.recompute.removeprefix("block")]  # fmt: skip
         return out
 
     def name(self) -> str:

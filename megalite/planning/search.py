@@ -8,13 +8,15 @@ their one-line message. Candidates (``SearchSpace``): TP up to a node, PP and CP
 world (CP while each CP rank keeps ``min_tokens_per_cp_rank`` of a sequence), DP the rest; on a
 MoE model every EP dividing the experts, with ETP = TP or 1; SP on under TP; every available ZeRO
 rung; every schedule under PP (interleaved with each ``interleaved_vp``); micro-batch sizes that
-divide the per-rank batch; recompute none / selective / full.
+divide the per-rank batch; recompute none / selective / the first 1 or 2 layers of each chunk
+(block) / full.
 
 Work is bounded without changing a prediction: one argument parser serves every validation, the
 schedule's action lists are built once per shape (``step_time.pipeline_program``), a layout's
 step time is predicted only once its memory fits, and a layout is not evaluated with more
-recompute once it fits with less (recompute only adds compute and traffic: it cannot rank
-higher); ``SearchResult.dominated`` counts those, ``exhaustive=True`` evaluates them too.
+recompute once it fits with a lighter one (``lighter``: recompute only adds compute and
+traffic, so it cannot rank higher); ``SearchResult.dominated`` counts those, ``exhaustive=True``
+evaluates them too.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ class SearchSpace:
     """The options the search enumerates beyond the mesh (module docstring)."""
 
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
-    recompute: tuple[str | None, ...] = (None, "selective", "full")
+    # None, selective, the first 1 or 2 layers of each chunk (block), every layer (full)
+    recompute: tuple[str | None, ...] = (None, "selective", "block1", "block2", "full")
     interleaved_vp: tuple[int, ...] = (2, 4)  # model chunks per rank under interleaved-1f1b
     min_tokens_per_cp_rank: int = 1024
 
@@ -189,7 +192,26 @@ class SearchResult:
     dominated: int = 0  # not evaluated: the same layout fits with less recompute
 
 
-RECOMPUTE_ORDER = {None: 0, "selective": 1, "full": 2}
+def lighter(a: str | None, b: str | None) -> bool:
+    """Recompute ``a`` redoes a strict subset of what ``b`` redoes (so ``b`` only adds compute
+    and traffic to ``a``): none < selective < full, none < block N < block M (N < M) < full."""
+    if a == b or b is None:
+        return False
+    if a is None or b == "full":
+        return True
+    return (a.startswith("block") and b.startswith("block")
+            and int(a.removeprefix("block")) < int(b.removeprefix("block")))  # fmt: skip
+
+
+def recompute_rank(x: str | None) -> int:
+    """A total order consistent with ``lighter``: lighter recompute is evaluated first."""
+    if x is None:
+        return 0
+    if x == "full":
+        return 1000
+    return 1 if x == "selective" else int(x.removeprefix("block"))
+
+
 PARALLEL_FROM = 2000  # candidates: below this, worker start-up costs more than it saves
 
 
@@ -209,10 +231,12 @@ class _Evaluator:
         from megalite.training.arguments import build_parser
 
         parser, memo, out = build_parser(), {}, SearchResult([], [])
-        fit_with_less: set[Layout] = set()  # layouts (recompute None) fitting with some recompute
-        for layout in sorted(layouts, key=lambda x: RECOMPUTE_ORDER[x.recompute]):
+        fitting: dict[Layout, list] = {}  # layout without recompute -> the recomputes that fit
+        for layout in sorted(layouts, key=lambda x: recompute_rank(x.recompute)):
             base = replace(layout, recompute=None)
-            if base in fit_with_less and not self.exhaustive:
+            if not self.exhaustive and any(
+                lighter(r, layout.recompute) for r in fitting.get(base, [])
+            ):
                 out.dominated += 1
                 continue
             cand = evaluate(
@@ -222,7 +246,7 @@ class _Evaluator:
             )  # fmt: skip
             if cand.error is None and cand.fits:
                 out.ranked.append(cand)
-                fit_with_less.add(base)
+                fitting.setdefault(base, []).append(layout.recompute)
             else:
                 out.rejected.append(cand)
         return out
