@@ -374,6 +374,7 @@ def stage_activations(
     blocks = stage_blocks(c, layout)
     etp = etp or tp
     moe = MoEShape(ep=ep, etp=etp, group=ep * etp) if c.num_experts else None
+    fused = fused_norms(c, device)
     parts = []
     for chunk in range(layout.num_chunks):
         s = layout.stage(pp_rank, chunk)
@@ -381,7 +382,7 @@ def stage_activations(
             _chunk_activations(
                 c, layers=blocks[s], first=s == 0, last=s == layout.num_stages - 1,
                 micro_batch_size=micro_batch_size, tp=tp, e=e, mask_bytes=mask_bytes,
-                cpu=device == "cpu", cp=cp, moe=moe, fused=fused_norms(c, device),
+                cpu=device == "cpu", cp=cp, moe=moe, fused=fused,
             )
         )  # fmt: skip
     layers = sum(p[0] for p in parts)

@@ -163,46 +163,47 @@ def predict_memory(
     out = []
     for pp_rank in range(layout.pp):
         key = ("activations", acts_key, pp_rank)
-        acts = memo.get(key) or stage_activations(
-            cfg,
-            micro_batch_size=layout.micro_batch_size,
-            tp=layout.tp,
-            pp=layout.pp,
-            pp_rank=pp_rank,
-            num_microbatches=m,
-            schedule=layout.schedule,
-            precision=precision,
-            device=device,
-            vp=layout.vp,
-            microbatch_group_size=layout.microbatch_group_size,
-            cp=layout.cp,
-            ep=layout.ep,
-            etp=layout.etp,
-        )
-        memo[key] = acts
-        for dp_rank in dp_ranks or [0]:
-            key = ("state", state_key, pp_rank, dp_rank, edp_rank)
-            state = memo.get(key) or model_state_bytes(
+        if key not in memo:
+            memo[key] = stage_activations(
                 cfg,
+                micro_batch_size=layout.micro_batch_size,
                 tp=layout.tp,
                 pp=layout.pp,
-                dp=layout.dp * layout.cp,
                 pp_rank=pp_rank,
-                dp_rank=dp_rank,
-                rung=layout.rung,
-                precision=precision,
-                bucket_size=bucket_size,
-                grads_in_fp32=grads_in_fp32,
+                num_microbatches=m,
                 schedule=layout.schedule,
+                precision=precision,
+                device=device,
                 vp=layout.vp,
+                microbatch_group_size=layout.microbatch_group_size,
+                cp=layout.cp,
                 ep=layout.ep,
                 etp=layout.etp,
-                edp=layout.edp,
-                edp_rank=edp_rank,
-                offload_fraction=layout.offload_fraction,
             )
-            memo[key] = state
-            out.append(RankMemory(pp_rank, dp_rank, state, acts))
+        acts = memo[key]
+        for dp_rank in dp_ranks or [0]:
+            key = ("state", state_key, pp_rank, dp_rank, edp_rank)
+            if key not in memo:
+                memo[key] = model_state_bytes(
+                    cfg,
+                    tp=layout.tp,
+                    pp=layout.pp,
+                    dp=layout.dp * layout.cp,
+                    pp_rank=pp_rank,
+                    dp_rank=dp_rank,
+                    rung=layout.rung,
+                    precision=precision,
+                    bucket_size=bucket_size,
+                    grads_in_fp32=grads_in_fp32,
+                    schedule=layout.schedule,
+                    vp=layout.vp,
+                    ep=layout.ep,
+                    etp=layout.etp,
+                    edp=layout.edp,
+                    edp_rank=edp_rank,
+                    offload_fraction=layout.offload_fraction,
+                )
+            out.append(RankMemory(pp_rank, dp_rank, memo[key], acts))
     return out
 
 

@@ -127,11 +127,11 @@ def candidate_layouts(
         for (ep, etp), sp, (schedule, vp), b, rc in itertools.product(
             _expert_options(num_experts, tp, dp, cp), [tp > 1], schedules, mbs, space.recompute
         ):  # fmt: skip
-            edp = tp * dp * cp // ((etp or tp) * ep)  # ZeRO shards over dp x cp and over edp
-            for rung in rungs if dp * cp > 1 or edp > 1 else ["no_shard"]:
-                out.append(Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, sequence_parallel=sp,
-                                  rung=rung, schedule=schedule, micro_batch_size=b,
-                                  recompute=rc, vp=vp))  # fmt: skip
+            base = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, sequence_parallel=sp,
+                          schedule=schedule, micro_batch_size=b, recompute=rc, vp=vp)  # fmt: skip
+            # ZeRO shards over dp x cp, and the expert state over the expert DP group
+            for rung in rungs if dp * cp > 1 or base.edp > 1 else ["no_shard"]:
+                out.append(replace(base, rung=rung))
     return out
 
 

@@ -34,13 +34,13 @@ from torch import nn
 
 from megalite.core.tensor_parallel.init import InitMethod, default_init
 from megalite.core.tensor_parallel.mappings import (
-    _gather_first,
-    _reduce_scatter_first,
     copy_to_tp_region,
+    gather_first,
     gather_from_tp_region,
     group_rank,
     group_size,
     reduce_from_tp_region,
+    reduce_scatter_first,
     reduce_scatter_to_sp_region,
     scatter_to_tp_region,
 )
@@ -146,7 +146,7 @@ class _Linear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.sp_group = sp_group
         if sp_group is not None:
-            x = _gather_first(x, sp_group)  # [s/tp, b, h] -> [s, b, h]
+            x = gather_first(x, sp_group)  # [s/tp, b, h] -> [s, b, h]
         # W accumulates into the parameter object itself, kept here: the ``weight`` that
         # ``saved_tensors`` returns is that parameter only while no saved-tensor hooks are on;
         # under any hooks (identity, save_on_cpu, the planner's meter) autograd returns a
@@ -161,10 +161,10 @@ class _Linear(torch.autograd.Function):
         bias, store, target, group = ctx.bias, ctx.store, ctx.weight, ctx.sp_group
         want_w, want_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
         if group is not None and want_w:  # the gathered input again, for dW (same order on
-            x = _gather_first(x, group)  # every TP rank: gather, then reduce-scatter)
+            x = gather_first(x, group)  # every TP rank: gather, then reduce-scatter)
         grad_in = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
         if group is not None and grad_in is not None:
-            grad_in = _reduce_scatter_first(grad_in, group)  # partial sums -> [s/tp, b, h]
+            grad_in = reduce_scatter_first(grad_in, group)  # partial sums -> [s/tp, b, h]
 
         def weight_grads() -> tuple[list, list]:
             dy = grad_out.reshape(-1, grad_out.shape[-1])  # [s*b, h_out]
@@ -191,8 +191,6 @@ def linear(
 ) -> torch.Tensor:
     """``x @ weight^T + bias`` whose backward may defer the weight grads into ``store``;
     ``sp_group``: ``x`` is this rank's sequence shard, all-gathered over that group first."""
-    if sp_group is not None and group_size(sp_group) == 1:
-        sp_group = None
     return _Linear.apply(x, weight, bias, store, sp_group)
 
 

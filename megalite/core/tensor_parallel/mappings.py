@@ -11,7 +11,9 @@ Each function is named by what it does forward; its backward is the adjoint:
                                                                  (split if the grad is whole)
     reduce_scatter_to_sp_region  fwd: reduce-scatter first  bwd: all-gather first dim
 
-"first dim" is the sequence dim of ``[s, b, h]`` activations. Every function takes the group it
+``gather_first`` and ``reduce_scatter_first`` are the same collectives without autograd (the
+sequence-parallel linear calls them in its own backward). "first dim" is the sequence dim of
+``[s, b, h]`` activations. Every function takes the group it
 communicates over; on a group of one it returns its input unchanged. ``None`` means a group of one
 (no communication): an oracle model built with ``ParallelState.single()`` inside a multi-rank test.
 """
@@ -75,7 +77,7 @@ def _split_first(x: torch.Tensor, group) -> torch.Tensor:
     return x.chunk(n, dim=0)[group_rank(group)].contiguous()
 
 
-def _gather_first(x: torch.Tensor, group) -> torch.Tensor:
+def gather_first(x: torch.Tensor, group) -> torch.Tensor:
     n = group_size(group)
     if n == 1:
         return x
@@ -90,11 +92,11 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
     if n == 1:
         return x
     # gather along a new leading dim (contiguous collective), then move it next to the last dim
-    stacked = _gather_first(x.unsqueeze(0), group)  # [n, ..., h/n]
+    stacked = gather_first(x.unsqueeze(0), group)  # [n, ..., h/n]
     return torch.cat(stacked.unbind(0), dim=-1)
 
 
-def _reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
+def reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
     n = group_size(group)
     if n == 1:
         return x
@@ -161,19 +163,19 @@ class _ScatterToSP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        return _gather_first(dy, ctx.group), None
+        return gather_first(dy, ctx.group), None
 
 
 class _GatherFromSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, grad_is_partial):
         ctx.group, ctx.grad_is_partial = group, grad_is_partial
-        return _gather_first(x, group)
+        return gather_first(x, group)
 
     @staticmethod
     def backward(ctx, dy):
         if ctx.grad_is_partial:
-            return _reduce_scatter_first(dy, ctx.group), None, None
+            return reduce_scatter_first(dy, ctx.group), None, None
         return _split_first(dy, ctx.group), None, None
 
 
@@ -181,11 +183,11 @@ class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter_first(x, group)
+        return reduce_scatter_first(x, group)
 
     @staticmethod
     def backward(ctx, dy):
-        return _gather_first(dy, ctx.group), None
+        return gather_first(dy, ctx.group), None
 
 
 def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
