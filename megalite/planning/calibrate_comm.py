@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megalite.core.tensor_parallel.mappings import all_gather_tensor, reduce_scatter_tensor
+from megalite.core.groups import all_gather_tensor, reduce_scatter_tensor
 
 LATENCY_BYTES = 1 << 16  # a latency-bound size
 BANDWIDTH_BYTES = 1 << 22  # a bandwidth-bound size (activations, buckets)

@@ -240,7 +240,7 @@ def build_config(a: argparse.Namespace, *, world_size: int, rank: int = 0) -> Pr
     )
     try:  # issue 18: --lr-warmup-samples / --lr-decay-samples / --train-samples decay
         megatron_flags.apply_sample_schedule(cfg, a, train_samples=a.train_samples)
-        megatron_flags.apply_batch_schedule(cfg, a)  # --rampup-batch-size: train_iters
+        megatron_flags.apply_batch_size_calculator(cfg, a)  # --rampup-batch-size: train_iters
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if rank == 0 and not a.fp16 and a.loss_scale is not None:

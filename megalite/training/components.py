@@ -16,14 +16,14 @@ from megalite.core.optimizer import (
     LossScaler,
     MixedPrecisionOptimizer,
     OffloadSpec,
-    build_distributed_optimizer,
     build_optimizer,
+    build_sharded_optimizer,
 )
 from megalite.core.parallel_state import ParallelState
 from megalite.core.tensor_parallel.random import RNGStatesTracker
 from megalite.models.gpt import GPTModel
 from megalite.training.config import OptimizerConfig, PretrainConfig
-from megalite.training.lr_schedule import LRScheduler
+from megalite.training.lr_scheduler import LRScheduler
 from megalite.training.model_chunks import (  # issue 14: several model chunks per rank
     ModelChunks,
     build_gpt_chunks,
@@ -145,7 +145,7 @@ def wrap_and_build_optimizer(
         expert_dp_group=ps.group("edp"),  # expert_parallel params: reduced over expert DP
         **wrapper_options,
     )
-    optimizer = (build_distributed_optimizer if sharded else build_optimizer)(
+    optimizer = (build_sharded_optimizer if sharded else build_optimizer)(
         model,
         mp_group=ps.mp_group,
         tp_rank=ps.tp_rank,

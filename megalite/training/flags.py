@@ -33,7 +33,7 @@ from megalite.training.config import (
     ParallelConfig,
     TrainingConfig,
 )
-from megalite.training.lr_schedule import DECAY_STYLES
+from megalite.training.lr_scheduler import DECAY_STYLES
 from megalite.training.megatron_flags import REFUSED_FLAGS, add_megatron_flags
 
 # Megatron's --attention-backend values map onto the two megalite implements.

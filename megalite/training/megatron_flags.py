@@ -293,12 +293,12 @@ def step_schedule_batch(a: argparse.Namespace) -> None:
     a.global_batch_size = final
 
 
-def apply_batch_schedule(cfg, a: argparse.Namespace) -> None:
+def apply_batch_size_calculator(cfg, a: argparse.Namespace) -> None:
     """A batch-size ramp or step schedule: every batch size checked against micro x DP;
     ``train_iters`` counted as Megatron counts them from ``--train-samples``. A ramp needs
     sample-based training (as Megatron); a step schedule may run ``--train-iters`` (its LR
     schedule then spans ``--lr-decay-iters`` x the final batch in samples, as Megatron's)."""
-    from megalite.training.microbatches import batch_schedule_of
+    from megalite.training.microbatches import batch_size_calculator
 
     t = cfg.training
     if t.rampup_batch_size is None and t.step_batch_size_schedule is None:
@@ -308,7 +308,7 @@ def apply_batch_schedule(cfg, a: argparse.Namespace) -> None:
             "--rampup-batch-size needs sample-based training: give --train-samples N instead of "
             "--train-iters (and --lr-decay-samples / --lr-warmup-samples for the schedule)"
         )
-    schedule = batch_schedule_of(
+    schedule = batch_size_calculator(
         t, cfg.parallel.data_parallel_size, seq_length=cfg.model.seq_length
     )
     if a.train_samples is not None:

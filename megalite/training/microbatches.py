@@ -1,7 +1,7 @@
 """The global batch size per iteration: constant, a ramp, or a step schedule (Megatron's
 micro-batch calculators).
 
-    bs = BatchSchedule(global_batch_size=1024, micro_batch_size=2, dp_size=8,
+    bs = BatchSizeCalculator(global_batch_size=1024, micro_batch_size=2, dp_size=8,
                        rampup=(16, 16, 300000))
     bs.global_batch_size(consumed_samples)   # the batch of the iteration starting there
     bs.num_microbatches(consumed_samples)    # per DP rank: that batch / (micro x DP)
@@ -75,7 +75,7 @@ def parse_step_schedule(text: str, *, seq_length: int) -> list[tuple[int, int]]:
     return entries
 
 
-class BatchSchedule:
+class BatchSizeCalculator:
     """Megatron's micro-batch calculator (constant, ramp-up or step schedule); see the module
     docstring. ``rampup``: (start, increment, samples); ``steps``: ``parse_step_schedule``'s
     list. Raises a one-line ConfigError naming the flag on any batch that is not whole
@@ -177,13 +177,13 @@ class BatchSchedule:
         return consumed
 
 
-def batch_schedule_of(training, dp_size: int, *, seq_length: int) -> BatchSchedule:
-    """The ``BatchSchedule`` of a ``TrainingConfig`` on a mesh of ``dp_size`` DP ranks."""
+def batch_size_calculator(training, dp_size: int, *, seq_length: int) -> BatchSizeCalculator:
+    """The ``BatchSizeCalculator`` of a ``TrainingConfig`` on a mesh of ``dp_size`` DP ranks."""
     steps = None
     if training.step_batch_size_schedule is not None:
         steps = parse_step_schedule(training.step_batch_size_schedule, seq_length=seq_length)
     rampup = training.rampup_batch_size
-    return BatchSchedule(
+    return BatchSizeCalculator(
         global_batch_size=training.global_batch_size,
         micro_batch_size=training.micro_batch_size,
         dp_size=dp_size,

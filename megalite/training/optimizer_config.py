@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from megalite.errors import ConfigError, at_least
-from megalite.training.lr_schedule import DECAY_STYLES
+from megalite.training.lr_scheduler import DECAY_STYLES
 
 
 @dataclass

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from megalite.checkpoint import CheckpointError
+from megalite.core.groups import group_size
 from megalite.core.optimizer.memory_report import log_memory_after_step, log_model_state_memory
 from megalite.core.parallel_state import ParallelState, initialize_model_parallel
-from megalite.core.tensor_parallel.mappings import group_size
 from megalite.core.tensor_parallel.random import model_parallel_seed
 from megalite.data.builders import build_data_loaders, train_valid_test_num_samples
 from megalite.planning.startup import watch_first_step  # issue 19
@@ -99,9 +99,9 @@ def build_run(
         eval_interval=t.eval_interval,
         eval_iters=t.eval_iters,
     )
-    ramp = not trainer.batch_schedule.constant  # issue 18: Megatron's sampler, --train-samples
+    ramp = not trainer.batch_sizes.constant  # issue 18: Megatron's sampler, --train-samples
     if ramp:
-        needed = trainer.batch_schedule.consumed_after(t.train_iters)  # may pass --train-samples
+        needed = trainer.batch_sizes.consumed_after(t.train_iters)  # may pass --train-samples
         samples = (max(t.train_samples or samples[0], needed), *samples[1:])
     iters = build_data_loaders(
         cfg.data,

@@ -27,7 +27,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from megalite.core.tensor_parallel.mappings import group_size
+from megalite.core.groups import group_size
 
 logger = logging.getLogger(__name__)
 

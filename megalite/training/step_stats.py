@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megalite.core.tensor_parallel.mappings import group_size
+from megalite.core.groups import group_size
 
 NOT_SEEN = math.inf  # "no non-finite value yet" in the first-bad-iteration slots
 

@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalite.core.groups import group_size
 from megalite.core.optimizer import MixedPrecisionOptimizer
 from megalite.core.parallel_state import ParallelState
-from megalite.core.tensor_parallel.mappings import group_size
 from megalite.training.forward_step import NUM_TOKENS
-from megalite.training.lr_schedule import LRScheduler
+from megalite.training.lr_scheduler import LRScheduler
 from megalite.training.model_chunks import grad_wrappers
 
 

@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megalite.core.groups import group_size
 from megalite.core.moe import routers_of, set_aux_loss_scale, update_expert_bias
 from megalite.core.parallel_state import ParallelState
-from megalite.core.tensor_parallel.mappings import group_size
+from megalite.core.pipeline_parallel.forward_backward import get_forward_backward_func
 from megalite.models.moe_layer import read_moe_stats
 from megalite.training import checkpoint_io
 from megalite.training.checkpoint_io import exit_duration_reached
@@ -35,9 +36,8 @@ from megalite.training.config import PretrainConfig
 from megalite.training.evaluate import evaluate_and_log
 from megalite.training.flops import model_flops_per_iteration, peak_tflops, throughput
 from megalite.training.logging import IntervalStats, format_iteration_line
-from megalite.training.microbatches import batch_schedule_of  # issue 18
+from megalite.training.microbatches import batch_size_calculator  # issue 18
 from megalite.training.model_chunks import effective_schedule, schedule_chunks
-from megalite.training.schedules import get_forward_backward_func
 from megalite.training.signals import ExitSignalHandler, any_rank_signalled
 from megalite.training.step_stats import DeviceStats, IntervalSnapshot
 from megalite.training.tensorboard import TensorBoardLogger
@@ -118,7 +118,7 @@ class Trainer:
         # the mesh's; the cp ranks of a replica share its micro-batches (issue 15)
         self.num_microbatches = cfg.training.num_microbatches(ps.dp_size)
         # issue 18: --rampup-batch-size / --step-batch-size-schedule; evaluation keeps the final
-        self.batch_schedule = batch_schedule_of(
+        self.batch_sizes = batch_size_calculator(
             cfg.training, ps.dp_size, seq_length=cfg.model.seq_length
         )
         self.eval_num_microbatches = self.num_microbatches
@@ -239,7 +239,7 @@ class Trainer:
         t, r = self.cfg.training, self.result
         start = time.perf_counter()
         while r.iteration < t.train_iters:
-            if not self.batch_schedule.constant:  # issue 18
+            if not self.batch_sizes.constant:  # issue 18
                 self._next_batch_size()
             step = self.step(forward_step_func, train_iter)
             r.iteration += 1
@@ -283,8 +283,8 @@ class Trainer:
         schedule advances by it (in final batches). As Megatron, a checkpoint is saved (with
         ``--save``) where the number of micro-batches changes."""
         r, t = self.result, self.cfg.training
-        gbs = self.batch_schedule.global_batch_size(r.consumed_train_samples)
-        num_microbatches = self.batch_schedule.num_microbatches(r.consumed_train_samples)
+        gbs = self.batch_sizes.global_batch_size(r.consumed_train_samples)
+        num_microbatches = self.batch_sizes.num_microbatches(r.consumed_train_samples)
         if num_microbatches != self.num_microbatches and r.iteration > 0:
             if self.is_log_rank:
                 logger.info(

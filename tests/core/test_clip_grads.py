@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megalite.core.optimizer import clip_grads_by_norm, grad_norm, param_is_counted
 from megalite.core.parallel_state import ParallelState, initialize_model_parallel
-from megalite.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+from megalite.core.pipeline_parallel.forward_backward import forward_backward_no_pipelining
 from megalite.training.forward_step import make_forward_step
 from tests.harness import run_distributed
 from tests.training.common import FAMILIES, config, trainer_and_data

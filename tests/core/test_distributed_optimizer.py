@@ -1,4 +1,4 @@
-"""ZeRO-1 (ZeroDataParallel + DistributedOptimizer) against plainly written references.
+"""ZeRO-1 (Zero1DataParallel + ShardedOptimizer) against plainly written references.
 
 The model (``zero_cases.Tiny``, 7 tensors, 337 parameters, 3 buckets) is cut by shard boundaries
 inside parameters at DP 2 and 4. DP rank ``r`` trains on chunk ``r`` of each global
@@ -128,11 +128,11 @@ def dp_cases() -> dict:
 
 def _overlap_setup(overlap: bool):
     """fp32, built as components does, overlap on or off."""
-    from megalite.core.distributed import ZeroDataParallel
-    from megalite.core.optimizer import build_distributed_optimizer
+    from megalite.core.distributed import Zero1DataParallel
+    from megalite.core.optimizer import build_sharded_optimizer
 
     group = dist.group.WORLD if dist.is_initialized() else None
-    model = ZeroDataParallel(
+    model = Zero1DataParallel(
         zc.tiny(),
         dp_group=group,
         accumulate_allreduce_grads_in_fp32=True,
@@ -140,7 +140,7 @@ def _overlap_setup(overlap: bool):
         overlap_grad_reduce=overlap,
         overlap_param_gather=overlap,
     )
-    opt = build_distributed_optimizer(model, lr=zc.LR, weight_decay=zc.WD, clip_grad=zc.CLIP)
+    opt = build_sharded_optimizer(model, lr=zc.LR, weight_decay=zc.WD, clip_grad=zc.CLIP)
     return model, opt
 
 

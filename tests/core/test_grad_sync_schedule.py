@@ -20,9 +20,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.core.distributed import DistributedDataParallel, GradBufferLayout, ZeroDataParallel
-from megalite.core.optimizer import build_distributed_optimizer, build_optimizer
-from megalite.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+from megalite.core.distributed import DistributedDataParallel, GradBufferLayout, Zero1DataParallel
+from megalite.core.optimizer import build_optimizer, build_sharded_optimizer
+from megalite.core.pipeline_parallel.forward_backward import forward_backward_no_pipelining
 from tests.core import zero_cases as zc
 from tests.harness import run_distributed
 
@@ -33,10 +33,10 @@ def _setup(zero: bool, overlap: bool):
     group = dist.group.WORLD
     common = {"dp_group": group, "accumulate_allreduce_grads_in_fp32": True}
     if zero:
-        model = ZeroDataParallel(
+        model = Zero1DataParallel(
             zc.tiny(), bucket_size=zc.BUCKET, overlap_grad_reduce=overlap, **common
         )
-        opt = build_distributed_optimizer(model, lr=zc.LR, weight_decay=zc.WD, clip_grad=zc.CLIP)
+        opt = build_sharded_optimizer(model, lr=zc.LR, weight_decay=zc.WD, clip_grad=zc.CLIP)
     else:
         model = DistributedDataParallel(
             zc.tiny(), bucket_size=zc.BUCKET, overlap_grad_reduce=overlap, **common

@@ -21,8 +21,8 @@ import time
 import torch
 from torch import nn
 
-from megalite.core.distributed import ZeroDataParallel, wrapper_class
-from megalite.core.optimizer import OffloadSpec, build_distributed_optimizer
+from megalite.core.distributed import Zero1DataParallel, wrapper_class
+from megalite.core.optimizer import OffloadSpec, build_sharded_optimizer
 from tests.core import zero_cases as zc
 
 REL = 1e-6
@@ -35,7 +35,7 @@ def setup(offload, dtype=torch.float32, rung="optim"):
         accumulate_allreduce_grads_in_fp32=True,
         bucket_size=zc.BUCKET,
     )
-    opt = build_distributed_optimizer(
+    opt = build_sharded_optimizer(
         model, lr=zc.LR, weight_decay=zc.WD, clip_grad=zc.CLIP if dtype == torch.float32 else 0.0,
         offload=offload,
     )  # fmt: skip
@@ -110,9 +110,9 @@ def test_nvme_offload_peak_host_memory_stays_under_its_bound(tmp_path):
     torch.manual_seed(0)
     bound = 2 << 20
     layer = nn.Linear(1536, 1536)  # 2.36M params: 28 MB of fp32 master + moments on disk
-    model = ZeroDataParallel(layer, dp_group=None)
+    model = Zero1DataParallel(layer, dp_group=None)
     spec = OffloadSpec(fraction=1.0, directory=str(tmp_path), host_bytes=bound)
-    opt = build_distributed_optimizer(model, lr=1e-3, weight_decay=0.1, offload=spec)
+    opt = build_sharded_optimizer(model, lr=1e-3, weight_decay=0.1, offload=spec)
     disk = opt.buffers[0].bytes_by_place()["disk"]
     assert disk >= 12 * bound
     x = torch.randn(4, 1536)

@@ -25,9 +25,9 @@ from torch import nn
 
 from megalite.core.parallel_state import initialize_model_parallel
 from megalite.core.pipeline_parallel.executor import backward_freed_output, release_output
+from megalite.core.pipeline_parallel.forward_backward import forward_backward_pipelining
 from megalite.core.pipeline_parallel.generators import layout_of
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
-from megalite.core.pipeline_parallel.schedules import forward_backward_pipelining
 from megalite.core.tensor_parallel.layers import RowParallelLinear
 from tests.harness import run_distributed
 

@@ -18,12 +18,12 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.core.parallel_state import initialize_model_parallel
-from megalite.core.pipeline_parallel.p2p import P2PCommunicator
-from megalite.core.pipeline_parallel.schedules import (
+from megalite.core.pipeline_parallel.forward_backward import (
     forward_backward_no_pipelining,
     forward_backward_pipelining_1f1b,
     forward_backward_pipelining_gpipe,
 )
+from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.core.tensor_parallel.init import init_normal
 from tests.harness import run_distributed
 

@@ -20,8 +20,8 @@ import torch
 
 from megalite.core.distributed import DistributedDataParallel
 from megalite.core.parallel_state import initialize_model_parallel
+from megalite.core.pipeline_parallel.forward_backward import forward_backward_pipelining
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
-from megalite.core.pipeline_parallel.schedules import forward_backward_pipelining
 from megalite.planning.measure import SavedTensorMeter
 from megalite.training.model_chunks import build_gpt_chunks
 from tests.harness import run_distributed

@@ -32,9 +32,9 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.core.pipeline_parallel.actions import with_p2p
+from megalite.core.pipeline_parallel.forward_backward import forward_backward_pipelining
 from megalite.core.pipeline_parallel.generators import generate, layout_of
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
-from megalite.core.pipeline_parallel.schedules import forward_backward_pipelining
 from megalite.core.pipeline_parallel.simulator import (
     LABELS,
     Costs,

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.core.distributed import wrapper_class
-from megalite.core.optimizer import DynamicLossScaler, build_distributed_optimizer
+from megalite.core.optimizer import DynamicLossScaler, build_sharded_optimizer
 from tests.core import zero_cases as zc
 from tests.core.test_distributed_optimizer import bf16_reference, plain_run
 from tests.harness import run_distributed
@@ -39,7 +39,7 @@ def setup(rung, dtype=torch.float32, *, fp16_scale=None, clip=zc.CLIP, bucket=zc
         zc.tiny(dtype), dp_group=group, accumulate_allreduce_grads_in_fp32=True, bucket_size=bucket
     )
     scaler = None if fp16_scale is None else DynamicLossScaler(fp16_scale, hysteresis=1)
-    opt = build_distributed_optimizer(
+    opt = build_sharded_optimizer(
         model, lr=zc.LR, weight_decay=zc.WD, clip_grad=clip, loss_scaler=scaler
     )
     return model, opt

@@ -14,11 +14,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.core.distributed import DistributedDataParallel, ZeroDataParallel
+from megalite.core.distributed import DistributedDataParallel, Zero1DataParallel
 from megalite.core.optimizer import (
     DynamicLossScaler,
-    build_distributed_optimizer,
     build_optimizer,
+    build_sharded_optimizer,
     get_param_groups,
 )
 
@@ -85,18 +85,16 @@ def zero_setup(
     clip: float = CLIP,
     fp32_grads: bool = True,
 ):
-    """(ZeroDataParallel, DistributedOptimizer) over the world group (DP = world size)."""
+    """(Zero1DataParallel, ShardedOptimizer) over the world group (DP = world size)."""
     group = dist.group.WORLD if dist.is_initialized() else None
-    model = ZeroDataParallel(
+    model = Zero1DataParallel(
         tiny(dtype),
         dp_group=group,
         accumulate_allreduce_grads_in_fp32=fp32_grads,
         bucket_size=bucket,
     )
     scaler = None if fp16_scale is None else DynamicLossScaler(fp16_scale, hysteresis=1)
-    opt = build_distributed_optimizer(
-        model, lr=LR, weight_decay=WD, clip_grad=clip, loss_scaler=scaler
-    )
+    opt = build_sharded_optimizer(model, lr=LR, weight_decay=WD, clip_grad=clip, loss_scaler=scaler)
     return model, opt
 
 

@@ -251,11 +251,11 @@ def _gloo_matches_tag_zero_by_posting_order() -> list[float]:
 
 def _tag_blind_world():
     from megalite.core.parallel_state import ParallelState, initialize_model_parallel
-    from megalite.core.pipeline_parallel.p2p import P2PCommunicator
-    from megalite.core.pipeline_parallel.schedules import (
+    from megalite.core.pipeline_parallel.forward_backward import (
         forward_backward_no_pipelining,
         forward_backward_pipelining,
     )
+    from megalite.core.pipeline_parallel.p2p import P2PCommunicator
     from megalite.models import GPTModel
     from megalite.training.model_chunks import build_gpt_chunks, stage_blocks, tied_params
     from tests.models.helpers import make_batch, make_config, weighted_lm_step

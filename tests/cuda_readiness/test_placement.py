@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megalite.checkpoint import records
 from megalite.core.context_parallel.comm import Ring
 from megalite.core.distributed import shard_collectives
-from megalite.core.optimizer.distributed_optimizer import DistributedOptimizer
+from megalite.core.optimizer.sharded_optimizer import ShardedOptimizer
 from megalite.core.pipeline_parallel import executor
 from megalite.core.pipeline_parallel.actions import StageLayout
 from megalite.core.tensor_parallel.random import RNGStatesTracker
@@ -145,10 +145,10 @@ def test_offloaded_grads_reach_the_host_before_the_host_step(monkeypatch):
         )
 
     o = opt("host", "device", "host")
-    DistributedOptimizer._before_inner_step(o)
+    ShardedOptimizer._before_inner_step(o)
     assert synced == [1]
     assert o.pieces[0].master.grad.tolist() == [1.0, 1.0] and o.pieces[1].master.grad is None
-    DistributedOptimizer._before_inner_step(opt("device"))
+    ShardedOptimizer._before_inner_step(opt("device"))
     assert synced == [1]
 
 

@@ -18,7 +18,7 @@ from megalite.core.parallel_state import ParallelState
 from megalite.training.arguments import parse_args
 from megalite.training.config import ConfigError, with_tokenizer
 from megalite.training.forward_step import make_forward_step
-from megalite.training.microbatches import BatchSchedule, parse_step_schedule
+from megalite.training.microbatches import BatchSizeCalculator, parse_step_schedule
 from megalite.training.pretrain import build_run
 from tests.harness import run_distributed
 
@@ -79,18 +79,18 @@ def _run(cfg, ps, *, steps_per_record=None, load=False):
 
 
 def test_batch_schedule_by_hand():
-    bs = BatchSchedule(global_batch_size=12, micro_batch_size=2, dp_size=1, rampup=(4, 4, 16))
+    bs = BatchSizeCalculator(global_batch_size=12, micro_batch_size=2, dp_size=1, rampup=(4, 4, 16))
     assert [bs.global_batch_size(c) for c in CONSUMED] == BATCHES
     assert bs.train_iters(52) == 6 and bs.consumed_after(6) == 52
     assert bs.train_iters(51) == 5  # the partial last batch is dropped (Megatron)
     # Megatron's example: 16 -> 1024 by 16 over 300000 samples: 63 increments of 4761.9 samples
-    big = BatchSchedule(global_batch_size=1024, micro_batch_size=2, dp_size=8,
+    big = BatchSizeCalculator(global_batch_size=1024, micro_batch_size=2, dp_size=8,
                         rampup=(16, 16, 300000))  # fmt: skip
     assert [big.global_batch_size(c) for c in (4761, 4762, 300000, 300001)] == [16, 32, 1024, 1024]
     assert big.num_microbatches(4762) == 2
     steps = parse_step_schedule("0:4 64:8, 1K:12", seq_length=16)  # tokens -> samples
     assert steps == [(0, 4), (4, 8), (62, 12)]
-    sb = BatchSchedule(global_batch_size=12, micro_batch_size=2, dp_size=2, steps=steps)
+    sb = BatchSizeCalculator(global_batch_size=12, micro_batch_size=2, dp_size=2, steps=steps)
     assert [sb.global_batch_size(c) for c in (0, 3, 4, 61, 62)] == [4, 4, 8, 8, 12]
     assert sb.train_iters(20) == 3 and sb.train_iters(21) == 4  # 4 + 8 + 8 = 20; then 28
     assert parse_step_schedule("0:8 1.5K:16", seq_length=10) == [(0, 8), (150, 16)]

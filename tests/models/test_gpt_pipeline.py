@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 
 from megalite.core.parallel_state import ParallelState, initialize_model_parallel
-from megalite.core.pipeline_parallel.p2p import P2PCommunicator
-from megalite.core.pipeline_parallel.schedules import (
+from megalite.core.pipeline_parallel.forward_backward import (
     forward_backward_no_pipelining,
     forward_backward_pipelining_1f1b,
     forward_backward_pipelining_gpipe,
 )
+from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.models import GPTModel
 from tests.models.helpers import make_batch, make_config, weighted_lm_step
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megalite.training.config import OptimizerConfig
-from megalite.training.lr_schedule import LRScheduler
+from megalite.training.lr_scheduler import LRScheduler
 
 
 class _Opt:

@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 
 from megalite.core.parallel_state import ParallelState, initialize_model_parallel
-from megalite.core.pipeline_parallel.generators import check_schedule, layout_of
-from megalite.core.pipeline_parallel.p2p import P2PCommunicator
-from megalite.core.pipeline_parallel.schedules import (
+from megalite.core.pipeline_parallel.forward_backward import (
     forward_backward_no_pipelining,
     forward_backward_pipelining,
 )
+from megalite.core.pipeline_parallel.generators import check_schedule, layout_of
+from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.models import GPTModel
 from megalite.training.model_chunks import build_gpt_chunks, stage_blocks, tied_params
 from tests.harness import run_distributed

@@ -39,11 +39,11 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from megalite.core.pipeline_parallel.p2p import P2PCommunicator  # noqa: E402
-from megalite.core.pipeline_parallel.schedules import (  # noqa: E402
+from megalite.core.pipeline_parallel.forward_backward import (  # noqa: E402
     forward_backward_pipelining_1f1b,
     forward_backward_pipelining_gpipe,
 )
+from megalite.core.pipeline_parallel.p2p import P2PCommunicator  # noqa: E402
 from megalite.core.pipeline_parallel.timeline import Timeline  # noqa: E402
 
 HIDDEN, BLOCKS_PER_STAGE, MICRO_BATCH = 512, 4, 64

@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from megalite.core.pipeline_parallel.actions import with_p2p
+from megalite.core.pipeline_parallel.forward_backward import forward_backward_pipelining
 from megalite.core.pipeline_parallel.generators import generate, layout_of
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.core.pipeline_parallel.profiling import (
@@ -38,7 +39,6 @@ from megalite.core.pipeline_parallel.profiling import (
     p2p_latency,
     profile_chunk,
 )
-from megalite.core.pipeline_parallel.schedules import forward_backward_pipelining
 from megalite.core.pipeline_parallel.simulator import Costs, simulate
 from megalite.core.pipeline_parallel.timeline import Timeline
 from megalite.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear

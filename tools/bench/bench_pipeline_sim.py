@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from megalite.core.parallel_state import initialize_model_parallel  # noqa: E402
 from megalite.core.pipeline_parallel.actions import with_p2p  # noqa: E402
+from megalite.core.pipeline_parallel.forward_backward import forward_backward_pipelining  # noqa: E402
 from megalite.core.pipeline_parallel.generators import generate, layout_of  # noqa: E402
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator  # noqa: E402
 from megalite.core.pipeline_parallel.profiling import (  # noqa: E402
@@ -58,7 +59,6 @@ from megalite.core.pipeline_parallel.profiling import (  # noqa: E402
     p2p_latency,
     profile_chunk,
 )
-from megalite.core.pipeline_parallel.schedules import forward_backward_pipelining  # noqa: E402
 from megalite.core.pipeline_parallel.simulator import Costs, simulate, theory  # noqa: E402
 from megalite.core.pipeline_parallel.timeline import Timeline, render_comparison_svg  # noqa: E402
 

@@ -10,7 +10,7 @@ Three set-ups of the same ~50M-parameter GPT-2 (megalite's ``GPTModel``, fp32, s
 two gloo ranks, one thread each, alternating in one run (round-robin cancels this shared machine's
 drift):
 
-- ``megalite-zero1``: ``ZeroDataParallel`` + ``DistributedOptimizer`` (reduce-scatter, sharded
+- ``megalite-zero1``: ``Zero1DataParallel`` + ``ShardedOptimizer`` (reduce-scatter, sharded
   AdamW over this rank's half, all-gather of the params);
 - ``torch-zero``: ``torch.nn.parallel.DistributedDataParallel`` (bucketed all-reduce overlapped
   with backward) + ``torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)`` (each rank steps the
@@ -41,22 +41,19 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from megalite.core.distributed import DistributedDataParallel, ZeroDataParallel  # noqa: E402
+from megalite.core.distributed import DistributedDataParallel, Zero1DataParallel  # noqa: E402
 from megalite.core.distributed.shard_collectives import (  # noqa: E402
     all_gather_shard,
     reduce_scatter_shard,
 )
+from megalite.core.groups import all_gather_tensor, reduce_scatter_tensor  # noqa: E402
 from megalite.core.optimizer import (  # noqa: E402
-    build_distributed_optimizer,
     build_optimizer,
+    build_sharded_optimizer,
     get_param_groups,
 )
 from megalite.core.optimizer.memory_report import model_state_bytes  # noqa: E402
 from megalite.core.parallel_state import ParallelState  # noqa: E402
-from megalite.core.tensor_parallel.mappings import (  # noqa: E402
-    all_gather_tensor,
-    reduce_scatter_tensor,
-)
 from megalite.models import GPTConfig, GPTModel  # noqa: E402
 
 DP = 2
@@ -76,14 +73,14 @@ def build(kind: str, cfg: GPTConfig, bucket: int):
     module = GPTModel(cfg, ParallelState.single()).train()
     if kind.startswith("megalite-zero1"):
         overlap = kind.endswith("overlap")
-        model = ZeroDataParallel(
+        model = Zero1DataParallel(
             module,
             dp_group=dist.group.WORLD,
             bucket_size=bucket,
             overlap_grad_reduce=overlap,
             overlap_param_gather=overlap,
         )
-        opt = build_distributed_optimizer(model, lr=LR, weight_decay=WD, clip_grad=CLIP)
+        opt = build_sharded_optimizer(model, lr=LR, weight_decay=WD, clip_grad=CLIP)
     elif kind == "megalite-plain":
         model = DistributedDataParallel(module, dp_group=dist.group.WORLD, bucket_size=bucket)
         opt = build_optimizer(model, lr=LR, weight_decay=WD, clip_grad=CLIP)

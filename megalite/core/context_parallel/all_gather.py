@@ -23,7 +23,7 @@ from megalite.core.context_parallel.block_attention import (
 )
 from megalite.core.context_parallel.chunking import cp_chunk_ids, rank_major_to_natural
 from megalite.core.context_parallel.comm import CommStats, Timer, WaitTimer, nbytes
-from megalite.core.tensor_parallel.mappings import group_rank, group_size, reduce_scatter_tensor
+from megalite.core.groups import group_rank, group_size, reduce_scatter_tensor
 
 
 class _GatherSequence(torch.autograd.Function):

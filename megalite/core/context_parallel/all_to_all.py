@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megalite.core.context_parallel.block_attention import expand_heads
 from megalite.core.context_parallel.chunking import rank_major_to_natural
 from megalite.core.context_parallel.comm import CommStats, WaitTimer, nbytes
-from megalite.core.tensor_parallel.mappings import group_size
+from megalite.core.groups import group_size
 
 
 def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int, stats) -> torch.Tensor:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megalite.core.tensor_parallel.mappings import group_rank, group_size
+from megalite.core.groups import group_rank, group_size
 
 
 @dataclass

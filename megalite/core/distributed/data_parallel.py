@@ -21,7 +21,7 @@ backward run outside ``no_sync`` before the last micro-batch) is an error, not a
 ``finish_grad_sync`` then, in this order:
 1. for each bucket (``_reduce_bucket``, or waiting for the one the hook started): divide by
    ``dp_size`` and all-reduce (sum) over the DP group, i.e. the grads of the mean loss over all DP
-   replicas. ``ZeroDataParallel`` replaces this with a reduce-scatter of the same bucket;
+   replicas. ``Zero1DataParallel`` replaces this with a reduce-scatter of the same bucket;
 2. sum over the TP group the grads of parameters marked ``sequence_parallel`` (they saw only
    ``s/tp`` positions);
 3. sum over the embedding group the grads of ``shared_params`` (the word embedding held by the
@@ -48,7 +48,7 @@ from torch import nn
 
 from megalite.core.distributed.grad_buffer import Bucket, GradBuffer
 from megalite.core.distributed.sp_grads import sequence_parallel_params
-from megalite.core.tensor_parallel.mappings import group_size
+from megalite.core.groups import group_size
 
 BucketKey = tuple[int, int]  # (buffer index, bucket index)
 BufferKey = tuple[torch.dtype, bool]  # (param dtype, expert parameter)

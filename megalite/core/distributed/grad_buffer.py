@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megalite.core.tensor_parallel.mappings import group_rank, group_size
+from megalite.core.groups import group_rank, group_size
 
 
 @dataclass(frozen=True)

@@ -31,12 +31,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megalite.core.tensor_parallel.mappings import (
-    all_gather_tensor,
-    group_rank,
-    group_size,
-    reduce_scatter_tensor,
-)
+from megalite.core.groups import all_gather_tensor, group_rank, group_size, reduce_scatter_tensor
 
 PIECE = 1 << 21  # elements per exchanged piece on gloo (8 MiB of fp32)
 

@@ -22,7 +22,7 @@ import bisect
 import torch
 
 from megalite.core.distributed.grad_buffer import Bucket, GradBuffer, GradBufferLayout
-from megalite.core.tensor_parallel.mappings import group_rank, group_size
+from megalite.core.groups import group_rank, group_size
 
 
 class ShardedGradBuffer(GradBuffer):

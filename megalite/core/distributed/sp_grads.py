@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from megalite.core.tensor_parallel.mappings import group_size
+from megalite.core.groups import group_size
 
 
 def sequence_parallel_params(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:

@@ -5,7 +5,7 @@ backward has produced all its grads of a micro-batch, and only this rank's shard
     model.zero_grad_buffer()
     forward_backward(...)           # buckets reduce-scatter from the grad hooks, every micro-batch
     model.finish_grad_sync()        # the rest (unused params, tied embeddings), then the DP mean
-    optimizer.step()                # DistributedOptimizer, as under ZeRO-1
+    optimizer.step()                # ShardedOptimizer, as under ZeRO-1
 
 Storage: ``ShardedGradBuffer`` (``numel/d`` per rank) plus a full-size *staging* tensor per bucket
 that is accumulating: allocated (zeroed) at the bucket's first grad, reduce-scattered when every
@@ -41,11 +41,11 @@ from megalite.core.distributed.shard_collectives import (
     start_reduce_scatter_shard,
 )
 from megalite.core.distributed.sharded_grad_buffer import ShardedGradBuffer
-from megalite.core.distributed.zero_data_parallel import ZeroDataParallel
+from megalite.core.distributed.zero1_data_parallel import Zero1DataParallel
 
 
-class Zero2DataParallel(ZeroDataParallel):
-    """ZeRO-2 (module docstring). Arguments as ``ZeroDataParallel``; ``overlap_grad_reduce``
+class Zero2DataParallel(Zero1DataParallel):
+    """ZeRO-2 (module docstring). Arguments as ``Zero1DataParallel``; ``overlap_grad_reduce``
     leaves each bucket's reduce-scatter in flight until ``finish_grad_sync`` or the bucket's next
     grad (else it completes in the hook)."""
 

@@ -5,7 +5,7 @@ one *unit* at a time (a transformer layer, the embedding, the final norm, the ou
     model.zero_grad_buffer()
     forward_backward(...)           # each unit gathered before its forward and its backward
     model.finish_grad_sync()        # as ZeRO-2 (grads reduce-scattered per unit bucket)
-    optimizer.step()                # DistributedOptimizer: updates the param shards in place
+    optimizer.step()                # ShardedOptimizer: updates the param shards in place
 
 Built on ZeRO-2 (``Zero2DataParallel``): every unit is one bucket of the grad buffer (explicit
 ``GradBufferLayout`` groups), so a unit's grads are reduce-scattered as soon as its backward is
@@ -68,7 +68,7 @@ def _in_backward() -> bool:
 
 
 class Zero3DataParallel(Zero2DataParallel):
-    """ZeRO-3 (module docstring). Arguments as ``ZeroDataParallel`` (``overlap_param_gather`` is
+    """ZeRO-3 (module docstring). Arguments as ``Zero1DataParallel`` (``overlap_param_gather`` is
     refused: ZeRO-3 always gathers per unit before use), plus ``units`` (forward order; default
     ``default_units``), ``unit_extras`` ({unit: params it reads but does not own}) and
     ``prefetch``."""

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.core.tensor_parallel.mappings import group_size
+from megalite.core.groups import group_size
 
 
 def sum_over(x: torch.Tensor, group) -> torch.Tensor:

@@ -18,12 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megalite.core.tensor_parallel.mappings import (
-    all_gather_tensor,
-    group_rank,
-    group_size,
-    reduce_scatter_tensor,
-)
+from megalite.core.groups import all_gather_tensor, group_rank, group_size, reduce_scatter_tensor
 
 
 def _all_to_all_raw(x: torch.Tensor, group, out_splits: list[int], in_splits: list[int]):

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.core.groups import group_rank, group_size
 from megalite.core.moe.config import MoEConfig
-from megalite.core.tensor_parallel.mappings import group_rank, group_size
 
 
 def shard_rows(full: torch.Tensor, dim: int, *, stride: int, size: int, rank: int) -> torch.Tensor:

@@ -20,16 +20,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megalite.core.groups import group_size
 from megalite.core.moe.config import MoEConfig
 from megalite.core.moe.experts import GroupedExperts
 from megalite.core.moe.router import TopKRouter
 from megalite.core.moe.token_dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from megalite.core.tensor_parallel.init import InitMethod
-from megalite.core.tensor_parallel.mappings import (
-    gather_from_sp_region,
-    group_size,
-    scatter_to_sp_region,
-)
+from megalite.core.tensor_parallel.mappings import gather_from_sp_region, scatter_to_sp_region
 
 
 class MoELayer(nn.Module):

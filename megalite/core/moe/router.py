@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.core.groups import group_size
 from megalite.core.moe.aux_loss import (
     attach_aux_loss,
     aux_loss_partial,
@@ -34,7 +35,6 @@ from megalite.core.moe.aux_loss import (
 )
 from megalite.core.moe.config import MoEConfig
 from megalite.core.tensor_parallel.init import InitMethod
-from megalite.core.tensor_parallel.mappings import group_size
 
 
 def expert_capacity(num_tokens: int, num_experts: int, topk: int, factor: float) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megalite.core.groups import group_rank, group_size
 from megalite.core.moe.comm import (
     all_gather_counts,
     all_to_all,
@@ -35,8 +36,6 @@ from megalite.core.moe.comm import (
 from megalite.core.moe.router import expert_capacity
 from megalite.core.tensor_parallel.mappings import (
     gather_from_sp_region,
-    group_rank,
-    group_size,
     reduce_scatter_to_sp_region,
 )
 

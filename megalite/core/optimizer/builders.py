@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from megalite.core.distributed.zero_data_parallel import ZeroDataParallel
-from megalite.core.optimizer.distributed_optimizer import DistributedOptimizer
+from megalite.core.distributed.zero1_data_parallel import Zero1DataParallel
 from megalite.core.optimizer.loss_scaler import LossScaler
+from megalite.core.optimizer.sharded_optimizer import ShardedOptimizer
 from megalite.core.optimizer.sharded_state import OffloadSpec
 from megalite.core.optimizer.unsharded_optimizer import UnshardedOptimizer
 
@@ -104,9 +104,9 @@ def build_optimizer(
     offload: OffloadSpec | None = None,
     decoupled_lr: float | None = None,
     decoupled_min_lr: float | None = None,
-) -> UnshardedOptimizer | DistributedOptimizer:
+) -> UnshardedOptimizer | ShardedOptimizer:
     """AdamW over fp32 masters of ``model``'s parameters: the state whole on every DP rank, or
-    sharded over DP (ZeRO-1) when ``model`` is a ``ZeroDataParallel``.
+    sharded over DP (ZeRO-1) when ``model`` is a ``Zero1DataParallel``.
 
     ``lr`` is the initial learning rate; the scheduler overwrites it every step.
     ``expert_mp_group`` (``ps.group("etp", "ep", "pp")``) and ``expert_tp_rank``: where the grad
@@ -119,13 +119,13 @@ def build_optimizer(
         lr=lr, weight_decay=weight_decay, adam_beta1=adam_beta1, adam_beta2=adam_beta2,
         adam_eps=adam_eps,
     )  # fmt: skip
-    sharded = isinstance(model, ZeroDataParallel)  # ZeRO-1: the optimizer state over DP
+    sharded = isinstance(model, Zero1DataParallel)  # ZeRO-1: the optimizer state over DP
     extra = {}
     if offload is not None:
         if not sharded:
             raise ValueError("optimizer offload needs a sharded rung (ZeRO-1, 2 or 3)")
         extra["offload"] = offload
-    return (DistributedOptimizer if sharded else UnshardedOptimizer)(
+    return (ShardedOptimizer if sharded else UnshardedOptimizer)(
         get_param_groups(
             model,
             weight_decay=weight_decay,
@@ -146,12 +146,12 @@ def build_optimizer(
     )
 
 
-def build_distributed_optimizer(model: ZeroDataParallel, **kwargs) -> DistributedOptimizer:
+def build_sharded_optimizer(model: Zero1DataParallel, **kwargs) -> ShardedOptimizer:
     """``build_optimizer``'s AdamW and weight-decay groups, sharded over DP (ZeRO-1): the model
-    must be wrapped in ``ZeroDataParallel``. Keyword arguments as ``build_optimizer``."""
-    if not isinstance(model, ZeroDataParallel):
+    must be wrapped in ``Zero1DataParallel``. Keyword arguments as ``build_optimizer``."""
+    if not isinstance(model, Zero1DataParallel):
         raise TypeError(
-            f"the distributed optimizer needs the model wrapped in ZeroDataParallel, got "
+            f"the distributed optimizer needs the model wrapped in Zero1DataParallel, got "
             f"{type(model).__name__}"
         )
     return build_optimizer(model, **kwargs)

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from megalite.core.tensor_parallel.mappings import group_size
+from megalite.core.groups import group_size
 
 
 def param_is_counted(

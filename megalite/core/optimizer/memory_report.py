@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.core.tensor_parallel.mappings import group_size
+from megalite.core.groups import group_size
 
 logger = logging.getLogger(__name__)
 MIB = 2**20

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.core.distributed.data_parallel import is_expert_param
+from megalite.core.groups import group_size
 from megalite.core.optimizer.full_state_format import param_names
 from megalite.core.optimizer.grad_norm import (
     all_reduce_over,
@@ -46,7 +47,6 @@ from megalite.core.optimizer.grad_norm import (
     param_is_counted,
 )
 from megalite.core.optimizer.loss_scaler import LossScaler
-from megalite.core.tensor_parallel.mappings import group_size
 
 
 @dataclass
@@ -62,7 +62,7 @@ class StepGrads:
 
 
 class MixedPrecisionOptimizer:
-    """Base of ``UnshardedOptimizer`` and ``DistributedOptimizer``; see the module docstring.
+    """Base of ``UnshardedOptimizer`` and ``ShardedOptimizer``; see the module docstring.
 
     ``model``: the wrapped model chunk, whose ``named_parameters()`` name the state (``module.``
     stripped). ``tp_rank`` / ``duplicates``: see ``grad_norm.param_is_counted``. ``loss_scaler``:

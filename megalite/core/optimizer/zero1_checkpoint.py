@@ -1,8 +1,8 @@
 """The ZeRO-1 optimizer's sharded checkpoint format (``distrib_optim_*.pt``), and its conversion
 to the full (layout-free) form. Works on ``GradBufferLayout`` and plain tensors only: the
-``DistributedOptimizer`` calls it, it never imports the optimizer.
+``ShardedOptimizer`` calls it, it never imports the optimizer.
 
-Sharded (``DistributedOptimizer.sharded_state_dict``)::
+Sharded (``ShardedOptimizer.sharded_state_dict``)::
 
     {"format": "megalite-zero1-v1", "dp_size": d, "dp_rank": r, "step": int,
      "param_groups": [{lr, weight_decay, betas, ...}], "scaler": dict | None,
@@ -99,7 +99,7 @@ def full_state_buffers(optimizer, *, expert: bool) -> dict[str, dict[str, torch.
     """``{param name: {"master", "exp_avg", "exp_avg_sq"}}`` (full over the buffer's DP group,
     fp32) of a sharded optimizer's expert buffers (``expert``) or dense ones: a collective over
     those buffers' DP groups (edp for experts), every rank of them calls it. ``optimizer``: a
-    ``DistributedOptimizer`` (its ``buffers`` of ``ShardState`` and ``name_of``)."""
+    ``ShardedOptimizer`` (its ``buffers`` of ``ShardState`` and ``name_of``)."""
     optimizer.model.finish_param_sync()
     params = {}
     for sb in optimizer.buffers:

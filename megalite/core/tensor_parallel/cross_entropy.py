@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megalite.core.tensor_parallel.mappings import group_rank, group_size
+from megalite.core.groups import group_rank, group_size
 
 
 def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:

@@ -32,13 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.core.groups import group_rank, group_size
 from megalite.core.tensor_parallel.init import InitMethod, default_init
 from megalite.core.tensor_parallel.mappings import (
     copy_to_tp_region,
     gather_first,
     gather_from_tp_region,
-    group_rank,
-    group_size,
     reduce_from_tp_region,
     reduce_scatter_first,
     reduce_scatter_to_sp_region,

@@ -24,6 +24,10 @@ activation, set on the chunk (``set_input_tensor``) before ``forward_step_func``
 pipeline schedule is an action-list generator (``generators.py``) run by the one executor
 (``executor.py``); ``forward_backward_pipelining`` takes the schedule's name, the functions
 below are the named entry points for one chunk per rank (1F1B, GPipe).
+
+``get_forward_backward_func(ps, ...)`` is the one place the training loop gets its schedule from:
+no pipelining on one stage, else the named pipeline schedule with a ``P2PCommunicator`` for the
+run, so the loop never branches on the layout.
 """
 
 from __future__ import annotations
@@ -35,9 +39,10 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from megalite.core.parallel_state import ParallelState
 from megalite.core.pipeline_parallel.actions import p2p_program
 from megalite.core.pipeline_parallel.executor import execute, no_sync
-from megalite.core.pipeline_parallel.generators import generate, layout_of
+from megalite.core.pipeline_parallel.generators import SCHEDULES, generate, layout_of
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.core.pipeline_parallel.timeline import Timeline
 
@@ -156,3 +161,49 @@ def forward_backward_pipelining_gpipe(**kwargs) -> list[dict]:
         raise ValueError(f"num_microbatches must be >= 1, got {kwargs.get('num_microbatches')}")
     _check_chunks(kwargs["model"], kwargs["data_iterator"])
     return forward_backward_pipelining(schedule="gpipe", **kwargs)
+
+
+def get_forward_backward_func(
+    ps: ParallelState,
+    *,
+    pipeline_schedule: str = "1f1b",
+    num_chunks: int = 1,
+    microbatch_group_size: int | None = None,
+    overlap_p2p: bool = True,
+    seq_length: int | None = None,
+    micro_batch_size: int | None = None,
+    hidden_size: int | None = None,
+    sequence_parallel: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> Callable[..., list[dict]]:
+    """The schedule for this layout: no pipelining on one stage; otherwise ``pipeline_schedule``
+    (``generators.SCHEDULES``) over ``num_chunks`` chunks per rank, with one ``P2PCommunicator``
+    for the run. Activations between stages are ``[s, b, h]``, or
+    ``[s/tp, b, h]`` under sequence parallel, in the model's dtype."""
+    if ps.pp_size == 1:
+        return forward_backward_no_pipelining
+    if pipeline_schedule not in SCHEDULES:
+        raise ValueError(
+            f"pipeline_schedule must be one of {sorted(SCHEDULES)}, got {pipeline_schedule!r}"
+        )
+    if None in (seq_length, micro_batch_size, hidden_size):
+        raise ValueError("a pipeline schedule needs seq_length, micro_batch_size and hidden_size")
+    s = seq_length // ps.tp_size if sequence_parallel else seq_length
+    p2p = P2PCommunicator(
+        prev_rank=ps.prev_rank,
+        next_rank=ps.next_rank,
+        tensor_shape=(s, micro_batch_size, hidden_size),
+        dtype=dtype,
+        device=ps.device,
+        group=ps.pp_group,
+        pp_ranks=ps.pp_ranks,
+        overlap=overlap_p2p,
+    )
+    return functools.partial(
+        forward_backward_pipelining,
+        schedule=pipeline_schedule,
+        microbatch_group_size=microbatch_group_size,
+        p2p=p2p,
+        pp_rank=ps.pp_rank,
+        pp_size=ps.pp_size,
+    )

@@ -1,7 +1,7 @@
 """ZeRO-1: fp32 master parameters and Adam states sharded over the data-parallel group.
 
-    model = ZeroDataParallel(module, dp_group=ps.group("dp", "cp"), ...)
-    optimizer = build_distributed_optimizer(model, lr=..., weight_decay=..., mp_group=ps.mp_group)
+    model = Zero1DataParallel(module, dp_group=ps.group("dp", "cp"), ...)
+    optimizer = build_sharded_optimizer(model, lr=..., weight_decay=..., mp_group=ps.mp_group)
     ... forward_backward; model.finish_grad_sync(); optimizer.step()
 
 A ``MixedPrecisionOptimizer`` like the plain one (same ``step()``, state dicts and full state), so
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megalite.core.distributed.zero_data_parallel import ZeroDataParallel
+from megalite.core.distributed.zero1_data_parallel import Zero1DataParallel
 from megalite.core.optimizer import zero1_checkpoint as ckpt
 from megalite.core.optimizer.full_state_format import check_full_state
 from megalite.core.optimizer.loss_scaler import LossScaler
@@ -32,7 +32,7 @@ class _Piece:
     ``param.view(-1)``, at ``buffer_lo`` in its buffer and ``shard_lo`` in the rank's flat shard."""
 
     param: nn.Parameter
-    buffer: int  # index into DistributedOptimizer.buffers
+    buffer: int  # index into ShardedOptimizer.buffers
     group: int  # index into param_groups
     lo: int
     hi: int
@@ -46,8 +46,8 @@ class _Piece:
     where: str = "device"  # of its optimizer state: device | host | disk
 
 
-class DistributedOptimizer(MixedPrecisionOptimizer):
-    """ZeRO-1 Adam over the shards of a ``ZeroDataParallel`` model. Who owns what:
+class ShardedOptimizer(MixedPrecisionOptimizer):
+    """ZeRO-1 Adam over the shards of a ``Zero1DataParallel`` model. Who owns what:
 
     - every DP rank holds the whole model (params in the param dtype) and a whole grad buffer;
     - DP rank ``r`` owns, in every bucket of every buffer, the ``r``-th of ``dp_size`` equal
@@ -71,7 +71,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         param_groups: list[dict],
         build_inner: Callable[[list[dict]], torch.optim.Optimizer],
         *,
-        model: ZeroDataParallel,
+        model: Zero1DataParallel,
         clip_grad: float,
         mp_group,
         tp_rank: int,
@@ -82,8 +82,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         expert_tp_rank: int = 0,
         offload: OffloadSpec | None = None,
     ):
-        if not isinstance(model, ZeroDataParallel):
-            raise TypeError("DistributedOptimizer needs the model wrapped in ZeroDataParallel")
+        if not isinstance(model, Zero1DataParallel):
+            raise TypeError("ShardedOptimizer needs the model wrapped in Zero1DataParallel")
         super().__init__(
             param_groups, model=model, clip_grad=clip_grad, tp_rank=tp_rank,
             duplicates=duplicates, loss_scaler=loss_scaler, count_zeros=count_zeros,

@@ -1,11 +1,11 @@
 """ZeRO data parallelism: grads are reduce-scattered into per-rank shards, parameters live in
 contiguous buffers and are all-gathered from their owners' shards after the update.
 
-    model = ZeroDataParallel(module, dp_group=ps.group("dp", "cp"), tp_group=ps.tp_group, ...)
+    model = Zero1DataParallel(module, dp_group=ps.group("dp", "cp"), tp_group=ps.tp_group, ...)
     model.zero_grad_buffer()
     forward_backward(...)           # all but the last micro-batch inside model.no_sync()
     model.finish_grad_sync()        # each DP rank: its shard of every bucket holds the DP mean
-    optimizer.step()                # DistributedOptimizer: update own shard, then gather_params()
+    optimizer.step()                # ShardedOptimizer: update own shard, then gather_params()
 
 The parameters are not sharded (ZeRO-1: every rank holds the whole model and a whole grad buffer);
 what is sharded is who *owns* which elements: the reduced grads and the optimizer state.
@@ -69,12 +69,12 @@ from megalite.core.distributed.shard_collectives import (
     reduce_scatter_shard,
     start_reduce_scatter_shard,
 )
-from megalite.core.tensor_parallel.mappings import group_rank, group_size
+from megalite.core.groups import group_rank, group_size
 
 
-class ZeroDataParallel(DistributedDataParallel):
+class Zero1DataParallel(DistributedDataParallel):
     """``DistributedDataParallel`` whose grad sync is a reduce-scatter into per-rank shards (the
-    ZeRO rungs); pair it with ``megalite.core.optimizer.DistributedOptimizer``. Arguments as the
+    ZeRO rungs); pair it with ``megalite.core.optimizer.ShardedOptimizer``. Arguments as the
     base class (without ``pad_multiple``: always the buffer's DP group size; expert buffers are
     sharded over ``expert_dp_group``), plus ``overlap_param_gather``."""
 

@@ -1,0 +1,37 @@
+"""Process-group helpers every parallel axis shares: the size and rank of a group, and the
+tensor collectives under the names this torch has.
+
+``None`` means a group of one (no communication), as everywhere in megalite: an oracle model built
+with ``ParallelState.single()`` inside a multi-rank test passes ``None`` for each of its groups.
+Every collective megalite issues goes through an explicit group; none of these falls back to the
+world group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def group_size(group) -> int:
+    if group is None or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    if group is None or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def all_gather_tensor(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """``dist.all_gather_single`` where torch has it (2.13 deprecates the older name), else
+    ``dist.all_gather_into_tensor``: concatenate every rank's ``x`` along dim 0 into ``out``."""
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, x, group=group)
+
+
+def reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """``dist.reduce_scatter_single`` where torch has it (2.13 deprecates the older name), else
+    ``dist.reduce_scatter_tensor``: sum ``x`` over the group, keep this rank's chunk of dim 0."""
+    getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, x, group=group)
