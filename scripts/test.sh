@@ -24,6 +24,9 @@ PY
   "$PY" -m pip install -q -e ".[test,triton]"
 fi
 
+echo "== history: no issue numbers in the code"
+"$PY" tools/check_history.py
+
 echo "== ruff"
 "$PY" -m ruff format --check .
 "$PY" -m ruff check .
