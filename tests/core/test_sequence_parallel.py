@@ -188,7 +188,7 @@ def _block_cases(tp):
     return True
 
 
-@pytest.mark.kernels_on  # issue 20: also run with the fused kernels forced on (scripts/test.sh)
+@pytest.mark.kernels_on  # also run with the fused kernels forced on (scripts/test.sh)
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_mlp_and_norm_blocks_equal_with_sequence_parallel_on_and_off(tp):
     assert run_distributed(_block_cases, tp, tp) == [True] * tp

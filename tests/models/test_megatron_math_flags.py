@@ -1,4 +1,4 @@
-"""Issue 18: Megatron's flags that change the model math or the loss, each against a hand-built
+"""Megatron's flags that change the model math or the loss, each against a hand-built
 reference (fp32 CPU, 1e-5 relative unless stated), and the sharded ones under TP2 + SP against the
 single-process model.
 

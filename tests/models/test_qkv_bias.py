@@ -1,4 +1,4 @@
-"""``--add-qkv-bias`` (issue 16; Qwen2 / Qwen2-MoE): a bias on the QKV projection only, sharded
+"""``--add-qkv-bias`` (Qwen2 / Qwen2-MoE): a bias on the QKV projection only, sharded
 over TP by whole query groups like the weight's rows (checkpoint key ``linear_qkv.bias``).
 
 A Llama-family model with the bias (drawn non-zero, the same full tensor in both) at TP2 with
