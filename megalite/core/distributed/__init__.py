@@ -15,21 +15,22 @@ __all__ = [
     "DistributedDataParallel",
     "GradBuffer",
     "GradBufferLayout",
+    "STRATEGIES",
+    "Zero1DataParallel",
     "Zero2DataParallel",
     "Zero3DataParallel",
-    "Zero1DataParallel",
-    "wrapper_class",
     "all_reduce_flat",
+    "wrapper_class",
 ]
 
 
+# data_parallel_sharding_strategy: the rungs of the ladder, in order (index = ZeRO stage)
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+_WRAPPERS = (DistributedDataParallel, Zero1DataParallel, Zero2DataParallel, Zero3DataParallel)
 
 
 def wrapper_class(strategy: str) -> type[DistributedDataParallel]:
-    """The wrapper of ``--data-parallel-sharding-strategy`` ``strategy``."""
-    classes = dict(zip(STRATEGIES, (DistributedDataParallel, Zero1DataParallel, Zero2DataParallel,
-                                    Zero3DataParallel)))  # fmt: skip
-    if strategy not in classes:
-        raise ValueError(f"data-parallel sharding strategy {strategy!r} is not one of {STRATEGIES}")
-    return classes[strategy]
+    """The wrapper of sharding strategy ``strategy`` (one of ``STRATEGIES``)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"data_parallel_sharding_strategy {strategy!r} is not one of {STRATEGIES}")
+    return _WRAPPERS[STRATEGIES.index(strategy)]

@@ -155,10 +155,15 @@ class GradBuffer:
         self.data = torch.zeros(self.layout.numel, dtype=grad_dtype, device=device)
         self.param_ranges = {p: self.layout.param_ranges[i] for i, p in enumerate(self.params)}
         self.buckets = [
-            Bucket(b.index, [self.params[i] for i in b.params], self.view(b.offset,
-                   b.offset + b.numel), b.offset, dp_group)
+            Bucket(
+                b.index,
+                [self.params[i] for i in b.params],
+                self.view(b.offset, b.offset + b.numel),
+                b.offset,
+                dp_group,
+            )
             for b in self.layout.buckets
-        ]  # fmt: skip
+        ]
         for p, (lo, hi, _) in self.param_ranges.items():
             p.main_grad = self.view(lo, hi).view(p.shape)
 

@@ -116,8 +116,8 @@ class Zero1DataParallel(DistributedDataParallel):
         self._gathering: dict[BucketKey, list] = {}
         if overlap_param_gather:
             for sub in module.modules():
-                keys = sorted({self._bucket_key[p] for p in sub.parameters(recurse=False)
-                               if p in self._bucket_key})  # fmt: skip
+                owned = [p for p in sub.parameters(recurse=False) if p in self._bucket_key]
+                keys = sorted({self._bucket_key[p] for p in owned})
                 if keys:
                     sub.register_forward_pre_hook(self._make_wait_hook(keys))
             module.register_state_dict_pre_hook(lambda *_: self.finish_param_sync())

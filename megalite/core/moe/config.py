@@ -44,11 +44,14 @@ class MoEConfig:
         """One-line ValueError naming the field(s), the numbers and the fix."""
         for name, value, allowed in (
             ("moe_router_score_function", self.router_score_function, SCORE_FUNCTIONS),
-            ("moe_router_load_balancing_type", self.router_load_balancing_type,
-             LOAD_BALANCING_TYPES),
+            (
+                "moe_router_load_balancing_type",
+                self.router_load_balancing_type,
+                LOAD_BALANCING_TYPES,
+            ),
             ("moe_token_drop_policy", self.token_drop_policy, DROP_POLICIES),
             ("moe_token_dispatcher_type", self.token_dispatcher_type, DISPATCHERS),
-        ):  # fmt: skip
+        ):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
         if self.num_experts < 1:

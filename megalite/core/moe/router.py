@@ -131,10 +131,13 @@ class TopKRouter(nn.Module):
             counts = self.global_tokens_per_expert / self.global_micro_steps
         batch = group_size(self.batch_group)
         return global_aux_loss_partial(
-            aux_scores, counts, total_tokens=aux_scores.shape[0] * batch, topk=c.router_topk,
+            aux_scores,
+            counts,
+            total_tokens=aux_scores.shape[0] * batch,
+            topk=c.router_topk,
             coeff=c.aux_loss_coeff,
             grad_share=batch * self.cp_size // group_size(self.seq_group),
-        )  # fmt: skip
+        )
 
     def forward(self, x: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
@@ -150,9 +153,13 @@ class TopKRouter(nn.Module):
             )
         elif c.router_load_balancing_type == "seq_aux_loss" and c.aux_loss_coeff > 0:
             aux = seq_aux_loss_partial(
-                aux_scores, routing_map, batch_size=batch_size, topk=c.router_topk,
-                coeff=c.aux_loss_coeff, **common,
-            )  # fmt: skip
+                aux_scores,
+                routing_map,
+                batch_size=batch_size,
+                topk=c.router_topk,
+                coeff=c.aux_loss_coeff,
+                **common,
+            )
         counting = self.training and torch.is_grad_enabled()  # not in eval or a no-grad pass
         if c.router_load_balancing_type == "global_aux_loss" and c.aux_loss_coeff > 0:
             aux = self._global_aux_loss(aux_scores, routing_map, counting)

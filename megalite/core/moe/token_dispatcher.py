@@ -73,8 +73,16 @@ def _unpermute(y: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, num_t
 
 
 class AllToAllDispatcher(nn.Module):
-    def __init__(self, *, num_experts: int, ep_group, etp_group, capacity_factor=None,
-                 topk: int = 1, pad_to_capacity: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        num_experts: int,
+        ep_group,
+        etp_group,
+        capacity_factor=None,
+        topk: int = 1,
+        pad_to_capacity: bool = False,
+    ):
         super().__init__()
         self.num_experts, self.ep_group, self.etp_group = num_experts, ep_group, etp_group
         self.ep, self.etp = group_size(ep_group), group_size(etp_group)

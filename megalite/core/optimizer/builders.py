@@ -116,22 +116,26 @@ def build_optimizer(
     (``get_param_groups``).
     """
     build_inner = adamw_factory(
-        lr=lr, weight_decay=weight_decay, adam_beta1=adam_beta1, adam_beta2=adam_beta2,
+        lr=lr,
+        weight_decay=weight_decay,
+        adam_beta1=adam_beta1,
+        adam_beta2=adam_beta2,
         adam_eps=adam_eps,
-    )  # fmt: skip
+    )
     sharded = isinstance(model, Zero1DataParallel)  # ZeRO-1: the optimizer state over DP
     extra = {}
     if offload is not None:
         if not sharded:
             raise ValueError("optimizer offload needs a sharded rung (ZeRO-1, 2 or 3)")
         extra["offload"] = offload
+    param_groups = get_param_groups(
+        model,
+        weight_decay=weight_decay,
+        decoupled_lr=decoupled_lr,
+        decoupled_min_lr=decoupled_min_lr,
+    )
     return (ShardedOptimizer if sharded else UnshardedOptimizer)(
-        get_param_groups(
-            model,
-            weight_decay=weight_decay,
-            decoupled_lr=decoupled_lr,
-            decoupled_min_lr=decoupled_min_lr,
-        ),  # fmt: skip
+        param_groups,
         build_inner,
         model=model,
         clip_grad=clip_grad,

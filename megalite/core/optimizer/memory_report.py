@@ -175,19 +175,24 @@ def log_model_state_memory(model: nn.Module, optimizer, ps) -> list[ModelStateBy
         "model-state memory per rank, %s over DP %d: params + grads + fp32 master + optimizer "
         "states + buffers (MiB, device) [+ offloaded host / disk], measured vs theory %s "
         "(P = params on the rank; DeepSpeed's rungs: 16P, 4P + 12P/N, 2P + 14P/N, 16P/N)",
-        STAGE_NAMES[mine.stage], ps.size("dp", "cp"),
+        STAGE_NAMES[mine.stage],
+        ps.size("dp", "cp"),
         theory_formula(model, dp_size=ps.size("dp", "cp")),
-    )  # fmt: skip
+    )
     for r, s in rows:
         off = f" [+ host {s.host / MIB:.2f}, disk {s.disk / MIB:.2f}]" if s.host or s.disk else ""
+        theory_off = f" + {s.theory_off / MIB:.2f} off" if s.theory_off else ""
         logger.info(
             "  rank %d: %.2f + %.2f + %.2f + %.2f + %.2f = %.2f MiB%s "
             "(theory %.2f MiB%s, %d params)",
-            r, s.params / MIB, s.grads / MIB, s.master / MIB, s.optimizer / MIB, s.buffers / MIB,
-            s.total / MIB, off, s.theory / MIB,
-            f" + {s.theory_off / MIB:.2f} off" if s.theory_off else "", s.num_params,
-        )  # fmt: skip
+            *(r, *_mib_columns(s), off, s.theory / MIB, theory_off, s.num_params),
+        )
     return [s for _, s in rows]
+
+
+def _mib_columns(s: ModelStateBytes) -> list[float]:
+    """params, grads, master, optimizer, buffers and their total, in MiB (the logged columns)."""
+    return [x / MIB for x in (s.params, s.grads, s.master, s.optimizer, s.buffers, s.total)]
 
 
 def _rows(mine: ModelStateBytes, ps) -> list[tuple[int, ModelStateBytes]]:
@@ -215,7 +220,6 @@ def log_memory_after_step(model: nn.Module, optimizer, ps) -> list[ModelStateByt
     for r, s in rows:
         logger.info(
             "  rank %d: %.2f + %.2f + %.2f + %.2f + %.2f = %.2f MiB (theory %.2f MiB + buffers)",
-            r, s.params / MIB, s.grads / MIB, s.master / MIB, s.optimizer / MIB, s.buffers / MIB,
-            s.total / MIB, s.theory / MIB,
-        )  # fmt: skip
+            *(r, *_mib_columns(s), s.theory / MIB),
+        )
     return [s for _, s in rows]

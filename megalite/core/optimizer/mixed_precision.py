@@ -123,9 +123,11 @@ class MixedPrecisionOptimizer:
     def is_counted(self, param: nn.Parameter) -> bool:
         """Whether ``param`` enters the grad norm on this rank (each parameter counted once)."""
         return param_is_counted(
-            param, tp_rank=self.tp_rank, duplicates=self.duplicates,
+            param,
+            tp_rank=self.tp_rank,
+            duplicates=self.duplicates,
             expert_tp_rank=self.expert_tp_rank,
-        )  # fmt: skip
+        )
 
     def zeros_counted(self, param: nn.Parameter) -> bool:
         """Whether ``param`` enters ``num_zeros_in_grad`` (TP-replicated ones on TP rank 0)."""
@@ -158,10 +160,12 @@ class MixedPrecisionOptimizer:
             if found_inf:
                 return False, None, None
         norm = grad_norm(
-            grads.counted, groups=self.reduce_groups, device=self._device,
+            grads.counted,
+            groups=self.reduce_groups,
+            device=self._device,
             expert_grads=grads.counted_expert if self.has_experts else None,
             expert_groups=self.expert_reduce_groups,
-        )  # fmt: skip
+        )
         if self.clip_grad > 0:
             clip_grads_by_norm(grads.all, norm, self.clip_grad)
         num_zeros = self._count_zeros(grads) if self.count_zeros else None

@@ -85,10 +85,15 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         if not isinstance(model, Zero1DataParallel):
             raise TypeError("ShardedOptimizer needs the model wrapped in Zero1DataParallel")
         super().__init__(
-            param_groups, model=model, clip_grad=clip_grad, tp_rank=tp_rank,
-            duplicates=duplicates, loss_scaler=loss_scaler, count_zeros=count_zeros,
+            param_groups,
+            model=model,
+            clip_grad=clip_grad,
+            tp_rank=tp_rank,
+            duplicates=duplicates,
+            loss_scaler=loss_scaler,
+            count_zeros=count_zeros,
             expert_tp_rank=expert_tp_rank,
-        )  # fmt: skip
+        )
         self.model, self.dp_group, self.dp_size = model, model.dp_group, model.dp_size
         self.mp_group = mp_group
         self.reduce_groups = (self.dp_group, mp_group)
@@ -104,7 +109,7 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
                 param_shard=model.param_shard_of(g),
                 offload=offload,
                 name=f"opt{id(self):x}_b{b}",
-            )  # fmt: skip
+            )
             for b, (d, g) in enumerate(model.buffer_pairs())
         ]
         self.pieces: list[_Piece] = []
@@ -126,11 +131,20 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
                         master = torch.empty(0, dtype=torch.float32, device=sb.device)
                     self.pieces.append(
                         _Piece(
-                            param, b, group_of[param], x - p_lo, y - p_lo, x, s,
-                            nn.Parameter(master), self.is_counted(param),
-                            self.zeros_counted(param), sb.grad_buffer.expert, sb.where(s),
+                            param=param,
+                            buffer=b,
+                            group=group_of[param],
+                            lo=x - p_lo,
+                            hi=y - p_lo,
+                            buffer_lo=x,
+                            shard_lo=s,
+                            master=nn.Parameter(master),
+                            counted=self.is_counted(param),
+                            zeros_counted=self.zeros_counted(param),
+                            expert=sb.grad_buffer.expert,
+                            where=sb.where(s),
                         )
-                    )  # fmt: skip
+                    )
         if len(seen) != len(group_of):
             raise ValueError(
                 f"{len(group_of) - len(seen)} optimized parameters have no grad buffer"
@@ -216,9 +230,16 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
                     a, b, grad=g[a - pc.shard_lo : b - pc.shard_lo]
                 )  # the grad's copy to the host is in flight while the moments are read
                 adamw_chunk(
-                    master, grad, exp_avg, exp_avg_sq, step=self.steps, lr=group["lr"],
-                    weight_decay=group["weight_decay"], betas=group["betas"], eps=group["eps"],
-                )  # fmt: skip
+                    master,
+                    grad,
+                    exp_avg,
+                    exp_avg_sq,
+                    step=self.steps,
+                    lr=group["lr"],
+                    weight_decay=group["weight_decay"],
+                    betas=group["betas"],
+                    eps=group["eps"],
+                )
                 sb.store.save(a, b)
                 sb.copy_to_params(a, master)
 
@@ -310,11 +331,7 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
                     # fp32 params, whole param buffer: it is current
                     fulls[key] = sb.param_data.detach().clone()
                 else:
-                    g = sb.grad_buffer
-                    fulls[key] = ckpt.gather_full(
-                        g.layout, sb.read_shard(key), dp_group=g.dp_group, dp_size=g.dp_size,
-                        dp_rank=g.dp_rank,
-                    )  # fmt: skip
+                    fulls[key] = ckpt.gather_full(sb.grad_buffer, sb.read_shard(key))
             for param, (lo, hi, _) in sb.grad_buffer.param_ranges.items():
                 params[self.name_of[param]] = {
                     k: v[lo:hi].view(param.shape).clone() for k, v in fulls.items()

@@ -76,9 +76,12 @@ class ShardState:
         if self.cut and offload.directory is not None:
             prefix = f"rank{_global_rank()}_{name}_{os.getpid()}"
             self.store = NvmeStore(
-                offload.directory, prefix, self.cut, host_bytes=int(offload.host_bytes),
+                offload.directory,
+                prefix,
+                self.cut,
+                host_bytes=int(offload.host_bytes),
                 device=self.device,
-            )  # fmt: skip
+            )
             for a, b in self.store.chunks(0, self.cut):  # the masters, streamed in
                 self.store.stage("master", self._param_range(a, b))
                 self.store.save(a, b, keys=("master",))

@@ -52,10 +52,15 @@ class UnshardedOptimizer(MixedPrecisionOptimizer):
         expert_tp_rank: int = 0,
     ):
         super().__init__(
-            param_groups, model=model, clip_grad=clip_grad, tp_rank=tp_rank,
-            duplicates=duplicates, loss_scaler=loss_scaler, count_zeros=count_zeros,
+            param_groups,
+            model=model,
+            clip_grad=clip_grad,
+            tp_rank=tp_rank,
+            duplicates=duplicates,
+            loss_scaler=loss_scaler,
+            count_zeros=count_zeros,
             expert_tp_rank=expert_tp_rank,
-        )  # fmt: skip
+        )
         self.mp_group = mp_group
         self.reduce_groups = (mp_group,)
         self.expert_reduce_groups = (expert_mp_group,)

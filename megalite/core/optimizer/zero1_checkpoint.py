@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from megalite.core.distributed.grad_buffer import GradBufferLayout
+from megalite.core.distributed.grad_buffer import GradBuffer, GradBufferLayout
 from megalite.core.distributed.shard_collectives import all_gather_shard
 from megalite.core.optimizer.full_state_format import ADAM_KEYS
 
@@ -84,14 +84,14 @@ def check_loadable(sd: dict, *, dp_size: int, dp_rank: int, layouts: list[dict])
         )
 
 
-def gather_full(
-    layout: GradBufferLayout, shard: torch.Tensor, *, dp_group, dp_size: int, dp_rank: int
-) -> torch.Tensor:
-    """The whole buffer [N] in fp32 from every DP rank's flat ``shard`` (a collective)."""
+def gather_full(grad_buffer: GradBuffer, shard: torch.Tensor) -> torch.Tensor:
+    """The whole buffer [N] in fp32 from every rank's flat ``shard`` of ``grad_buffer`` (a
+    collective over the buffer's DP group)."""
+    g, layout = grad_buffer, grad_buffer.layout
     full = torch.zeros(layout.numel, dtype=torch.float32, device=shard.device)
-    for (lo, hi, s), bucket in zip(layout.shard_segments(dp_size, dp_rank), layout.buckets):
+    for (lo, hi, s), bucket in zip(layout.shard_segments(g.dp_size, g.dp_rank), layout.buckets):
         full[lo:hi].copy_(shard[s : s + hi - lo])
-        all_gather_shard(full[bucket.offset : bucket.offset + bucket.numel], dp_group)
+        all_gather_shard(full[bucket.offset : bucket.offset + bucket.numel], g.dp_group)
     return full
 
 
@@ -106,11 +106,7 @@ def full_state_buffers(optimizer, *, expert: bool) -> dict[str, dict[str, torch.
         g = sb.grad_buffer
         if bool(g.expert) != expert:
             continue
-        fulls = {
-            key: gather_full(g.layout, sb.read_shard(key), dp_group=g.dp_group,
-                             dp_size=g.dp_size, dp_rank=g.dp_rank)
-            for key in STATE_KEYS
-        }  # fmt: skip
+        fulls = {key: gather_full(g, sb.read_shard(key)) for key in STATE_KEYS}
         for param, (lo, hi, _) in g.param_ranges.items():
             params[optimizer.name_of[param]] = {
                 k: v[lo:hi].view(param.shape).clone() for k, v in fulls.items()
