@@ -1,4 +1,4 @@
-"""All-gather attention (``--cp-comm-type all_gather``): every rank gathers the whole sequence's
+"""All-gather attention (``cp_comm_type="all_gather"``): every rank gathers the whole sequence's
 K/V and attends its own two query chunks to it.
 
 Query chunk j (of ``2 x CP``, ``c`` tokens) attends keys ``[0, j c)`` unmasked and its own chunk

@@ -1,4 +1,4 @@
-"""Ring attention (``--cp-comm-type p2p``): queries stay, key/value blocks travel round the ring.
+"""Ring attention (``cp_comm_type="p2p"``): queries stay, key/value blocks travel round the ring.
 
 Cp rank r holds chunks ``r`` and ``2CP-1-r`` (``chunking``) of Q, K and V, each ``c`` tokens. At
 step i it holds the K/V of rank ``src = (r - i) mod CP`` and, under the causal mask, computes only

@@ -87,8 +87,8 @@ class Zero3DataParallel(Zero2DataParallel):
     ):
         if overlap_param_gather:
             raise ValueError(
-                "--overlap-param-gather does not apply to ZeRO-3 (optim_grads_params): it gathers "
-                "each unit before its forward and prefetches the next; drop the flag"
+                "overlap_param_gather does not apply to ZeRO-3 (optim_grads_params): it gathers "
+                "each unit before its forward and prefetches the next; drop overlap_param_gather"
             )
         self.units = list(default_units(module) if units is None else units)
         self.prefetch = prefetch

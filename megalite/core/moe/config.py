@@ -1,7 +1,8 @@
 """MoEConfig: the plain values a mixture-of-experts layer is built from (core never sees flags).
 
-Names follow Megatron-LM's ``--moe-*`` flags without the prefix (``--moe-router-topk`` is
-``router_topk``). ``GPTConfig.moe_config()`` fills one from the model's fields.
+Names are the model config's ``moe_*`` fields (Megatron's names) without the prefix
+(``moe_router_topk`` is ``router_topk``); the model builds one from its config. Messages name the
+model config's fields.
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 """TopKRouter: scores every token against every expert (fp32) and picks its top-k experts.
 
-Scores (Megatron's ``--moe-router-score-function``, ``--moe-router-pre-softmax``):
+Scores (``router_score_function``, ``router_pre_softmax``):
 - softmax: top-k of the logits, then softmax over those k (Mixtral); with ``pre_softmax``, softmax
   over all experts, then top-k of the probabilities, not renormalised (Qwen2-MoE).
 - sigmoid: sigmoid of the logits; top-k (of score + expert bias, when on), probabilities = the
   chosen scores normalised to sum 1 (k > 1).
 
-Capacity (``--moe-expert-capacity-factor``): each expert keeps at most
+Capacity (``expert_capacity_factor``): each expert keeps at most
 ``ceil(tokens * k / E * factor)`` of this rank's tokens, the most probable (``probs``) or the first
 (``position``); the others are dropped for that expert. Without a factor nothing is dropped.
 
-Expert bias (``--moe-router-enable-expert-bias``, aux-loss-free balancing): a buffer added to the
+Expert bias (``router_enable_expert_bias``, aux-loss-free balancing): a buffer added to the
 scores for the choice only; after each step ``update_expert_bias`` moves it by
 ``rate * sign(mean load - load)`` from the step's token counts summed over the whole batch.
 """

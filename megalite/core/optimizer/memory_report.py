@@ -1,7 +1,7 @@
 """The model-state memory of every rank (params, grads, fp32 masters, optimizer states, buffers)
 at start-up, per rung of the ZeRO ladder, and the measured peak after the first step.
 
-Measured over tensor *storage*: each distinct storage counted once (a ZeRO-1 param buffer, the
+Measured over tensor *storage*: each distinct storage counted once (a param buffer, the
 grad buffers or their shards, the flat master and Adam shards), so views and aliases are not
 double-counted, and a master that *is* the model parameter (fp32 training) costs nothing extra.
 Adam states that the plain ``torch.optim.AdamW`` creates lazily at its first step are counted at
@@ -20,7 +20,7 @@ per element; stage ``z`` divides by ``N`` the first ``z`` of (optimizer, grads, 
     stage 3 (optim_grads_params):  p P/N + g P/N + k P / N
 
 DeepSpeed's figures are the bf16-grad case (p = g = 2, k = 12): 16P, 4P + 12P/N, 2P + 14P/N,
-16P/N. megalite's fp32-grad variant (``--accumulate-allreduce-grads-in-fp32``, g = 4): 18P,
+16P/N. megalite's fp32-grad variant (``accumulate_allreduce_grads_in_fp32``, g = 4): 18P,
 6P + 12P/N, 2P + 16P/N, 18P/N. With offload, ``fraction`` of the optimizer part moves to the host
 (or disk). Measured bytes exceed the theory only by bucket padding (< N elements per bucket) and
 the step counters.
@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalite.core.distributed import STRATEGIES
 from megalite.core.groups import group_size
 
 logger = logging.getLogger(__name__)
@@ -163,7 +164,8 @@ def _gather_rows(row: torch.Tensor, groups) -> torch.Tensor:
     return rows
 
 
-STAGE_NAMES = ("no_shard", "ZeRO-1 (optim)", "ZeRO-2 (optim_grads)", "ZeRO-3 (optim_grads_params)")
+# "no_shard", "ZeRO-1 (optim)", ..., by stage
+STAGE_NAMES = ("no_shard", *(f"ZeRO-{z} ({s})" for z, s in enumerate(STRATEGIES) if z))
 
 
 def log_model_state_memory(model: nn.Module, optimizer, ps) -> list[ModelStateBytes]:
