@@ -1,5 +1,5 @@
-"""Process-group helpers every parallel axis shares: the size and rank of a group, and the
-tensor collectives under the names this torch has.
+"""Process-group helpers every parallel axis shares: the size and rank of a group, the tensor
+collectives under the names this torch has, and a sum of many tensors in one collective.
 
 ``None`` means a group of one (no communication), as everywhere in megalite: an oracle model built
 with ``ParallelState.single()`` inside a multi-rank test passes ``None`` for each of its groups.
@@ -35,3 +35,15 @@ def reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group) -> None:
     """``dist.reduce_scatter_single`` where torch has it (2.13 deprecates the older name), else
     ``dist.reduce_scatter_tensor``: sum ``x`` over the group, keep this rank's chunk of dim 0."""
     getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, x, group=group)
+
+
+def all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
+    """Sum ``tensors`` (same dtype) over ``group`` in one collective, in place."""
+    if group_size(group) == 1 or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()

@@ -5,7 +5,7 @@ kept), ``Zero3DataParallel`` (``optim_grads_params``: params sharded, gathered p
 
 from __future__ import annotations
 
-from megalite.core.distributed.data_parallel import DistributedDataParallel, all_reduce_flat
+from megalite.core.distributed.data_parallel import DistributedDataParallel
 from megalite.core.distributed.grad_buffer import GradBuffer, GradBufferLayout
 from megalite.core.distributed.zero1_data_parallel import Zero1DataParallel
 from megalite.core.distributed.zero2_data_parallel import Zero2DataParallel
@@ -19,7 +19,6 @@ __all__ = [
     "Zero1DataParallel",
     "Zero2DataParallel",
     "Zero3DataParallel",
-    "all_reduce_flat",
     "wrapper_class",
 ]
 

@@ -132,7 +132,7 @@ class Zero3DataParallel(Zero2DataParallel):
 
     def _init_param_storage(self) -> None:
         """Per buffer: the flat shard; per bucket: a full tensor the params view (then released)."""
-        self.param_shards: dict[object, torch.Tensor] = {}
+        self.param_shards = {}
         self._full: dict[BucketKey, torch.Tensor] = {}
         for b, (key, buffer) in enumerate(self.buffers_by_key.items()):
             shard = torch.zeros(buffer.data.numel(), dtype=key[0], device=buffer.data.device)

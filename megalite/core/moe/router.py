@@ -189,6 +189,18 @@ def routers_of(model: nn.Module | list[nn.Module]) -> list[TopKRouter]:
     return [m for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
 
 
+def set_aux_loss_scale(model: nn.Module | list[nn.Module], scale) -> None:
+    """At the start of a step (before its first forward): every router of ``model`` (a module or
+    list of chunks) scales its aux losses' grads by ``scale`` = loss scale / number of
+    micro-batches (what the schedule applies to the lm loss), and the ``global_aux_loss`` counts
+    of the previous step are dropped (Megatron restarts them each global batch)."""
+    for router in routers_of(model):
+        router.aux_loss_scale = scale
+        if router.global_tokens_per_expert is not None:
+            router.global_tokens_per_expert.zero_()
+            router.global_micro_steps.zero_()
+
+
 @torch.no_grad()
 def update_expert_bias(model: nn.Module | list[nn.Module], group) -> None:
     """After the optimizer step: each router with an expert bias adds ``rate * sign(mean - load)``

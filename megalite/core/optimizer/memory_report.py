@@ -35,10 +35,11 @@ from dataclasses import astuple, dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from megalite.core.distributed import STRATEGIES
+from megalite.core.distributed import STRATEGIES, DistributedDataParallel
 from megalite.core.groups import group_size
+from megalite.core.optimizer.mixed_precision import MixedPrecisionOptimizer
+from megalite.core.parallel_state import ParallelState
 
 logger = logging.getLogger(__name__)
 MIB = 2**20
@@ -77,20 +78,17 @@ def _storages(tensors: Iterable[torch.Tensor], exclude: set[int] = frozenset()) 
     return out
 
 
-def zero_stage(model: nn.Module) -> int:
-    """The ladder rung of a data-parallel wrapper (0 = no_shard ... 3 = optim_grads_params)."""
-    return int(getattr(model, "zero_stage", 0))
-
-
-def model_state_bytes(model: nn.Module, optimizer, *, dp_size: int) -> ModelStateBytes:
-    """Measure ``model`` (a DP wrapper with ``grad_buffers``) and ``optimizer`` (either optimizer:
+def model_state_bytes(
+    model: DistributedDataParallel, optimizer: MixedPrecisionOptimizer, *, dp_size: int
+) -> ModelStateBytes:
+    """Measure ``model`` (a data-parallel wrapper, any rung) and ``optimizer`` (either optimizer:
     ``master_params`` and the inner ``optimizer``) on this rank; ``dp_size`` for the theory."""
     params = [p for p in model.parameters() if p.requires_grad]
-    shards = list(getattr(model, "param_shards", {}).values())
+    shards = list(model.param_shards.values())  # ZeRO-3's
     param_st = _storages([*params, *shards])
     grad_st = _storages([b.data for b in model.grad_buffers])
-    states = getattr(optimizer, "buffers", [])  # ShardState per buffer (sharded optimizer)
-    host_tensors = [t for sb in states for t in getattr(sb, "host", {}).values()]
+    states = optimizer.buffers if optimizer.is_sharded else []  # ShardState per buffer
+    host_tensors = [t for sb in states for t in sb.host.values()]
     host_tensors += [t for sb in states if sb.store is not None for t in sb.store.buffers.values()]
     host_st = _storages(host_tensors)
     stores = [sb.store for sb in states if sb.store is not None]
@@ -106,16 +104,16 @@ def model_state_bytes(model: nn.Module, optimizer, *, dp_size: int) -> ModelStat
         state_tensors += [v for k, v in state.items() if torch.is_tensor(v) and k != "step"]
     optim_st = _storages(state_tensors, exclude=seen)
     steps = sum(4 for m in optimizer.master_params if "step" in inner.state.get(m, {}))
-    buffers = model.staged_bytes() if hasattr(model, "staged_bytes") else 0
+    buffers = model.staged_bytes()
 
-    stage = zero_stage(model)
+    stage = model.zero_stage
     fraction = 0.0
     if states and states[0].numel:
         fraction = sum(sb.cut for sb in states) / sum(sb.numel for sb in states)
     num_params, theory, theory_off = 0, 0.0, 0.0
     for p in params:
         n, p_size = p.numel(), p.element_size()
-        g_size = model._buffer_of(p).grad_dtype.itemsize if hasattr(model, "_buffer_of") else p_size
+        g_size = model.buffer_of(p).grad_dtype.itemsize
         k = 8 + (0 if p.dtype == torch.float32 else 4)
         num_params += n
         theory += n * p_size / (dp_size if stage >= 3 else 1)
@@ -138,15 +136,11 @@ def model_state_bytes(model: nn.Module, optimizer, *, dp_size: int) -> ModelStat
     )
 
 
-def theory_formula(model: nn.Module, *, dp_size: int, zero: bool | None = None) -> str:
+def theory_formula(model: DistributedDataParallel, *, dp_size: int) -> str:
     """The theory as text for the first parameter's dtypes, e.g. ``2P + 4P/4 + 12P/4``."""
-    stage = zero_stage(model) if zero is None or zero else 0
+    stage = model.zero_stage
     p = next(p for p in model.parameters() if p.requires_grad)
-    g = (
-        model._buffer_of(p).grad_dtype.itemsize
-        if hasattr(model, "_buffer_of")
-        else p.element_size()
-    )
+    g = model.buffer_of(p).grad_dtype.itemsize
     k = (0 if p.dtype == torch.float32 else 4) + 8
     parts = [(p.element_size(), 3), (g, 2), (k, 1)]
     return " + ".join(f"{b}P" + (f"/{dp_size}" if stage >= z else "") for b, z in parts)
@@ -168,7 +162,9 @@ def _gather_rows(row: torch.Tensor, groups) -> torch.Tensor:
 STAGE_NAMES = ("no_shard", *(f"ZeRO-{z} ({s})" for z, s in enumerate(STRATEGIES) if z))
 
 
-def log_model_state_memory(model: nn.Module, optimizer, ps) -> list[ModelStateBytes]:
+def log_model_state_memory(
+    model: DistributedDataParallel, optimizer: MixedPrecisionOptimizer, ps: ParallelState
+) -> list[ModelStateBytes]:
     """Measure every rank (a collective over the model-parallel and DP groups) and log one line
     per rank on the logging rank. Returns the per-rank numbers, global-rank order."""
     mine = model_state_bytes(model, optimizer, dp_size=ps.size("dp", "cp"))
@@ -204,12 +200,14 @@ def _rows(mine: ModelStateBytes, ps) -> list[tuple[int, ModelStateBytes]]:
     return [(int(r[0]), ModelStateBytes(*(int(v) for v in r[1:]))) for r in rows.tolist()]
 
 
-def log_memory_after_step(model: nn.Module, optimizer, ps) -> list[ModelStateBytes]:
+def log_memory_after_step(
+    model: DistributedDataParallel, optimizer: MixedPrecisionOptimizer, ps: ParallelState
+) -> list[ModelStateBytes]:
     """After the first step (a collective): per rank the measured bytes with ``buffers`` = the
     peak of staged grad buckets + gathered ZeRO-3 units during it (and the CUDA allocator's peak
     when on a GPU)."""
     mine = model_state_bytes(model, optimizer, dp_size=ps.size("dp", "cp"))
-    mine.buffers = getattr(model, "staged_peak_bytes", 0) + getattr(model, "param_peak_bytes", 0)
+    mine.buffers = model.staged_peak_bytes + model.param_peak_bytes
     rows = _rows(mine, ps)
     cuda = ""
     if torch.cuda.is_available() and ps.device.type == "cuda":

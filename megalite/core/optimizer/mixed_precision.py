@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.core.distributed.data_parallel import is_expert_param
 from megalite.core.groups import group_size
 from megalite.core.optimizer.full_state_format import param_names
 from megalite.core.optimizer.grad_norm import (
@@ -47,6 +46,7 @@ from megalite.core.optimizer.grad_norm import (
     param_is_counted,
 )
 from megalite.core.optimizer.loss_scaler import LossScaler
+from megalite.core.param_attributes import is_expert_param, is_tensor_parallel
 
 
 @dataclass
@@ -132,7 +132,7 @@ class MixedPrecisionOptimizer:
     def zeros_counted(self, param: nn.Parameter) -> bool:
         """Whether ``param`` enters ``num_zeros_in_grad`` (TP-replicated ones on TP rank 0)."""
         tp_rank = self.expert_tp_rank if is_expert_param(param) else self.tp_rank
-        return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+        return is_tensor_parallel(param) or tp_rank == 0
 
     def _agree_on_experts(self) -> None:
         """``has_experts``: whether any rank of the model holds an expert parameter (one MAX

@@ -22,6 +22,8 @@ _COPIED_ATTRS = ("tensor_model_parallel", "partition_dim", "sequence_parallel", 
 
 
 def _model_grad(param: nn.Parameter) -> torch.Tensor | None:
+    """The grad buffer's ``main_grad`` when a data-parallel wrapper gave the parameter one (a
+    parameter of an unwrapped model has no such attribute), else ``.grad``."""
     grad = getattr(param, "main_grad", None)
     return param.grad if grad is None else grad
 
