@@ -14,12 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megalite.kernels import runtime
-from megalite.kernels.functions import (
-    fused_layer_norm,
-    fused_rms_norm,
-    fused_scale_mask_softmax,
-)
+from megalite.kernels import functions, runtime
 
 
 def _use_triton(x: torch.Tensor, use_fused: bool) -> bool:
@@ -50,7 +45,7 @@ def layer_norm(
     x: # [..., h]; weight, bias: # [h].
     """
     if _use_triton(x, use_fused):
-        return fused_layer_norm(x, weight, bias, eps)
+        return functions.fused_layer_norm(x, weight, bias, eps)
     return _reference_layer_norm(x, weight, bias, eps)
 
 
@@ -68,7 +63,7 @@ def rms_norm(
     x: # [..., h]; weight: # [h]; output dtype is promote(weight, x) as in HF.
     """
     if _use_triton(x, use_fused) and weight.dtype in runtime.KERNEL_DTYPES:
-        return fused_rms_norm(x, weight, eps)
+        return functions.fused_rms_norm(x, weight, eps)
     return _reference_rms_norm(x, weight, eps)
 
 
@@ -110,5 +105,5 @@ def scale_mask_softmax(
         and x.dim() == 4
         and (mask is None or (mask.dtype == torch.bool and mask.dim() <= 4))
     ):
-        return fused_scale_mask_softmax(x, mask, scale, causal)
+        return functions.fused_scale_mask_softmax(x, mask, scale, causal)
     return _reference_scale_mask_softmax(x, scale=scale, causal=causal, mask=mask)
