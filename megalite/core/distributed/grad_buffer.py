@@ -177,6 +177,3 @@ class GradBuffer:
 
     def zero(self) -> None:
         self.data.zero_()
-
-    def bucket_of(self, param: torch.nn.Parameter) -> Bucket:
-        return self.buckets[self.param_ranges[param][2]]

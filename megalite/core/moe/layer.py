@@ -11,8 +11,6 @@ experts see each token once either way. Groups (from ``ParallelState``): ``tp_gr
 Expert grads: an expert sees the tokens of every rank of its ETP x EP group, so its grad is already
 summed over them; the data-parallel layer sums it over edp and divides by the dense dp x cp size
 (Megatron's scaling), which makes it the mean over dp x cp like every dense grad.
-``expert_grad_scale`` (default 1) multiplies the experts' grads for a data-parallel layer that
-averages over edp instead (it would pass ``edp / (dp * cp)``).
 """
 
 from __future__ import annotations
@@ -45,7 +43,6 @@ class MoELayer(nn.Module):
         init_router: InitMethod,
         init_fc1,
         init_fc2,
-        expert_grad_scale: float = 1.0,
         batch_group=None,
         device: torch.device | None = None,
     ):
@@ -69,7 +66,6 @@ class MoELayer(nn.Module):
             etp_group=etp_group,
             init_fc1=init_fc1,
             init_fc2=init_fc2,
-            grad_scale=expert_grad_scale,
             device=device,
         )
         if config.token_dispatcher_type == "alltoall":
