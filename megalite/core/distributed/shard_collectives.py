@@ -132,8 +132,8 @@ def start_reduce_scatter_shard(data: torch.Tensor, group) -> PendingReduceScatte
     rank = group_rank(group)
     lo, hi = shard_bounds(data.numel(), size, rank)
     if not _is_gloo(group):
-        fn = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-        return PendingReduceScatter([fn(data[lo:hi], data, group=group, async_op=True)])
+        work = reduce_scatter_tensor(data[lo:hi], data, group, async_op=True)
+        return PendingReduceScatter([work])
     shards = data.chunk(size)
     peers = [j for j in range(size) if j != rank]
     recv = torch.empty((len(peers), hi - lo), dtype=data.dtype, device=data.device)
@@ -172,8 +172,5 @@ def all_gather_shard(data: torch.Tensor, group, *, async_op: bool = False) -> li
             work.wait()
         return []
     lo, hi = shard_bounds(data.numel(), size, rank)
-    if async_op:
-        fn = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-        return [fn(data, data[lo:hi], group=group, async_op=True)]
-    all_gather_tensor(data, data[lo:hi], group)
-    return []
+    work = all_gather_tensor(data, data[lo:hi], group, async_op=async_op)
+    return [work] if async_op else []
