@@ -138,8 +138,10 @@ def test_offloaded_grads_reach_the_host_before_the_host_step(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
 
     def opt(*wheres: str):
-        pieces = [types.SimpleNamespace(where=w, master=torch.nn.Parameter(torch.zeros(2)))
-                  for w in wheres]  # fmt: skip
+        pieces = [
+            types.SimpleNamespace(where=w, master=torch.nn.Parameter(torch.zeros(2)))
+            for w in wheres
+        ]
         grads = [torch.full((2,), float(i + 1)) for i in range(len(wheres))]
         return types.SimpleNamespace(
             pieces=pieces, _piece_grads=grads, _device=torch.device("cuda")
@@ -162,8 +164,9 @@ def test_pipeline_loss_handover_on_the_p2p_device_names_once(monkeypatch):
     monkeypatch.setattr(dist, "send_object_list", lambda names, *a, **k: objects.append(names))
 
     def comm():
-        return types.SimpleNamespace(device=torch.device("meta"), group=None,
-                                     global_rank=lambda t, m: t)  # fmt: skip
+        return types.SimpleNamespace(
+            device=torch.device("meta"), group=None, global_rank=lambda t, m: t
+        )
 
     layout = StageLayout(pp_size=2, num_chunks=2, shape="v")
     assert layout.loss_rank() == 0
