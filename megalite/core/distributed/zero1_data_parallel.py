@@ -1,5 +1,6 @@
-"""ZeRO data parallelism: grads are reduce-scattered into per-rank shards, parameters live in
-contiguous buffers and are all-gathered from their owners' shards after the update.
+"""ZeRO-1 data parallelism (``optim``), the base of the ZeRO-2 and ZeRO-3 wrappers: grads are
+reduce-scattered into per-rank shards, parameters live in contiguous buffers and are all-gathered
+from their owners' shards after the update.
 
     model = Zero1DataParallel(module, dp_group=ps.group("dp", "cp"), tp_group=ps.tp_group, ...)
     model.zero_grad_buffer()
