@@ -10,7 +10,7 @@ from math import prod
 
 import pytest
 
-from megalite.core.mesh_layout import mesh_sizes, rank_coords, rank_groups
+from megalite.core.mesh_layout import dense_or_expert, mesh_sizes, rank_coords, rank_groups
 from megalite.core.parallel_state import all_group_ranks
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "megatron_rank_groups.json")
@@ -195,8 +195,6 @@ def test_invalid_sizes_are_refused_with_the_numbers(kwargs, match):
 
 
 def test_mixing_the_views_is_refused():
-    from megalite.core.mesh_layout import dense_or_expert
-
     with pytest.raises(ValueError, match=r"mix the dense view .* and the expert view"):
         dense_or_expert(("tp", "ep"))
     assert dense_or_expert(("etp", "ep", "pp")) == ("expert", ["tp", "ep", "pp"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalite.core.moe import TopKRouter, update_expert_bias
+from megalite.core.moe import TopKRouter, set_aux_loss_scale, update_expert_bias
 from megalite.core.parallel_state import ParallelState
 from megalite.core.tensor_parallel.init import init_normal
 from tests.core.moe_cases import build_layer, moe_config
@@ -63,8 +63,6 @@ def test_global_aux_loss_uses_the_running_mean_of_the_steps_counts():
     """Megatron's ``global_aux_loss``: micro-step j's f_i is the mean over micro-steps 1..j of the
     tokens per expert; P_i its own tokens' mean score; the grad reaches the router weight at the
     aux-loss scale. Restarted by ``set_aux_loss_scale`` (a new step)."""
-    from megalite.core.moe import set_aux_loss_scale
-
     router = _router(
         router_load_balancing_type="global_aux_loss", aux_loss_coeff=0.1, z_loss_coeff=0.0
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from megalite.core.mesh_layout import mesh_sizes, rank_coords
@@ -97,8 +98,6 @@ def _state_on_ranks(tp, pp):
         "prev_next": (ps.prev_rank, ps.next_rank),
     }
     # the groups really connect their members
-    import torch
-
     t = torch.ones(1)
     dist.all_reduce(t, group=ps.tp_group)
     out["tp_sum"] = t.item()
@@ -150,8 +149,6 @@ def _named_axes_case():
 
     def members(*axes):
         return sorted(dist.get_process_group_ranks(ps.group(*axes)))
-
-    import torch
 
     t = torch.ones(1)
     dist.all_reduce(t, group=ps.group("dp", "cp"))

@@ -35,6 +35,7 @@ from megalite.models.attention import SelfAttention
 from megalite.models.mlp import MLP
 from megalite.models.rotary import apply_rotary, rotary_cos_sin, rotary_inv_freq
 from tests.harness import run_distributed
+from tests.kernels.interpreter import use_triton_interpreter
 from tests.models.helpers import make_config, rel_err, shard_of_full
 
 TOL = 1e-5
@@ -82,8 +83,6 @@ def test_layernorm_1p_reference():
 
 
 def test_layernorm_1p_fused_kernels_same_numbers(monkeypatch):
-    from tests.kernels.interpreter import use_triton_interpreter
-
     use_triton_interpreter(monkeypatch)
     torch.manual_seed(1)
     x = torch.randn(4, 16)
