@@ -1,29 +1,20 @@
 """The one place that chooses between a fused Triton kernel and its PyTorch reference.
 
 Every function here has the same signature whichever implementation serves it. ``use_fused=False``
-forces the reference (``--no-fused-kernels``, ``--no-masked-softmax-fusion``,
-``--no-persist-layer-norm``). The fused path is taken when ``use_fused``, x's dtype is fp16, bf16
-or fp32, triton (>= 3.0) imports, and x is on CUDA, or ``TRITON_INTERPRET=1`` is set, which runs the
-same kernels on CPU tensors through triton's interpreter (that is how the tests exercise them;
-triton must then have been imported with the variable set, see tests/kernels/interpreter.py, else
-the reference serves and a warning says why). triton is imported lazily, never when megalite is.
-
-NVIDIA apex's fused LayerNorm serves only when the caller asks (``use_apex=True``), x is on CUDA
-and ``import apex.normalization`` succeeds; megalite never installs apex.
+forces the reference (the run turns fused kernels off, or the masked-softmax or persistent-LayerNorm
+fusion alone). The fused path is taken when ``use_fused``, x's dtype is fp16, bf16 or fp32, triton
+(>= 3.0) imports, and x is on CUDA, or ``TRITON_INTERPRET=1`` is set, which runs the same kernels on
+CPU tensors through triton's interpreter (that is how the tests exercise them; triton must then have
+been imported with the variable set, see tests/kernels/interpreter.py, else the reference serves and
+a warning says why). triton is imported when a kernel first runs, never when megalite is.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 
-from megalite.kernels import runtime
-
-logger = logging.getLogger(__name__)
+from megalite.kernels import functions, runtime
 
 
 def _use_triton(x: torch.Tensor, use_fused: bool) -> bool:
@@ -33,21 +24,6 @@ def _use_triton(x: torch.Tensor, use_fused: bool) -> bool:
         and runtime.kernel_device_ok(x)
         and runtime.kernels_ready()
     )
-
-
-@functools.cache
-def _apex_layer_norm() -> Callable | None:
-    """apex's functional fused LayerNorm, or None (looked up once per process)."""
-    try:
-        import apex.normalization  # noqa: F401
-        from apex.normalization.fused_layer_norm import fused_layer_norm_affine
-    except ImportError:
-        logger.warning(
-            "use_apex=True but apex.normalization does not import: megalite's own LayerNorm "
-            "serves (NVIDIA apex is built from github.com/NVIDIA/apex; PyPI's 'apex' is unrelated)"
-        )
-        return None
-    return fused_layer_norm_affine
 
 
 def _reference_layer_norm(
@@ -63,21 +39,13 @@ def layer_norm(
     eps: float,
     *,
     use_fused: bool = True,
-    use_apex: bool = False,
 ) -> torch.Tensor:
     """LayerNorm over the last dim; statistics in fp32, output in x's dtype.
 
-    x: # [..., h]; weight, bias: # [h]. ``use_apex`` asks for apex's fused LayerNorm (CUDA only,
-    when apex is installed; otherwise the usual choice below serves).
+    x: # [..., h]; weight, bias: # [h].
     """
-    if use_apex and use_fused and x.is_cuda and bias is not None:
-        apex_fn = _apex_layer_norm()
-        if apex_fn is not None:
-            return apex_fn(x, weight, bias, (x.shape[-1],), eps)
     if _use_triton(x, use_fused):
-        from megalite.kernels.functions import fused_layer_norm
-
-        return fused_layer_norm(x, weight, bias, eps)
+        return functions.fused_layer_norm(x, weight, bias, eps)
     return _reference_layer_norm(x, weight, bias, eps)
 
 
@@ -95,9 +63,7 @@ def rms_norm(
     x: # [..., h]; weight: # [h]; output dtype is promote(weight, x) as in HF.
     """
     if _use_triton(x, use_fused) and weight.dtype in runtime.KERNEL_DTYPES:
-        from megalite.kernels.functions import fused_rms_norm
-
-        return fused_rms_norm(x, weight, eps)
+        return functions.fused_rms_norm(x, weight, eps)
     return _reference_rms_norm(x, weight, eps)
 
 
@@ -139,7 +105,5 @@ def scale_mask_softmax(
         and x.dim() == 4
         and (mask is None or (mask.dtype == torch.bool and mask.dim() <= 4))
     ):
-        from megalite.kernels.functions import fused_scale_mask_softmax
-
-        return fused_scale_mask_softmax(x, mask, scale, causal)
+        return functions.fused_scale_mask_softmax(x, mask, scale, causal)
     return _reference_scale_mask_softmax(x, scale=scale, causal=causal, mask=mask)

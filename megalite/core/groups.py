@@ -1,5 +1,5 @@
-"""Process-group helpers every parallel axis shares: the size and rank of a group, and the
-tensor collectives under the names this torch has.
+"""Process-group helpers every parallel axis shares: the size and rank of a group, the tensor
+collectives under the names this torch has, and a sum of many tensors in one collective.
 
 ``None`` means a group of one (no communication), as everywhere in megalite: an oracle model built
 with ``ParallelState.single()`` inside a multi-rank test passes ``None`` for each of its groups.
@@ -25,13 +25,31 @@ def group_rank(group) -> int:
     return dist.get_rank(group)
 
 
-def all_gather_tensor(out: torch.Tensor, x: torch.Tensor, group) -> None:
-    """``dist.all_gather_single`` where torch has it (2.13 deprecates the older name), else
-    ``dist.all_gather_into_tensor``: concatenate every rank's ``x`` along dim 0 into ``out``."""
-    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, x, group=group)
+# The tensor collectives are looked up by name at each call: torch 2.13 renames them
+# (``*_single``) and deprecates the older names, which are all older torch versions have.
 
 
-def reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group) -> None:
-    """``dist.reduce_scatter_single`` where torch has it (2.13 deprecates the older name), else
-    ``dist.reduce_scatter_tensor``: sum ``x`` over the group, keep this rank's chunk of dim 0."""
-    getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, x, group=group)
+def all_gather_tensor(out: torch.Tensor, x: torch.Tensor, group, *, async_op: bool = False):
+    """``dist.all_gather_single`` where torch has it, else ``dist.all_gather_into_tensor``:
+    concatenate every rank's ``x`` along dim 0 into ``out``. Returns the work with ``async_op``."""
+    fn = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    return fn(out, x, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group, *, async_op: bool = False):
+    """``dist.reduce_scatter_single`` where torch has it, else ``dist.reduce_scatter_tensor``: sum
+    ``x`` over the group, keep this rank's chunk of dim 0. Returns the work with ``async_op``."""
+    fn = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+    return fn(out, x, group=group, async_op=async_op)
+
+
+def all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
+    """Sum ``tensors`` (same dtype) over ``group`` in one collective, in place."""
+    if group_size(group) == 1 or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()

@@ -85,13 +85,14 @@ def rank_groups(
         return out
 
     group_size = prod(ordered[i] for i in inside)
+    # a member's offset from its group's first rank, the same for every group
+    offsets = [
+        sum(d * strides[i] for d, i in zip(digits(m, inside), inside)) for m in range(group_size)
+    ]
     groups = []
     for g in range(world_size // group_size):
         base = sum(d * strides[i] for d, i in zip(digits(g, outside), outside))
-        groups.append(
-            [base + sum(d * strides[i] for d, i in zip(digits(m, inside), inside))
-             for m in range(group_size)]
-        )  # fmt: skip
+        groups.append([base + offset for offset in offsets])
     return groups
 
 
@@ -143,11 +144,9 @@ def mesh_sizes(
     order: str = DEFAULT_ORDER,
 ) -> MeshSizes:
     """Check that both views factor ``world_size``; one-line ValueError naming the numbers."""
-    etp = (
-        tensor_model_parallel_size
-        if expert_tensor_parallel_size is None
-        else (expert_tensor_parallel_size)
-    )
+    etp = expert_tensor_parallel_size
+    if etp is None:
+        etp = tensor_model_parallel_size
     named = {
         "tensor_model_parallel_size": tensor_model_parallel_size,
         "pipeline_model_parallel_size": pipeline_model_parallel_size,
@@ -162,14 +161,14 @@ def mesh_sizes(
         raise ValueError(f"world size must be an integer >= 1, got {world_size!r}")
     tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
     ep = expert_model_parallel_size
-    for view, factors in (
-        ("tensor_model_parallel_size x context_parallel_size x pipeline_model_parallel_size",
-         (tp, cp, pp)),
-        ("expert_tensor_parallel_size x expert_model_parallel_size x pipeline_model_parallel_size",
-         (etp, ep, pp)),
-    ):  # fmt: skip
+    pp_name = "pipeline_model_parallel_size"
+    for names in (  # the dense view, the expert view
+        ("tensor_model_parallel_size", "context_parallel_size", pp_name),
+        ("expert_tensor_parallel_size", "expert_model_parallel_size", pp_name),
+    ):
+        factors = [named[n] for n in names]
         if world_size % prod(factors) != 0:
-            shown = " x ".join(str(f) for f in factors)
+            view, shown = " x ".join(names), " x ".join(str(f) for f in factors)
             raise ValueError(
                 f"world size {world_size} is not divisible by {view} = {shown} = {prod(factors)}; "
                 f"launch a multiple of {prod(factors)} processes or change the sizes"

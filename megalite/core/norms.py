@@ -5,7 +5,7 @@ rank computes a grad from a different part of the sequence, so the parameters ar
 ``sequence_parallel = True`` and their grads are all-reduced over the TP group by the grad-sync
 step (``megalite.core.distributed.sp_grads``). The math goes through ``megalite.core.fusions``.
 
-``zero_centered_gamma`` (Megatron's ``--apply-layernorm-1p``): the weight is stored as ``w - 1``
+``zero_centered_gamma`` (the model's ``apply_layernorm_1p``): the weight is stored as ``w - 1``
 (initialised to zeros, so weight decay pulls the scale towards 1) and applied as ``1 + w``, in the
 weight's dtype as Megatron's local norm does; the fused kernels and the reference see the same
 ``1 + w``, so they give the same numbers.
@@ -87,7 +87,7 @@ def build_norm(
     zero_centered_gamma: bool = False,
 ) -> nn.Module:
     """``kind`` is the ``normalization`` of the model config: ``LayerNorm`` or ``RMSNorm``;
-    ``zero_centered_gamma``: ``--apply-layernorm-1p`` (see the module docstring)."""
+    ``zero_centered_gamma``: see the module docstring."""
     classes = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}
     if kind not in classes:
         raise ValueError(f"normalization must be one of {sorted(classes)}, got {kind!r}")

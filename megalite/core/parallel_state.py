@@ -36,9 +36,15 @@ from megalite.core.mesh_layout import (
 # demand). Dense: grad sync over ("dp", "cp"), the grad norm over ("tp", "pp"), ... Expert: the
 # expert-parallel groups of MoE layers. Identical partitions share one process group.
 DENSE_GROUPS = (
-    ("tp",), ("cp",), ("dp",), ("pp",),
-    ("tp", "cp"), ("dp", "cp"), ("tp", "pp"), ("tp", "dp", "cp"),
-)  # fmt: skip
+    ("tp",),
+    ("cp",),
+    ("dp",),
+    ("pp",),
+    ("tp", "cp"),
+    ("dp", "cp"),
+    ("tp", "pp"),
+    ("tp", "dp", "cp"),
+)
 EXPERT_GROUPS = (("etp",), ("ep",), ("edp",), ("etp", "ep"), ("etp", "ep", "pp"))
 
 

@@ -60,7 +60,7 @@ class CoreAttention(nn.Module):
         v: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``attention_mask`` (issue 18, ``--reset-attention-mask``): bool # [b, 1, s, s], True
+        """``attention_mask`` (documents reset within a sequence): bool # [b, 1, s, s], True
         where a query may NOT read a key (Megatron's convention), applied on top of the causal
         mask; None: causal only."""
         p = self.attention_dropout.p if self.training else 0.0
@@ -89,6 +89,23 @@ class CoreAttention(nn.Module):
         with tp_rng_region(self.rng_tracker, p > 0):
             probs = self.attention_dropout(probs)
         return torch.matmul(probs, v)
+
+
+def _head_norm(
+    config: GPTConfig, *, replicated_over_tp: bool, device: torch.device | None
+) -> nn.Module:
+    """A ``qk_layernorm`` norm over one head's d channels. Replicated over TP but fed different
+    heads on each TP rank, so it is marked sequence-parallel (grad summed over TP) when tp > 1."""
+    return build_norm(
+        config.normalization,
+        config.kv_channels,
+        eps=config.norm_epsilon,
+        sequence_parallel=replicated_over_tp,
+        use_fused=config.use_fused_kernels,
+        params_dtype=config.params_dtype,
+        device=device,
+        zero_centered_gamma=config.apply_layernorm_1p,
+    )
 
 
 class SelfAttention(nn.Module):
@@ -123,27 +140,19 @@ class SelfAttention(nn.Module):
             params_dtype=config.params_dtype,
             device=device,
         )
+        qkv_bias = config.add_bias_linear or config.add_qkv_bias  # add_qkv_bias: Qwen2's
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size,
             (n + 2 * g) * d,
             init_method=weight_init(config, f"{prefix}.linear_qkv.weight"),
-            **{**common, "bias": config.add_bias_linear or config.add_qkv_bias},  # issue 16
+            **{**common, "bias": qkv_bias},
         )
         self.core_attention = CoreAttention(config, rng_tracker=rng_tracker)
-        # issue 18: --rotary-interleaved, --qk-layernorm (a norm over each head's d channels,
-        # replicated over TP but fed different heads per rank: grads summed over TP like SP's)
         self.rotary_interleaved = config.rotary_interleaved
         self.q_layernorm = self.k_layernorm = None
-        if config.qk_layernorm:
-            self.q_layernorm, self.k_layernorm = (
-                build_norm(
-                    config.normalization, d, eps=config.norm_epsilon,
-                    sequence_parallel=ps.tp_size > 1, use_fused=config.use_fused_kernels,
-                    params_dtype=config.params_dtype, device=device,
-                    zero_centered_gamma=config.apply_layernorm_1p,
-                )
-                for _ in range(2)
-            )  # fmt: skip
+        if config.qk_layernorm:  # one norm over each head's d channels for queries, one for keys
+            self.q_layernorm = _head_norm(config, replicated_over_tp=ps.tp_size > 1, device=device)
+            self.k_layernorm = _head_norm(config, replicated_over_tp=ps.tp_size > 1, device=device)
         self.linear_proj = RowParallelLinear(
             n * d,
             config.hidden_size,
@@ -164,15 +173,15 @@ class SelfAttention(nn.Module):
         qkv = qkv.view(s, b, groups, k + 2, d)
         query = qkv[:, :, :, :k].reshape(s, b, groups * k, d)  # [s, b, n/tp, d]
         key, value = qkv[:, :, :, k], qkv[:, :, :, k + 1]  # [s, b, G/tp, d]
-        if self.q_layernorm is not None:  # issue 18: before RoPE, as Megatron
+        if self.q_layernorm is not None:  # before RoPE, as Megatron
             query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary is not None:
             query = apply_rotary(query, *rotary, self.rotary_interleaved)
             key = apply_rotary(key, *rotary, self.rotary_interleaved)
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, ., s, d]
-        if self.cp_size > 1 and attention_mask is not None:  # issue 18
+        if self.cp_size > 1 and attention_mask is not None:
             raise ValueError(
-                "--reset-attention-mask with --context-parallel-size > 1 is not implemented (the "
+                "reset_attention_mask with context_parallel_size > 1 is not implemented (the "
                 "ring attention has no document mask); drop one of them"
             )
         if self.cp_size > 1:  # s is this cp rank's s/cp tokens
@@ -184,9 +193,14 @@ class SelfAttention(nn.Module):
             key, value = key.repeat_interleave(k, dim=1), value.repeat_interleave(k, dim=1)
         if self.selective_recompute and self.training and torch.is_grad_enabled():
             context = checkpoint(
-                self.core_attention, query, key, value, attention_mask,
-                tracker=self.rng_tracker, device=x.device,
-            )  # fmt: skip
+                self.core_attention,
+                query,
+                key,
+                value,
+                attention_mask,
+                tracker=self.rng_tracker,
+                device=x.device,
+            )
         else:
             context = self.core_attention(query, key, value, attention_mask)  # [b, n/tp, s, d]
         context = context.permute(2, 0, 1, 3).reshape(s, b, groups * k * d)  # [s, b, n/tp * d]
@@ -205,12 +219,24 @@ class SelfAttention(nn.Module):
                 return core(q, k, v)
 
             return context_parallel_attention(
-                query, key, value, cp_group=self.cp_group, comm_type="a2a", scale=core.scale,
-                core_attention=run_core, stats=self.cp_stats,
-            )  # fmt: skip
+                query,
+                key,
+                value,
+                cp_group=self.cp_group,
+                comm_type="a2a",
+                scale=core.scale,
+                core_attention=run_core,
+                stats=self.cp_stats,
+            )
         p = core.attention_dropout.p if self.training else 0.0
         with tp_rng_region(self.rng_tracker, p > 0):  # the dropout seed, from the TP stream
             return context_parallel_attention(
-                query, key, value, cp_group=self.cp_group, comm_type=self.cp_comm_type,
-                scale=core.scale, dropout_p=p, stats=self.cp_stats,
-            )  # fmt: skip
+                query,
+                key,
+                value,
+                cp_group=self.cp_group,
+                comm_type=self.cp_comm_type,
+                scale=core.scale,
+                dropout_p=p,
+                stats=self.cp_stats,
+            )

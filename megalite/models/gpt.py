@@ -72,7 +72,8 @@ class GPTModel(nn.Module):
         self.padded_vocab_size = config.padded_vocab_size(ps.tp_size)
         self.sequence_parallel_factor = ps.tp_size if config.sequence_parallel else 1
         self.input_tensor: torch.Tensor | None = None
-        self.cp_size, self.cp_rank = ps.cp_size, ps.cp_rank  # issue 15: default positions
+        self._embedding_owner: GPTModel | None = None  # see borrow_embedding
+        self.cp_size, self.cp_rank = ps.cp_size, ps.cp_rank  # default positions under cp
 
         self.embedding = (
             Embedding(config, ps, rng_tracker=rng_tracker, device=device) if pre_process else None
@@ -86,9 +87,6 @@ class GPTModel(nn.Module):
             device=device,
         )
         self.output_layer = self._build_output_layer(ps, device) if post_process else None
-        shared = self.shared_embedding_or_output_weight()
-        if shared is not None:
-            shared.shared_embedding = True
 
     def _build_output_layer(
         self, ps: ParallelState, device: torch.device | None
@@ -112,8 +110,7 @@ class GPTModel(nn.Module):
 
     def borrow_embedding(self, owner: GPTModel) -> None:
         """Tie this last stage's output layer to ``owner``'s word embedding on the same rank (two
-        chunks of a V-shaped pipeline): the output layer uses that Parameter, holds no copy.
-        # issue 14"""
+        chunks of a V-shaped pipeline): the output layer uses that Parameter, holds no copy."""
         self.output_layer.weight = None
         self.__dict__["_embedding_owner"] = owner  # not a submodule: its params stay owner's
 
@@ -140,8 +137,9 @@ class GPTModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens, position_ids, labels: # [b, s] int64 (tokens read on the first stage only;
-        position_ids None means 0..s-1). ``attention_mask`` (issue 18, ``--reset-attention-mask``):
-        bool # [b, 1, s, s], True where a query may not read a key, on top of the causal mask.
+        position_ids None means 0..s-1). ``attention_mask`` (documents reset within a sequence,
+        Megatron's reset attention mask): bool # [b, 1, s, s], True where a query may not read a
+        key, on top of the causal mask.
 
         Returns, on the last stage with labels: the per-token loss # [b, s] fp32 (padding vocabulary
         excluded); on the last stage without labels: logits # [b, s, V_pad/tp] (columns at or past
@@ -171,7 +169,7 @@ class GPTModel(nn.Module):
                 head_dim=self.config.kv_channels,
                 base=self.config.rotary_base,
                 dtype=hidden.dtype,
-                rotary_percent=self.config.rotary_percent,  # issue 18
+                rotary_percent=self.config.rotary_percent,
                 interleaved=self.config.rotary_interleaved,
                 rope_scaling_factor=(
                     self.config.rope_scaling_factor if self.config.use_rope_scaling else None
@@ -183,7 +181,7 @@ class GPTModel(nn.Module):
 
         weight = None
         if self.output_layer.weight is None:  # tied: the (borrowed) word embedding
-            owner = self.__dict__.get("_embedding_owner", self)
+            owner = self if self._embedding_owner is None else self._embedding_owner
             weight = owner.embedding.word_embeddings.weight
         logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, V_pad/tp]
         if labels is None:

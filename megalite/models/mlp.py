@@ -4,7 +4,7 @@ GELU (exact, HF ``"gelu"``; or tanh-approximate with ``openai_gelu``, HF ``"gelu
 (HF Llama: ``down(silu(gate(x)) * up(x))``). Under SwiGLU ``linear_fc1`` is one ColumnParallelLinear
 of ``2 * ffn`` outputs whose full weight is ``[gate; up]``, sharded with ``stride=2`` so each rank
 holds its rows of both blocks and ``chunk(2)`` of its output gives its gate and up.
-Megatron's ``--squared-relu`` (issue 18): ``relu(x)^2`` in place of GELU.
+``squared_relu``: ``relu(x)^2`` in place of GELU (as Megatron's).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class MLP(nn.Module):
         super().__init__()
         prefix = f"decoder.layers.{layer_number}.mlp"
         self.swiglu, self.openai_gelu = config.swiglu, config.openai_gelu
-        self.squared_relu = config.squared_relu  # issue 18
+        self.squared_relu = config.squared_relu
         common = dict(
             tp_group=ps.tp_group,
             bias=config.add_bias_linear,

@@ -1,6 +1,6 @@
 """The MoE MLP of a transformer layer: the core ``MoELayer`` built from a ``GPTConfig`` and the
 mesh, plus optional shared experts (a dense MLP every token goes through, Qwen2-MoE's with a
-sigmoid gate). ``build_mlp`` picks it or the dense ``MLP`` per layer (``--moe-layer-freq``).
+sigmoid gate). ``build_mlp`` picks it or the dense ``MLP`` per layer (``moe_layer_freq``).
 
 State-dict names under ``decoder.layers.{i}.mlp``: ``router.weight`` # [E, h],
 ``router.expert_bias`` # [E] (with the expert bias), ``experts.weight1`` # [E_local, f1/etp, h],
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.core.moe.layer import MoELayer
+from megalite.core.moe.router import routers_of
 from megalite.core.parallel_state import ParallelState
 from megalite.models.common import weight_init
 from megalite.models.config import GPTConfig
@@ -97,8 +98,6 @@ def read_moe_stats(model: nn.Module | list[nn.Module], ps: ParallelState, num_la
     all-reduce), then restarted. Returns ``{global layer: (aux loss, z loss, tokens per expert
     # [E])}`` for the MoE layers: each loss the mean over the interval's micro-batches of the
     micro-batch's loss (coefficient included), the counts summed over the global batches."""
-    from megalite.core.moe.router import routers_of
-
     routers = routers_of(model)
     width = max([r.stats.numel() for r in routers], default=0)
     owned = torch.zeros(num_layers, dtype=torch.bool)

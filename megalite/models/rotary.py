@@ -5,7 +5,7 @@ repeated for the two halves of the head dim (non-interleaved: element j pairs wi
 ``rope(x) = x * cos + rotate_half(x) * sin`` with ``rotate_half([x1, x2]) = [-x2, x1]``.
 The angles are computed in fp32 and cast to the activations' dtype, as HF does.
 
-Megatron's options (issue 18): ``rotary_percent`` < 1 rotates only the first
+Megatron's options: ``rotary_percent`` < 1 rotates only the first
 ``2 * len(inv_freq)`` channels of each head, with ``inv_freq[i] = 1 / base^(2i / r)``,
 ``r = int(d * rotary_percent)``, and passes the rest through; ``interleaved`` pairs channel 2i with
 2i + 1 (``rotate_half`` then maps ``[x0, x1, x2, x3, ..]`` to ``[-x1, x0, -x3, x2, ..]``);
@@ -72,9 +72,12 @@ def rotary_cos_sin(
     rotary channels: ``head_dim`` by default), ready to broadcast over ``[s, b, heads, head_dim]``
     query and key tensors (``apply_rotary`` passes channels past r through)."""
     inv_freq = rotary_inv_freq(
-        head_dim, base=base, rotary_percent=rotary_percent,
-        rope_scaling_factor=rope_scaling_factor, device=position_ids.device,
-    )  # fmt: skip
+        head_dim,
+        base=base,
+        rotary_percent=rotary_percent,
+        rope_scaling_factor=rope_scaling_factor,
+        device=position_ids.device,
+    )
     angles = position_ids.t().float().unsqueeze(-1) * inv_freq  # [s, b, r/2]
     if interleaved:  # [a0, a0, a1, a1, ...]
         emb = angles.repeat_interleave(2, dim=-1).unsqueeze(2)

@@ -10,7 +10,7 @@ Hidden dropout acts on full activations (identical on every TP rank) and draws f
 generator, which ``model_parallel_seed`` seeds identically across TP ranks; under sequence parallel
 each TP rank holds a different shard and draws from the tracker's TP stream instead.
 
-Recompute (``--recompute-granularity``):
+Recompute (``recompute_granularity``, ``recompute_method``):
 - ``full``, ``uniform``: the stage's layers in chunks of ``recompute_num_layers``, each chunk's
   activations dropped after forward and recomputed in backward (only chunk inputs are kept).
 - ``full``, ``block``: the first ``recompute_num_layers`` layers of the stage, one at a time; the
@@ -32,7 +32,7 @@ from megalite.core.tensor_parallel.random import RNGStatesTracker, checkpoint
 from megalite.models.attention import SelfAttention
 from megalite.models.common import tp_rng_region
 from megalite.models.config import GPTConfig
-from megalite.models.moe_layer import build_mlp  # issue 16: MoE or dense per layer
+from megalite.models.moe_layer import build_mlp  # MoE or dense, per layer
 
 
 def _norm(config: GPTConfig, device: torch.device | None) -> nn.Module:
@@ -44,7 +44,7 @@ def _norm(config: GPTConfig, device: torch.device | None) -> nn.Module:
         use_fused=config.use_fused_kernels,
         params_dtype=config.params_dtype,
         device=device,
-        zero_centered_gamma=config.apply_layernorm_1p,  # issue 18
+        zero_centered_gamma=config.apply_layernorm_1p,
     )
 
 
@@ -83,7 +83,7 @@ class TransformerLayer(nn.Module):
         hidden: torch.Tensor,
         cos: torch.Tensor | None = None,
         sin: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,  # issue 18: bool [b, 1, s, s], True = hidden
+        attention_mask: torch.Tensor | None = None,  # bool [b, 1, s, s], True = hidden
     ) -> torch.Tensor:
         rotary = None if cos is None else (cos, sin)
         attn = self.self_attention(self.input_layernorm(hidden), rotary, attention_mask)
@@ -124,7 +124,7 @@ class TransformerBlock(nn.Module):
         self,
         hidden: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-        attention_mask: torch.Tensor | None = None,  # issue 18
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         cos, sin = rotary if rotary is not None else (None, None)
         if self.recompute_granularity == "full" and self.training and torch.is_grad_enabled():

@@ -15,8 +15,15 @@ H, E, F, TOPK, S, B = 16, 8, 8, 2, 6, 2
 
 
 def moe_config(**overrides) -> MoEConfig:
-    base = MoEConfig(num_experts=E, hidden_size=H, ffn_hidden_size=F, router_topk=TOPK,
-                     aux_loss_coeff=0.01, z_loss_coeff=0.001, init_method_std=0.3)  # fmt: skip
+    base = MoEConfig(
+        num_experts=E,
+        hidden_size=H,
+        ffn_hidden_size=F,
+        router_topk=TOPK,
+        aux_loss_coeff=0.01,
+        z_loss_coeff=0.001,
+        init_method_std=0.3,
+    )
     return dataclasses.replace(base, **overrides)
 
 

@@ -63,9 +63,14 @@ def _attention_cases(cases) -> dict:
             pos = cp_token_indices(s, cp, r)
             stats = CommStats()
             out = context_parallel_attention(
-                _rope(local[0], pos), _rope(local[1], pos), local[2],
-                cp_group=ps.cp_group, comm_type=comm_type, scale=0.3, stats=stats,
-            )  # fmt: skip
+                _rope(local[0], pos),
+                _rope(local[1], pos),
+                local[2],
+                cp_group=ps.cp_group,
+                comm_type=comm_type,
+                scale=0.3,
+                stats=stats,
+            )
             out.backward(split_for_cp(dout, 2, cp, r))
             what = f"{comm_type} cp {cp} n {n} g {g} chunk {chunk}"
             got = [out.detach(), *(t.grad for t in local)]

@@ -50,10 +50,12 @@ def test_merge_of_two_key_blocks_equals_one_pass():
     torch.testing.assert_close(merged, one, **TOL)
     torch.testing.assert_close(lse, lse_one, **TOL)
     # backward per block from the merged numbers = the one pass's grads, concatenated over keys
-    dq1, dk1, dv1 = ba.block_backward(dout, q, k[:, :, :4], v[:, :, :4], merged, lse,
-                                      causal=False, scale=0.4)  # fmt: skip
-    dq2, dk2, dv2 = ba.block_backward(dout, q, k[:, :, 4:], v[:, :, 4:], merged, lse,
-                                      causal=False, scale=0.4)  # fmt: skip
+    dq1, dk1, dv1 = ba.block_backward(
+        dout, q, k[:, :, :4], v[:, :, :4], merged, lse, causal=False, scale=0.4
+    )
+    dq2, dk2, dv2 = ba.block_backward(
+        dout, q, k[:, :, 4:], v[:, :, 4:], merged, lse, causal=False, scale=0.4
+    )
     _, dq, dk, dv = _reference(q, k, v, dout, False)
     torch.testing.assert_close(dq1 + dq2, dq, **TOL)
     torch.testing.assert_close(torch.cat((dk1, dk2), 2), dk, **TOL)

@@ -39,7 +39,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.core.optimizer import full_state_from_shards, get_param_groups
+from megalite.core.distributed import Zero1DataParallel
+from megalite.core.optimizer import (
+    build_sharded_optimizer,
+    full_state_from_shards,
+    get_param_groups,
+)
 from megalite.core.optimizer.memory_report import model_state_bytes
 from tests.core import zero_cases as zc
 from tests.harness import run_distributed
@@ -128,9 +133,6 @@ def dp_cases() -> dict:
 
 def _overlap_setup(overlap: bool):
     """fp32, built as components does, overlap on or off."""
-    from megalite.core.distributed import Zero1DataParallel
-    from megalite.core.optimizer import build_sharded_optimizer
-
     group = dist.group.WORLD if dist.is_initialized() else None
     model = Zero1DataParallel(
         zc.tiny(),

@@ -10,7 +10,7 @@ from math import prod
 
 import pytest
 
-from megalite.core.mesh_layout import mesh_sizes, rank_coords, rank_groups
+from megalite.core.mesh_layout import dense_or_expert, mesh_sizes, rank_coords, rank_groups
 from megalite.core.parallel_state import all_group_ranks
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "megatron_rank_groups.json")
@@ -56,8 +56,9 @@ def test_world16_tp2_cp2_dp2_pp2_by_hand():
 
 
 def test_expert_view_world8_tp2_ep2_etp1_by_hand():
-    sizes = mesh_sizes(8, tensor_model_parallel_size=2, expert_model_parallel_size=2,
-                       expert_tensor_parallel_size=1)  # fmt: skip
+    sizes = mesh_sizes(
+        8, tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1
+    )
     assert (sizes.dp, sizes.edp) == (4, 4)
     groups = all_group_ranks(sizes)
     for axes, expected in WORLD8_EXPERT.items():
@@ -65,14 +66,23 @@ def test_expert_view_world8_tp2_ep2_etp1_by_hand():
 
 
 def test_the_views_share_only_the_pipeline_groups():
-    sizes = mesh_sizes(16, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                       expert_model_parallel_size=4, expert_tensor_parallel_size=1)  # fmt: skip
+    sizes = mesh_sizes(
+        16,
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        expert_model_parallel_size=4,
+        expert_tensor_parallel_size=1,
+    )
     groups = all_group_ranks(sizes)
     dense_pp = rank_groups(16, sizes.dense(), sizes.order, ["pp"])
     expert_pp = rank_groups(16, sizes.expert(), sizes.order, ["pp"])
     assert dense_pp == expert_pp == groups[frozenset({"pp"})]
-    assert _canon(groups[frozenset({"ep"})]) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11],
-                                                 [12, 13, 14, 15]]  # fmt: skip
+    assert _canon(groups[frozenset({"ep"})]) == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+        [8, 9, 10, 11],
+        [12, 13, 14, 15],
+    ]
 
 
 def _layouts(limit: int = 64):
@@ -142,26 +152,42 @@ def test_rank_groups_are_what_megatron_core_builds():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"world_size": 8, "tensor_model_parallel_size": 3},
-         r"world size 8 is not divisible by tensor_model_parallel_size x context_parallel_size x "
-         r"pipeline_model_parallel_size = 3 x 1 x 1 = 3"),
-        ({"world_size": 6, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
-         r"world size 6 .* = 2 x 1 x 2 = 4"),
-        ({"world_size": 8, "context_parallel_size": 2, "pipeline_model_parallel_size": 3},
-         r"world size 8 .* = 1 x 2 x 3 = 6"),
-        ({"world_size": 8, "expert_model_parallel_size": 3},
-         r"world size 8 is not divisible by expert_tensor_parallel_size x "
-         r"expert_model_parallel_size x pipeline_model_parallel_size = 1 x 3 x 1 = 3"),
-        ({"world_size": 4, "tensor_model_parallel_size": 0},
-         r"tensor_model_parallel_size must be an integer >= 1, got 0"),
-        ({"world_size": 4, "pipeline_model_parallel_size": -2},
-         r"pipeline_model_parallel_size must be an integer >= 1, got -2"),
-        ({"world_size": 4, "context_parallel_size": 2, "order": "tp-ep-dp-pp"},
-         r"order 'tp-ep-dp-pp' leaves out axis 'cp' whose size is 2"),
-        ({"world_size": 4, "order": "tp-tp-dp-pp"},
-         r"must name each of tp-cp-ep-dp-pp at most once"),
+        (
+            {"world_size": 8, "tensor_model_parallel_size": 3},
+            r"world size 8 is not divisible by tensor_model_parallel_size x "
+            r"context_parallel_size x pipeline_model_parallel_size = 3 x 1 x 1 = 3",
+        ),
+        (
+            {"world_size": 6, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+            r"world size 6 .* = 2 x 1 x 2 = 4",
+        ),
+        (
+            {"world_size": 8, "context_parallel_size": 2, "pipeline_model_parallel_size": 3},
+            r"world size 8 .* = 1 x 2 x 3 = 6",
+        ),
+        (
+            {"world_size": 8, "expert_model_parallel_size": 3},
+            r"world size 8 is not divisible by expert_tensor_parallel_size x "
+            r"expert_model_parallel_size x pipeline_model_parallel_size = 1 x 3 x 1 = 3",
+        ),
+        (
+            {"world_size": 4, "tensor_model_parallel_size": 0},
+            r"tensor_model_parallel_size must be an integer >= 1, got 0",
+        ),
+        (
+            {"world_size": 4, "pipeline_model_parallel_size": -2},
+            r"pipeline_model_parallel_size must be an integer >= 1, got -2",
+        ),
+        (
+            {"world_size": 4, "context_parallel_size": 2, "order": "tp-ep-dp-pp"},
+            r"order 'tp-ep-dp-pp' leaves out axis 'cp' whose size is 2",
+        ),
+        (
+            {"world_size": 4, "order": "tp-tp-dp-pp"},
+            r"must name each of tp-cp-ep-dp-pp at most once",
+        ),
     ],
-)  # fmt: skip
+)
 def test_invalid_sizes_are_refused_with_the_numbers(kwargs, match):
     world = kwargs.pop("world_size")
     with pytest.raises(ValueError, match=match):
@@ -169,8 +195,6 @@ def test_invalid_sizes_are_refused_with_the_numbers(kwargs, match):
 
 
 def test_mixing_the_views_is_refused():
-    from megalite.core.mesh_layout import dense_or_expert
-
     with pytest.raises(ValueError, match=r"mix the dense view .* and the expert view"):
         dense_or_expert(("tp", "ep"))
     assert dense_or_expert(("etp", "ep", "pp")) == ("expert", ["tp", "ep", "pp"])

@@ -29,8 +29,13 @@ def _rows(counts, seed):
 
 
 class _Spy:
-    NAMES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
-             "reduce_scatter_tensor", "all_to_all_single")  # fmt: skip
+    NAMES = (
+        "all_gather_single",
+        "all_gather_into_tensor",
+        "reduce_scatter_single",
+        "reduce_scatter_tensor",
+        "all_to_all_single",
+    )
 
     def __init__(self):
         self.calls: list[tuple[str, int]] = []
@@ -60,8 +65,10 @@ def _world():
         starts = [sum(counts[:j]) for j in range(n)]
         xs = _rows(counts, 1)  # rank j's rows
         x = xs[rank].clone().requires_grad_()
-        dys = [torch.randn(sum(counts), H, generator=torch.Generator().manual_seed(10 + r))
-               for r in range(n)]  # fmt: skip
+        dys = [
+            torch.randn(sum(counts), H, generator=torch.Generator().manual_seed(10 + r))
+            for r in range(n)
+        ]
         with _Spy() as spy:
             out = gather_v(x, group, counts)
             out.backward(dys[rank])
@@ -76,8 +83,10 @@ def _world():
         if spy.calls[0][1] != m * H or spy.calls[1][1] != n * m * H:
             failures.append(f"{counts}: handed {spy.calls}")
 
-        ys = [torch.randn(sum(counts), H, generator=torch.Generator().manual_seed(20 + r))
-              for r in range(n)]  # fmt: skip
+        ys = [
+            torch.randn(sum(counts), H, generator=torch.Generator().manual_seed(20 + r))
+            for r in range(n)
+        ]
         y = ys[rank].clone().requires_grad_()
         dz = _rows(counts, 2)
         with _Spy() as spy:

@@ -27,16 +27,26 @@ from tests.harness import run_distributed
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2)]  # (EP, ETP) in a world of 8
 CONFIGS = {
     "alltoall dropless": dict(),
-    "allgather dropless swiglu grouped": dict(token_dispatcher_type="allgather", swiglu=True,
-                                              grouped_gemm=True),
+    "allgather dropless swiglu grouped": dict(
+        token_dispatcher_type="allgather", swiglu=True, grouped_gemm=True
+    ),
     "alltoall capacity padded position grouped sigmoid bias": dict(
-        expert_capacity_factor=0.8, pad_expert_input_to_capacity=True,
-        token_drop_policy="position", grouped_gemm=True, router_score_function="sigmoid",
-        router_enable_expert_bias=True),
+        expert_capacity_factor=0.8,
+        pad_expert_input_to_capacity=True,
+        token_drop_policy="position",
+        grouped_gemm=True,
+        router_score_function="sigmoid",
+        router_enable_expert_bias=True,
+    ),
     "allgather capacity probs pre-softmax top-1 seq-aux swiglu": dict(
-        token_dispatcher_type="allgather", expert_capacity_factor=1.0, router_pre_softmax=True,
-        router_topk=1, router_load_balancing_type="seq_aux_loss", swiglu=True),
-}  # fmt: skip
+        token_dispatcher_type="allgather",
+        expert_capacity_factor=1.0,
+        router_pre_softmax=True,
+        router_topk=1,
+        router_load_balancing_type="seq_aux_loss",
+        swiglu=True,
+    ),
+}
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:

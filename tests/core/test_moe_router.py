@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalite.core.moe import TopKRouter, update_expert_bias
+from megalite.core.moe import TopKRouter, set_aux_loss_scale, update_expert_bias
 from megalite.core.parallel_state import ParallelState
 from megalite.core.tensor_parallel.init import init_normal
 from tests.core.moe_cases import build_layer, moe_config
@@ -14,14 +14,20 @@ from tests.core.moe_cases import build_layer, moe_config
 
 def _router(**overrides) -> TopKRouter:
     return TopKRouter(
-        moe_config(**overrides), seq_group=None, cp_size=1,
+        moe_config(**overrides),
+        seq_group=None,
+        cp_size=1,
         init_method=init_normal(0.3, seed=3, key="router"),
-    )  # fmt: skip
+    )
 
 
 def test_expert_bias_update_equals_hand_computed():
-    router = _router(router_score_function="sigmoid", router_enable_expert_bias=True,
-                     router_bias_update_rate=0.05, aux_loss_coeff=0.0)  # fmt: skip
+    router = _router(
+        router_score_function="sigmoid",
+        router_enable_expert_bias=True,
+        router_bias_update_rate=0.05,
+        aux_loss_coeff=0.0,
+    )
     bias0 = torch.tensor([0.3, -0.1, 0.0, 0.2, -0.3, 0.1, 0.0, 0.05])
     router.expert_bias.copy_(bias0)
     xs = [torch.randn(12, 16, generator=torch.Generator().manual_seed(i)) for i in range(2)]
@@ -57,8 +63,6 @@ def test_global_aux_loss_uses_the_running_mean_of_the_steps_counts():
     """Megatron's ``global_aux_loss``: micro-step j's f_i is the mean over micro-steps 1..j of the
     tokens per expert; P_i its own tokens' mean score; the grad reaches the router weight at the
     aux-loss scale. Restarted by ``set_aux_loss_scale`` (a new step)."""
-    from megalite.core.moe import set_aux_loss_scale
-
     router = _router(
         router_load_balancing_type="global_aux_loss", aux_loss_coeff=0.1, z_loss_coeff=0.0
     )
@@ -93,11 +97,18 @@ def test_global_aux_loss_uses_the_running_mean_of_the_steps_counts():
         (dict(router_topk=9), 1, "moe_router_topk 9 must be in [1, num_experts 8]"),
         (dict(router_enable_expert_bias=True), 1, "needs moe_router_score_function sigmoid"),
         (dict(pad_expert_input_to_capacity=True), 1, "needs moe_expert_capacity_factor"),
-        (dict(expert_capacity_factor=1.0, pad_expert_input_to_capacity=True,
-              token_dispatcher_type="allgather"), 1, "needs moe_token_dispatcher_type alltoall"),
+        (
+            dict(
+                expert_capacity_factor=1.0,
+                pad_expert_input_to_capacity=True,
+                token_dispatcher_type="allgather",
+            ),
+            1,
+            "needs moe_token_dispatcher_type alltoall",
+        ),
         (dict(router_load_balancing_type="none"), 1, "with load balancing type none"),
     ],
-)  # fmt: skip
+)
 def test_impossible_moe_options_are_refused_in_one_line(overrides, ep, message):
     config = moe_config(**overrides)
     with pytest.raises(ValueError) as err:

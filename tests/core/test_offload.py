@@ -36,9 +36,12 @@ def setup(offload, dtype=torch.float32, rung="optim"):
         bucket_size=zc.BUCKET,
     )
     opt = build_sharded_optimizer(
-        model, lr=zc.LR, weight_decay=zc.WD, clip_grad=zc.CLIP if dtype == torch.float32 else 0.0,
+        model,
+        lr=zc.LR,
+        weight_decay=zc.WD,
+        clip_grad=zc.CLIP if dtype == torch.float32 else 0.0,
         offload=offload,
-    )  # fmt: skip
+    )
     return model, opt
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from megalite.core.mesh_layout import mesh_sizes, rank_coords
@@ -97,8 +98,6 @@ def _state_on_ranks(tp, pp):
         "prev_next": (ps.prev_rank, ps.next_rank),
     }
     # the groups really connect their members
-    import torch
-
     t = torch.ones(1)
     dist.all_reduce(t, group=ps.tp_group)
     out["tp_sum"] = t.item()
@@ -151,8 +150,6 @@ def _named_axes_case():
     def members(*axes):
         return sorted(dist.get_process_group_ranks(ps.group(*axes)))
 
-    import torch
-
     t = torch.ones(1)
     dist.all_reduce(t, group=ps.group("dp", "cp"))
     out = {
@@ -174,12 +171,12 @@ def test_named_axes_on_8_ranks():
     for rank, s in enumerate(run_distributed(_named_axes_case, 8)):
         tp, cp, pp = rank % 2, (rank // 2) % 2, rank // 4
         cp_group = [pp * 4 + tp, pp * 4 + 2 + tp]
-        assert s[("tp",)] == ([pp * 4 + cp * 2, pp * 4 + cp * 2 + 1], 2, tp,
-                              [pp * 4 + cp * 2, pp * 4 + cp * 2 + 1])  # fmt: skip
+        tp_group = [pp * 4 + cp * 2, pp * 4 + cp * 2 + 1]
+        tp_cp_group = list(range(pp * 4, pp * 4 + 4))
+        assert s[("tp",)] == (tp_group, 2, tp, tp_group)
         assert s[("cp",)] == (cp_group, 2, cp, cp_group)
         assert s[("dp", "cp")] == s[("cp", "dp")] == (cp_group, 2, cp, cp_group)
-        assert s[("tp", "cp")] == (list(range(pp * 4, pp * 4 + 4)), 4, tp + 2 * cp,
-                                   list(range(pp * 4, pp * 4 + 4)))  # fmt: skip
+        assert s[("tp", "cp")] == (tp_cp_group, 4, tp + 2 * cp, tp_cp_group)
         mp = [cp * 2, cp * 2 + 1, 4 + cp * 2, 5 + cp * 2]
         assert s[("tp", "pp")] == (mp, 4, tp + 2 * pp, mp)
         assert s["world"] == (8, rank, True)

@@ -172,8 +172,12 @@ def _block_cases(tp):
                 torch.testing.assert_close(y, shard(y_ref), **TOL)
                 torch.testing.assert_close(xin.grad, shard(dx_ref), **TOL)
                 if with_norms and fused:  # its input is the fused norm1's output
-                    _assert_norm_grad(block.fc1.weight.grad, dw1_ref.chunk(tp, 0)[r],
-                                      terms_fc1.chunk(tp, 0)[r], fused)  # fmt: skip
+                    _assert_norm_grad(
+                        block.fc1.weight.grad,
+                        dw1_ref.chunk(tp, 0)[r],
+                        terms_fc1.chunk(tp, 0)[r],
+                        fused,
+                    )
                 else:
                     torch.testing.assert_close(
                         block.fc1.weight.grad, dw1_ref.chunk(tp, 0)[r], **TOL
@@ -188,7 +192,7 @@ def _block_cases(tp):
     return True
 
 
-@pytest.mark.kernels_on  # issue 20: also run with the fused kernels forced on (scripts/test.sh)
+@pytest.mark.kernels_on  # also run with the fused kernels forced on (scripts/test.sh)
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_mlp_and_norm_blocks_equal_with_sequence_parallel_on_and_off(tp):
     assert run_distributed(_block_cases, tp, tp) == [True] * tp
@@ -196,8 +200,13 @@ def test_mlp_and_norm_blocks_equal_with_sequence_parallel_on_and_off(tp):
 
 def _saved_shapes(tp):
     ps = initialize_model_parallel(tp, 1)
-    fc1 = ColumnParallelLinear(H, FFN, tp_group=ps.tp_group, sequence_parallel=True,
-                               init_method=init_normal(0.5, seed=3, key="fc1"))  # fmt: skip
+    fc1 = ColumnParallelLinear(
+        H,
+        FFN,
+        tp_group=ps.tp_group,
+        sequence_parallel=True,
+        init_method=init_normal(0.5, seed=3, key="fc1"),
+    )
     x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(1))
     xin = x.chunk(tp, 0)[ps.tp_rank].clone().requires_grad_()
     shapes = []
@@ -210,8 +219,11 @@ def _saved_shapes(tp):
         y, _ = fc1(xin)
     y.sum().backward()  # backward gathers the shard again: the grads are the oracle's
     w = _full((FFN, H), "fc1")  # the unsharded weight: every rank's output grad is ones
-    torch.testing.assert_close(fc1.weight.grad, torch.ones(S, B, FFN // tp).reshape(-1, FFN // tp)
-                               .t().mm(x.reshape(-1, H)), **TOL)  # fmt: skip
+    torch.testing.assert_close(
+        fc1.weight.grad,
+        torch.ones(S, B, FFN // tp).reshape(-1, FFN // tp).t().mm(x.reshape(-1, H)),
+        **TOL,
+    )
     torch.testing.assert_close(xin.grad, torch.ones(S // tp, B, FFN) @ w, **TOL)
     return shapes
 

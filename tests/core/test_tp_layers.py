@@ -42,9 +42,13 @@ def _inputs(*shape, seed=0):
 def _check_column(ps, sp, gather_output):
     tp, r = ps.tp_size, ps.tp_rank
     layer = ColumnParallelLinear(
-        H_IN, H_OUT, tp_group=ps.tp_group, sequence_parallel=sp, gather_output=gather_output,
+        H_IN,
+        H_OUT,
+        tp_group=ps.tp_group,
+        sequence_parallel=sp,
+        gather_output=gather_output,
         init_method=init_normal(0.5, seed=7, key="col"),
-    )  # fmt: skip
+    )
     with torch.no_grad():
         layer.bias.copy_(_full((H_OUT,), "colb").chunk(tp)[r])
     ref = nn.Linear(H_IN, H_OUT)
@@ -73,9 +77,13 @@ def _check_column(ps, sp, gather_output):
 def _check_row(ps, sp, input_is_parallel):
     tp, r = ps.tp_size, ps.tp_rank
     layer = RowParallelLinear(
-        H_OUT, H_IN, tp_group=ps.tp_group, sequence_parallel=sp,
-        input_is_parallel=input_is_parallel, init_method=init_normal(0.5, seed=7, key="row"),
-    )  # fmt: skip
+        H_OUT,
+        H_IN,
+        tp_group=ps.tp_group,
+        sequence_parallel=sp,
+        input_is_parallel=input_is_parallel,
+        init_method=init_normal(0.5, seed=7, key="row"),
+    )
     with torch.no_grad():
         layer.bias.copy_(_full((H_IN,), "rowb"))
     ref = nn.Linear(H_OUT, H_IN)
@@ -106,9 +114,13 @@ def _check_row(ps, sp, input_is_parallel):
 def _check_embedding(ps, sp, divisible_by):
     tp, r = ps.tp_size, ps.tp_rank
     emb = VocabParallelEmbedding(
-        VOCAB, H_IN, tp_group=ps.tp_group, make_vocab_size_divisible_by=divisible_by,
-        reduce_scatter_embeddings=sp, init_method=init_normal(0.5, seed=7, key="emb"),
-    )  # fmt: skip
+        VOCAB,
+        H_IN,
+        tp_group=ps.tp_group,
+        make_vocab_size_divisible_by=divisible_by,
+        reduce_scatter_embeddings=sp,
+        init_method=init_normal(0.5, seed=7, key="emb"),
+    )
     v_pad = padded_vocab_size(VOCAB, make_vocab_size_divisible_by=divisible_by, tp_size=tp)
     assert emb.padded_num_embeddings == v_pad and v_pad % tp == 0
     ref = nn.Embedding(VOCAB, H_IN)
@@ -144,18 +156,24 @@ def _check_cross_entropy(ps, label_smoothing, with_mask):
 
     ref_logits = logits[..., :VOCAB].clone().requires_grad_()
     ref = F.cross_entropy(
-        ref_logits.reshape(-1, VOCAB), target.reshape(-1), reduction="none",
+        ref_logits.reshape(-1, VOCAB),
+        target.reshape(-1),
+        reduction="none",
         label_smoothing=label_smoothing,
-    ).view(S, B)  # fmt: skip
+    ).view(S, B)
     if mask is not None:
         ref = ref * mask
     ref.backward(dloss)
 
     mine_logits = logits.chunk(tp, -1)[r].clone().requires_grad_()
     loss = vocab_parallel_cross_entropy(
-        mine_logits, target, tp_group=ps.tp_group, vocab_size=VOCAB,
-        label_smoothing=label_smoothing, loss_mask=mask,
-    )  # fmt: skip
+        mine_logits,
+        target,
+        tp_group=ps.tp_group,
+        vocab_size=VOCAB,
+        label_smoothing=label_smoothing,
+        loss_mask=mask,
+    )
     torch.testing.assert_close(loss, ref, **TOL)
     loss.backward(dloss)
     grad_padded = torch.cat([ref_logits.grad, torch.zeros(S, B, v_pad - VOCAB)], dim=-1)

@@ -20,6 +20,7 @@ from torch import nn
 
 from megalite.core.optimizer import get_param_groups
 from megalite.core.parallel_state import initialize_model_parallel
+from megalite.training.components import wrap_and_build_optimizer
 from tests.core import zero_cases as zc
 from tests.harness import run_distributed
 
@@ -87,8 +88,6 @@ def oracle(steps: int, ep_of_rank: list[int]) -> tuple[list[torch.Tensor], list[
 
 
 def build(rung: str, ps):
-    from megalite.training.components import wrap_and_build_optimizer
-
     model, opt = wrap_and_build_optimizer(
         local_model(ps.rank("ep")),
         ps,

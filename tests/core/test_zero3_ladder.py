@@ -88,7 +88,7 @@ def memory(model, opt) -> dict:
         "staged_peak": model.staged_peak_bytes,
         "staged_after": model.staged_bytes(),
     }
-    if hasattr(model, "param_peak_bytes"):
+    if model.zero_stage == 3:  # whole units gathered per use
         model.reset_peak()
         out["gathered_before"] = model.gathered_bytes()
         tokens, targets = zc.micro_batches(0, dp)[zc.dp_info()[0]]

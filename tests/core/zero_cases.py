@@ -99,7 +99,7 @@ def zero_setup(
 
 
 def plain_setup(dtype: torch.dtype = torch.float32, *, fp16_scale: float | None = None):
-    """The non-distributed optimizer on one process (grad buffer in fp32, micro-batches)."""
+    """The unsharded optimizer on one process (grad buffer in fp32, micro-batches)."""
     model = DistributedDataParallel(
         tiny(dtype), dp_group=None, accumulate_allreduce_grads_in_fp32=True, bucket_size=BUCKET
     )

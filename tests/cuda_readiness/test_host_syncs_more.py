@@ -24,7 +24,7 @@ DP2_CASES = {
         "--optimizer-offload-fraction",
         "0.5",
         "--bf16",
-    ],  # fmt: skip
+    ],
 }
 CP2_CASES = {"cp2-ring": ["--context-parallel-size", "2"]}
 PP2_CASES = {
@@ -37,7 +37,7 @@ PP2_CASES = {
         "interleaved-1f1b",
         "--num-layers-per-virtual-pipeline-stage",
         "1",
-    ],  # fmt: skip
+    ],
     "pp2-zbv": [
         "--pipeline-model-parallel-size",
         "2",
@@ -45,7 +45,7 @@ PP2_CASES = {
         "4",
         "--pipeline-schedule",
         "zbv",
-    ],  # fmt: skip
+    ],
 }
 
 

@@ -1,6 +1,6 @@
 """megalite.core.fusions: when the fused kernels serve and when the PyTorch reference does, that
-both give the same numbers through the public API (autograd included), that importing megalite
-never imports triton, and the optional apex path.
+both give the same numbers through the public API (autograd included), and that importing megalite
+never imports triton.
 
 Fused vs reference tolerance: both compute in fp32 and round once (RMSNorm twice, in HF's order) to
 the output dtype, so they agree to one rounding of each side: rel 2u + u max|ref| (u = 2^-8 bf16;
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
@@ -143,33 +142,3 @@ def test_importing_megalite_does_not_import_triton() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr or "triton was imported by importing megalite"
-
-
-def test_apex_serves_only_when_asked_installed_and_on_cuda(monkeypatch: pytest.MonkeyPatch):
-    calls = []
-
-    def fake_apex_layer_norm(x, weight, bias, shape, eps):
-        calls.append((tuple(x.shape), shape, eps))
-        return "apex served"
-
-    x, w, b = torch.randn(2, 8), torch.ones(8), torch.zeros(8)
-    fusions._apex_layer_norm.cache_clear()
-    monkeypatch.setitem(sys.modules, "apex", None)  # not installed: use_apex falls back
-    assert torch.equal(
-        fusions.layer_norm(x, w, b, 1e-5, use_apex=True, use_fused=False),
-        fusions.layer_norm(x, w, b, 1e-5, use_fused=False),
-    )
-
-    fake = types.ModuleType("apex.normalization.fused_layer_norm")
-    fake.fused_layer_norm_affine = fake_apex_layer_norm
-    monkeypatch.setitem(sys.modules, "apex", types.ModuleType("apex"))
-    monkeypatch.setitem(sys.modules, "apex.normalization", types.ModuleType("apex.normalization"))
-    monkeypatch.setitem(sys.modules, "apex.normalization.fused_layer_norm", fake)
-    fusions._apex_layer_norm.cache_clear()
-    fusions.layer_norm(x, w, b, 1e-5, use_apex=True)  # CPU tensor: apex is CUDA-only
-    fusions.layer_norm(x, w, b, 1e-5)  # not asked
-    assert calls == []
-    cuda_like = types.SimpleNamespace(is_cuda=True, shape=x.shape)
-    assert fusions.layer_norm(cuda_like, w, b, 1e-5, use_apex=True) == "apex served"
-    assert calls == [((2, 8), (8,), 1e-5)]
-    fusions._apex_layer_norm.cache_clear()

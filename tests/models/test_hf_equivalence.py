@@ -165,7 +165,7 @@ def _compare(family: str, **overrides) -> None:
     torch.testing.assert_close(loss, hf_loss, rtol=1e-5, atol=0)
 
 
-@pytest.mark.kernels_on  # issue 20: also run with the fused kernels forced on (scripts/test.sh)
+@pytest.mark.kernels_on  # also run with the fused kernels forced on (scripts/test.sh)
 def test_gpt2_matches_hf_gpt2_exact_gelu():
     _compare("gpt2")
 
@@ -174,7 +174,7 @@ def test_gpt2_openai_gelu_matches_hf_gelu_new():
     _compare("gpt2", openai_gelu=True)
 
 
-@pytest.mark.kernels_on  # issue 20
+@pytest.mark.kernels_on
 def test_llama_matches_hf_llama_gqa_rope():
     # rotary_base 500000 (Llama 3) so that a base that is ignored shows up
     _compare("llama", rotary_base=500000)

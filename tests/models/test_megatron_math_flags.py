@@ -1,4 +1,4 @@
-"""Issue 18: Megatron's flags that change the model math or the loss, each against a hand-built
+"""Megatron's flags that change the model math or the loss, each against a hand-built
 reference (fp32 CPU, 1e-5 relative unless stated), and the sharded ones under TP2 + SP against the
 single-process model.
 
@@ -35,6 +35,7 @@ from megalite.models.attention import SelfAttention
 from megalite.models.mlp import MLP
 from megalite.models.rotary import apply_rotary, rotary_cos_sin, rotary_inv_freq
 from tests.harness import run_distributed
+from tests.kernels.interpreter import use_triton_interpreter
 from tests.models.helpers import make_config, rel_err, shard_of_full
 
 TOL = 1e-5
@@ -82,8 +83,6 @@ def test_layernorm_1p_reference():
 
 
 def test_layernorm_1p_fused_kernels_same_numbers(monkeypatch):
-    from tests.kernels.interpreter import use_triton_interpreter
-
     use_triton_interpreter(monkeypatch)
     torch.manual_seed(1)
     x = torch.randn(4, 16)
@@ -139,12 +138,18 @@ def test_rotary_options_reference(percent, interleaved, scaling):
     x = torch.randn(6, 2, 3, d)
     positions = torch.tensor([[0, 1, 2, 3, 4, 5], [3, 9000, 0, 1, 2, 20000]])
     cos, sin = rotary_cos_sin(
-        positions, head_dim=d, base=base, dtype=torch.float32, rotary_percent=percent,
-        interleaved=interleaved, rope_scaling_factor=scaling,
-    )  # fmt: skip
+        positions,
+        head_dim=d,
+        base=base,
+        dtype=torch.float32,
+        rotary_percent=percent,
+        interleaved=interleaved,
+        rope_scaling_factor=scaling,
+    )
     y = apply_rotary(x, cos, sin, interleaved)
-    ref = _rope_ref(x, positions, d_rot=cos.shape[-1], base=base, interleaved=interleaved,
-                    inv_freq=inv)  # fmt: skip
+    ref = _rope_ref(
+        x, positions, d_rot=cos.shape[-1], base=base, interleaved=interleaved, inv_freq=inv
+    )
     assert rel_err(y, ref) < TOL
     assert torch.equal(y[..., cos.shape[-1] :], x[..., cos.shape[-1] :])  # passed through
 
@@ -154,11 +159,19 @@ def test_rope_scaling_matches_hf_llama3():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     cfg = transformers.LlamaConfig(
-        hidden_size=256, num_attention_heads=2, head_dim=128, max_position_embeddings=131072,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192},
-    )  # fmt: skip
+        hidden_size=256,
+        num_attention_heads=2,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
     hf, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
     ours = rotary_inv_freq(128, base=500000.0, rope_scaling_factor=8.0)
     assert rel_err(ours, hf.float()) < TOL
@@ -195,9 +208,14 @@ def _attention_ref(attn: SelfAttention, x, cos, sin, config, mask):
 @pytest.mark.parametrize("backend", ["sdpa", "unfused"])
 def test_attention_qk_layernorm_rotary_and_document_mask_reference(backend):
     config = make_config(
-        "llama", qk_layernorm=True, apply_layernorm_1p=True, rotary_percent=0.5,
-        rotary_interleaved=True, attention_backend=backend, use_fused_kernels=False,
-    )  # fmt: skip
+        "llama",
+        qk_layernorm=True,
+        apply_layernorm_1p=True,
+        rotary_percent=0.5,
+        rotary_interleaved=True,
+        attention_backend=backend,
+        use_fused_kernels=False,
+    )
     attn = SelfAttention(config, ParallelState.single(), layer_number=0, rng_tracker=None)
     with torch.no_grad():
         attn.q_layernorm.weight.normal_(0, 0.2)
@@ -208,14 +226,18 @@ def test_attention_qk_layernorm_rotary_and_document_mask_reference(backend):
     tokens = torch.tensor([[1, 2, EOD, 3, 4, 5, EOD, 6], [1, 2, 3, 4, 5, 6, 8, 9]])
     mask = document_attention_mask(document_ids(tokens, EOD))  # [b, 1, s, s]
     cos, sin = rotary_cos_sin(
-        torch.arange(s)[None], head_dim=config.kv_channels, base=config.rotary_base,
-        dtype=torch.float32, rotary_percent=0.5, interleaved=True,
-    )  # fmt: skip
+        torch.arange(s)[None],
+        head_dim=config.kv_channels,
+        base=config.rotary_base,
+        dtype=torch.float32,
+        rotary_percent=0.5,
+        interleaved=True,
+    )
     with torch.no_grad():
         for m in (None, mask):
             y = attn(x, (cos, sin), m)
-            ref = _attention_ref(attn, x, cos, sin, config, torch.zeros(1, dtype=torch.bool)
-                                 if m is None else m)  # fmt: skip
+            ref_mask = torch.zeros(1, dtype=torch.bool) if m is None else m
+            ref = _attention_ref(attn, x, cos, sin, config, ref_mask)
             assert rel_err(y, ref) < TOL, "document mask" if m is not None else "causal"
 
 
@@ -249,8 +271,9 @@ def test_megatron_ltor_masks_and_collator():
     assert torch.equal(mask, att < 0.5) and torch.equal(position_ids, pos)
     assert torch.equal(loss_mask, (data != EOD).float())
     samples = [torch.cat([row, torch.tensor([9])]).numpy() for row in data]
-    batch = GPTBatchCollator(eod=EOD, eod_mask_loss=False, reset_position_ids=True,
-                             reset_attention_mask=True)(samples)  # fmt: skip
+    batch = GPTBatchCollator(
+        eod=EOD, eod_mask_loss=False, reset_position_ids=True, reset_attention_mask=True
+    )(samples)
     assert torch.equal(batch["position_ids"], pos)
     causal = torch.ones(s, s, dtype=torch.bool).triu(1)
     assert torch.equal(document_attention_mask(batch["document_ids"]) | causal, att < 0.5)
@@ -280,9 +303,15 @@ def test_packed_documents_compute_each_document_alone(family):
 
 ALL_FLAGS = {
     "gpt2": dict(apply_layernorm_1p=True, qk_layernorm=True, squared_relu=True),
-    "llama": dict(apply_layernorm_1p=True, qk_layernorm=True, rotary_percent=0.5,
-                  rotary_interleaved=True, use_rope_scaling=True, rope_scaling_factor=8.0),
-}  # fmt: skip
+    "llama": dict(
+        apply_layernorm_1p=True,
+        qk_layernorm=True,
+        rotary_percent=0.5,
+        rotary_interleaved=True,
+        use_rope_scaling=True,
+        rope_scaling_factor=8.0,
+    ),
+}
 
 
 def _perturb_norms(model: torch.nn.Module) -> None:
@@ -314,8 +343,13 @@ def _tp_case():
     weights = torch.rand(tokens.shape, generator=torch.Generator().manual_seed(6)) + 0.5
     for family, flags in ALL_FLAGS.items():
         for sp in (True,):  # TP2 with sequence parallel (the harder layout)
-            config = make_config(family, sequence_parallel=sp, make_vocab_size_divisible_by=8,
-                                 use_fused_kernels=False, **flags)  # fmt: skip
+            config = make_config(
+                family,
+                sequence_parallel=sp,
+                make_vocab_size_divisible_by=8,
+                use_fused_kernels=False,
+                **flags,
+            )
             model, oracle = GPTModel(config, ps), GPTModel(config, ParallelState.single())
             _perturb_norms(model)
             _perturb_norms(oracle)

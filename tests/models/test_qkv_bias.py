@@ -1,4 +1,4 @@
-"""``--add-qkv-bias`` (issue 16; Qwen2 / Qwen2-MoE): a bias on the QKV projection only, sharded
+"""``--add-qkv-bias`` (Qwen2 / Qwen2-MoE): a bias on the QKV projection only, sharded
 over TP by whole query groups like the weight's rows (checkpoint key ``linear_qkv.bias``).
 
 A Llama-family model with the bias (drawn non-zero, the same full tensor in both) at TP2 with
@@ -20,9 +20,12 @@ from tests.models.helpers import make_batch, make_config, rel_err, shard_of_full
 def _compare() -> dict[str, float]:
     ps = initialize_model_parallel(2)
     config = make_config(
-        "llama", add_qkv_bias=True, sequence_parallel=True, make_vocab_size_divisible_by=8,
+        "llama",
+        add_qkv_bias=True,
+        sequence_parallel=True,
+        make_vocab_size_divisible_by=8,
         use_fused_kernels=False,
-    )  # fmt: skip
+    )
     model, oracle = GPTModel(config, ps), GPTModel(config, ParallelState.single())
     biases = {n: p for n, p in oracle.named_parameters() if n.endswith("linear_qkv.bias")}
     assert len(biases) == config.num_layers and not any(

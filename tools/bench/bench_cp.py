@@ -51,13 +51,23 @@ LAYERS, HIDDEN, HEADS, GROUPS, VOCAB = 2, 128, 8, 4, 512
 
 def model_config(seq_length: int, comm_type: str) -> GPTConfig:
     return GPTConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
-        num_query_groups=GROUPS, ffn_hidden_size=2 * HIDDEN, vocab_size=VOCAB,
-        seq_length=seq_length, max_position_embeddings=seq_length,
-        position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
-        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        cp_comm_type=comm_type, use_fused_kernels=False,
-    )  # fmt: skip
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_query_groups=GROUPS,
+        ffn_hidden_size=2 * HIDDEN,
+        vocab_size=VOCAB,
+        seq_length=seq_length,
+        max_position_embeddings=seq_length,
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        swiglu=True,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        cp_comm_type=comm_type,
+        use_fused_kernels=False,
+    )
 
 
 def expected_bytes(comm_type: str, cp: int, seq_length: int, *, elem: int = 4) -> int:

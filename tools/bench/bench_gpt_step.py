@@ -28,6 +28,7 @@ noise-free. Targets: time ratio <= 1.10, memory ratio <= 1.10.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -44,6 +45,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from megalite.core.parallel_state import ParallelState  # noqa: E402
 from megalite.core.tensor_parallel.random import model_parallel_seed  # noqa: E402
 from megalite.models import GPTConfig, GPTModel  # noqa: E402
+from megalite.training.arguments import parse_args  # noqa: E402
+from megalite.training.config import with_tokenizer  # noqa: E402
+from megalite.training.forward_step import make_forward_step  # noqa: E402
+from megalite.training.pretrain import build_run  # noqa: E402
 
 SIZE = dict(num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=8192, seq_length=256)
 BATCH = 4
@@ -143,13 +148,6 @@ def make_step(kind: str, model: nn.Module, opt: torch.optim.Optimizer, config: G
 
 def loop_step(config: GPTConfig):
     """``Trainer.step`` of a run built by ``build_run`` for the same model, on the same batch."""
-    import itertools
-
-    from megalite.training.arguments import parse_args
-    from megalite.training.config import with_tokenizer
-    from megalite.training.forward_step import make_forward_step
-    from megalite.training.pretrain import build_run
-
     flags = (
         f"--num-layers {config.num_layers} --hidden-size {config.hidden_size} "
         f"--num-attention-heads {config.num_attention_heads} --seq-length {config.seq_length} "

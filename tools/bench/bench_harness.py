@@ -18,19 +18,17 @@ import sys
 import tempfile
 import time
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from megalite.core.parallel_state import initialize_model_parallel  # noqa: E402
 from tests.harness import WorkerPool, _worker, run_distributed, shutdown_pools  # noqa: E402
 
 
 def small_case():
-    import torch
-    import torch.distributed as dist
-
-    from megalite.core.parallel_state import initialize_model_parallel
-
     ps = initialize_model_parallel(dist.get_world_size(), 1)
     t = torch.ones(4)
     dist.all_reduce(t, group=ps.tp_group)

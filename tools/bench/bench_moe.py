@@ -61,11 +61,17 @@ def bench_grouped(h: int, f: int, experts: int, tokens: int, repeats: int) -> di
     )
     x = torch.randn(tokens, h)
     for grouped in (False, True):
-        cfg = MoEConfig(num_experts=experts, hidden_size=h, ffn_hidden_size=f, swiglu=True,
-                        grouped_gemm=grouped)  # fmt: skip
-        layer = GroupedExperts(cfg, ep_rank=0, ep_size=1, etp_group=None,
-                               init_fc1=lambda e: _init(f"fc1.{e}"),
-                               init_fc2=lambda e: _init(f"fc2.{e}"))  # fmt: skip
+        cfg = MoEConfig(
+            num_experts=experts, hidden_size=h, ffn_hidden_size=f, swiglu=True, grouped_gemm=grouped
+        )
+        layer = GroupedExperts(
+            cfg,
+            ep_rank=0,
+            ep_size=1,
+            etp_group=None,
+            init_fc1=lambda e: _init(f"fc1.{e}"),
+            init_fc2=lambda e: _init(f"fc2.{e}"),
+        )
 
         def step(layer=layer):
             xi = x.clone().requires_grad_()
@@ -112,9 +118,13 @@ class ByteCounter:
 
             return wrapped
 
-        for name, wrap in (("all_to_all_single", a2a), ("all_gather_single", gather),
-                           ("all_gather_into_tensor", gather), ("reduce_scatter_single", scatter),
-                           ("reduce_scatter_tensor", scatter)):  # fmt: skip
+        for name, wrap in (
+            ("all_to_all_single", a2a),
+            ("all_gather_single", gather),
+            ("all_gather_into_tensor", gather),
+            ("reduce_scatter_single", scatter),
+            ("reduce_scatter_tensor", scatter),
+        ):
             if hasattr(dist, name):
                 self._saved[name] = getattr(dist, name)
                 setattr(dist, name, wrap(self._saved[name]))
@@ -127,22 +137,35 @@ class ByteCounter:
 
 def _dispatch_worker(rank, world, init_file, shape, repeats, queue):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)  # fmt: skip
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     h, f, experts, tokens = shape
     ps = initialize_model_parallel(1, 1, expert_model_parallel_size=world)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(tokens, 1, h, generator=g)
     results = {}
     for kind in ("alltoall", "allgather"):
-        cfg = MoEConfig(num_experts=experts, hidden_size=h, ffn_hidden_size=f, swiglu=True,
-                        grouped_gemm=True, token_dispatcher_type=kind)  # fmt: skip
+        cfg = MoEConfig(
+            num_experts=experts,
+            hidden_size=h,
+            ffn_hidden_size=f,
+            swiglu=True,
+            grouped_gemm=True,
+            token_dispatcher_type=kind,
+        )
         layer = MoELayer(
-            cfg, tp_group=None, seq_group=None, cp_size=1, ep_group=ps.group("ep"),
-            ep_rank=ps.rank("ep"), etp_group=ps.group("etp"), expert_group=ps.group("etp", "ep"),
-            sequence_parallel=False, init_router=_init("router"),
-            init_fc1=lambda e: _init(f"fc1.{e}"), init_fc2=lambda e: _init(f"fc2.{e}"),
-        )  # fmt: skip
+            cfg,
+            tp_group=None,
+            seq_group=None,
+            cp_size=1,
+            ep_group=ps.group("ep"),
+            ep_rank=ps.rank("ep"),
+            etp_group=ps.group("etp"),
+            expert_group=ps.group("etp", "ep"),
+            sequence_parallel=False,
+            init_router=_init("router"),
+            init_fc1=lambda e: _init(f"fc1.{e}"),
+            init_fc2=lambda e: _init(f"fc2.{e}"),
+        )
 
         def step(layer=layer):
             xi = x.clone().requires_grad_()
@@ -195,11 +218,20 @@ def bench_dispatchers(shape, repeats: int, world: int = 4) -> dict:
 
 
 def bench_model(h: int, f: int, layers: int, seq: int, batch: int, repeats: int) -> dict:
-    base = GPTConfig(num_layers=layers, hidden_size=h, num_attention_heads=max(1, h // 64),
-                     vocab_size=1024, seq_length=seq, swiglu=True, add_bias_linear=False,
-                     position_embedding_type="rope", normalization="RMSNorm",
-                     hidden_dropout=0.0, attention_dropout=0.0,
-                     use_fused_kernels=False)  # fmt: skip
+    base = GPTConfig(
+        num_layers=layers,
+        hidden_size=h,
+        num_attention_heads=max(1, h // 64),
+        vocab_size=1024,
+        seq_length=seq,
+        swiglu=True,
+        add_bias_linear=False,
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_fused_kernels=False,
+    )
     configs = {
         "dense": dataclasses.replace(base, ffn_hidden_size=2 * f),
         "moe": dataclasses.replace(
@@ -211,7 +243,7 @@ def bench_model(h: int, f: int, layers: int, seq: int, batch: int, repeats: int)
             moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=True,
             moe_aux_loss_coeff=1e-2,
-        ),  # fmt: skip
+        ),
     }
     tokens = torch.randint(0, 1024, (batch, seq))
     out = {}
@@ -240,9 +272,11 @@ def main() -> None:
     else:
         h, f, tokens, layers, seq, repeats = 256, 512, 2048, 2, 256, a.repeats
     g = bench_grouped(h, f, 8, tokens, repeats)
-    print(f"experts fwd+bwd, 8 experts, {tokens} tokens, h {h}, f {f} (SwiGLU), median of "
-          f"{repeats}: loop {g['loop'] * 1e3:.2f} ms, grouped {g['grouped'] * 1e3:.2f} ms, "
-          f"grouped / loop = {g['grouped'] / g['loop']:.2f}")  # fmt: skip
+    print(
+        f"experts fwd+bwd, 8 experts, {tokens} tokens, h {h}, f {f} (SwiGLU), median of "
+        f"{repeats}: loop {g['loop'] * 1e3:.2f} ms, grouped {g['grouped'] * 1e3:.2f} ms, "
+        f"grouped / loop = {g['grouped'] / g['loop']:.2f}"
+    )
     d = bench_dispatchers((h, f, 8, tokens // 4), repeats)
     for kind in ("alltoall", "allgather"):
         secs = statistics.median(d[r][kind][0] for r in d)
@@ -258,9 +292,11 @@ def main() -> None:
     print(f"alltoall / allgather step time = {a2a / ag:.2f}")
     m = bench_model(h, f, layers, seq, 4 if not a.tiny else 1, repeats)
     (t_dense, p_dense), (t_moe, p_moe) = m["dense"], m["moe"]
-    print(f"GPT {layers} layers h {h}: dense (ffn {2 * f}) {t_dense * 1e3:.1f} ms, {p_dense} "
-          f"params; MoE 8 x top-2 (ffn {f}) {t_moe * 1e3:.1f} ms, {p_moe} active params; "
-          f"MoE / dense step time = {t_moe / t_dense:.2f}")  # fmt: skip
+    print(
+        f"GPT {layers} layers h {h}: dense (ffn {2 * f}) {t_dense * 1e3:.1f} ms, {p_dense} "
+        f"params; MoE 8 x top-2 (ffn {f}) {t_moe * 1e3:.1f} ms, {p_moe} active params; "
+        f"MoE / dense step time = {t_moe / t_dense:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -63,9 +63,15 @@ KINDS = ("megalite-zero1", "megalite-zero1-overlap", "torch-zero", "megalite-pla
 
 def config(layers: int, hidden: int, seq: int, vocab: int) -> GPTConfig:
     return GPTConfig(
-        num_layers=layers, hidden_size=hidden, num_attention_heads=hidden // 64, vocab_size=vocab,
-        seq_length=seq, hidden_dropout=0.0, attention_dropout=0.0, use_fused_kernels=False,
-    )  # fmt: skip
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=hidden // 64,
+        vocab_size=vocab,
+        seq_length=seq,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_fused_kernels=False,
+    )
 
 
 def build(kind: str, cfg: GPTConfig, bucket: int):

@@ -60,10 +60,15 @@ PEERS = ("fsdp2", "deepspeed-zero2", "deepspeed-zero3")
 
 def config(args) -> GPTConfig:
     return GPTConfig(
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.hidden // 64,
-        vocab_size=args.vocab, seq_length=args.seq, hidden_dropout=0.0, attention_dropout=0.0,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.hidden // 64,
+        vocab_size=args.vocab,
+        seq_length=args.seq,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
         use_fused_kernels=False,
-    )  # fmt: skip
+    )
 
 
 def build(kind: str, cfg: GPTConfig, args):
@@ -168,7 +173,7 @@ def run_volume(kind: str, args, out) -> None:
 
     def batch(ops):
         for op in ops:
-            if op.op in (dist.isend, getattr(dist, "isend", None)):
+            if op.op is dist.isend:
                 sent[0] += op.tensor.numel() * op.tensor.element_size()
         return real_batch(ops)
 
@@ -232,9 +237,11 @@ def main() -> None:
         )
     if args.volume:
         vol = dict(spawn(run_volume, k, args) for k in ("ddp", "zero3"))
-        print(f"bytes sent per rank per step: DDP {vol['ddp'] / 2**20:.2f} MiB, ZeRO-3 "
-              f"{vol['zero3'] / 2**20:.2f} MiB, ratio {vol['zero3'] / vol['ddp']:.3f} "
-              "(theory 1.5)")  # fmt: skip
+        print(
+            f"bytes sent per rank per step: DDP {vol['ddp'] / 2**20:.2f} MiB, ZeRO-3 "
+            f"{vol['zero3'] / 2**20:.2f} MiB, ratio {vol['zero3'] / vol['ddp']:.3f} "
+            "(theory 1.5)"
+        )
         return
     kinds = list(MEGALITE) + list(PEERS)
     try:
@@ -256,11 +263,14 @@ def main() -> None:
         state = v[0][3]
         state_txt = f"{state / 2**20:8.1f}" if state is not None else "       -"
         ratio = " ".join(
-            f"{med[k] / med[b]:.2f}x {b}" for b in ("deepspeed-zero2", "deepspeed-zero3")
+            f"{med[k] / med[b]:.2f}x {b}"
+            for b in ("deepspeed-zero2", "deepspeed-zero3")
             if b in med
-        )  # fmt: skip
-        print(f"  {k:16s} step {med[k] * 1000:8.1f} ms  model state {state_txt} MiB  "
-              f"peak RSS growth {rss:8.1f} MiB  {ratio}")  # fmt: skip
+        )
+        print(
+            f"  {k:16s} step {med[k] * 1000:8.1f} ms  model state {state_txt} MiB  "
+            f"peak RSS growth {rss:8.1f} MiB  {ratio}"
+        )
 
 
 if __name__ == "__main__":

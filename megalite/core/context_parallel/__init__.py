@@ -1,7 +1,8 @@
 """Context parallelism: attention over a sequence split across the cp axis (``chunking``).
 
-Three designs, Megatron's ``--cp-comm-type`` values: ``p2p`` (``ring``), ``a2a``
-(``all_to_all``, Ulysses) and ``all_gather``. ``context_parallel_attention`` picks one.
+Three designs, the values of ``cp_comm_type`` (``CP_COMM_TYPES``, Megatron's): ``p2p``
+(``ring``), ``a2a`` (``all_to_all``, Ulysses) and ``all_gather``. ``context_parallel_attention``
+picks one.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""All-gather attention (``--cp-comm-type all_gather``): every rank gathers the whole sequence's
+"""All-gather attention (``cp_comm_type="all_gather"``): every rank gathers the whole sequence's
 K/V and attends its own two query chunks to it.
 
 Query chunk j (of ``2 x CP``, ``c`` tokens) attends keys ``[0, j c)`` unmasked and its own chunk
@@ -69,9 +69,14 @@ class _PrefixAttention(torch.autograd.Function):
                 k_b, v_b = (expand_heads(t[:, :, start:end], heads_per_group) for t in kv.unbind(0))
                 with Timer(stats):
                     o, o_lse = block_forward(
-                        q_j, k_b, v_b, causal=causal, scale=scale, dropout_p=dropout_p,
+                        q_j,
+                        k_b,
+                        v_b,
+                        causal=causal,
+                        scale=scale,
+                        dropout_p=dropout_p,
                         seed=seed + 2 * j + causal,
-                    )  # fmt: skip
+                    )
                     out, lse = (o.float(), o_lse) if out is None else merge(out, lse, o, o_lse)
                 if stats is not None:
                     stats.flops += block_flops(
@@ -98,10 +103,17 @@ class _PrefixAttention(torch.autograd.Function):
                 k_b, v_b = (expand_heads(t[:, :, start:end], hpg) for t in kv.unbind(0))
                 with Timer(stats):
                     dq_b, dk_b, dv_b = block_backward(
-                        dout[:, :, rows], q[:, :, rows], k_b, v_b, out[:, :, rows],
-                        lse[:, :, rows], causal=causal, scale=scale, dropout_p=dropout_p,
+                        dout[:, :, rows],
+                        q[:, :, rows],
+                        k_b,
+                        v_b,
+                        out[:, :, rows],
+                        lse[:, :, rows],
+                        causal=causal,
+                        scale=scale,
+                        dropout_p=dropout_p,
                         seed=seed + 2 * j + causal,
-                    )  # fmt: skip
+                    )
                     dq[:, :, rows] += dq_b
                     dkv[0][:, :, start:end] += reduce_heads(dk_b, hpg)
                     dkv[1][:, :, start:end] += reduce_heads(dv_b, hpg)

@@ -1,7 +1,7 @@
-"""All-to-all attention (``--cp-comm-type a2a``, DeepSpeed-Ulysses): trade the sequence split for
+"""All-to-all attention (``cp_comm_type="a2a"``, DeepSpeed-Ulysses): trade the sequence split for
 a head split, attend over the whole sequence locally, trade back.
 
-    [b, n, s/cp, d] --all-to-all--> [b, n/cp, s, d] --attention--> --all-to-all--> [b, n, s/cp, d]
+    [b, n, s/cp, d]  (all-to-all) ->  [b, n/cp, s, d]  (attention, all-to-all) ->  [b, n, s/cp, d]
 
 The gathered sequence arrives in rank-major chunk order and is put in natural order before the
 (ordinary, causal) attention and back after, so any attention backend runs unchanged. K/V travel

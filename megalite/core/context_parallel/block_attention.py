@@ -118,10 +118,12 @@ def block_backward(
         padded[..., :sq] = lse
         zero = torch.zeros((), dtype=torch.int64, device=q.device)
         try:
+            # (grad_out, q, k, v, bias, out, logsumexp, philox seed, offset, dropout_p,
+            #  grad_input_mask, causal): no bias, no dropout, grads for q, k and v
+            args = (dout, q, k, v, None, out, padded, zero, zero, 0.0, [True] * 3 + [False])
             dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-                dout, q, k, v, None, out, padded, zero, zero, 0.0, [True, True, True, False],
-                causal, scale=scale,
-            )  # fmt: skip
+                *args, causal, scale=scale
+            )
             return dq, dk, dv
         except (RuntimeError, TypeError):  # as in block_forward: the matmul block
             pass

@@ -53,10 +53,11 @@ class Ring:
             self.stats.bytes_sent += nbytes(send)
         # one batch: on nccl a lone send and a lone recv on the same peer pair can deadlock (the
         # send waits for a recv queued behind it); tags are ignored there, order matches instead
-        return dist.batch_isend_irecv([
+        ops = [
             dist.P2POp(dist.isend, send, self.next, self.group, tag),
             dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
-        ])  # fmt: skip
+        ]
+        return dist.batch_isend_irecv(ops)
 
     def wait(self, requests: list) -> None:
         start = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Ring attention (``--cp-comm-type p2p``): queries stay, key/value blocks travel round the ring.
+"""Ring attention (``cp_comm_type="p2p"``): queries stay, key/value blocks travel round the ring.
 
 Cp rank r holds chunks ``r`` and ``2CP-1-r`` (``chunking``) of Q, K and V, each ``c`` tokens. At
 step i it holds the K/V of rank ``src = (r - i) mod CP`` and, under the causal mask, computes only
@@ -64,9 +64,14 @@ class _RingAttention(torch.autograd.Function):
                 kk = expand_heads(kv[0][:, :, cols], heads_per_group)
                 vv = expand_heads(kv[1][:, :, cols], heads_per_group)
                 o, o_lse = block_forward(
-                    q[:, :, rows], kk, vv, causal=causal, scale=scale, dropout_p=dropout_p,
+                    q[:, :, rows],
+                    kk,
+                    vv,
+                    causal=causal,
+                    scale=scale,
+                    dropout_p=dropout_p,
                     seed=seed + ring.rank * ring.size + src,
-                )  # fmt: skip
+                )
                 if step == 0:
                     out.copy_(o)
                     lse.copy_(o_lse)
@@ -104,12 +109,17 @@ class _RingAttention(torch.autograd.Function):
             rows, cols, causal = _block_plan(step, src, ring.rank, c)
             with Timer(ctx.stats):
                 dq_b, dk_b, dv_b = block_backward(
-                    dout[:, :, rows], q[:, :, rows],
-                    expand_heads(kv[0][:, :, cols], hpg), expand_heads(kv[1][:, :, cols], hpg),
-                    out[:, :, rows], lse[:, :, rows],
-                    causal=causal, scale=ctx.scale, dropout_p=ctx.dropout_p,
+                    dout[:, :, rows],
+                    q[:, :, rows],
+                    expand_heads(kv[0][:, :, cols], hpg),
+                    expand_heads(kv[1][:, :, cols], hpg),
+                    out[:, :, rows],
+                    lse[:, :, rows],
+                    causal=causal,
+                    scale=ctx.scale,
+                    dropout_p=ctx.dropout_p,
                     seed=ctx.seed + ring.rank * ring.size + src,
-                )  # fmt: skip
+                )
                 dq[:, :, rows] += dq_b
                 own = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
                 own[0][:, :, cols] = reduce_heads(dk_b, hpg)

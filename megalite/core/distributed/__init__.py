@@ -5,7 +5,7 @@ kept), ``Zero3DataParallel`` (``optim_grads_params``: params sharded, gathered p
 
 from __future__ import annotations
 
-from megalite.core.distributed.data_parallel import DistributedDataParallel, all_reduce_flat
+from megalite.core.distributed.data_parallel import DistributedDataParallel
 from megalite.core.distributed.grad_buffer import GradBuffer, GradBufferLayout
 from megalite.core.distributed.zero1_data_parallel import Zero1DataParallel
 from megalite.core.distributed.zero2_data_parallel import Zero2DataParallel
@@ -15,21 +15,21 @@ __all__ = [
     "DistributedDataParallel",
     "GradBuffer",
     "GradBufferLayout",
+    "STRATEGIES",
+    "Zero1DataParallel",
     "Zero2DataParallel",
     "Zero3DataParallel",
-    "Zero1DataParallel",
     "wrapper_class",
-    "all_reduce_flat",
 ]
 
 
+# data_parallel_sharding_strategy: the rungs of the ladder, in order (index = ZeRO stage)
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+_WRAPPERS = (DistributedDataParallel, Zero1DataParallel, Zero2DataParallel, Zero3DataParallel)
 
 
 def wrapper_class(strategy: str) -> type[DistributedDataParallel]:
-    """The wrapper of ``--data-parallel-sharding-strategy`` ``strategy``."""
-    classes = dict(zip(STRATEGIES, (DistributedDataParallel, Zero1DataParallel, Zero2DataParallel,
-                                    Zero3DataParallel)))  # fmt: skip
-    if strategy not in classes:
-        raise ValueError(f"data-parallel sharding strategy {strategy!r} is not one of {STRATEGIES}")
-    return classes[strategy]
+    """The wrapper of sharding strategy ``strategy`` (one of ``STRATEGIES``)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"data_parallel_sharding_strategy {strategy!r} is not one of {STRATEGIES}")
+    return _WRAPPERS[STRATEGIES.index(strategy)]

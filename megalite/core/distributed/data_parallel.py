@@ -48,27 +48,11 @@ from torch import nn
 
 from megalite.core.distributed.grad_buffer import Bucket, GradBuffer
 from megalite.core.distributed.sp_grads import sequence_parallel_params
-from megalite.core.groups import group_size
+from megalite.core.groups import all_reduce_flat, group_size
+from megalite.core.param_attributes import is_expert_param
 
 BucketKey = tuple[int, int]  # (buffer index, bucket index)
 BufferKey = tuple[torch.dtype, bool]  # (param dtype, expert parameter)
-
-
-def is_expert_param(param: torch.Tensor) -> bool:
-    """Whether ``param`` belongs to an expert (MoE): reduced over the expert DP group."""
-    return bool(getattr(param, "expert_parallel", False))
-
-
-def all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
-    """Sum ``tensors`` (same dtype) over ``group`` in one collective, in place."""
-    if group_size(group) == 1 or not tensors:
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
 
 
 class DistributedDataParallel(nn.Module):
@@ -102,6 +86,8 @@ class DistributedDataParallel(nn.Module):
         self.dp_group, self.tp_group, self.embedding_group = dp_group, tp_group, embedding_group
         self.expert_dp_group = expert_dp_group
         self.dp_size = group_size(dp_group)
+        # ZeRO-3's flat param shard per buffer key: param storage besides the module's params
+        self.param_shards: dict[BufferKey, torch.Tensor] = {}
         self.shared_params = list(shared_params)
         self.overlap_grad_reduce = overlap_grad_reduce
         params = [p for p in module.parameters() if p.requires_grad]
@@ -151,7 +137,8 @@ class DistributedDataParallel(nn.Module):
     def grad_buffers(self) -> list[GradBuffer]:
         return list(self.buffers_by_key.values())
 
-    def _buffer_of(self, param: nn.Parameter) -> GradBuffer:
+    def buffer_of(self, param: nn.Parameter) -> GradBuffer:
+        """The grad buffer holding ``param``'s grad."""
         return self.buffers_by_key[param.dtype, is_expert_param(param)]
 
     # --- accumulation and the last micro-batch ----------------------------------------------------
@@ -260,6 +247,22 @@ class DistributedDataParallel(nn.Module):
         """Every parameter of ``module`` whole and current inside (ZeRO-3 gathers its shards
         here; a no-op for the rungs that keep whole parameters)."""
         yield
+
+    # --- memory figures (the memory report); the sharded rungs override them ----------------------
+
+    def staged_bytes(self) -> int:
+        """Bytes of grad buckets staged now (ZeRO-2/3's full-size buckets; none here)."""
+        return 0
+
+    @property
+    def staged_peak_bytes(self) -> int:
+        """The most staged bytes at once during the step (ZeRO-2/3; none here)."""
+        return 0
+
+    @property
+    def param_peak_bytes(self) -> int:
+        """The most whole-unit param bytes resident at once (ZeRO-3; none here)."""
+        return 0
 
     def state_dict(self, *args, **kwargs):
         return self.module.state_dict(*args, **kwargs)

@@ -155,10 +155,15 @@ class GradBuffer:
         self.data = torch.zeros(self.layout.numel, dtype=grad_dtype, device=device)
         self.param_ranges = {p: self.layout.param_ranges[i] for i, p in enumerate(self.params)}
         self.buckets = [
-            Bucket(b.index, [self.params[i] for i in b.params], self.view(b.offset,
-                   b.offset + b.numel), b.offset, dp_group)
+            Bucket(
+                b.index,
+                [self.params[i] for i in b.params],
+                self.view(b.offset, b.offset + b.numel),
+                b.offset,
+                dp_group,
+            )
             for b in self.layout.buckets
-        ]  # fmt: skip
+        ]
         for p, (lo, hi, _) in self.param_ranges.items():
             p.main_grad = self.view(lo, hi).view(p.shape)
 
@@ -172,6 +177,3 @@ class GradBuffer:
 
     def zero(self) -> None:
         self.data.zero_()
-
-    def bucket_of(self, param: torch.nn.Parameter) -> Bucket:
-        return self.buckets[self.param_ranges[param][2]]

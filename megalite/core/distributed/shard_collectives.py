@@ -1,4 +1,5 @@
-"""The two data-parallel collectives of ZeRO-1, on a flat buffer split into ``dp_size`` shards.
+"""The two data-parallel collectives of the sharded rungs (ZeRO-1/2/3), on a flat buffer split
+into ``dp_size`` shards.
 
     reduce_scatter_shard(data, dp_group)   # shard r of data <- sum over ranks of shard r
     all_gather_shard(data, dp_group)       # every shard of data <- its owner's shard
@@ -11,9 +12,9 @@ once.
 
 Backends. On NCCL they are ``reduce_scatter_tensor`` / ``all_gather_tensor`` (in place is allowed:
 the output is this rank's shard of the input). On gloo those two take 2.0x and 1.5x the time of an
-all-reduce of the same buffer (``tools/bench/bench_zero.py --collectives``, DP 2, 20M fp32), which
-would make ZeRO-1 slower than plain data parallelism on CPU, so on gloo both are direct exchanges
-over point-to-point sends (0.66x and 0.46x of the all-reduce):
+all-reduce of the same buffer (the collectives benchmark of ``tools/bench/bench_zero.py``, DP 2,
+20M fp32), which would make the sharded rungs slower than plain data parallelism on CPU, so on gloo
+both are direct exchanges over point-to-point sends (0.66x and 0.46x of the all-reduce):
 
 - reduce-scatter: each rank sends shard ``j`` of its data to rank ``j`` and adds what the others
   send for its own shard (each rank sends ``(dp-1)/dp`` of the buffer, the bytes of a ring
@@ -131,8 +132,8 @@ def start_reduce_scatter_shard(data: torch.Tensor, group) -> PendingReduceScatte
     rank = group_rank(group)
     lo, hi = shard_bounds(data.numel(), size, rank)
     if not _is_gloo(group):
-        fn = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-        return PendingReduceScatter([fn(data[lo:hi], data, group=group, async_op=True)])
+        work = reduce_scatter_tensor(data[lo:hi], data, group, async_op=True)
+        return PendingReduceScatter([work])
     shards = data.chunk(size)
     peers = [j for j in range(size) if j != rank]
     recv = torch.empty((len(peers), hi - lo), dtype=data.dtype, device=data.device)
@@ -171,8 +172,5 @@ def all_gather_shard(data: torch.Tensor, group, *, async_op: bool = False) -> li
             work.wait()
         return []
     lo, hi = shard_bounds(data.numel(), size, rank)
-    if async_op:
-        fn = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-        return [fn(data, data[lo:hi], group=group, async_op=True)]
-    all_gather_tensor(data, data[lo:hi], group)
-    return []
+    work = all_gather_tensor(data, data[lo:hi], group, async_op=async_op)
+    return [work] if async_op else []

@@ -1,5 +1,6 @@
-"""ZeRO data parallelism: grads are reduce-scattered into per-rank shards, parameters live in
-contiguous buffers and are all-gathered from their owners' shards after the update.
+"""ZeRO-1 data parallelism (``optim``), the base of the ZeRO-2 and ZeRO-3 wrappers: grads are
+reduce-scattered into per-rank shards, parameters live in contiguous buffers and are all-gathered
+from their owners' shards after the update.
 
     model = Zero1DataParallel(module, dp_group=ps.group("dp", "cp"), tp_group=ps.tp_group, ...)
     model.zero_grad_buffer()
@@ -55,12 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.core.distributed.data_parallel import (
-    BucketKey,
-    BufferKey,
-    DistributedDataParallel,
-    all_reduce_flat,
-)
+from megalite.core.distributed.data_parallel import BucketKey, BufferKey, DistributedDataParallel
 from megalite.core.distributed.grad_buffer import Bucket, GradBuffer
 from megalite.core.distributed.shard_collectives import (
     PendingReduceScatter,
@@ -69,7 +65,7 @@ from megalite.core.distributed.shard_collectives import (
     reduce_scatter_shard,
     start_reduce_scatter_shard,
 )
-from megalite.core.groups import group_rank, group_size
+from megalite.core.groups import all_reduce_flat, group_rank, group_size
 
 
 class Zero1DataParallel(DistributedDataParallel):
@@ -116,8 +112,8 @@ class Zero1DataParallel(DistributedDataParallel):
         self._gathering: dict[BucketKey, list] = {}
         if overlap_param_gather:
             for sub in module.modules():
-                keys = sorted({self._bucket_key[p] for p in sub.parameters(recurse=False)
-                               if p in self._bucket_key})  # fmt: skip
+                owned = [p for p in sub.parameters(recurse=False) if p in self._bucket_key]
+                keys = sorted({self._bucket_key[p] for p in owned})
                 if keys:
                     sub.register_forward_pre_hook(self._make_wait_hook(keys))
             module.register_state_dict_pre_hook(lambda *_: self.finish_param_sync())
@@ -142,7 +138,7 @@ class Zero1DataParallel(DistributedDataParallel):
         if group_size(self.tp_group) == 1 or not self._sp_params:
             return
         layout = [b.numel for buf in self.grad_buffers for b in buf.layout.buckets]
-        layout += [x for p in self._sp_params for x in self._buffer_of(p).param_ranges[p]]
+        layout += [x for p in self._sp_params for x in self.buffer_of(p).param_ranges[p]]
         signature = torch.tensor([hash(tuple(layout)) % (1 << 62)], dtype=torch.int64)
         signature = signature.to(self.grad_buffers[0].data.device)
         low, high = signature.clone(), signature.clone()
@@ -194,7 +190,7 @@ class Zero1DataParallel(DistributedDataParallel):
 
     def _shard_mean(self, bucket: Bucket) -> None:
         if bucket.data.dtype != torch.float16:  # else divided before the sum
-            lo, hi = self.shard_range(self._buffer_of(bucket.params[0]), bucket.index)
+            lo, hi = self.shard_range(self.buffer_of(bucket.params[0]), bucket.index)
             bucket.data[lo - bucket.offset : hi - bucket.offset].div_(self.dp_size)
 
     def _reduce_bucket(self, bucket: Bucket) -> None:
@@ -219,7 +215,7 @@ class Zero1DataParallel(DistributedDataParallel):
             return
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in self._sp_params:
-            buffer = self._buffer_of(p)
+            buffer = self.buffer_of(p)
             p_lo, p_hi, k = buffer.param_ranges[p]
             s_lo, s_hi = self.shard_range(buffer, k)
             lo, hi = max(p_lo, s_lo), min(p_hi, s_hi)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megalite.core.distributed.data_parallel import BucketKey, all_reduce_flat
+from megalite.core.distributed.data_parallel import BucketKey
 from megalite.core.distributed.grad_buffer import Bucket
 from megalite.core.distributed.shard_collectives import (
     reduce_scatter_shard,
@@ -42,6 +42,7 @@ from megalite.core.distributed.shard_collectives import (
 )
 from megalite.core.distributed.sharded_grad_buffer import ShardedGradBuffer
 from megalite.core.distributed.zero1_data_parallel import Zero1DataParallel
+from megalite.core.groups import all_reduce_flat
 
 
 class Zero2DataParallel(Zero1DataParallel):
@@ -80,7 +81,7 @@ class Zero2DataParallel(Zero1DataParallel):
         if param.grad is None:
             return
         key = self._bucket_key[param]
-        bucket, buffer = self._buckets[key], self._buffer_of(param)
+        bucket, buffer = self._buckets[key], self.buffer_of(param)
         if key in self._pending:  # this bucket's previous reduce-scatter: finish it first
             self._complete(key)
         if bucket.data is None:
@@ -119,7 +120,7 @@ class Zero2DataParallel(Zero1DataParallel):
 
     def _add_shard(self, bucket: Bucket) -> None:
         """The reduced shard of the staged ``bucket`` into the persistent shard; unstage."""
-        buffer = self._buffer_of(bucket.params[0])
+        buffer = self.buffer_of(bucket.params[0])
         staged, shard = buffer.shard_of_bucket(bucket)
         shard.add_(staged)
         buffer.unstage(bucket)
@@ -140,7 +141,7 @@ class Zero2DataParallel(Zero1DataParallel):
         for key in sorted(self._deferred):  # shared params: summed over the embedding group first
             bucket = self._buckets[key]
             if bucket.data is None:
-                self._buffer_of(bucket.params[0]).stage(bucket)
+                self.buffer_of(bucket.params[0]).stage(bucket)
         all_reduce_flat([p.main_grad for p in self.shared_params], self.embedding_group)
         for key, bucket in self._buckets.items():  # partial buckets (unused params), deferred ones
             if bucket.data is not None:

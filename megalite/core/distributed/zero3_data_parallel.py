@@ -87,8 +87,8 @@ class Zero3DataParallel(Zero2DataParallel):
     ):
         if overlap_param_gather:
             raise ValueError(
-                "--overlap-param-gather does not apply to ZeRO-3 (optim_grads_params): it gathers "
-                "each unit before its forward and prefetches the next; drop the flag"
+                "overlap_param_gather does not apply to ZeRO-3 (optim_grads_params): it gathers "
+                "each unit before its forward and prefetches the next; drop overlap_param_gather"
             )
         self.units = list(default_units(module) if units is None else units)
         self.prefetch = prefetch
@@ -132,7 +132,7 @@ class Zero3DataParallel(Zero2DataParallel):
 
     def _init_param_storage(self) -> None:
         """Per buffer: the flat shard; per bucket: a full tensor the params view (then released)."""
-        self.param_shards: dict[object, torch.Tensor] = {}
+        self.param_shards = {}
         self._full: dict[BucketKey, torch.Tensor] = {}
         for b, (key, buffer) in enumerate(self.buffers_by_key.items()):
             shard = torch.zeros(buffer.data.numel(), dtype=key[0], device=buffer.data.device)

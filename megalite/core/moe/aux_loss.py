@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from megalite.core.groups import group_size
 
@@ -136,17 +135,3 @@ class _AttachAuxLoss(torch.autograd.Function):
 def attach_aux_loss(x: torch.Tensor, aux: torch.Tensor, scale) -> torch.Tensor:
     """``x`` with ``aux`` joined to its backward at ``scale`` (float or 0-d tensor)."""
     return _AttachAuxLoss.apply(x, aux, scale)
-
-
-def set_aux_loss_scale(model: nn.Module | list[nn.Module], scale) -> None:
-    """At the start of a step (before its first forward): every router of ``model`` (a module or
-    list of chunks) scales its aux losses' grads by ``scale`` = loss scale / number of
-    micro-batches (what the schedule applies to the lm loss), and the ``global_aux_loss`` counts
-    of the previous step are dropped (Megatron restarts them each global batch)."""
-    for chunk in model if isinstance(model, (list, tuple)) else [model]:
-        for m in chunk.modules():
-            if hasattr(m, "aux_loss_scale"):
-                m.aux_loss_scale = scale
-            if getattr(m, "global_tokens_per_expert", None) is not None:
-                m.global_tokens_per_expert.zero_()
-                m.global_micro_steps.zero_()

@@ -1,7 +1,8 @@
 """MoEConfig: the plain values a mixture-of-experts layer is built from (core never sees flags).
 
-Names follow Megatron-LM's ``--moe-*`` flags without the prefix (``--moe-router-topk`` is
-``router_topk``). ``GPTConfig.moe_config()`` fills one from the model's fields.
+Names are the model config's ``moe_*`` fields (Megatron's names) without the prefix
+(``moe_router_topk`` is ``router_topk``); the model builds one from its config. Messages name the
+model config's fields.
 """
 
 from __future__ import annotations
@@ -44,11 +45,14 @@ class MoEConfig:
         """One-line ValueError naming the field(s), the numbers and the fix."""
         for name, value, allowed in (
             ("moe_router_score_function", self.router_score_function, SCORE_FUNCTIONS),
-            ("moe_router_load_balancing_type", self.router_load_balancing_type,
-             LOAD_BALANCING_TYPES),
+            (
+                "moe_router_load_balancing_type",
+                self.router_load_balancing_type,
+                LOAD_BALANCING_TYPES,
+            ),
             ("moe_token_drop_policy", self.token_drop_policy, DROP_POLICIES),
             ("moe_token_dispatcher_type", self.token_dispatcher_type, DISPATCHERS),
-        ):  # fmt: skip
+        ):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
         if self.num_experts < 1:

@@ -34,21 +34,9 @@ def shard_rows(full: torch.Tensor, dim: int, *, stride: int, size: int, rank: in
     return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim)
 
 
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, w, factor):
-        ctx.factor = factor
-        return w.view_as(w)
-
-    @staticmethod
-    def backward(ctx, dw):
-        return dw * ctx.factor, None
-
-
 class GroupedExperts(nn.Module):
     """See the module docstring. ``init_fc1(e)`` / ``init_fc2(e)``: the init of global expert
-    ``e``'s full ``[f1, h]`` / ``[h, f]`` weight. ``grad_scale``: factor on the weights' grads
-    (the layer's ``expert_grad_scale``)."""
+    ``e``'s full ``[f1, h]`` / ``[h, f]`` weight."""
 
     def __init__(
         self,
@@ -59,11 +47,10 @@ class GroupedExperts(nn.Module):
         etp_group,
         init_fc1,
         init_fc2,
-        grad_scale: float = 1.0,
         device: torch.device | None = None,
     ):
         super().__init__()
-        self.config, self.grad_scale = config, grad_scale
+        self.config = config
         self.num_local_experts = config.num_experts // ep_size
         self.swiglu, self.openai_gelu = config.swiglu, config.openai_gelu
         self.grouped_gemm = config.grouped_gemm
@@ -95,8 +82,6 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         w1, w2 = self.weight1, self.weight2
-        if self.grad_scale != 1.0:
-            w1, w2 = _ScaleGrad.apply(w1, self.grad_scale), _ScaleGrad.apply(w2, self.grad_scale)
         if x.shape[0] == 0:  # stay in the graph: backward must reach the collectives before
             return x.new_zeros(0, w2.shape[1]) + 0.0 * (x.sum() + w1.sum() + w2.sum())
         if self.grouped_gemm:

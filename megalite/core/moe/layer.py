@@ -11,8 +11,6 @@ experts see each token once either way. Groups (from ``ParallelState``): ``tp_gr
 Expert grads: an expert sees the tokens of every rank of its ETP x EP group, so its grad is already
 summed over them; the data-parallel layer sums it over edp and divides by the dense dp x cp size
 (Megatron's scaling), which makes it the mean over dp x cp like every dense grad.
-``expert_grad_scale`` (default 1) multiplies the experts' grads for a data-parallel layer that
-averages over edp instead (it would pass ``edp / (dp * cp)``).
 """
 
 from __future__ import annotations
@@ -45,7 +43,6 @@ class MoELayer(nn.Module):
         init_router: InitMethod,
         init_fc1,
         init_fc2,
-        expert_grad_scale: float = 1.0,
         batch_group=None,
         device: torch.device | None = None,
     ):
@@ -55,24 +52,38 @@ class MoELayer(nn.Module):
         self.config, self.tp_group = config, tp_group
         self.split_tokens = not sequence_parallel and group_size(tp_group) > 1
         self.router = TopKRouter(
-            config, seq_group=seq_group, cp_size=cp_size, init_method=init_router,
-            batch_group=batch_group, device=device,
-        )  # fmt: skip
+            config,
+            seq_group=seq_group,
+            cp_size=cp_size,
+            init_method=init_router,
+            batch_group=batch_group,
+            device=device,
+        )
         self.experts = GroupedExperts(
-            config, ep_rank=ep_rank, ep_size=ep_size, etp_group=etp_group, init_fc1=init_fc1,
-            init_fc2=init_fc2, grad_scale=expert_grad_scale, device=device,
-        )  # fmt: skip
+            config,
+            ep_rank=ep_rank,
+            ep_size=ep_size,
+            etp_group=etp_group,
+            init_fc1=init_fc1,
+            init_fc2=init_fc2,
+            device=device,
+        )
         if config.token_dispatcher_type == "alltoall":
             self.dispatcher = AllToAllDispatcher(
-                num_experts=config.num_experts, ep_group=ep_group, etp_group=etp_group,
-                capacity_factor=config.expert_capacity_factor, topk=config.router_topk,
+                num_experts=config.num_experts,
+                ep_group=ep_group,
+                etp_group=etp_group,
+                capacity_factor=config.expert_capacity_factor,
+                topk=config.router_topk,
                 pad_to_capacity=config.pad_expert_input_to_capacity,
-            )  # fmt: skip
+            )
         else:
             self.dispatcher = AllGatherDispatcher(
-                num_experts=config.num_experts, ep_rank=ep_rank, ep_size=ep_size,
+                num_experts=config.num_experts,
+                ep_rank=ep_rank,
+                ep_size=ep_size,
                 expert_group=expert_group,
-            )  # fmt: skip
+            )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.split_tokens:  # [s, b, h] replicated over TP -> this rank's [s/tp, b, h]

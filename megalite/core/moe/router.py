@@ -1,16 +1,16 @@
 """TopKRouter: scores every token against every expert (fp32) and picks its top-k experts.
 
-Scores (Megatron's ``--moe-router-score-function``, ``--moe-router-pre-softmax``):
+Scores (``router_score_function``, ``router_pre_softmax``):
 - softmax: top-k of the logits, then softmax over those k (Mixtral); with ``pre_softmax``, softmax
   over all experts, then top-k of the probabilities, not renormalised (Qwen2-MoE).
 - sigmoid: sigmoid of the logits; top-k (of score + expert bias, when on), probabilities = the
   chosen scores normalised to sum 1 (k > 1).
 
-Capacity (``--moe-expert-capacity-factor``): each expert keeps at most
+Capacity (``expert_capacity_factor``): each expert keeps at most
 ``ceil(tokens * k / E * factor)`` of this rank's tokens, the most probable (``probs``) or the first
 (``position``); the others are dropped for that expert. Without a factor nothing is dropped.
 
-Expert bias (``--moe-router-enable-expert-bias``, aux-loss-free balancing): a buffer added to the
+Expert bias (``router_enable_expert_bias``, aux-loss-free balancing): a buffer added to the
 scores for the choice only; after each step ``update_expert_bias`` moves it by
 ``rate * sign(mean load - load)`` from the step's token counts summed over the whole batch.
 """
@@ -131,10 +131,13 @@ class TopKRouter(nn.Module):
             counts = self.global_tokens_per_expert / self.global_micro_steps
         batch = group_size(self.batch_group)
         return global_aux_loss_partial(
-            aux_scores, counts, total_tokens=aux_scores.shape[0] * batch, topk=c.router_topk,
+            aux_scores,
+            counts,
+            total_tokens=aux_scores.shape[0] * batch,
+            topk=c.router_topk,
             coeff=c.aux_loss_coeff,
             grad_share=batch * self.cp_size // group_size(self.seq_group),
-        )  # fmt: skip
+        )
 
     def forward(self, x: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
@@ -150,9 +153,13 @@ class TopKRouter(nn.Module):
             )
         elif c.router_load_balancing_type == "seq_aux_loss" and c.aux_loss_coeff > 0:
             aux = seq_aux_loss_partial(
-                aux_scores, routing_map, batch_size=batch_size, topk=c.router_topk,
-                coeff=c.aux_loss_coeff, **common,
-            )  # fmt: skip
+                aux_scores,
+                routing_map,
+                batch_size=batch_size,
+                topk=c.router_topk,
+                coeff=c.aux_loss_coeff,
+                **common,
+            )
         counting = self.training and torch.is_grad_enabled()  # not in eval or a no-grad pass
         if c.router_load_balancing_type == "global_aux_loss" and c.aux_loss_coeff > 0:
             aux = self._global_aux_loss(aux_scores, routing_map, counting)
@@ -180,6 +187,18 @@ class TopKRouter(nn.Module):
 def routers_of(model: nn.Module | list[nn.Module]) -> list[TopKRouter]:
     chunks = model if isinstance(model, (list, tuple)) else [model]
     return [m for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
+
+
+def set_aux_loss_scale(model: nn.Module | list[nn.Module], scale) -> None:
+    """At the start of a step (before its first forward): every router of ``model`` (a module or
+    list of chunks) scales its aux losses' grads by ``scale`` = loss scale / number of
+    micro-batches (what the schedule applies to the lm loss), and the ``global_aux_loss`` counts
+    of the previous step are dropped (Megatron restarts them each global batch)."""
+    for router in routers_of(model):
+        router.aux_loss_scale = scale
+        if router.global_tokens_per_expert is not None:
+            router.global_tokens_per_expert.zero_()
+            router.global_micro_steps.zero_()
 
 
 @torch.no_grad()

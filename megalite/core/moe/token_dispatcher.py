@@ -4,17 +4,17 @@ Both take this rank's tokens ``x`` # [T, h], the router's ``probs`` # [T, E] fp3
 ``routing_map`` # [T, E] bool, run ``experts`` on the tokens of this EP rank's local experts, and
 return # [T, h]: the sum over each token's experts of ``prob * expert(token)``.
 
-**all-to-all** (``--moe-token-dispatcher-type alltoall``, dropless by default):
+**all-to-all** (``token_dispatcher_type="alltoall"``, dropless by default):
 1. permute: copy each routed token once per chosen expert, grouped by global expert;
 2. exchange the per-expert counts over the EP group (one small all-to-all; the split sizes must be
    known on the host), then the tokens (all-to-all over EP: rank j gets the tokens of its experts);
 3. expert-TP: all-gather them over the ETP group (uneven), sort by local expert, run the experts
    (each ETP rank a slice of the ffn dim), reduce-scatter the partial outputs back (uneven);
 4. the reverse all-to-all; unpermute: weight by the probabilities and sum per token.
-With ``--moe-pad-expert-input-to-capacity`` every expert gets exactly ``capacity`` rows from each
+With ``pad_expert_input_to_capacity`` every expert gets exactly ``capacity`` rows from each
 rank (zeros where it has fewer), so the sizes are known without exchanging counts.
 
-**allgather** (``--moe-token-dispatcher-type allgather``): all-gather tokens, probabilities and
+**allgather** (``token_dispatcher_type="allgather"``): all-gather tokens, probabilities and
 routing over the ETP x EP group (equal sizes), run the local experts on the tokens routed to them,
 scatter-add the weighted outputs, reduce-scatter over the same group (which also sums the ETP
 partials). Simpler; moves every token to every rank.
@@ -73,8 +73,16 @@ def _unpermute(y: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, num_t
 
 
 class AllToAllDispatcher(nn.Module):
-    def __init__(self, *, num_experts: int, ep_group, etp_group, capacity_factor=None,
-                 topk: int = 1, pad_to_capacity: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        num_experts: int,
+        ep_group,
+        etp_group,
+        capacity_factor=None,
+        topk: int = 1,
+        pad_to_capacity: bool = False,
+    ):
         super().__init__()
         self.num_experts, self.ep_group, self.etp_group = num_experts, ep_group, etp_group
         self.ep, self.etp = group_size(ep_group), group_size(etp_group)

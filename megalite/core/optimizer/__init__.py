@@ -1,6 +1,7 @@
 """One mixed-precision optimizer family: ``UnshardedOptimizer`` (state whole on every DP rank) and
-ZeRO-1's ``ShardedOptimizer``, both ``MixedPrecisionOptimizer``; their builders, the loss
-scalers, the grad norm, and the offline conversion of ZeRO-1 shards to the full state."""
+``ShardedOptimizer`` (state sharded over DP, for every ZeRO rung, with optional offload), both
+``MixedPrecisionOptimizer``; their builders, the loss scalers, the grad norm, and the offline
+conversion of the per-DP-rank sharded states to the full state."""
 
 from __future__ import annotations
 
@@ -15,20 +16,20 @@ from megalite.core.optimizer.loss_scaler import ConstantLossScaler, DynamicLossS
 from megalite.core.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.core.optimizer.sharded_optimizer import ShardedOptimizer
 from megalite.core.optimizer.sharded_state import OffloadSpec
+from megalite.core.optimizer.sharded_state_format import full_state_from_shards
 from megalite.core.optimizer.unsharded_optimizer import UnshardedOptimizer
-from megalite.core.optimizer.zero1_checkpoint import full_state_from_shards
 
 __all__ = [
     "ConstantLossScaler",
-    "ShardedOptimizer",
     "DynamicLossScaler",
     "LossScaler",
     "MixedPrecisionOptimizer",
     "OffloadSpec",
+    "ShardedOptimizer",
     "UnshardedOptimizer",
     "adamw_factory",
-    "build_sharded_optimizer",
     "build_optimizer",
+    "build_sharded_optimizer",
     "clip_grads_by_norm",
     "full_state_from_shards",
     "get_param_groups",

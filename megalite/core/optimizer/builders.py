@@ -1,9 +1,10 @@
-"""Build the AdamW optimizer (plain or ZeRO-1) with Megatron's parameter groups.
+"""Build the AdamW optimizer (unsharded, or sharded over DP on a ZeRO rung) with Megatron's
+parameter groups.
 
 Weight decay applies to matrices (linear weights, embeddings) only: biases and norm weights (every
 1-D parameter, and anything named ``*.bias``) form a group with ``weight_decay = 0``.
 
-``--decoupled-lr`` / ``--decoupled-min-lr`` (issue 18): the input word embedding and the output
+``decoupled_lr`` / ``decoupled_min_lr``: the input word embedding and the output
 layer weight (every copy of a tied one: Megatron marks the embedding of the first stage and the
 output weight of the last) form groups of their own carrying ``max_lr`` / ``min_lr``, which the LR
 schedule reads. Position embeddings are not among them, as in Megatron. The groups pass unchanged
@@ -48,9 +49,9 @@ def get_param_groups(
     the trainable parameters of ``model`` (each once, tied parameters included once); empty groups
     are dropped. With ``decoupled_lr`` the embedding / output weights (``is_embedding_or_output``)
     go into groups after those, with ``"max_lr": decoupled_lr`` (and ``"min_lr":
-    decoupled_min_lr`` when given; else the run's ``--min-lr``)."""
+    decoupled_min_lr`` when given; else the run's ``min_lr``)."""
     if decoupled_min_lr is not None and decoupled_lr is None:
-        raise ValueError("--decoupled-min-lr needs --decoupled-lr (the rate it decays from)")
+        raise ValueError("decoupled_min_lr needs decoupled_lr (the rate it decays from)")
     decay, no_decay, decay_dec, no_decay_dec = [], [], [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
@@ -75,7 +76,8 @@ def get_param_groups(
 def adamw_factory(
     *, lr: float, weight_decay: float, adam_beta1: float, adam_beta2: float, adam_eps: float
 ) -> Callable[[list[dict]], torch.optim.Optimizer]:
-    """The inner AdamW both optimizers (plain and ZeRO-1) build over their fp32 param groups."""
+    """The inner AdamW both optimizers (unsharded and sharded) build over their fp32 param
+    groups."""
 
     def build_inner(groups: list[dict]) -> torch.optim.Optimizer:
         return torch.optim.AdamW(
@@ -106,7 +108,8 @@ def build_optimizer(
     decoupled_min_lr: float | None = None,
 ) -> UnshardedOptimizer | ShardedOptimizer:
     """AdamW over fp32 masters of ``model``'s parameters: the state whole on every DP rank, or
-    sharded over DP (ZeRO-1) when ``model`` is a ``Zero1DataParallel``.
+    sharded over DP (``ShardedOptimizer``) when ``model`` is a sharded rung (``Zero1DataParallel``
+    or its subclasses ``Zero2DataParallel``, ``Zero3DataParallel``).
 
     ``lr`` is the initial learning rate; the scheduler overwrites it every step.
     ``expert_mp_group`` (``ps.group("etp", "ep", "pp")``) and ``expert_tp_rank``: where the grad
@@ -116,22 +119,26 @@ def build_optimizer(
     (``get_param_groups``).
     """
     build_inner = adamw_factory(
-        lr=lr, weight_decay=weight_decay, adam_beta1=adam_beta1, adam_beta2=adam_beta2,
+        lr=lr,
+        weight_decay=weight_decay,
+        adam_beta1=adam_beta1,
+        adam_beta2=adam_beta2,
         adam_eps=adam_eps,
-    )  # fmt: skip
-    sharded = isinstance(model, Zero1DataParallel)  # ZeRO-1: the optimizer state over DP
+    )
+    sharded = isinstance(model, Zero1DataParallel)  # ZeRO-1, 2 or 3: the state over DP
     extra = {}
     if offload is not None:
         if not sharded:
             raise ValueError("optimizer offload needs a sharded rung (ZeRO-1, 2 or 3)")
         extra["offload"] = offload
+    param_groups = get_param_groups(
+        model,
+        weight_decay=weight_decay,
+        decoupled_lr=decoupled_lr,
+        decoupled_min_lr=decoupled_min_lr,
+    )
     return (ShardedOptimizer if sharded else UnshardedOptimizer)(
-        get_param_groups(
-            model,
-            weight_decay=weight_decay,
-            decoupled_lr=decoupled_lr,
-            decoupled_min_lr=decoupled_min_lr,
-        ),  # fmt: skip
+        param_groups,
         build_inner,
         model=model,
         clip_grad=clip_grad,
@@ -147,11 +154,12 @@ def build_optimizer(
 
 
 def build_sharded_optimizer(model: Zero1DataParallel, **kwargs) -> ShardedOptimizer:
-    """``build_optimizer``'s AdamW and weight-decay groups, sharded over DP (ZeRO-1): the model
-    must be wrapped in ``Zero1DataParallel``. Keyword arguments as ``build_optimizer``."""
+    """``build_optimizer``'s AdamW and weight-decay groups, sharded over DP: the model must be
+    wrapped in a sharded rung (``Zero1DataParallel`` or a subclass). Keyword arguments as
+    ``build_optimizer``."""
     if not isinstance(model, Zero1DataParallel):
         raise TypeError(
-            f"the distributed optimizer needs the model wrapped in Zero1DataParallel, got "
-            f"{type(model).__name__}"
+            f"the sharded optimizer needs the model wrapped in Zero1DataParallel (or ZeRO-2/3), "
+            f"got {type(model).__name__}"
         )
     return build_optimizer(model, **kwargs)

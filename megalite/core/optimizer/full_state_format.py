@@ -7,7 +7,7 @@
 Each tensor has the shape of this *model-parallel* rank's parameter (full over DP, still sliced
 over TP / PP: the checkpoint code reshards those along ``partition_dim``). ``param_name`` is the
 name in the model's ``named_parameters()`` with the DP wrapper's ``module.`` prefix removed.
-``UnshardedOptimizer`` and ZeRO-1's ``ShardedOptimizer`` produce and accept the same dict, so a
+``UnshardedOptimizer`` and ``ShardedOptimizer`` (any rung) produce and accept the same dict, so a
 state saved by one loads into the other, at any DP size.
 """
 

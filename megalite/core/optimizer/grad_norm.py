@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.core.groups import group_size
+from megalite.core.param_attributes import is_expert_param, is_tensor_parallel
 
 
 def param_is_counted(
@@ -41,9 +42,9 @@ def param_is_counted(
     """Whether this rank's ``param`` enters the global norm (see the module docstring)."""
     if any(param is d for d in duplicates):
         return False
-    if getattr(param, "expert_parallel", False):
-        return bool(getattr(param, "tensor_model_parallel", False)) or expert_tp_rank == 0
-    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+    if is_expert_param(param):
+        return is_tensor_parallel(param) or expert_tp_rank == 0
+    return is_tensor_parallel(param) or tp_rank == 0
 
 
 def all_reduce_over(t: torch.Tensor, groups: Sequence, op=dist.ReduceOp.SUM) -> torch.Tensor:

@@ -4,9 +4,9 @@ The loss is multiplied by ``scale`` before backward so small fp16 gradients do n
 optimizer divides the gradients by it again (``inv_scale``) before the update. A step whose
 gradients hold an inf or a NaN is skipped, and ``update(found_inf=True)`` is called:
 
-- ``ConstantLossScaler`` (flag ``--loss-scale S``) keeps ``S`` whatever happens.
-- ``DynamicLossScaler`` (``initial_scale``, ``window``, ``hysteresis``, ``min_scale``; flags
-  ``--initial-loss-scale``, ``--loss-scale-window``, ``--hysteresis``, ``--min-loss-scale``): each
+- ``ConstantLossScaler`` (a run's ``loss_scale`` S) keeps ``S`` whatever happens.
+- ``DynamicLossScaler`` (``initial_scale``, ``window``, ``hysteresis``, ``min_scale``: a run's
+  ``initial_loss_scale``, ``loss_scale_window``, ``hysteresis``, ``min_loss_scale``): each
   overflow decrements a hysteresis counter, and once it reaches 0 the scale is multiplied by
   ``backoff_factor`` (0.5; never below ``min_scale``). ``window`` consecutive clean steps multiply
   the scale by ``growth_factor`` (2) and refill the hysteresis counter. An overflow also restarts
@@ -45,7 +45,7 @@ class LossScaler:
 
 
 class ConstantLossScaler(LossScaler):
-    """``--loss-scale S``: the scale never changes (overflowing steps are still skipped)."""
+    """A fixed ``loss_scale``: the scale never changes (overflowing steps are still skipped)."""
 
     def update(self, found_inf: bool) -> None:
         del found_inf

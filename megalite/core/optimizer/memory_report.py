@@ -1,7 +1,7 @@
 """The model-state memory of every rank (params, grads, fp32 masters, optimizer states, buffers)
 at start-up, per rung of the ZeRO ladder, and the measured peak after the first step.
 
-Measured over tensor *storage*: each distinct storage counted once (a ZeRO-1 param buffer, the
+Measured over tensor *storage*: each distinct storage counted once (a param buffer, the
 grad buffers or their shards, the flat master and Adam shards), so views and aliases are not
 double-counted, and a master that *is* the model parameter (fp32 training) costs nothing extra.
 Adam states that the plain ``torch.optim.AdamW`` creates lazily at its first step are counted at
@@ -20,7 +20,7 @@ per element; stage ``z`` divides by ``N`` the first ``z`` of (optimizer, grads, 
     stage 3 (optim_grads_params):  p P/N + g P/N + k P / N
 
 DeepSpeed's figures are the bf16-grad case (p = g = 2, k = 12): 16P, 4P + 12P/N, 2P + 14P/N,
-16P/N. megalite's fp32-grad variant (``--accumulate-allreduce-grads-in-fp32``, g = 4): 18P,
+16P/N. megalite's fp32-grad variant (``accumulate_allreduce_grads_in_fp32``, g = 4): 18P,
 6P + 12P/N, 2P + 16P/N, 18P/N. With offload, ``fraction`` of the optimizer part moves to the host
 (or disk). Measured bytes exceed the theory only by bucket padding (< N elements per bucket) and
 the step counters.
@@ -35,9 +35,11 @@ from dataclasses import astuple, dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
+from megalite.core.distributed import STRATEGIES, DistributedDataParallel
 from megalite.core.groups import group_size
+from megalite.core.optimizer.mixed_precision import MixedPrecisionOptimizer
+from megalite.core.parallel_state import ParallelState
 
 logger = logging.getLogger(__name__)
 MIB = 2**20
@@ -76,20 +78,17 @@ def _storages(tensors: Iterable[torch.Tensor], exclude: set[int] = frozenset()) 
     return out
 
 
-def zero_stage(model: nn.Module) -> int:
-    """The ladder rung of a data-parallel wrapper (0 = no_shard ... 3 = optim_grads_params)."""
-    return int(getattr(model, "zero_stage", 0))
-
-
-def model_state_bytes(model: nn.Module, optimizer, *, dp_size: int) -> ModelStateBytes:
-    """Measure ``model`` (a DP wrapper with ``grad_buffers``) and ``optimizer`` (either optimizer:
+def model_state_bytes(
+    model: DistributedDataParallel, optimizer: MixedPrecisionOptimizer, *, dp_size: int
+) -> ModelStateBytes:
+    """Measure ``model`` (a data-parallel wrapper, any rung) and ``optimizer`` (either optimizer:
     ``master_params`` and the inner ``optimizer``) on this rank; ``dp_size`` for the theory."""
     params = [p for p in model.parameters() if p.requires_grad]
-    shards = list(getattr(model, "param_shards", {}).values())
+    shards = list(model.param_shards.values())  # ZeRO-3's
     param_st = _storages([*params, *shards])
     grad_st = _storages([b.data for b in model.grad_buffers])
-    states = getattr(optimizer, "buffers", [])  # ShardState per buffer (sharded optimizer)
-    host_tensors = [t for sb in states for t in getattr(sb, "host", {}).values()]
+    states = optimizer.buffers if optimizer.is_sharded else []  # ShardState per buffer
+    host_tensors = [t for sb in states for t in sb.host.values()]
     host_tensors += [t for sb in states if sb.store is not None for t in sb.store.buffers.values()]
     host_st = _storages(host_tensors)
     stores = [sb.store for sb in states if sb.store is not None]
@@ -105,16 +104,16 @@ def model_state_bytes(model: nn.Module, optimizer, *, dp_size: int) -> ModelStat
         state_tensors += [v for k, v in state.items() if torch.is_tensor(v) and k != "step"]
     optim_st = _storages(state_tensors, exclude=seen)
     steps = sum(4 for m in optimizer.master_params if "step" in inner.state.get(m, {}))
-    buffers = model.staged_bytes() if hasattr(model, "staged_bytes") else 0
+    buffers = model.staged_bytes()
 
-    stage = zero_stage(model)
+    stage = model.zero_stage
     fraction = 0.0
     if states and states[0].numel:
         fraction = sum(sb.cut for sb in states) / sum(sb.numel for sb in states)
     num_params, theory, theory_off = 0, 0.0, 0.0
     for p in params:
         n, p_size = p.numel(), p.element_size()
-        g_size = model._buffer_of(p).grad_dtype.itemsize if hasattr(model, "_buffer_of") else p_size
+        g_size = model.buffer_of(p).grad_dtype.itemsize
         k = 8 + (0 if p.dtype == torch.float32 else 4)
         num_params += n
         theory += n * p_size / (dp_size if stage >= 3 else 1)
@@ -137,15 +136,11 @@ def model_state_bytes(model: nn.Module, optimizer, *, dp_size: int) -> ModelStat
     )
 
 
-def theory_formula(model: nn.Module, *, dp_size: int, zero: bool | None = None) -> str:
+def theory_formula(model: DistributedDataParallel, *, dp_size: int) -> str:
     """The theory as text for the first parameter's dtypes, e.g. ``2P + 4P/4 + 12P/4``."""
-    stage = zero_stage(model) if zero is None or zero else 0
+    stage = model.zero_stage
     p = next(p for p in model.parameters() if p.requires_grad)
-    g = (
-        model._buffer_of(p).grad_dtype.itemsize
-        if hasattr(model, "_buffer_of")
-        else p.element_size()
-    )
+    g = model.buffer_of(p).grad_dtype.itemsize
     k = (0 if p.dtype == torch.float32 else 4) + 8
     parts = [(p.element_size(), 3), (g, 2), (k, 1)]
     return " + ".join(f"{b}P" + (f"/{dp_size}" if stage >= z else "") for b, z in parts)
@@ -163,10 +158,13 @@ def _gather_rows(row: torch.Tensor, groups) -> torch.Tensor:
     return rows
 
 
-STAGE_NAMES = ("no_shard", "ZeRO-1 (optim)", "ZeRO-2 (optim_grads)", "ZeRO-3 (optim_grads_params)")
+# "no_shard", "ZeRO-1 (optim)", ..., by stage
+STAGE_NAMES = ("no_shard", *(f"ZeRO-{z} ({s})" for z, s in enumerate(STRATEGIES) if z))
 
 
-def log_model_state_memory(model: nn.Module, optimizer, ps) -> list[ModelStateBytes]:
+def log_model_state_memory(
+    model: DistributedDataParallel, optimizer: MixedPrecisionOptimizer, ps: ParallelState
+) -> list[ModelStateBytes]:
     """Measure every rank (a collective over the model-parallel and DP groups) and log one line
     per rank on the logging rank. Returns the per-rank numbers, global-rank order."""
     mine = model_state_bytes(model, optimizer, dp_size=ps.size("dp", "cp"))
@@ -175,19 +173,24 @@ def log_model_state_memory(model: nn.Module, optimizer, ps) -> list[ModelStateBy
         "model-state memory per rank, %s over DP %d: params + grads + fp32 master + optimizer "
         "states + buffers (MiB, device) [+ offloaded host / disk], measured vs theory %s "
         "(P = params on the rank; DeepSpeed's rungs: 16P, 4P + 12P/N, 2P + 14P/N, 16P/N)",
-        STAGE_NAMES[mine.stage], ps.size("dp", "cp"),
+        STAGE_NAMES[mine.stage],
+        ps.size("dp", "cp"),
         theory_formula(model, dp_size=ps.size("dp", "cp")),
-    )  # fmt: skip
+    )
     for r, s in rows:
         off = f" [+ host {s.host / MIB:.2f}, disk {s.disk / MIB:.2f}]" if s.host or s.disk else ""
+        theory_off = f" + {s.theory_off / MIB:.2f} off" if s.theory_off else ""
         logger.info(
             "  rank %d: %.2f + %.2f + %.2f + %.2f + %.2f = %.2f MiB%s "
             "(theory %.2f MiB%s, %d params)",
-            r, s.params / MIB, s.grads / MIB, s.master / MIB, s.optimizer / MIB, s.buffers / MIB,
-            s.total / MIB, off, s.theory / MIB,
-            f" + {s.theory_off / MIB:.2f} off" if s.theory_off else "", s.num_params,
-        )  # fmt: skip
+            *(r, *_mib_columns(s), off, s.theory / MIB, theory_off, s.num_params),
+        )
     return [s for _, s in rows]
+
+
+def _mib_columns(s: ModelStateBytes) -> list[float]:
+    """params, grads, master, optimizer, buffers and their total, in MiB (the logged columns)."""
+    return [x / MIB for x in (s.params, s.grads, s.master, s.optimizer, s.buffers, s.total)]
 
 
 def _rows(mine: ModelStateBytes, ps) -> list[tuple[int, ModelStateBytes]]:
@@ -197,12 +200,14 @@ def _rows(mine: ModelStateBytes, ps) -> list[tuple[int, ModelStateBytes]]:
     return [(int(r[0]), ModelStateBytes(*(int(v) for v in r[1:]))) for r in rows.tolist()]
 
 
-def log_memory_after_step(model: nn.Module, optimizer, ps) -> list[ModelStateBytes]:
+def log_memory_after_step(
+    model: DistributedDataParallel, optimizer: MixedPrecisionOptimizer, ps: ParallelState
+) -> list[ModelStateBytes]:
     """After the first step (a collective): per rank the measured bytes with ``buffers`` = the
     peak of staged grad buckets + gathered ZeRO-3 units during it (and the CUDA allocator's peak
     when on a GPU)."""
     mine = model_state_bytes(model, optimizer, dp_size=ps.size("dp", "cp"))
-    mine.buffers = getattr(model, "staged_peak_bytes", 0) + getattr(model, "param_peak_bytes", 0)
+    mine.buffers = model.staged_peak_bytes + model.param_peak_bytes
     rows = _rows(mine, ps)
     cuda = ""
     if torch.cuda.is_available() and ps.device.type == "cuda":
@@ -215,7 +220,6 @@ def log_memory_after_step(model: nn.Module, optimizer, ps) -> list[ModelStateByt
     for r, s in rows:
         logger.info(
             "  rank %d: %.2f + %.2f + %.2f + %.2f + %.2f = %.2f MiB (theory %.2f MiB + buffers)",
-            r, s.params / MIB, s.grads / MIB, s.master / MIB, s.optimizer / MIB, s.buffers / MIB,
-            s.total / MIB, s.theory / MIB,
-        )  # fmt: skip
+            *(r, *_mib_columns(s), s.theory / MIB),
+        )
     return [s for _, s in rows]

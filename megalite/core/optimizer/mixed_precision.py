@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.core.distributed.data_parallel import is_expert_param
 from megalite.core.groups import group_size
 from megalite.core.optimizer.full_state_format import param_names
 from megalite.core.optimizer.grad_norm import (
@@ -47,6 +46,7 @@ from megalite.core.optimizer.grad_norm import (
     param_is_counted,
 )
 from megalite.core.optimizer.loss_scaler import LossScaler
+from megalite.core.param_attributes import is_expert_param, is_tensor_parallel
 
 
 @dataclass
@@ -123,14 +123,16 @@ class MixedPrecisionOptimizer:
     def is_counted(self, param: nn.Parameter) -> bool:
         """Whether ``param`` enters the grad norm on this rank (each parameter counted once)."""
         return param_is_counted(
-            param, tp_rank=self.tp_rank, duplicates=self.duplicates,
+            param,
+            tp_rank=self.tp_rank,
+            duplicates=self.duplicates,
             expert_tp_rank=self.expert_tp_rank,
-        )  # fmt: skip
+        )
 
     def zeros_counted(self, param: nn.Parameter) -> bool:
         """Whether ``param`` enters ``num_zeros_in_grad`` (TP-replicated ones on TP rank 0)."""
         tp_rank = self.expert_tp_rank if is_expert_param(param) else self.tp_rank
-        return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+        return is_tensor_parallel(param) or tp_rank == 0
 
     def _agree_on_experts(self) -> None:
         """``has_experts``: whether any rank of the model holds an expert parameter (one MAX
@@ -158,10 +160,12 @@ class MixedPrecisionOptimizer:
             if found_inf:
                 return False, None, None
         norm = grad_norm(
-            grads.counted, groups=self.reduce_groups, device=self._device,
+            grads.counted,
+            groups=self.reduce_groups,
+            device=self._device,
             expert_grads=grads.counted_expert if self.has_experts else None,
             expert_groups=self.expert_reduce_groups,
-        )  # fmt: skip
+        )
         if self.clip_grad > 0:
             clip_grads_by_norm(grads.all, norm, self.clip_grad)
         num_zeros = self._count_zeros(grads) if self.count_zeros else None

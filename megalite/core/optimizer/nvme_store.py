@@ -31,9 +31,14 @@ KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 class NvmeStore:
     def __init__(
-        self, directory: str, prefix: str, numel: int, *, host_bytes: int,
+        self,
+        directory: str,
+        prefix: str,
+        numel: int,
+        *,
+        host_bytes: int,
         device: torch.device | str | None = None,
-    ):  # fmt: skip
+    ):
         self.numel = numel
         self.device = torch.device(device if device is not None else "cpu")
         self.pinned = self.device.type == "cuda"  # host <-> device copies are DMA, non-blocking

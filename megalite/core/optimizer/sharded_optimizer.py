@@ -1,13 +1,18 @@
-"""ZeRO-1: fp32 master parameters and Adam states sharded over the data-parallel group.
+"""The sharded optimizer: fp32 master parameters and Adam states sharded over the data-parallel
+group, for every sharded rung of the ladder (ZeRO-1, 2 and 3), with optional offload.
 
-    model = Zero1DataParallel(module, dp_group=ps.group("dp", "cp"), ...)
+    model = Zero1DataParallel(module, dp_group=ps.group("dp", "cp"), ...)   # or Zero2 / Zero3
     optimizer = build_sharded_optimizer(model, lr=..., weight_decay=..., mp_group=ps.mp_group)
     ... forward_backward; model.finish_grad_sync(); optimizer.step()
 
-A ``MixedPrecisionOptimizer`` like the plain one (same ``step()``, state dicts and full state), so
-the training loop does not branch. Per-rank memory for ``P`` parameters (this model-parallel
-rank) and DP size ``d``: the model's params (2P bytes in bf16) and grad buffer (4P in fp32) as
-without ZeRO, plus ``12P/d`` of optimizer state (master + exp_avg + exp_avg_sq) instead of ``12P``.
+A ``MixedPrecisionOptimizer`` like the unsharded one (same ``step()``, state dicts and full state),
+so the training loop does not branch. It reads the rung from the model: the grads are this rank's
+shard of each bucket (in a whole grad buffer under ZeRO-1, a ``ShardedGradBuffer`` under ZeRO-2/3),
+and the updated params go into the param buffer's shard, then ``model.gather_params()`` (ZeRO-1/2:
+an all-gather over DP; ZeRO-3: the param shard itself, gathered per unit at its next use). Per-rank
+optimizer state for ``P`` parameters (this model-parallel rank) and DP size ``d``: ``12P/d``
+(master + exp_avg + exp_avg_sq) instead of ``12P``; ``offload`` moves a fraction of it to the host
+or to files (``sharded_state``).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch
 from torch import nn
 
 from megalite.core.distributed.zero1_data_parallel import Zero1DataParallel
-from megalite.core.optimizer import zero1_checkpoint as ckpt
+from megalite.core.optimizer import sharded_state_format as ckpt
 from megalite.core.optimizer.full_state_format import check_full_state
 from megalite.core.optimizer.loss_scaler import LossScaler
 from megalite.core.optimizer.mixed_precision import MixedPrecisionOptimizer, StepGrads
@@ -47,16 +52,16 @@ class _Piece:
 
 
 class ShardedOptimizer(MixedPrecisionOptimizer):
-    """ZeRO-1 Adam over the shards of a ``Zero1DataParallel`` model. Who owns what:
+    """Adam (or AdamW) over the shards of a sharded-rung model (``Zero1DataParallel`` or its
+    subclasses ``Zero2DataParallel``, ``Zero3DataParallel``). Who owns what:
 
-    - every DP rank holds the whole model (params in the param dtype) and a whole grad buffer;
     - DP rank ``r`` owns, in every bucket of every buffer, the ``r``-th of ``dp_size`` equal
       contiguous shards (``GradBufferLayout.shard_range``); for that shard, and only for it, it
-      holds the fp32 master params (unless the params are fp32: then the param buffer's shard is
-      the master), ``exp_avg`` and ``exp_avg_sq``, each one flat fp32 tensor per buffer, the
-      shards of all buckets concatenated; and only it updates those elements. A parameter cut by
-      a shard boundary is updated in parts by two ranks (a ``_Piece`` each);
-    - after the update each rank's shard of the param buffer is all-gathered over DP.
+      holds the fp32 master params (unless the params are fp32: then the param shard is the
+      master), ``exp_avg`` and ``exp_avg_sq``, each one flat fp32 tensor per buffer, the shards of
+      all buckets concatenated; and only it updates those elements. A parameter cut by a shard
+      boundary is updated in parts by two ranks (a ``_Piece`` each);
+    - after the update the params are rebuilt from the shards (``model.gather_params``).
 
     The norm, the inf/NaN flag and the zero count are reduced over DP (each rank holds a shard)
     then over the model-parallel group; for expert parameters (their own buffers, sharded over
@@ -83,12 +88,20 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         offload: OffloadSpec | None = None,
     ):
         if not isinstance(model, Zero1DataParallel):
-            raise TypeError("ShardedOptimizer needs the model wrapped in Zero1DataParallel")
+            raise TypeError(
+                "ShardedOptimizer needs the model wrapped in a sharded rung (Zero1DataParallel, "
+                "Zero2DataParallel or Zero3DataParallel)"
+            )
         super().__init__(
-            param_groups, model=model, clip_grad=clip_grad, tp_rank=tp_rank,
-            duplicates=duplicates, loss_scaler=loss_scaler, count_zeros=count_zeros,
+            param_groups,
+            model=model,
+            clip_grad=clip_grad,
+            tp_rank=tp_rank,
+            duplicates=duplicates,
+            loss_scaler=loss_scaler,
+            count_zeros=count_zeros,
             expert_tp_rank=expert_tp_rank,
-        )  # fmt: skip
+        )
         self.model, self.dp_group, self.dp_size = model, model.dp_group, model.dp_size
         self.mp_group = mp_group
         self.reduce_groups = (self.dp_group, mp_group)
@@ -104,7 +117,7 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
                 param_shard=model.param_shard_of(g),
                 offload=offload,
                 name=f"opt{id(self):x}_b{b}",
-            )  # fmt: skip
+            )
             for b, (d, g) in enumerate(model.buffer_pairs())
         ]
         self.pieces: list[_Piece] = []
@@ -126,11 +139,20 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
                         master = torch.empty(0, dtype=torch.float32, device=sb.device)
                     self.pieces.append(
                         _Piece(
-                            param, b, group_of[param], x - p_lo, y - p_lo, x, s,
-                            nn.Parameter(master), self.is_counted(param),
-                            self.zeros_counted(param), sb.grad_buffer.expert, sb.where(s),
+                            param=param,
+                            buffer=b,
+                            group=group_of[param],
+                            lo=x - p_lo,
+                            hi=y - p_lo,
+                            buffer_lo=x,
+                            shard_lo=s,
+                            master=nn.Parameter(master),
+                            counted=self.is_counted(param),
+                            zeros_counted=self.zeros_counted(param),
+                            expert=sb.grad_buffer.expert,
+                            where=sb.where(s),
                         )
-                    )  # fmt: skip
+                    )
         if len(seen) != len(group_of):
             raise ValueError(
                 f"{len(group_of) - len(seen)} optimized parameters have no grad buffer"
@@ -142,7 +164,9 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
             ]
         )
         if not isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            raise TypeError(f"ZeRO-1 shards Adam states; got {type(self.optimizer).__name__}")
+            raise TypeError(
+                f"the sharded optimizer shards Adam states; got {type(self.optimizer).__name__}"
+            )
         for pc in self.in_memory:  # the Adam states are views of the flat per-buffer shards
             sb, s, n = self.buffers[pc.buffer], pc.shard_lo, pc.hi - pc.lo
             self.optimizer.state[pc.master] = {
@@ -216,9 +240,16 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
                     a, b, grad=g[a - pc.shard_lo : b - pc.shard_lo]
                 )  # the grad's copy to the host is in flight while the moments are read
                 adamw_chunk(
-                    master, grad, exp_avg, exp_avg_sq, step=self.steps, lr=group["lr"],
-                    weight_decay=group["weight_decay"], betas=group["betas"], eps=group["eps"],
-                )  # fmt: skip
+                    master,
+                    grad,
+                    exp_avg,
+                    exp_avg_sq,
+                    step=self.steps,
+                    lr=group["lr"],
+                    weight_decay=group["weight_decay"],
+                    betas=group["betas"],
+                    eps=group["eps"],
+                )
                 sb.store.save(a, b)
                 sb.copy_to_params(a, master)
 
@@ -238,7 +269,7 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         for pc in self.in_memory:
             self.optimizer.state[pc.master]["step"].fill_(float(step))
 
-    # --- checkpoints (the sharded format is in megalite.core.optimizer.zero1_checkpoint) ---------
+    # --- checkpoints (the sharded format: megalite.core.optimizer.sharded_state_format) ----------
 
     def state_dict(self) -> dict:
         """What ``distrib_optim.pt`` holds: ``sharded_state_dict()``."""
@@ -257,7 +288,7 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
                     param_dtype=sb.param_dtype,
                     names=[self.name_of[p] for p in params],
                     shapes=[p.shape for p in params],
-                    expert=sb.grad_buffer.expert,  # issue 16
+                    expert=sb.grad_buffer.expert,
                 )
             )
         return out
@@ -310,11 +341,7 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
                     # fp32 params, whole param buffer: it is current
                     fulls[key] = sb.param_data.detach().clone()
                 else:
-                    g = sb.grad_buffer
-                    fulls[key] = ckpt.gather_full(
-                        g.layout, sb.read_shard(key), dp_group=g.dp_group, dp_size=g.dp_size,
-                        dp_rank=g.dp_rank,
-                    )  # fmt: skip
+                    fulls[key] = ckpt.gather_full(sb.grad_buffer, sb.read_shard(key))
             for param, (lo, hi, _) in sb.grad_buffer.param_ranges.items():
                 params[self.name_of[param]] = {
                     k: v[lo:hi].view(param.shape).clone() for k, v in fulls.items()

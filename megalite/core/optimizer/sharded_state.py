@@ -2,14 +2,14 @@
 
 The shard is this rank's part of every bucket, concatenated (``segments``: one ``(buffer_lo,
 buffer_hi, shard_lo)`` per bucket). Its fp32 state (master params, ``exp_avg``, ``exp_avg_sq``)
-is cut at ``cut`` (``offload.fraction`` of the shard, Megatron's ``--optimizer-offload-fraction``):
+is cut at ``cut`` (``offload.fraction`` of the shard, the run's ``optimizer_offload_fraction``):
 
     [0, cut)        offloaded: on the host (pinned when the params are on CUDA), or with
                     ``offload.directory`` in files (``NvmeStore``), streamed in sub-groups
     [cut, numel)    on the device; fp32 params are their own masters there (the param buffer's
                     shard, or ZeRO-3's param shard, is updated in place)
 
-Without offload ``cut`` is 0: ZeRO-1's layout exactly. ``param_at`` / ``master_at`` /
+Without offload ``cut`` is 0: the whole shard on the device. ``param_at`` / ``master_at`` /
 ``state_at`` take shard coordinates; a piece (part of one parameter in one bucket) never crosses
 a segment or ``cut`` (the optimizer splits them there).
 """
@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from megalite.core.distributed.grad_buffer import GradBuffer
 from megalite.core.optimizer.full_state_format import ADAM_KEYS
@@ -76,9 +77,12 @@ class ShardState:
         if self.cut and offload.directory is not None:
             prefix = f"rank{_global_rank()}_{name}_{os.getpid()}"
             self.store = NvmeStore(
-                offload.directory, prefix, self.cut, host_bytes=int(offload.host_bytes),
+                offload.directory,
+                prefix,
+                self.cut,
+                host_bytes=int(offload.host_bytes),
                 device=self.device,
-            )  # fmt: skip
+            )
             for a, b in self.store.chunks(0, self.cut):  # the masters, streamed in
                 self.store.stage("master", self._param_range(a, b))
                 self.store.save(a, b, keys=("master",))
@@ -231,6 +235,4 @@ def adamw_chunk(p, g, m, v, *, step: int, lr, weight_decay, betas, eps) -> None:
 
 
 def _global_rank() -> int:
-    import torch.distributed as dist
-
     return dist.get_rank() if dist.is_initialized() else 0

@@ -22,6 +22,8 @@ _COPIED_ATTRS = ("tensor_model_parallel", "partition_dim", "sequence_parallel", 
 
 
 def _model_grad(param: nn.Parameter) -> torch.Tensor | None:
+    """The grad buffer's ``main_grad`` when a data-parallel wrapper gave the parameter one (a
+    parameter of an unwrapped model has no such attribute), else ``.grad``."""
     grad = getattr(param, "main_grad", None)
     return param.grad if grad is None else grad
 
@@ -52,10 +54,15 @@ class UnshardedOptimizer(MixedPrecisionOptimizer):
         expert_tp_rank: int = 0,
     ):
         super().__init__(
-            param_groups, model=model, clip_grad=clip_grad, tp_rank=tp_rank,
-            duplicates=duplicates, loss_scaler=loss_scaler, count_zeros=count_zeros,
+            param_groups,
+            model=model,
+            clip_grad=clip_grad,
+            tp_rank=tp_rank,
+            duplicates=duplicates,
+            loss_scaler=loss_scaler,
+            count_zeros=count_zeros,
             expert_tp_rank=expert_tp_rank,
-        )  # fmt: skip
+        )
         self.mp_group = mp_group
         self.reduce_groups = (mp_group,)
         self.expert_reduce_groups = (expert_mp_group,)

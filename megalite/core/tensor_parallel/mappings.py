@@ -13,9 +13,11 @@ Each function is named by what it does forward; its backward is the adjoint:
 
 ``gather_first`` and ``reduce_scatter_first`` are the same collectives without autograd (the
 sequence-parallel linear calls them in its own backward). "first dim" is the sequence dim of
-``[s, b, h]`` activations. Every function takes the group it
-communicates over; on a group of one it returns its input unchanged. ``None`` means a group of one
-(no communication): an oracle model built with ``ParallelState.single()`` inside a multi-rank test.
+``[s, b, h]`` activations. Every function takes the group it communicates over (the TP group; the
+allgather token dispatcher of MoE also uses the etp x ep group); on a group of one it returns its
+input unchanged. ``None`` means a group of one (no communication): an oracle model built with
+``ParallelState.single()`` inside a multi-rank test. The generic group helpers (size, rank, the
+raw tensor collectives) live in ``megalite.core.groups``.
 """
 
 from __future__ import annotations

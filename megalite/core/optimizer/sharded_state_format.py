@@ -1,6 +1,7 @@
-"""The ZeRO-1 optimizer's sharded checkpoint format (``distrib_optim_*.pt``), and its conversion
-to the full (layout-free) form. Works on ``GradBufferLayout`` and plain tensors only: the
-``ShardedOptimizer`` calls it, it never imports the optimizer.
+"""The sharded optimizer's checkpoint format (``distrib_optim_*.pt``: one file per DP rank, the
+same on every sharded rung, ZeRO-1, 2 and 3), and its conversion to the full (layout-free) form.
+Works on grad buffers, their layouts and plain tensors only: the ``ShardedOptimizer`` calls it, it
+never imports the optimizer.
 
 Sharded (``ShardedOptimizer.sharded_state_dict``)::
 
@@ -26,11 +27,11 @@ import math
 
 import torch
 
-from megalite.core.distributed.grad_buffer import GradBufferLayout
+from megalite.core.distributed.grad_buffer import GradBuffer, GradBufferLayout
 from megalite.core.distributed.shard_collectives import all_gather_shard
 from megalite.core.optimizer.full_state_format import ADAM_KEYS
 
-FORMAT = "megalite-zero1-v1"
+FORMAT = "megalite-zero1-v1"  # the name files have carried since ZeRO-1; every rung writes it
 STATE_KEYS = ("master", *ADAM_KEYS)
 
 
@@ -46,7 +47,7 @@ def layout_entry(
     parameter (registration) order. ``expert``: an MoE expert buffer, sharded over edp (not over
     the files' dp x cp), whose state checkpoints keep whole in their ``experts/`` files."""
     order = sorted(range(len(names)), key=lambda i: layout.param_ranges[i][0])
-    extra = {"expert": True} if expert else {}  # absent (dense) in files written before issue 16
+    extra = {"expert": True} if expert else {}  # absent means dense (also in files older than MoE)
     return {
         **extra,
         "param_dtype": str(param_dtype),
@@ -62,7 +63,7 @@ def layout_entry(
 def check_format(sd: dict) -> None:
     if not isinstance(sd, dict) or sd.get("format") != FORMAT:
         got = sd.get("format") if isinstance(sd, dict) else type(sd).__name__
-        raise ValueError(f"not a ZeRO-1 optimizer shard (format {got!r}, expected {FORMAT!r})")
+        raise ValueError(f"not a sharded optimizer state (format {got!r}, expected {FORMAT!r})")
 
 
 def check_loadable(sd: dict, *, dp_size: int, dp_rank: int, layouts: list[dict]) -> None:
@@ -84,14 +85,14 @@ def check_loadable(sd: dict, *, dp_size: int, dp_rank: int, layouts: list[dict])
         )
 
 
-def gather_full(
-    layout: GradBufferLayout, shard: torch.Tensor, *, dp_group, dp_size: int, dp_rank: int
-) -> torch.Tensor:
-    """The whole buffer [N] in fp32 from every DP rank's flat ``shard`` (a collective)."""
+def gather_full(grad_buffer: GradBuffer, shard: torch.Tensor) -> torch.Tensor:
+    """The whole buffer [N] in fp32 from every rank's flat ``shard`` of ``grad_buffer`` (a
+    collective over the buffer's DP group)."""
+    g, layout = grad_buffer, grad_buffer.layout
     full = torch.zeros(layout.numel, dtype=torch.float32, device=shard.device)
-    for (lo, hi, s), bucket in zip(layout.shard_segments(dp_size, dp_rank), layout.buckets):
+    for (lo, hi, s), bucket in zip(layout.shard_segments(g.dp_size, g.dp_rank), layout.buckets):
         full[lo:hi].copy_(shard[s : s + hi - lo])
-        all_gather_shard(full[bucket.offset : bucket.offset + bucket.numel], dp_group)
+        all_gather_shard(full[bucket.offset : bucket.offset + bucket.numel], g.dp_group)
     return full
 
 
@@ -106,11 +107,7 @@ def full_state_buffers(optimizer, *, expert: bool) -> dict[str, dict[str, torch.
         g = sb.grad_buffer
         if bool(g.expert) != expert:
             continue
-        fulls = {
-            key: gather_full(g.layout, sb.read_shard(key), dp_group=g.dp_group,
-                             dp_size=g.dp_size, dp_rank=g.dp_rank)
-            for key in STATE_KEYS
-        }  # fmt: skip
+        fulls = {key: gather_full(g, sb.read_shard(key)) for key in STATE_KEYS}
         for param, (lo, hi, _) in g.param_ranges.items():
             params[optimizer.name_of[param]] = {
                 k: v[lo:hi].view(param.shape).clone() for k, v in fulls.items()
@@ -122,7 +119,7 @@ def full_state_from_shards(files: list[dict]) -> dict:
     """The full form from every DP rank's sharded state of one model-parallel shard, in DP order
     (offline: no process group, no model). Expert buffers (``"expert"`` in their entry) are
     sharded over edp, not over these files' dp x cp, and their state is whole in the checkpoint's
-    ``experts/`` files: they are left out here (``expert_names`` lists them)."""
+    ``experts/`` files: they are left out here."""
     if not files:
         raise ValueError("full_state_from_shards needs the distrib_optim state of every DP rank")
     for r, sd in enumerate(files):
@@ -152,8 +149,3 @@ def full_state_from_shards(files: list[dict]) -> dict:
                 k: v[lo : lo + numel].view(entry["shape"]).clone() for k, v in fulls.items()
             }
     return {"params": params, "step": int(files[0]["step"]), "scaler": files[0]["scaler"]}
-
-
-def expert_names(files: list[dict]) -> list[str]:
-    """The parameter names of the expert buffers of a sharded state (left out of the full form)."""
-    return [e["name"] for b in files[0]["buffers"] if b.get("expert") for e in b["params"]]
