@@ -21,6 +21,7 @@ from megalite.data.config import DataConfig
 from megalite.errors import ConfigError, at_least
 from megalite.models.config import VOCAB_FROM_TOKENIZER, GPTConfig
 from megalite.training.optimizer_config import OptimizerConfig
+from megalite.training.pipeline_config import check_pipeline_config
 from megalite.training.signals import parse_signal
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")  # issue 14
@@ -363,8 +364,6 @@ class PretrainConfig:
         if par.world_size is not None:
             t.num_microbatches(par.data_parallel_size)  # issue 15: world / (tp x pp x cp)
         _check_cp(par, m)  # issue 15
-        from megalite.training.model_chunks import check_pipeline_config  # issue 14
-
         check_pipeline_config(self)
         self.optimizer.validate(train_iters=t.train_iters)
         self.logging.validate()

@@ -117,8 +117,11 @@ def _tp_sp_case():
     ps = initialize_model_parallel(2, 1)
     out = []
     identity = lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)  # noqa: E731
-    for family, hooks in (("gpt2", contextlib.nullcontext), ("llama", contextlib.nullcontext),
-                          ("llama", identity)):  # fmt: skip
+    for family, hooks in (
+        ("gpt2", contextlib.nullcontext),
+        ("llama", contextlib.nullcontext),
+        ("llama", identity),
+    ):
         config, a, b = _pair(family, ps, sequence_parallel=True)
         batches = [make_batch(config, seed=30 + i) for i in range(3)]
         for batch in batches:

@@ -7,9 +7,9 @@
 - no reduction is in flight before the last micro-batch's backward (each forward records the
   count: the earlier backwards ran inside ``no_sync``), and some are after it (started by the
   hooks, before ``finish_grad_sync``);
-- a schedule that runs the backwards outside ``no_sync`` (a chunk without it) makes the second
-  micro-batch's grad arrive for a bucket whose reduction has started: a RuntimeError naming the
-  parameter, not a silent wrong sum.
+- a schedule that runs the backwards outside ``no_sync`` (a chunk without its grad wrapper) makes
+  the second micro-batch's grad arrive for a bucket whose reduction has started: a RuntimeError
+  naming the parameter, not a silent wrong sum.
 
 One process: ``GradBufferLayout`` is arithmetic only and agrees with the storage built from it.
 """
@@ -20,9 +20,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.core.distributed import DistributedDataParallel, GradBufferLayout, Zero1DataParallel
+from megalite.core.distributed import (
+    DistributedDataParallel,
+    GradBuffer,
+    GradBufferLayout,
+    Zero1DataParallel,
+)
 from megalite.core.optimizer import build_optimizer, build_sharded_optimizer
 from megalite.core.pipeline_parallel.forward_backward import forward_backward_no_pipelining
+from megalite.core.pipeline_parallel.model_chunk import ModelChunk
 from tests.core import zero_cases as zc
 from tests.harness import run_distributed
 
@@ -62,9 +68,11 @@ def _train(model, opt, chunk, steps: int = 3) -> tuple[list, list, list]:
             return module(tokens), lambda out: (zc.loss_of_logits(out, targets), {})
 
         forward_backward_no_pipelining(
-            forward_step_func=forward_step, data_iterator=[iter(batches)], model=[chunk],
+            forward_step_func=forward_step,
+            data_iterator=[iter(batches)],
+            model=[chunk],
             num_microbatches=MICRO,
-        )  # fmt: skip
+        )
         seen.append(len(model._reducing))
         model.finish_grad_sync()
         _, norm, _ = opt.step()
@@ -78,12 +86,13 @@ def _sync_case() -> dict:
     for zero in (False, True):
         for overlap in (False, True):
             model, opt = _setup(zero, overlap)
-            out[(zero, overlap)] = _train(model, opt, model)
+            chunk = ModelChunk(model.module, grad_wrapper=model)
+            out[(zero, overlap)] = _train(model, opt, chunk)
     errors = {}
     for zero in (False, True):
         model, opt = _setup(zero, True)
-        try:  # the bare module has no no_sync(): every backward looks like the last
-            _train(model, opt, model.module, steps=1)
+        try:  # a chunk without its grad wrapper: every backward looks like the last
+            _train(model, opt, ModelChunk(model.module), steps=1)
         except RuntimeError as e:
             errors[zero] = str(e)
     out["errors"] = errors
@@ -135,7 +144,6 @@ def test_layout_is_arithmetic_and_agrees_with_the_storage():
         layout.shard_range(0, 5, 0)
     with pytest.raises(ValueError, match="bucket_size"):
         GradBufferLayout(numels, bucket_size=0)
-    from megalite.core.distributed import GradBuffer
 
     params = [torch.nn.Parameter(torch.zeros(n)) for n in numels]
     storage = GradBuffer(params, grad_dtype=torch.float32, bucket_size=25, pad_multiple=4)

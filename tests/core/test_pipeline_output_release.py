@@ -27,6 +27,7 @@ from megalite.core.parallel_state import initialize_model_parallel
 from megalite.core.pipeline_parallel.executor import backward_freed_output, release_output
 from megalite.core.pipeline_parallel.forward_backward import forward_backward_pipelining
 from megalite.core.pipeline_parallel.generators import layout_of
+from megalite.core.pipeline_parallel.model_chunk import ModelChunk
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.core.tensor_parallel.layers import RowParallelLinear
 from tests.harness import run_distributed
@@ -115,12 +116,17 @@ def _case():
     r = ps.pp_rank
     p2ps = {
         overlap: P2PCommunicator(
-            prev_rank=ps.prev_rank, next_rank=ps.next_rank, tensor_shape=(S, B, H),
-            dtype=torch.float32, device=torch.device("cpu"), group=ps.pp_group,
-            pp_ranks=ps.pp_ranks, overlap=overlap,
+            prev_rank=ps.prev_rank,
+            next_rank=ps.next_rank,
+            tensor_shape=(S, B, H),
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            group=ps.pp_group,
+            pp_ranks=ps.pp_ranks,
+            overlap=overlap,
         )
         for overlap in (False, True)
-    }  # fmt: skip
+    }
     torch.manual_seed(1)
     data = [torch.randn(S, B, H) for _ in range(M)]
     bad = []
@@ -140,10 +146,15 @@ def _case():
                     c.zero_grad(set_to_none=True)
                 with _identity_hooks() if hooked else contextlib.nullcontext():
                     losses = forward_backward_pipelining(
-                        schedule=schedule, forward_step_func=_forward_step, model=chunks,
-                        data_iterator=[iter(data)] * v, num_microbatches=M, p2p=p2p,
-                        pp_rank=r, pp_size=P,
-                    )  # fmt: skip
+                        schedule=schedule,
+                        forward_step_func=_forward_step,
+                        model=[ModelChunk(chunk, index=c) for c, chunk in enumerate(chunks)],
+                        data_iterator=[iter(data)] * v,
+                        num_microbatches=M,
+                        p2p=p2p,
+                        pp_rank=r,
+                        pp_size=P,
+                    )
                 case = f"{schedule} {name} hooks={hooked} overlap={overlap} rank {r}"
                 for c in range(v):
                     s = layout.stage(r, c)

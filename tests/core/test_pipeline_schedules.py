@@ -1,6 +1,6 @@
 """Pipeline schedules on a residual toy stack: the same losses and grads as one process running
 every micro-batch, activations held as the schedule promises (measured), and failures that do not
-hang.
+hang (stages set up for different activation shapes are told so on both before any compute).
 
 Oracle: all layers in one module in the same rank process, built from the same keyed init, run over
 the same micro-batches with no pipelining. fp32, rtol 1e-5 / atol 1e-6: the pipeline changes only
@@ -23,6 +23,7 @@ from megalite.core.pipeline_parallel.forward_backward import (
     forward_backward_pipelining_1f1b,
     forward_backward_pipelining_gpipe,
 )
+from megalite.core.pipeline_parallel.model_chunk import ModelChunk
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.core.tensor_parallel.init import init_normal
 from tests.harness import run_distributed
@@ -53,10 +54,23 @@ class ToyStage(nn.Module):
         return h
 
 
+def _communicator(ps, shape=(S, B, H)) -> P2PCommunicator:
+    return P2PCommunicator(
+        prev_rank=ps.prev_rank,
+        next_rank=ps.next_rank,
+        tensor_shape=shape,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        group=ps.pp_group,
+    )
+
+
 def _microbatches(m):
     g = torch.Generator().manual_seed(42)
-    return [{"x": torch.randn(S, B, H, generator=g), "y": torch.randn(S, B, H, generator=g)}
-            for _ in range(m)]  # fmt: skip
+    return [
+        {"x": torch.randn(S, B, H, generator=g), "y": torch.randn(S, B, H, generator=g)}
+        for _ in range(m)
+    ]
 
 
 def _forward_step(data_iterator, model):
@@ -100,16 +114,18 @@ def _pipeline_case(pp, m, schedule):
     r = ps.pp_rank
     start, end = r * LAYERS_PER_STAGE, (r + 1) * LAYERS_PER_STAGE
     stage = ToyStage(start, end, is_first=ps.is_first_stage)
-    p2p = P2PCommunicator(
-        prev_rank=ps.prev_rank, next_rank=ps.next_rank, tensor_shape=(S, B, H),
-        dtype=torch.float32, device=torch.device("cpu"), group=ps.pp_group,
-    )  # fmt: skip
+    p2p = _communicator(ps)
     counter = _LiveSaved()
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
         losses = SCHEDULES[schedule](
-            forward_step_func=_forward_step, data_iterator=[iter(_microbatches(m))], model=[stage],
-            num_microbatches=m, p2p=p2p, pp_rank=r, pp_size=pp,
-        )  # fmt: skip
+            forward_step_func=_forward_step,
+            data_iterator=[iter(_microbatches(m))],
+            model=[ModelChunk(stage)],
+            num_microbatches=m,
+            p2p=p2p,
+            pp_rank=r,
+            pp_size=pp,
+        )
     assert counter.live == 0, "saved activations outlived the step"
 
     # what one micro-batch's forward saves on this stage, measured the same way
@@ -125,9 +141,11 @@ def _pipeline_case(pp, m, schedule):
 
     oracle = ToyStage(0, pp * LAYERS_PER_STAGE, is_first=True)
     oracle_losses = forward_backward_no_pipelining(
-        forward_step_func=_forward_step, data_iterator=[iter(_microbatches(m))], model=[oracle],
+        forward_step_func=_forward_step,
+        data_iterator=[iter(_microbatches(m))],
+        model=[ModelChunk(oracle)],
         num_microbatches=m,
-    )  # fmt: skip
+    )
     if ps.is_last_stage:
         assert len(losses) == m
         for got, want in zip(losses, oracle_losses):
@@ -156,19 +174,24 @@ def _forward_only_case(pp):
     ps = initialize_model_parallel(1, pp)
     r = ps.pp_rank
     stage = ToyStage(r * LAYERS_PER_STAGE, (r + 1) * LAYERS_PER_STAGE, is_first=ps.is_first_stage)
-    p2p = P2PCommunicator(
-        prev_rank=ps.prev_rank, next_rank=ps.next_rank, tensor_shape=(S, B, H),
-        dtype=torch.float32, device=torch.device("cpu"), group=ps.pp_group,
-    )  # fmt: skip
+    p2p = _communicator(ps)
     losses = forward_backward_pipelining_1f1b(
-        forward_step_func=_forward_step, data_iterator=[iter(_microbatches(5))], model=[stage],
-        num_microbatches=5, p2p=p2p, pp_rank=r, pp_size=pp, forward_only=True,
-    )  # fmt: skip
+        forward_step_func=_forward_step,
+        data_iterator=[iter(_microbatches(5))],
+        model=[ModelChunk(stage)],
+        num_microbatches=5,
+        p2p=p2p,
+        pp_rank=r,
+        pp_size=pp,
+        forward_only=True,
+    )
     assert all(p.grad is None for p in stage.parameters())
     oracle = ToyStage(0, pp * LAYERS_PER_STAGE, is_first=True)
     with torch.no_grad():
-        want = [_forward_step(it, oracle)[1](oracle(b["x"]))[0] for it, b in
-                ((iter([b]), b) for b in _microbatches(5))]  # fmt: skip
+        want = [
+            _forward_step(it, oracle)[1](oracle(b["x"]))[0]
+            for it, b in ((iter([b]), b) for b in _microbatches(5))
+        ]
     if ps.is_last_stage:
         for got, w in zip(losses, want):
             torch.testing.assert_close(got["loss"], w, **TOL)
@@ -181,22 +204,29 @@ def test_forward_only_for_evaluation():
 
 def _mismatch_case():
     ps = initialize_model_parallel(1, 2)
+    r = ps.pp_rank
     shape = (S, B, H) if ps.is_first_stage else (S, B, H + 1)  # stage 1 was set up differently
-    p2p = P2PCommunicator(
-        prev_rank=ps.prev_rank, next_rank=ps.next_rank, tensor_shape=shape,
-        dtype=torch.float32, device=torch.device("cpu"), group=ps.pp_group,
-    )  # fmt: skip
+    stage = ToyStage(r * LAYERS_PER_STAGE, (r + 1) * LAYERS_PER_STAGE, is_first=ps.is_first_stage)
     try:
-        p2p.recv_forward() if not ps.is_first_stage else p2p.send_forward(torch.zeros(S, B, H))
+        forward_backward_pipelining_1f1b(
+            forward_step_func=_forward_step,
+            data_iterator=[iter(_microbatches(2))],
+            model=[ModelChunk(stage)],
+            num_microbatches=2,
+            p2p=_communicator(ps, shape),
+            pp_rank=r,
+            pp_size=2,
+        )
     except RuntimeError as e:
-        return str(e)
-    return None
+        return str(e), [p.grad for p in stage.parameters()]
+    return None, None
 
 
 def test_shape_mismatch_between_stages_is_reported_on_both_not_a_hang():
-    errors = run_distributed(_mismatch_case, 2, timeout=60)
-    for e in errors:
+    results = run_distributed(_mismatch_case, 2, timeout=60)
+    for e, grads in results:
         assert e is not None and "pipeline stages disagree" in e
+        assert grads == [None] * len(grads), "a stage ran before the shapes were checked"
         assert "[4, 2, 8] torch.float32 vs [4, 2, 9] torch.float32" in e
         assert "\n" not in e
 
@@ -205,10 +235,7 @@ def _failing_stage_case(pp, fail_rank, linger):
     ps = initialize_model_parallel(1, pp, timeout=timedelta(seconds=5))
     r = ps.pp_rank
     stage = ToyStage(r * LAYERS_PER_STAGE, (r + 1) * LAYERS_PER_STAGE, is_first=ps.is_first_stage)
-    p2p = P2PCommunicator(
-        prev_rank=ps.prev_rank, next_rank=ps.next_rank, tensor_shape=(S, B, H),
-        dtype=torch.float32, device=torch.device("cpu"), group=ps.pp_group,
-    )  # fmt: skip
+    p2p = _communicator(ps)
     calls = {"n": 0}
 
     def forward_step(data_iterator, model):
@@ -220,9 +247,14 @@ def _failing_stage_case(pp, fail_rank, linger):
     start = time.monotonic()
     try:
         forward_backward_pipelining_1f1b(
-            forward_step_func=forward_step, data_iterator=[iter(_microbatches(6))], model=[stage],
-            num_microbatches=6, p2p=p2p, pp_rank=r, pp_size=pp,
-        )  # fmt: skip
+            forward_step_func=forward_step,
+            data_iterator=[iter(_microbatches(6))],
+            model=[ModelChunk(stage)],
+            num_microbatches=6,
+            p2p=p2p,
+            pp_rank=r,
+            pp_size=pp,
+        )
     except Exception as e:  # noqa: BLE001 - every rank must end with an error, which we return
         elapsed = time.monotonic() - start
         if linger and dist.get_rank() == fail_rank:

@@ -21,6 +21,7 @@ import torch
 from megalite.core.distributed import DistributedDataParallel
 from megalite.core.parallel_state import initialize_model_parallel
 from megalite.core.pipeline_parallel.forward_backward import forward_backward_pipelining
+from megalite.core.pipeline_parallel.model_chunk import ModelChunk
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.planning.measure import SavedTensorMeter
 from megalite.training.model_chunks import build_gpt_chunks
@@ -39,29 +40,43 @@ HOOKS = {
 
 def _step(ps, family, schedule, v, hooks, ddp):
     config = make_config(family, num_layers=4)
-    chunks = build_gpt_chunks(config, ps, schedule=schedule, num_chunks=v)
+    modules = build_gpt_chunks(config, ps, schedule=schedule, num_chunks=v)
     if ddp:
-        chunks = [
-            DistributedDataParallel(c, dp_group=None, accumulate_allreduce_grads_in_fp32=True)
-            for c in chunks
+        modules = [
+            DistributedDataParallel(m, dp_group=None, accumulate_allreduce_grads_in_fp32=True)
+            for m in modules
         ]
-        for c in chunks:
-            c.zero_grad_buffer()
+        for m in modules:
+            m.zero_grad_buffer()
+    chunks = [
+        ModelChunk(m.module, grad_wrapper=m, index=c) if ddp else ModelChunk(m, index=c)
+        for c, m in enumerate(modules)
+    ]
     p2p = P2PCommunicator(
-        prev_rank=ps.prev_rank, next_rank=ps.next_rank,
-        tensor_shape=(config.seq_length, 2, config.hidden_size), dtype=torch.float32,
-        device=torch.device("cpu"), group=ps.pp_group, pp_ranks=ps.pp_ranks,
-    )  # fmt: skip
+        prev_rank=ps.prev_rank,
+        next_rank=ps.next_rank,
+        tensor_shape=(config.seq_length, 2, config.hidden_size),
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        group=ps.pp_group,
+        pp_ranks=ps.pp_ranks,
+    )
     batches = [make_batch(config, seed=50 + i) for i in range(M)]
     it = iter(batches)
     with HOOKS[hooks]():
         losses = forward_backward_pipelining(
-            schedule=schedule, forward_step_func=weighted_lm_step, data_iterator=[it] * v,
-            model=chunks, num_microbatches=M, p2p=p2p, pp_rank=ps.pp_rank, pp_size=ps.pp_size,
-        )  # fmt: skip
+            schedule=schedule,
+            forward_step_func=weighted_lm_step,
+            data_iterator=[it] * v,
+            model=chunks,
+            num_microbatches=M,
+            p2p=p2p,
+            pp_rank=ps.pp_rank,
+            pp_size=ps.pp_size,
+        )
     grads = {}
-    for c, chunk in enumerate(chunks):
-        for name, p in chunk.named_parameters():
+    for c, module in enumerate(modules):
+        for name, p in module.named_parameters():
             g = p.main_grad if ddp else p.grad
             grads[f"{c}.{name}"] = None if g is None else g.clone()
     return [d["lm loss"] for d in losses], grads

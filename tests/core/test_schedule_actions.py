@@ -9,9 +9,15 @@ from __future__ import annotations
 
 import pytest
 
-from megalite.core.pipeline_parallel.actions import Action, StageLayout, with_p2p
+from megalite.core.pipeline_parallel.actions import (
+    Action,
+    StageLayout,
+    format_actions,
+    with_p2p,
+)
 from megalite.core.pipeline_parallel.generators import (
     SCHEDULES,
+    V_SHAPED,
     check_schedule,
     generate,
     layout_of,
@@ -19,8 +25,13 @@ from megalite.core.pipeline_parallel.generators import (
 )
 from megalite.core.pipeline_parallel.simulator import Costs, ScheduleDeadlock, simulate, theory
 
-CHUNKS = {"1f1b": (1,), "gpipe": (1,), "interleaved-1f1b": (2, 3), "zb-h1": (1, 2), "zbv": (2,),
-          "dualpipev": (2,)}  # fmt: skip
+# chunks per rank to try, every schedule of SCHEDULES: one, unless it takes several
+CHUNKS = {
+    **dict.fromkeys(SCHEDULES, (1,)),
+    "interleaved-1f1b": (2, 3),
+    "zb-h1": (1, 2),
+    **dict.fromkeys(V_SHAPED, (2,)),
+}
 
 
 def _legal():
@@ -30,8 +41,13 @@ def _legal():
                 for m in (1, p, 2 * p, 2 * p + 1, 3 * p, 3 * p + p // 2):
                     for g in (None, m):
                         try:
-                            check_schedule(schedule, pp_size=p, num_microbatches=m,
-                                           num_chunks=v, microbatch_group_size=g)  # fmt: skip
+                            check_schedule(
+                                schedule,
+                                pp_size=p,
+                                num_microbatches=m,
+                                num_chunks=v,
+                                microbatch_group_size=g,
+                            )
                         except ValueError:
                             continue
                         yield schedule, p, m, v, g
@@ -71,19 +87,21 @@ def test_a_list_that_cannot_run_is_reported_not_hung():
 
 
 def test_1f1b_gpipe_and_interleaved_orders():
-    f, b = (lambda i, c=0: Action("F", i, c)), (lambda i, c=0: Action("B", i, c))
+    def order(schedule, rank, **kwargs) -> str:  # "F0.0 B0.0 ...": op, micro-batch, chunk
+        return format_actions(generate(schedule, **kwargs)[rank])
+
     # 1F1B, p 4, m 6, rank 1: 2 warmup forwards, F/B pairs, 2 cooldown backwards
-    assert generate("1f1b", pp_size=4, num_microbatches=6)[1] == [
-        f(0), f(1), f(2), b(0), f(3), b(1), f(4), b(2), f(5), b(3), b(4), b(5)]  # fmt: skip
-    assert generate("gpipe", pp_size=2, num_microbatches=3)[0] == [
-        f(0), f(1), f(2), b(2), b(1), b(0)]  # fmt: skip
+    assert order("1f1b", 1, pp_size=4, num_microbatches=6) == (
+        "F0.0 F1.0 F2.0 B0.0 F3.0 B1.0 F4.0 B2.0 F5.0 B3.0 B4.0 B5.0"
+    )
+    assert order("gpipe", 0, pp_size=2, num_microbatches=3) == "F0.0 F1.0 F2.0 B2.0 B1.0 B0.0"
     # Megatron's table: groups of g micro-batches per chunk, the last group takes the rest
-    assert schedule_table(5, 2, 3) == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0),
-                                       (4, 0), (3, 1), (4, 1)]  # fmt: skip
+    table = [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0), (4, 0), (3, 1), (4, 1)]
+    assert schedule_table(5, 2, 3) == table
     # p 2, m 4, v 2, rank 0: warmup 2 (p - 1) + (v - 1) p = 4 forwards
-    assert generate("interleaved-1f1b", pp_size=2, num_microbatches=4, num_chunks=2)[0] == [
-        f(0), f(1), f(0, 1), f(1, 1), f(2), b(0, 1), f(3), b(1, 1), f(2, 1), b(0), f(3, 1), b(1),
-        b(2, 1), b(3, 1), b(2), b(3)]  # fmt: skip
+    assert order("interleaved-1f1b", 0, pp_size=2, num_microbatches=4, num_chunks=2) == (
+        "F0.0 F1.0 F0.1 F1.1 F2.0 B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 B1.0 B2.1 B3.1 B2.0 B3.0"
+    )
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -107,10 +125,16 @@ def test_unit_cost_bubble_and_peak_equal_the_formulas(schedule):
 
 
 def test_zero_bubble_fills_a_third_of_1f1b_bubble():
-    one = simulate(with_p2p(generate("1f1b", pp_size=4, num_microbatches=8), StageLayout(4)),
-                   StageLayout(4), Costs())  # fmt: skip
-    zb = simulate(with_p2p(generate("zb-h1", pp_size=4, num_microbatches=8), StageLayout(4)),
-                  StageLayout(4), Costs())  # fmt: skip
+    one = simulate(
+        with_p2p(generate("1f1b", pp_size=4, num_microbatches=8), StageLayout(4)),
+        StageLayout(4),
+        Costs(),
+    )
+    zb = simulate(
+        with_p2p(generate("zb-h1", pp_size=4, num_microbatches=8), StageLayout(4)),
+        StageLayout(4),
+        Costs(),
+    )
     idle = lambda s: s.step_time * 4 - sum(s.busy)  # noqa: E731
     assert idle(zb) == pytest.approx(idle(one) / 3)
     assert zb.peak_in_flight == one.peak_in_flight  # 1F1B's activation memory
@@ -119,20 +143,42 @@ def test_zero_bubble_fills_a_third_of_1f1b_bubble():
 @pytest.mark.parametrize(
     "kwargs, words",
     [
-        (dict(schedule="dualpipev", pp_size=4, num_microbatches=6, num_chunks=2),
-         "num_microbatches >= 2 x pp"),
-        (dict(schedule="interleaved-1f1b", pp_size=4, num_microbatches=3, num_chunks=2),
-         "must lie in [pp 4, num_microbatches 3]"),
-        (dict(schedule="interleaved-1f1b", pp_size=2, num_microbatches=8, num_chunks=2,
-              microbatch_group_size=9), "group-size-per-virtual-pipeline-stage 9"),
-        (dict(schedule="interleaved-1f1b", pp_size=4, num_microbatches=9, num_chunks=2),
-         "leaves a last group of 1 < pp 4"),
-        (dict(schedule="zbv", pp_size=2, num_microbatches=4, num_chunks=3), "exactly 2 chunks"),
+        (
+            dict(schedule="dualpipev", pp_size=4, num_microbatches=6, num_chunks=2),
+            "num_microbatches >= 2 x pp",
+        ),
+        (
+            dict(schedule="interleaved-1f1b", pp_size=4, num_microbatches=3, num_chunks=2),
+            "must lie in [pp 4, num_microbatches 3]",
+        ),
+        (
+            dict(
+                schedule="interleaved-1f1b",
+                pp_size=2,
+                num_microbatches=8,
+                num_chunks=2,
+                microbatch_group_size=9,
+            ),
+            "microbatch_group_size_per_virtual_pipeline_stage 9",
+        ),
+        (
+            dict(schedule="interleaved-1f1b", pp_size=4, num_microbatches=9, num_chunks=2),
+            "leaves a last group of 1 < pp 4",
+        ),
+        (
+            dict(schedule="zbv", pp_size=2, num_microbatches=4, num_chunks=3),
+            "exactly 2 chunks per rank in a V, got num_virtual_stages_per_pipeline_rank 3",
+        ),
         (dict(schedule="gpipe", pp_size=2, num_microbatches=4, num_chunks=2), "one model chunk"),
-        (dict(schedule="zb-h2", pp_size=2, num_microbatches=4), "must be one of"),
+        (dict(schedule="zb-h2", pp_size=2, num_microbatches=4), "pipeline_schedule must be one of"),
+        (
+            dict(schedule="gpipe", pp_size=1, num_microbatches=4),
+            "pipeline_schedule gpipe needs pipeline_model_parallel_size >= 2, got 1",
+        ),
     ],
-)  # fmt: skip
+)
 def test_constraints_are_one_line_errors(kwargs, words):
     with pytest.raises(ValueError) as e:
         check_schedule(kwargs.pop("schedule"), **kwargs)
     assert words in str(e.value) and "\n" not in str(e.value)
+    assert "--" not in str(e.value), "core names parameters, the flag layer writes flags"

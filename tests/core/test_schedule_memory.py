@@ -19,14 +19,22 @@ from megalite.core.parallel_state import initialize_model_parallel
 from megalite.core.pipeline_parallel.actions import with_p2p
 from megalite.core.pipeline_parallel.forward_backward import forward_backward_pipelining
 from megalite.core.pipeline_parallel.generators import generate, layout_of
+from megalite.core.pipeline_parallel.model_chunk import ModelChunk
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.core.pipeline_parallel.simulator import Costs, simulate
 from megalite.core.tensor_parallel.layers import RowParallelLinear
 from tests.harness import run_distributed
 
 S, B, H, P, M = 4, 2, 8, 4, 8
-CASES = [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h1", 2),
-         ("zbv", 2), ("dualpipev", 2)]  # fmt: skip
+CASES = [
+    ("1f1b", 1),
+    ("gpipe", 1),
+    ("interleaved-1f1b", 2),
+    ("zb-h1", 1),
+    ("zb-h1", 2),
+    ("zbv", 2),
+    ("dualpipev", 2),
+]
 
 
 def formula(schedule, p, r, m, v):
@@ -93,20 +101,32 @@ def _case():
     out = []
     for schedule, v in CASES:
         layout = layout_of(schedule, P, v)
-        chunks = [Chunk(first=layout.stage(r, c) == 0) for c in range(layout.num_chunks)]
+        chunks = [
+            ModelChunk(Chunk(first=layout.stage(r, c) == 0), index=c)
+            for c in range(layout.num_chunks)
+        ]
         p2p = P2PCommunicator(
-            prev_rank=ps.prev_rank, next_rank=ps.next_rank, tensor_shape=(S, B, H),
-            dtype=torch.float32, device=torch.device("cpu"), group=ps.pp_group,
+            prev_rank=ps.prev_rank,
+            next_rank=ps.next_rank,
+            tensor_shape=(S, B, H),
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            group=ps.pp_group,
             pp_ranks=ps.pp_ranks,
-        )  # fmt: skip
+        )
         data = [torch.randn(S, B, H) for _ in range(M)]
         counter = _LiveSaved()
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
             forward_backward_pipelining(
-                schedule=schedule, forward_step_func=_forward_step, model=chunks,
-                data_iterator=[iter(data)] * len(chunks), num_microbatches=M, p2p=p2p,
-                pp_rank=r, pp_size=P,
-            )  # fmt: skip
+                schedule=schedule,
+                forward_step_func=_forward_step,
+                model=chunks,
+                data_iterator=[iter(data)] * len(chunks),
+                num_microbatches=M,
+                p2p=p2p,
+                pp_rank=r,
+                pp_size=P,
+            )
         assert counter.live == 0, "saved activations outlived the step"
         compute = generate(schedule, pp_size=P, num_microbatches=M, num_chunks=v)
         sim = simulate(with_p2p(compute, layout), layout, Costs())

@@ -34,10 +34,13 @@ from torch import nn
 from megalite.core.pipeline_parallel.actions import with_p2p
 from megalite.core.pipeline_parallel.forward_backward import forward_backward_pipelining
 from megalite.core.pipeline_parallel.generators import generate, layout_of
+from megalite.core.pipeline_parallel.model_chunk import ModelChunk
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
+from megalite.core.pipeline_parallel.profiling import profile_chunk
 from megalite.core.pipeline_parallel.simulator import (
     LABELS,
     Costs,
+    _simulate_shared,
     costs_from_spans,
     simulate,
     theory,
@@ -48,8 +51,15 @@ from tests.harness import run_distributed
 
 WIDTH, BLOCKS, MICRO_BATCH, M, PP, REPEATS = 8, 4, 4, 8, 2, 5
 SLEEP = {"F": 0.002, "I": 0.002, "W": 0.002}  # per block; a stage holds 2 blocks
-CASES = [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h1", 2),
-         ("zbv", 2), ("dualpipev", 2)]  # fmt: skip
+CASES = [
+    ("1f1b", 1),
+    ("gpipe", 1),
+    ("interleaved-1f1b", 2),
+    ("zb-h1", 1),
+    ("zb-h1", 2),
+    ("zbv", 2),
+    ("dualpipev", 2),
+]
 
 
 class _Sleep(torch.autograd.Function):
@@ -113,10 +123,16 @@ def _step(schedule, chunks, p2p, xs, ys, timeline=None) -> tuple[float, float]:
     dist.barrier()
     start = time.perf_counter()
     forward_backward_pipelining(
-        schedule=schedule, forward_step_func=forward_step,
-        data_iterator=[iter(range(M)) for _ in chunks], model=chunks, num_microbatches=M,
-        p2p=p2p, pp_rank=dist.get_rank(), pp_size=PP, timeline=timeline,
-    )  # fmt: skip
+        schedule=schedule,
+        forward_step_func=forward_step,
+        data_iterator=[iter(range(M)) for _ in chunks],
+        model=[ModelChunk(chunk, index=c) for c, chunk in enumerate(chunks)],
+        num_microbatches=M,
+        p2p=p2p,
+        pp_rank=dist.get_rank(),
+        pp_size=PP,
+        timeline=timeline,
+    )
     return start, time.perf_counter()
 
 
@@ -142,10 +158,14 @@ def _measure():
     g = torch.Generator().manual_seed(0)
     xs, ys = torch.randn(2, M, MICRO_BATCH, WIDTH, generator=g).unbind(0)
     p2p = P2PCommunicator(
-        prev_rank=rank - 1 if rank else None, next_rank=rank + 1 if rank < PP - 1 else None,
-        tensor_shape=(MICRO_BATCH, WIDTH), dtype=torch.float32, device=torch.device("cpu"),
-        group=dist.group.WORLD, pp_ranks=list(range(PP)),
-    )  # fmt: skip
+        prev_rank=rank - 1 if rank else None,
+        next_rank=rank + 1 if rank < PP - 1 else None,
+        tensor_shape=(MICRO_BATCH, WIDTH),
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        group=dist.group.WORLD,
+        pp_ranks=list(range(PP)),
+    )
     models = {}
     for schedule, v in CASES:
         torch.manual_seed(rank)
@@ -170,9 +190,11 @@ def _replay_inputs(schedule: str, v: int, per_rank: list, latency: float):
     layout = layout_of(schedule, PP, v)
     lists = with_p2p(generate(schedule, pp_size=PP, num_microbatches=M, num_chunks=v), layout)
     costs = costs_from_spans(
-        [spans for spans, _, _ in per_rank], p2p=latency,
-        steps=[(s, e) for _, s, e in per_rank], num_actions=[len(a) for a in lists],
-    )  # fmt: skip
+        [spans for spans, _, _ in per_rank],
+        p2p=latency,
+        steps=[(s, e) for _, s, e in per_rank],
+        num_actions=[len(a) for a in lists],
+    )
     return layout, lists, costs
 
 
@@ -286,10 +308,8 @@ def test_cores_shared_by_more_ranks_stretch_the_work():
     event-driven path agrees with it on every schedule); with fewer cores the ranks' work
     stretches: GPipe at PP 2 on one core keeps the core busy, so its step is the two ranks' total
     work, 2 m (F + B), where one core per rank gives (m + p - 1)(F + B)."""
-    from megalite.core.pipeline_parallel.simulator import _simulate_shared
-
-    costs = Costs(1.0, 1.3, 0.7, p2p=0.11, per_action=0.03,
-                  stages=[(1 + 0.1 * s, 1.2, 0.8 + 0.05 * s) for s in range(8)])  # fmt: skip
+    stages = [(1 + 0.1 * s, 1.2, 0.8 + 0.05 * s) for s in range(8)]
+    costs = Costs(1.0, 1.3, 0.7, p2p=0.11, per_action=0.03, stages=stages)
     for schedule, v in CASES:
         for p in (2, 4):
             layout = layout_of(schedule, p, v)
@@ -300,8 +320,9 @@ def test_cores_shared_by_more_ranks_stretch_the_work():
             assert abs(one.step_time - shared.step_time) < 1e-9, (schedule, v, p)
             assert one.spans == [[(lb, s, e) for lb, s, e in r] for r in shared.spans] or all(
                 abs(a[1] - b[1]) < 1e-9 and abs(a[2] - b[2]) < 1e-9
-                for x, y in zip(one.spans, shared.spans) for a, b in zip(x, y)
-            ), (schedule, v, p)  # fmt: skip
+                for x, y in zip(one.spans, shared.spans)
+                for a, b in zip(x, y)
+            ), (schedule, v, p)
             assert simulate(lists, layout, costs, cores=p).step_time == one.step_time
     layout = layout_of("gpipe", 2)
     lists = with_p2p(generate("gpipe", pp_size=2, num_microbatches=8), layout)
@@ -317,8 +338,6 @@ def test_profile_chunk_times_forward_input_grad_and_weight_grad_apart():
     """The profiling step times F, I and W of a chunk apart: each of the two sleeping blocks sleeps
     F, I and W, so each profiled time is at least two sleeps -- W too, so the weight grads were
     deferred out of I and run at W -- and the chunk is left with no grads."""
-    from megalite.core.pipeline_parallel.profiling import profile_chunk
-
     torch.manual_seed(0)
     chunk = Chunk(2, first=False)
     x = torch.randn(MICRO_BATCH, WIDTH)
@@ -328,9 +347,14 @@ def test_profile_chunk_times_forward_input_grad_and_weight_grad_apart():
         return model(x), None
 
     f, i, w = profile_chunk(
-        chunk, forward_step, iter(range(10)), input_shape=(MICRO_BATCH, WIDTH), first=False,
-        loss=False, repeats=3,
-    )  # fmt: skip
+        chunk,
+        forward_step,
+        iter(range(10)),
+        input_shape=(MICRO_BATCH, WIDTH),
+        first=False,
+        loss=False,
+        repeats=3,
+    )
     assert f >= 2 * SLEEP["F"] and i >= 2 * SLEEP["I"] and w >= 2 * SLEEP["W"], (f, i, w)
     assert all(p.grad is None for p in chunk.parameters())
     assert all(lin.weight_grad_store is None for lin in chunk.blocks)

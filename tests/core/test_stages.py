@@ -12,14 +12,19 @@ from megalite.core.pipeline_parallel.stages import chunk_layer_ranges, stage_lay
 def test_one_chunk_per_rank():
     assert stage_layer_ranges(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
     assert stage_layer_ranges(5, 2, first_stage_layers=2) == [(0, 2), (2, 5)]
-    assert stage_layer_ranges(10, 4, first_stage_layers=1, last_stage_layers=3) == [
-        (0, 1), (1, 4), (4, 7), (7, 10),
-    ]  # fmt: skip
+    uneven = [(0, 1), (1, 4), (4, 7), (7, 10)]
+    assert stage_layer_ranges(10, 4, first_stage_layers=1, last_stage_layers=3) == uneven
     assert stage_layer_ranges(8, 4, num_virtual_stages=1) == stage_layer_ranges(8, 4)
     assert chunk_layer_ranges(8, 2) == [[(0, 4)], [(4, 8)]]
 
 
 # (num_layers, pp, v, first, last, ranges[rank] = [chunk 0, chunk 1, ...]), written by hand
+# 22 layers over 3 ranks, first and last holding 7, v 4: a rank's chunks, chunk 0 first
+LLAMA_405B_IN_SMALL = [
+    [(0, 2), (6, 8), (12, 14), (18, 19)],
+    [(2, 4), (8, 10), (14, 16), (19, 21)],
+    [(4, 6), (10, 12), (16, 18), (21, 22)],
+]
 VIRTUAL = [
     (8, 2, 2, None, None, [[(0, 2), (4, 6)], [(2, 4), (6, 8)]]),
     (8, 4, 2, None, None, [[(0, 1), (4, 5)], [(1, 2), (5, 6)], [(2, 3), (6, 7)], [(3, 4), (7, 8)]]),
@@ -33,10 +38,8 @@ VIRTUAL = [
     # a rank's count that does not divide by v (Megatron refuses it): the earlier chunks get one
     # layer more; Llama 3 405B's shape in small: first and last rank 7 layers, the middle 8, v 4
     (6, 2, 2, None, None, [[(0, 2), (4, 5)], [(2, 4), (5, 6)]]),
-    (22, 3, 4, 7, 7, [[(0, 2), (6, 8), (12, 14), (18, 19)],
-                      [(2, 4), (8, 10), (14, 16), (19, 21)],
-                      [(4, 6), (10, 12), (16, 18), (21, 22)]]),
-]  # fmt: skip
+    (22, 3, 4, 7, 7, LLAMA_405B_IN_SMALL),
+]
 
 
 @pytest.mark.parametrize("num_layers, pp, v, first, last, expected", VIRTUAL)
@@ -45,8 +48,9 @@ def test_virtual_stages(num_layers, pp, v, first, last, expected):
     assert stage_layer_ranges(num_layers, pp, **kwargs) == expected
     assert chunk_layer_ranges(num_layers, pp, **kwargs) == expected
     # every layer once; chunk c of rank r is block c * pp + r
-    blocks = sorted((c * pp + r, rng) for r, chunks in enumerate(expected) for c, rng in
-                    enumerate(chunks))  # fmt: skip
+    blocks = sorted(
+        (c * pp + r, rng) for r, chunks in enumerate(expected) for c, rng in enumerate(chunks)
+    )
     flat = [rng for _, rng in blocks]
     assert flat[0][0] == 0 and flat[-1][1] == num_layers
     assert all(a[1] == b[0] for a, b in zip(flat, flat[1:]))
@@ -56,19 +60,32 @@ def test_virtual_stages(num_layers, pp, v, first, last, expected):
     "args, kwargs, message",
     [
         ((7, 2), {}, "num_layers 7 is not divisible by pp_size 2"),
-        ((7, 3), dict(first_stage_layers=2), "num_layers 7 minus the first/last stage layers (2) "
-         "leaves 5, which does not split evenly over the other 2 pipeline"),
+        (
+            (7, 3),
+            dict(first_stage_layers=2),
+            "num_layers 7 minus the first/last stage layers (2) "
+            "leaves 5, which does not split evenly over the other 2 pipeline",
+        ),
         ((4, 1), dict(first_stage_layers=2), "first_stage_layers needs pp_size > 1"),
         ((4, 2), dict(last_stage_layers=0), "last_stage_layers must be >= 1, got 0"),
-        ((4, 2), dict(first_stage_layers=1, last_stage_layers=2),
-         "first_stage_layers + last_stage_layers = 3 but num_layers is 4"),
-        ((6, 2), dict(num_virtual_stages=4),
-         "pipeline rank 0 holds 3 layers, fewer than num_virtual_stages 4"),
-        ((10, 2), dict(num_virtual_stages=4, first_stage_layers=3),
-         "pipeline rank 0 holds 3 layers, fewer than num_virtual_stages 4"),
+        (
+            (4, 2),
+            dict(first_stage_layers=1, last_stage_layers=2),
+            "first_stage_layers + last_stage_layers = 3 but num_layers is 4",
+        ),
+        (
+            (6, 2),
+            dict(num_virtual_stages=4),
+            "pipeline rank 0 holds 3 layers, fewer than num_virtual_stages 4",
+        ),
+        (
+            (10, 2),
+            dict(num_virtual_stages=4, first_stage_layers=3),
+            "pipeline rank 0 holds 3 layers, fewer than num_virtual_stages 4",
+        ),
         ((8, 2), dict(num_virtual_stages=0), "num_virtual_stages >= 1"),
     ],
-)  # fmt: skip
+)
 def test_errors_name_the_parameters(args, kwargs, message):
     with pytest.raises(ValueError) as err:
         stage_layer_ranges(*args, **kwargs)

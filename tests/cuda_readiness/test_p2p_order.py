@@ -2,7 +2,7 @@
 
 nccl matches the messages of one direction between two ranks in posting order (FIFO), and runs a
 rank's batches of p2p ops one after the other on one stream. The executor posts exactly what
-``executor.posting_plan`` lists (compute actions, and tuples of ops each posted as ONE
+``actions.posting_plan`` lists (compute actions, and tuples of ops each posted as ONE
 ``batch_isend_irecv``), so these checks read that plan, with every tag 0, for all six schedules
 over p in {2, 4, 8}, m in {p, 2p, 2p + 1} (where legal), v in {1, 2} (3 for interleaved):
 
@@ -26,19 +26,34 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megalite.core.parallel_state import ParallelState, initialize_model_parallel
 from megalite.core.pipeline_parallel import actions as actions_mod
-from megalite.core.pipeline_parallel.actions import Action, p2p_program
-from megalite.core.pipeline_parallel.executor import posting_plan
+from megalite.core.pipeline_parallel.actions import Action, p2p_program, posting_plan
+from megalite.core.pipeline_parallel.forward_backward import (
+    forward_backward_no_pipelining,
+    forward_backward_pipelining,
+)
 from megalite.core.pipeline_parallel.generators import (
     SCHEDULES,
+    V_SHAPED,
     check_schedule,
     generate,
     layout_of,
 )
+from megalite.core.pipeline_parallel.model_chunk import ModelChunk
+from megalite.core.pipeline_parallel.p2p import P2PCommunicator
+from megalite.models import GPTModel
+from megalite.training.model_chunks import build_gpt_chunks, stage_blocks, tied_params
 from tests.harness import run_distributed
+from tests.models.helpers import make_batch, make_config, weighted_lm_step
 
-CHUNKS = {"1f1b": (1,), "gpipe": (1,), "interleaved-1f1b": (2, 3), "zb-h1": (1, 2), "zbv": (2,),
-          "dualpipev": (2,)}  # fmt: skip
+# chunks per rank to try, every schedule of SCHEDULES: one, unless it takes several
+CHUNKS = {
+    **dict.fromkeys(SCHEDULES, (1,)),
+    "interleaved-1f1b": (2, 3),
+    "zb-h1": (1, 2),
+    **dict.fromkeys(V_SHAPED, (2,)),
+}
 
 
 def _grid():
@@ -48,8 +63,13 @@ def _grid():
                 for v in CHUNKS[schedule]:
                     for g in (None, m) if schedule == "interleaved-1f1b" else (None,):
                         try:
-                            check_schedule(schedule, pp_size=p, num_microbatches=m, num_chunks=v,
-                                           microbatch_group_size=g)  # fmt: skip
+                            check_schedule(
+                                schedule,
+                                pp_size=p,
+                                num_microbatches=m,
+                                num_chunks=v,
+                                microbatch_group_size=g,
+                            )
                         except ValueError:
                             continue
                         yield schedule, p, m, v, g
@@ -58,8 +78,14 @@ def _grid():
 def _plans(schedule, p, m, v, g, *, forward_only=False, programs=None):
     layout = layout_of(schedule, p, v)
     if programs is None:
-        compute = generate(schedule, pp_size=p, num_microbatches=m, num_chunks=v,
-                           microbatch_group_size=g, forward_only=forward_only)  # fmt: skip
+        compute = generate(
+            schedule,
+            pp_size=p,
+            num_microbatches=m,
+            num_chunks=v,
+            microbatch_group_size=g,
+            forward_only=forward_only,
+        )
         programs = p2p_program(compute, layout)
     return layout, [posting_plan(programs[r], layout, r, tagged=False) for r in range(p)]
 
@@ -155,9 +181,16 @@ def test_every_schedule_posts_fifo_paired_deadlock_free_batches():
 
 @pytest.mark.parametrize(
     "schedule, p, m, v",
-    [("1f1b", 4, 8, 1), ("gpipe", 4, 8, 1), ("interleaved-1f1b", 4, 8, 2), ("zb-h1", 4, 8, 1),
-     ("zb-h1", 2, 4, 2), ("zbv", 4, 8, 2), ("dualpipev", 4, 8, 2)],
-)  # fmt: skip
+    [
+        ("1f1b", 4, 8, 1),
+        ("gpipe", 4, 8, 1),
+        ("interleaved-1f1b", 4, 8, 2),
+        ("zb-h1", 4, 8, 1),
+        ("zb-h1", 2, 4, 2),
+        ("zbv", 4, 8, 2),
+        ("dualpipev", 4, 8, 2),
+    ],
+)
 def test_each_direction_receives_in_the_order_it_is_sent(schedule, p, m, v):
     # the cases that were strict xfails before the executor posted batches (CUDA_AUDIT.md)
     layout, plans = _plans(schedule, p, m, v, None)
@@ -170,9 +203,9 @@ def test_1f1b_pair_op_orders_agree_for_nccl_p2p():
 
 
 @pytest.mark.parametrize(
-    "schedule, v, share", [("gpipe", 1, 0.8), ("interleaved-1f1b", 2, 0.4), ("zb-h1", 2, 0.6),
-                           ("dualpipev", 2, 0.6)],
-)  # fmt: skip
+    "schedule, v, share",
+    [("gpipe", 1, 0.8), ("interleaved-1f1b", 2, 0.4), ("zb-h1", 2, 0.6), ("dualpipev", 2, 0.6)],
+)
 def test_receives_are_posted_ahead_of_the_compute_before_their_consumer(schedule, v, share):
     """Overlap: a receive is posted before the receiver's previous compute wherever the batches
     still pair up (the transfer overlaps that compute); p 4, m 8."""
@@ -204,9 +237,13 @@ def test_with_p2p_is_the_program_the_executor_posts():
 
 @pytest.mark.parametrize(
     "schedule, p, m, v, broken",
-    [("1f1b", 2, 4, 1, "deadlock"), ("zb-h1", 2, 4, 2, "FIFO"), ("zbv", 4, 8, 2, "FIFO"),
-     ("dualpipev", 4, 8, 2, "FIFO")],
-)  # fmt: skip
+    [
+        ("1f1b", 2, 4, 1, "deadlock"),
+        ("zb-h1", 2, 4, 2, "FIFO"),
+        ("zbv", 4, 8, 2, "FIFO"),
+        ("dualpipev", 4, 8, 2, "FIFO"),
+    ],
+)
 def test_the_checks_catch_the_old_placement(schedule, p, m, v, broken):
     """The old executor posted each SEND / RECV action alone, receives one compute early."""
     layout = layout_of(schedule, p, v)
@@ -221,21 +258,31 @@ def test_the_checks_catch_the_old_placement(schedule, p, m, v, broken):
 LAYERS = 8
 TOL = dict(rtol=1e-5, atol=1e-6)
 E2E = {  # pp -> (schedule, v, m, overlap)
-    4: [("zbv", 2, 8, True), ("dualpipev", 2, 9, True), ("interleaved-1f1b", 2, 8, True),
-        ("zb-h1", 2, 4, False)],
-    2: [("zbv", 2, 5, True), ("dualpipev", 2, 4, False), ("interleaved-1f1b", 2, 4, True),
-        ("zb-h1", 2, 5, True)],
-}  # fmt: skip
+    4: [
+        ("zbv", 2, 8, True),
+        ("dualpipev", 2, 9, True),
+        ("interleaved-1f1b", 2, 8, True),
+        ("zb-h1", 2, 4, False),
+    ],
+    2: [
+        ("zbv", 2, 5, True),
+        ("dualpipev", 2, 4, False),
+        ("interleaved-1f1b", 2, 4, True),
+        ("zb-h1", 2, 5, True),
+    ],
+}
 
 
 def _gloo_matches_tag_zero_by_posting_order() -> list[float]:
     """Rank 0 sends 0..4 with tag 0 (in two batches), rank 1 receives them (in other batches)."""
     got = []
     if dist.get_rank() == 0:
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((3,), float(i)), 1,
-                                                   tag=0) for i in range(3)])  # fmt: skip
-        works += dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((3,), float(i)), 1,
-                                                    tag=0) for i in (3, 4)])  # fmt: skip
+        works = dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, torch.full((3,), float(i)), 1, tag=0) for i in range(3)]
+        )
+        works += dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, torch.full((3,), float(i)), 1, tag=0) for i in (3, 4)]
+        )
     elif dist.get_rank() == 1:
         bufs = [torch.empty(3) for _ in range(5)]
         works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, b, 0, tag=0) for b in bufs[:2]])
@@ -250,16 +297,6 @@ def _gloo_matches_tag_zero_by_posting_order() -> list[float]:
 
 
 def _tag_blind_world():
-    from megalite.core.parallel_state import ParallelState, initialize_model_parallel
-    from megalite.core.pipeline_parallel.forward_backward import (
-        forward_backward_no_pipelining,
-        forward_backward_pipelining,
-    )
-    from megalite.core.pipeline_parallel.p2p import P2PCommunicator
-    from megalite.models import GPTModel
-    from megalite.training.model_chunks import build_gpt_chunks, stage_blocks, tied_params
-    from tests.models.helpers import make_batch, make_config, weighted_lm_step
-
     order = _gloo_matches_tag_zero_by_posting_order()
     config = make_config("gpt2", num_layers=LAYERS)
     oracles = {}
@@ -271,25 +308,37 @@ def _tag_blind_world():
                 model = GPTModel(config, ParallelState.single())
                 batches = [make_batch(config, seed=200 + i) for i in range(m)]
                 losses = forward_backward_no_pipelining(
-                    forward_step_func=weighted_lm_step, data_iterator=[iter(batches)],
-                    model=[model], num_microbatches=m,
-                )  # fmt: skip
+                    forward_step_func=weighted_lm_step,
+                    data_iterator=[iter(batches)],
+                    model=[ModelChunk(model)],
+                    num_microbatches=m,
+                )
                 grads = {n: q.grad for n, q in model.named_parameters()}
                 oracles[m] = batches, [d["lm loss"] for d in losses], grads
             batches, want_losses, want_grads = oracles[m]
             chunks = build_gpt_chunks(config, ps, schedule=schedule, num_chunks=v)
             p2p = P2PCommunicator(
-                prev_rank=ps.prev_rank, next_rank=ps.next_rank,
-                tensor_shape=(config.seq_length, 2, config.hidden_size), dtype=torch.float32,
-                device=torch.device("cpu"), group=ps.pp_group, pp_ranks=ps.pp_ranks,
-                overlap=overlap, tagged=False,
-            )  # fmt: skip
+                prev_rank=ps.prev_rank,
+                next_rank=ps.next_rank,
+                tensor_shape=(config.seq_length, 2, config.hidden_size),
+                dtype=torch.float32,
+                device=torch.device("cpu"),
+                group=ps.pp_group,
+                pp_ranks=ps.pp_ranks,
+                overlap=overlap,
+                tagged=False,
+            )
             it = iter(batches)
             losses = forward_backward_pipelining(
-                schedule=schedule, forward_step_func=weighted_lm_step,
-                data_iterator=[it] * len(chunks), model=chunks, num_microbatches=m, p2p=p2p,
-                pp_rank=ps.pp_rank, pp_size=pp,
-            )  # fmt: skip
+                schedule=schedule,
+                forward_step_func=weighted_lm_step,
+                data_iterator=[it] * len(chunks),
+                model=[ModelChunk(chunk, index=c) for c, chunk in enumerate(chunks)],
+                num_microbatches=m,
+                p2p=p2p,
+                pp_rank=ps.pp_rank,
+                pp_size=pp,
+            )
             shared, _ = tied_params(chunks, ps)
             for w in shared:
                 dist.all_reduce(w.grad, group=ps.embedding_group)

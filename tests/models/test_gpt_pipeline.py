@@ -21,8 +21,10 @@ from megalite.core.pipeline_parallel.forward_backward import (
     forward_backward_pipelining_1f1b,
     forward_backward_pipelining_gpipe,
 )
+from megalite.core.pipeline_parallel.model_chunk import ModelChunk
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.models import GPTModel
+from tests.harness import run_distributed
 from tests.models.helpers import make_batch, make_config, weighted_lm_step
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -52,8 +54,6 @@ def _global_name(name: str, offset: int) -> str:
 
 
 def _stage_case(pp, cases):
-    from tests.harness import run_distributed  # noqa: F401 (documentation: runs under it)
-
     ps = initialize_model_parallel(1, pp)
     for family, tied, m, schedule, first_last in cases:
         first, last = first_last or (None, None)
@@ -66,25 +66,38 @@ def _stage_case(pp, cases):
         )
         ranges = config.stage_layer_ranges(pp)
         model = GPTModel(
-            config, ps, pre_process=ps.is_first_stage, post_process=ps.is_last_stage,
+            config,
+            ps,
+            pre_process=ps.is_first_stage,
+            post_process=ps.is_last_stage,
             layer_range=ranges[ps.pp_rank],
-        )  # fmt: skip
+        )
         p2p = P2PCommunicator(
-            prev_rank=ps.prev_rank, next_rank=ps.next_rank,
-            tensor_shape=(config.seq_length, 2, config.hidden_size), dtype=torch.float32,
-            device=torch.device("cpu"), group=ps.pp_group,
-        )  # fmt: skip
+            prev_rank=ps.prev_rank,
+            next_rank=ps.next_rank,
+            tensor_shape=(config.seq_length, 2, config.hidden_size),
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            group=ps.pp_group,
+        )
         losses = SCHEDULES[schedule](
-            forward_step_func=weighted_lm_step, data_iterator=[iter(_microbatches(config, m))],
-            model=[model], num_microbatches=m, p2p=p2p, pp_rank=ps.pp_rank, pp_size=pp,
-        )  # fmt: skip
+            forward_step_func=weighted_lm_step,
+            data_iterator=[iter(_microbatches(config, m))],
+            model=[ModelChunk(model)],
+            num_microbatches=m,
+            p2p=p2p,
+            pp_rank=ps.pp_rank,
+            pp_size=pp,
+        )
         _sum_tied_embedding_grad(model.shared_embedding_or_output_weight(), ps.embedding_group)
 
         oracle = GPTModel(config, ParallelState.single())
         want = forward_backward_no_pipelining(
-            forward_step_func=weighted_lm_step, data_iterator=[iter(_microbatches(config, m))],
-            model=[oracle], num_microbatches=m,
-        )  # fmt: skip
+            forward_step_func=weighted_lm_step,
+            data_iterator=[iter(_microbatches(config, m))],
+            model=[ModelChunk(oracle)],
+            num_microbatches=m,
+        )
         label = (family, tied, m, schedule, first_last, ps.pp_rank)
         if ps.is_last_stage:
             assert len(losses) == m, label
@@ -118,6 +131,4 @@ def _cases(pp):
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_gpt_pipeline_equals_single_process(pp):
-    from tests.harness import run_distributed
-
     assert run_distributed(_stage_case, pp, pp, _cases(pp), timeout=300) == [True] * pp

@@ -15,6 +15,7 @@ oracle is computed once, on one rank, and broadcast.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -23,19 +24,30 @@ from megalite.core.pipeline_parallel.forward_backward import (
     forward_backward_no_pipelining,
     forward_backward_pipelining,
 )
-from megalite.core.pipeline_parallel.generators import check_schedule, layout_of
+from megalite.core.pipeline_parallel.generators import (
+    SCHEDULES,
+    V_SHAPED,
+    check_schedule,
+    layout_of,
+)
+from megalite.core.pipeline_parallel.model_chunk import ModelChunk
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
+from megalite.errors import ConfigError
 from megalite.models import GPTModel
 from megalite.training.model_chunks import build_gpt_chunks, stage_blocks, tied_params
 from tests.harness import run_distributed
 from tests.models.helpers import make_batch, make_config, weighted_lm_step
+from tests.training.common import config
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 COMBOS = [("gpt2", True), ("gpt2", False), ("llama", True), ("llama", False)]
+# chunks per rank to try, every schedule of SCHEDULES: one, unless it takes several
 SCHEDULE_CHUNKS = {
-    "1f1b": (1,), "gpipe": (1,), "interleaved-1f1b": (2,), "zb-h1": (1, 2), "zbv": (2,),
-    "dualpipev": (2,),
-}  # fmt: skip
+    **dict.fromkeys(SCHEDULES, (1,)),
+    "interleaved-1f1b": (2,),
+    "zb-h1": (1, 2),
+    **dict.fromkeys(V_SHAPED, (2,)),
+}
 
 
 def _global_name(name: str, offset: int) -> str:
@@ -52,9 +64,11 @@ def _oracle(family, tied, m, layers):
     model = GPTModel(config, ParallelState.single())
     batches = [make_batch(config, seed=100 + i) for i in range(m)]
     losses = forward_backward_no_pipelining(
-        forward_step_func=weighted_lm_step, data_iterator=[iter(batches)], model=[model],
+        forward_step_func=weighted_lm_step,
+        data_iterator=[iter(batches)],
+        model=[ModelChunk(model)],
         num_microbatches=m,
-    )  # fmt: skip
+    )
     grads = {n: p.grad for n, p in model.named_parameters()}
     return config, batches, [d["lm loss"] for d in losses], grads
 
@@ -70,9 +84,12 @@ def _cases(pp):
                 g = m if schedule == "interleaved-1f1b" and m % pp else None
                 try:
                     check_schedule(
-                        schedule, pp_size=pp, num_microbatches=m, num_chunks=v,
+                        schedule,
+                        pp_size=pp,
+                        num_microbatches=m,
+                        num_chunks=v,
                         microbatch_group_size=g,
-                    )  # fmt: skip
+                    )
                 except ValueError:
                     continue
                 pair = (COMBOS[0], COMBOS[3]) if j % 2 == 0 else (COMBOS[1], COMBOS[2])
@@ -104,16 +121,27 @@ def _world(pp):
         config, batches, want_losses, want_grads = oracles[(family, tied, m)]
         chunks = build_gpt_chunks(config, ps, schedule=schedule, num_chunks=v)
         p2p = P2PCommunicator(
-            prev_rank=ps.prev_rank, next_rank=ps.next_rank,
-            tensor_shape=(config.seq_length, 2, config.hidden_size), dtype=torch.float32,
-            device=torch.device("cpu"), group=ps.pp_group, pp_ranks=ps.pp_ranks, overlap=overlap,
-        )  # fmt: skip
+            prev_rank=ps.prev_rank,
+            next_rank=ps.next_rank,
+            tensor_shape=(config.seq_length, 2, config.hidden_size),
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            group=ps.pp_group,
+            pp_ranks=ps.pp_ranks,
+            overlap=overlap,
+        )
         it = iter(batches)
         losses = forward_backward_pipelining(
-            schedule=schedule, forward_step_func=weighted_lm_step, data_iterator=[it] * len(chunks),
-            model=chunks, num_microbatches=m, p2p=p2p, pp_rank=ps.pp_rank, pp_size=pp,
+            schedule=schedule,
+            forward_step_func=weighted_lm_step,
+            data_iterator=[it] * len(chunks),
+            model=[ModelChunk(chunk, index=c) for c, chunk in enumerate(chunks)],
+            num_microbatches=m,
+            p2p=p2p,
+            pp_rank=ps.pp_rank,
+            pp_size=pp,
             microbatch_group_size=g,
-        )  # fmt: skip
+        )
         shared, _ = tied_params(chunks, ps)  # copies on two ranks (not a V's one Parameter)
         for w in shared:
             dist.all_reduce(w.grad, group=ps.embedding_group)
@@ -161,25 +189,30 @@ def test_every_schedule_equals_no_pipelining_pp4():
 
 
 def test_schedule_flags_are_checked_with_one_line_errors():
-    import pytest
-
-    from megalite.training.config import ConfigError
-    from tests.training.common import config
-
+    """The pipeline settings are checked when the flags are parsed; the messages name the config
+    fields, which the flag layer writes as the flags the user gave."""
     pp4 = ("--pipeline-model-parallel-size", "4", "--num-layers", "8")
     cases = [
-        ((*pp4, "--pipeline-schedule", "dualpipev"), "num_microbatches >= 2 x pp = 8, got 4"),
-        ((*pp4, "--num-layers-per-virtual-pipeline-stage", "3"), "not divisible by"),
-        ((*pp4, "--num-virtual-stages-per-pipeline-rank", "2",
-          "--microbatch-group-size-per-virtual-pipeline-stage", "3"), "must lie in [pp 4"),
-        ((*pp4, "--pipeline-schedule", "zbv", "--num-virtual-stages-per-pipeline-rank", "3"),
-         "exactly 2 chunks"),
-        ((*pp4, "--num-layers-per-virtual-pipeline-stage", "1",
-          "--num-virtual-stages-per-pipeline-rank", "2"), "mutually exclusive"),
-    ]  # fmt: skip
+        ("--pipeline-schedule dualpipev", "num_microbatches >= 2 x pp = 8, got 4"),
+        ("--num-layers-per-virtual-pipeline-stage 3", "not divisible by"),
+        (
+            "--num-virtual-stages-per-pipeline-rank 2 "
+            "--microbatch-group-size-per-virtual-pipeline-stage 3",
+            "--microbatch-group-size-per-virtual-pipeline-stage 3 must lie in [pp 4",
+        ),
+        (
+            "--pipeline-schedule zbv --num-virtual-stages-per-pipeline-rank 3",
+            "exactly 2 chunks per rank in a V, got --num-virtual-stages-per-pipeline-rank 3",
+        ),
+        (
+            "--num-layers-per-virtual-pipeline-stage 1 --num-virtual-stages-per-pipeline-rank 2",
+            "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
+            "are mutually exclusive",
+        ),
+    ]
     for flags, words in cases:
         with pytest.raises(ConfigError) as e:
-            config(*flags, world_size=4)
+            config(*pp4, *flags.split(), world_size=4)
         assert words in str(e.value) and "\n" not in str(e.value), (flags, str(e.value))
     ok = config(*pp4, "--num-virtual-stages-per-pipeline-rank", "2", world_size=4)
     assert ok.parallel.num_virtual_stages_per_pipeline_rank == 2

@@ -20,8 +20,10 @@ L4 = ("--num-layers", "4")
 
 
 def test_3d_interleaved_and_zb_h1_with_sp_and_zero1_equal_single_process():
-    tp2pp2 = ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-              "--sequence-parallel", "--use-distributed-optimizer")  # fmt: skip
+    tp2pp2 = (
+        "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel "
+        "--use-distributed-optimizer"
+    ).split()
     layouts = [
         ("gpt2", L4, (*tp2pp2, "--num-virtual-stages-per-pipeline-rank", "2")),
         ("llama", L4, (*tp2pp2, "--pipeline-schedule", "zb-h1")),
@@ -31,15 +33,15 @@ def test_3d_interleaved_and_zb_h1_with_sp_and_zero1_equal_single_process():
 
 def test_pp2_dp2_zbv_dualpipev_and_interleaved_without_overlap_equal_single_process():
     pp2 = ("--pipeline-model-parallel-size", "2", "--global-batch-size", "16")
+    gbs16 = (*L4, "--global-batch-size", "16")
+    interleaved = "--num-layers-per-virtual-pipeline-stage 1 --no-overlap-p2p-communication"
+    uneven = "--num-virtual-stages-per-pipeline-rank 2 --decoder-first-pipeline-num-layers 3"
     layouts = [
-        ("gpt2", (*L4, "--global-batch-size", "16"), (*pp2, "--pipeline-schedule", "zbv")),
-        ("llama", (*L4, "--global-batch-size", "16"), (*pp2, "--pipeline-schedule", "dualpipev")),
-        ("llama", (*L4, "--global-batch-size", "16"),
-         (*pp2, "--num-layers-per-virtual-pipeline-stage", "1", "--no-overlap-p2p-communication")),
+        ("gpt2", gbs16, (*pp2, "--pipeline-schedule", "zbv")),
+        ("llama", gbs16, (*pp2, "--pipeline-schedule", "dualpipev")),
+        ("llama", gbs16, (*pp2, *interleaved.split())),
         # uneven chunks (Megatron refuses them): 5 layers, rank 0 holds 3 in chunks of 2 and 1,
         # rank 1 holds 2 (1 and 1); the tied embedding on rank 0's first chunk and rank 1's last
-        ("gpt2", ("--num-layers", "5", "--global-batch-size", "16"),
-         (*pp2, "--num-virtual-stages-per-pipeline-rank", "2",
-          "--decoder-first-pipeline-num-layers", "3")),
-    ]  # fmt: skip
+        ("gpt2", ("--num-layers", "5", "--global-batch-size", "16"), (*pp2, *uneven.split())),
+    ]
     _check(layouts, run_distributed(_run, 4, layouts, timeout=600))

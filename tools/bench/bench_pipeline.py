@@ -43,8 +43,11 @@ from megalite.core.pipeline_parallel.forward_backward import (  # noqa: E402
     forward_backward_pipelining_1f1b,
     forward_backward_pipelining_gpipe,
 )
+from megalite.core.pipeline_parallel.model_chunk import ModelChunk  # noqa: E402
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator  # noqa: E402
 from megalite.core.pipeline_parallel.timeline import Timeline  # noqa: E402
+from tools.bench.bench_pipeline_all import run_all  # noqa: E402
+from tools.pipeline_timeline import render_svg  # noqa: E402
 
 HIDDEN, BLOCKS_PER_STAGE, MICRO_BATCH = 512, 4, 64
 
@@ -75,25 +78,27 @@ class Stack(nn.Module):
 
 def _data(m):
     g = torch.Generator().manual_seed(0)
-    return (torch.randn(m * MICRO_BATCH, HIDDEN, generator=g),
-            torch.randn(m * MICRO_BATCH, HIDDEN, generator=g))  # fmt: skip
+    return (
+        torch.randn(m * MICRO_BATCH, HIDDEN, generator=g),
+        torch.randn(m * MICRO_BATCH, HIDDEN, generator=g),
+    )
 
 
 _COMMUNICATORS: dict = {}
 
 
-def _communicator(rank, pp, timeline):
+def _communicator(rank, pp):
     """One communicator per run, as in training (its neighbour check runs once)."""
     if rank not in _COMMUNICATORS:
         _COMMUNICATORS[rank] = P2PCommunicator(
             prev_rank=rank - 1 if rank > 0 else None,
             next_rank=rank + 1 if rank < pp - 1 else None,
-            tensor_shape=(MICRO_BATCH, HIDDEN), dtype=torch.float32, device=torch.device("cpu"),
+            tensor_shape=(MICRO_BATCH, HIDDEN),
+            dtype=torch.float32,
+            device=torch.device("cpu"),
             group=dist.group.WORLD,  # the bench runs one pipeline over the whole world
-        )  # fmt: skip
-    p2p = _COMMUNICATORS[rank]
-    p2p.timeline = timeline
-    return p2p
+        )
+    return _COMMUNICATORS[rank]
 
 
 def _megalite_step(stack, schedule, m, rank, pp, timeline=None):
@@ -106,17 +111,26 @@ def _megalite_step(stack, schedule, m, rank, pp, timeline=None):
         out = model(xs[i] if model.is_first else model.input_tensor)
         return out, lambda o: (torch.nn.functional.mse_loss(o, ys[i]), {})
 
-    p2p = _communicator(rank, pp, timeline)
+    p2p = _communicator(rank, pp)
     fn = (
         forward_backward_pipelining_1f1b
         if schedule == "1f1b"
         else forward_backward_pipelining_gpipe
     )
-    fn(forward_step_func=forward_step, data_iterator=[batches], model=[stack], num_microbatches=m,
-       p2p=p2p, pp_rank=rank, pp_size=pp, timeline=timeline)  # fmt: skip
+    fn(
+        forward_step_func=forward_step,
+        data_iterator=[batches],
+        model=[ModelChunk(stack)],
+        num_microbatches=m,
+        p2p=p2p,
+        pp_rank=rank,
+        pp_size=pp,
+        timeline=timeline,
+    )
 
 
 def _torch_schedule(stack, schedule, m, rank, pp):
+    # torch >= 2.4 (megalite runs from 2.2): imported only where the comparison runs
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     stage = PipelineStage(stack.blocks, rank, pp, torch.device("cpu"))
@@ -201,13 +215,12 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, nargs="+", default=[8, 1, 2, 4, 16])
     parser.add_argument("--timeline-dir", default=None)
     parser.add_argument(
-        "--check", action="store_true",
+        "--check",
+        action="store_true",
         help="with --all: exit 1 unless every predicted / measured step lies within 15%%",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
     if args.all:
-        from tools.bench.bench_pipeline_all import run_all
-
         ratios = run_all(
             pp=args.pp or 4, m=args.m, steps=args.steps, timeline_dir=args.timeline_dir
         )
@@ -260,8 +273,6 @@ def main() -> None:
         theory = (pp - 1) / (m + pp - 1)
         print(f"  m={m:2d}: measured {out[(m, 'bubble')]:.3f}, theory {theory:.3f}")
     if args.timeline_dir:
-        from tools.pipeline_timeline import render_svg
-
         for schedule in ("1f1b", "gpipe"):
             base = os.path.join(args.timeline_dir, f"timeline_{schedule}")
             with open(base + ".json") as f:

@@ -33,6 +33,7 @@ from torch import nn
 from megalite.core.pipeline_parallel.actions import with_p2p
 from megalite.core.pipeline_parallel.forward_backward import forward_backward_pipelining
 from megalite.core.pipeline_parallel.generators import generate, layout_of
+from megalite.core.pipeline_parallel.model_chunk import ModelChunk
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.core.pipeline_parallel.profiling import (
     gather_stage_costs,
@@ -42,14 +43,25 @@ from megalite.core.pipeline_parallel.profiling import (
 from megalite.core.pipeline_parallel.simulator import Costs, simulate
 from megalite.core.pipeline_parallel.timeline import Timeline
 from megalite.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from tools.pipeline_timeline import render_svg
 
 HIDDEN, BLOCKS, MICRO_BATCH = 256, 8, 32
-CASES = [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2),
-         ("dualpipev", 2)]  # fmt: skip
-TORCH_CLASS = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe",
-               "interleaved-1f1b": "ScheduleInterleaved1F1B",
-               "zb-h1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
-               "dualpipev": "ScheduleDualPipeV"}  # fmt: skip
+CASES = [
+    ("1f1b", 1),
+    ("gpipe", 1),
+    ("interleaved-1f1b", 2),
+    ("zb-h1", 1),
+    ("zbv", 2),
+    ("dualpipev", 2),
+]
+TORCH_CLASS = {
+    "1f1b": "Schedule1F1B",
+    "gpipe": "ScheduleGPipe",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "zb-h1": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
 
 
 class Block(nn.Module):
@@ -77,8 +89,10 @@ class Chunk(nn.Module):
 
 def _data(m):
     g = torch.Generator().manual_seed(0)
-    return (torch.randn(m, MICRO_BATCH, HIDDEN, generator=g),
-            torch.randn(m, MICRO_BATCH, HIDDEN, generator=g))  # fmt: skip
+    return (
+        torch.randn(m, MICRO_BATCH, HIDDEN, generator=g),
+        torch.randn(m, MICRO_BATCH, HIDDEN, generator=g),
+    )
 
 
 def _forward_step(it, model):
@@ -92,12 +106,20 @@ def _megalite(schedule, v, chunks, p2p, m, rank, pp, timeline=None):
     forward_step = _forward_step
     its = [iter(list(zip(xs, ys))) for _ in chunks]
     forward_backward_pipelining(
-        schedule=schedule, forward_step_func=forward_step, data_iterator=its, model=chunks,
-        num_microbatches=m, p2p=p2p, pp_rank=rank, pp_size=pp, timeline=timeline,
-    )  # fmt: skip
+        schedule=schedule,
+        forward_step_func=forward_step,
+        data_iterator=its,
+        model=[ModelChunk(chunk, index=c) for c, chunk in enumerate(chunks)],
+        num_microbatches=m,
+        p2p=p2p,
+        pp_rank=rank,
+        pp_size=pp,
+        timeline=timeline,
+    )
 
 
 def _torch_step(schedule, v, chunks, m, rank, pp):
+    # torch >= 2.4 (megalite runs from 2.2): imported only where the comparison runs
     import torch.distributed.pipelining as tp
 
     layout = layout_of(schedule, pp, v)
@@ -148,10 +170,14 @@ def _worker(rank, pp, m, steps, init_file, timeline_dir, q):
         n = BLOCKS // layout.num_stages
         chunks = [Chunk(n, layout.stage(rank, c) == 0) for c in range(layout.num_chunks)]
         p2p = P2PCommunicator(
-            prev_rank=rank - 1 if rank else None, next_rank=rank + 1 if rank < pp - 1 else None,
-            tensor_shape=(MICRO_BATCH, HIDDEN), dtype=torch.float32, device=torch.device("cpu"),
-            group=dist.group.WORLD, pp_ranks=list(range(pp)),
-        )  # fmt: skip
+            prev_rank=rank - 1 if rank else None,
+            next_rank=rank + 1 if rank < pp - 1 else None,
+            tensor_shape=(MICRO_BATCH, HIDDEN),
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            group=dist.group.WORLD,
+            pp_ranks=list(range(pp)),
+        )
         args = (schedule, v, chunks, p2p, m, rank, pp)
         ours = _timed(lambda a=args: _megalite(*a), steps, chunks)
         try:
@@ -196,10 +222,14 @@ def _profile_all(pp, m, rank) -> dict:
             for c, chunk in enumerate(all_chunks[schedule]):
                 s = layout.stage(rank, c)
                 mine[s] = profile_chunk(
-                    chunk, _forward_step, itertools.cycle(batches),
-                    input_shape=(MICRO_BATCH, HIDDEN), first=s == 0,
-                    loss=s == layout.num_stages - 1, num_microbatches=m,
-                )  # fmt: skip
+                    chunk,
+                    _forward_step,
+                    itertools.cycle(batches),
+                    input_shape=(MICRO_BATCH, HIDDEN),
+                    first=s == 0,
+                    loss=s == layout.num_stages - 1,
+                    num_microbatches=m,
+                )
         dist.barrier()
         stages[n] = gather_stage_costs(mine)
     latency = p2p_latency((MICRO_BATCH, HIDDEN), list(range(pp)))
@@ -210,9 +240,17 @@ def _profile_all(pp, m, rank) -> dict:
     dist.barrier()
     t0, done = time.perf_counter(), 0
     while time.perf_counter() - t0 < 0.4:
-        profile_chunk(chunk, _forward_step, itertools.cycle(batches),
-                      input_shape=(MICRO_BATCH, HIDDEN), first=s == 0, loss=s == pp - 1,
-                      num_microbatches=m, repeats=1, warmup=0)  # fmt: skip
+        profile_chunk(
+            chunk,
+            _forward_step,
+            itertools.cycle(batches),
+            input_shape=(MICRO_BATCH, HIDDEN),
+            first=s == 0,
+            loss=s == pp - 1,
+            num_microbatches=m,
+            repeats=1,
+            warmup=0,
+        )
         done += 1
     rate = torch.tensor([done * unit / (time.perf_counter() - t0)])
     dist.all_reduce(rate)
@@ -235,8 +273,10 @@ def run_all(*, pp: int, m: int, steps: int, timeline_dir: str | None) -> dict[st
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     init_file = os.path.join(tempfile.mkdtemp(), "rdzv")
-    procs = [ctx.Process(target=_worker, args=(r, pp, m, steps, init_file, timeline_dir, q))
-             for r in range(pp)]  # fmt: skip
+    procs = [
+        ctx.Process(target=_worker, args=(r, pp, m, steps, init_file, timeline_dir, q))
+        for r in range(pp)
+    ]
     for p in procs:
         p.start()
     out, profile = q.get(timeout=1800)
@@ -244,10 +284,12 @@ def run_all(*, pp: int, m: int, steps: int, timeline_dir: str | None) -> dict[st
         p.join()
     cores, latency = profile["cores"], profile["latency"]
     lists = {
-        (schedule, v): with_p2p(generate(schedule, pp_size=pp, num_microbatches=m, num_chunks=v),
-                                layout_of(schedule, pp, v))
+        (schedule, v): with_p2p(
+            generate(schedule, pp_size=pp, num_microbatches=m, num_chunks=v),
+            layout_of(schedule, pp, v),
+        )
         for schedule, v in CASES
-    }  # fmt: skip
+    }
     _, _, spans, ends = out["1f1b"]
     per_action = _per_action(spans, ends, lists[("1f1b", 1)], cores, pp)
     one = profile["stages"][pp]
@@ -268,23 +310,27 @@ def run_all(*, pp: int, m: int, steps: int, timeline_dir: str | None) -> dict[st
         ideal[schedule] = simulate(lists[(schedule, v)], layout, Costs(stages=st, p2p=latency))
     base = out["1f1b"][0]
     ratios = {}
-    print(f"  {'schedule':17s} {'megalite':>9s} {'vs 1F1B: measured':>18s} {'predicted':>9s} "
-          f"{'1 core/rank':>11s}   predicted step (x measured); torch")  # fmt: skip
+    print(
+        f"  {'schedule':17s} {'megalite':>9s} {'vs 1F1B: measured':>18s} {'predicted':>9s} "
+        f"{'1 core/rank':>11s}   predicted step (x measured); torch"
+    )
     for schedule, _v in CASES:
         ours, theirs, gathered, _ = out[schedule]
         sim = sims[schedule]
-        torch_part = (f"torch {TORCH_CLASS[schedule]} {theirs * 1e3:7.1f} ms, ratio "
-                      f"{ours / theirs:.3f}x" if isinstance(theirs, float)
-                      else f"torch {TORCH_CLASS[schedule]}: {theirs}")  # fmt: skip
+        torch_part = (
+            f"torch {TORCH_CLASS[schedule]} {theirs * 1e3:7.1f} ms, ratio {ours / theirs:.3f}x"
+            if isinstance(theirs, float)
+            else f"torch {TORCH_CLASS[schedule]}: {theirs}"
+        )
         ratios[schedule] = sim.step_time / ours
-        print(f"  {schedule:17s} {ours * 1e3:7.1f}ms {ours / base:18.3f} "
-              f"{sim.step_time / sims['1f1b'].step_time:9.3f} "
-              f"{ideal[schedule].step_time / ideal['1f1b'].step_time:11.3f}   "
-              f"{sim.step_time * 1e3:6.1f} ms ({sim.step_time / ours:.2f}x); "
-              f"{torch_part}")  # fmt: skip
+        print(
+            f"  {schedule:17s} {ours * 1e3:7.1f}ms {ours / base:18.3f} "
+            f"{sim.step_time / sims['1f1b'].step_time:9.3f} "
+            f"{ideal[schedule].step_time / ideal['1f1b'].step_time:11.3f}   "
+            f"{sim.step_time * 1e3:6.1f} ms ({sim.step_time / ours:.2f}x); "
+            f"{torch_part}"
+        )
         if timeline_dir:
-            from tools.pipeline_timeline import render_svg
-
             os.makedirs(timeline_dir, exist_ok=True)
             for what, stages in (("measured", gathered), ("predicted", sim.spans)):
                 path = os.path.join(timeline_dir, f"timeline_{schedule}_{what}.svg")

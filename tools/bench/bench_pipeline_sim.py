@@ -52,7 +52,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from megalite.core.parallel_state import initialize_model_parallel  # noqa: E402
 from megalite.core.pipeline_parallel.actions import with_p2p  # noqa: E402
 from megalite.core.pipeline_parallel.forward_backward import forward_backward_pipelining  # noqa: E402
-from megalite.core.pipeline_parallel.generators import generate, layout_of  # noqa: E402
+from megalite.core.pipeline_parallel.generators import V_SHAPED, generate, layout_of  # noqa: E402
+from megalite.core.pipeline_parallel.model_chunk import ModelChunk  # noqa: E402
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator  # noqa: E402
 from megalite.core.pipeline_parallel.profiling import (  # noqa: E402
     gather_stage_costs,
@@ -61,9 +62,18 @@ from megalite.core.pipeline_parallel.profiling import (  # noqa: E402
 )
 from megalite.core.pipeline_parallel.simulator import Costs, simulate, theory  # noqa: E402
 from megalite.core.pipeline_parallel.timeline import Timeline, render_comparison_svg  # noqa: E402
+from megalite.models import GPTConfig  # noqa: E402
+from megalite.training.model_chunks import build_gpt_chunks  # noqa: E402
 
-CASES = [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h1", 2),
-         ("zbv", 2), ("dualpipev", 2)]  # fmt: skip
+CASES = [
+    ("1f1b", 1),
+    ("gpipe", 1),
+    ("interleaved-1f1b", 2),
+    ("zb-h1", 1),
+    ("zb-h1", 2),
+    ("zbv", 2),
+    ("dualpipev", 2),
+]
 MODEL = dict(num_layers=8, hidden_size=128, num_attention_heads=4, vocab_size=1024, seq_length=64)
 TINY = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=128, seq_length=16)
 MICRO_BATCH = 4
@@ -80,10 +90,12 @@ def _batches(config, m: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Te
     g = torch.Generator().manual_seed(seed)
     shape = (MICRO_BATCH, config.seq_length)
     return [
-        (torch.randint(0, config.vocab_size, shape, generator=g),
-         torch.randint(0, config.vocab_size, shape, generator=g))
+        (
+            torch.randint(0, config.vocab_size, shape, generator=g),
+            torch.randint(0, config.vocab_size, shape, generator=g),
+        )
         for _ in range(m)
-    ]  # fmt: skip
+    ]
 
 
 def measure(
@@ -97,9 +109,6 @@ def measure(
     measure each case. Returns, identically on every rank, ``{"latency": s, "cases": {(schedule,
     v): {"stages": [[(F, I, W) per stage] per run], "runs": [[(start, end, spans) per rank] per
     run]}}}``: the stages are profiled again before every run (the machine's speed drifts)."""
-    from megalite.models import GPTConfig
-    from megalite.training.model_chunks import build_gpt_chunks
-
     torch.set_num_threads(1)
     cases = cases or CASES
     pp = dist.get_world_size()
@@ -108,9 +117,14 @@ def measure(
     shape = (config.seq_length, MICRO_BATCH, config.hidden_size)
     batches = _batches(config, m)
     p2p = P2PCommunicator(
-        prev_rank=ps.prev_rank, next_rank=ps.next_rank, tensor_shape=shape,
-        dtype=torch.float32, device=torch.device("cpu"), group=ps.pp_group, pp_ranks=ps.pp_ranks,
-    )  # fmt: skip
+        prev_rank=ps.prev_rank,
+        next_rank=ps.next_rank,
+        tensor_shape=shape,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        group=ps.pp_group,
+        pp_ranks=ps.pp_ranks,
+    )
     chunks, out, profiled = {}, {}, {}
     for schedule, v in cases:
         torch.manual_seed(0)
@@ -153,12 +167,17 @@ def _profile(case, chunks, batches, shape, ps) -> list[tuple[float, float, float
             continue
         for c, chunk in enumerate(chunks):
             s = layout.stage(ps.pp_rank, c)
-            mine[s] = profile_chunk(
-                chunk, _forward_step, itertools.cycle(batches), input_shape=shape,
-                first=s == 0, loss=s == layout.num_stages - 1, num_microbatches=len(batches),
-            )  # fmt: skip
+            mine[s] = _profile_stage(chunk, s, layout, batches, shape)
     dist.barrier(group=ps.pp_group)
     return gather_stage_costs(mine, ps.pp_group)
+
+
+def _profile_stage(chunk, s, layout, batches, shape, **repeats) -> tuple[float, float, float]:
+    """(F, I, W) of ``chunk``, which runs global stage ``s``."""
+    first, loss = s == 0, s == layout.num_stages - 1
+    data = itertools.cycle(batches)
+    kwargs = dict(input_shape=shape, num_microbatches=len(batches), **repeats)
+    return profile_chunk(chunk, _forward_step, data, first=first, loss=loss, **kwargs)
 
 
 def _effective_cores(case, chunks, batches, shape, ps, stages, window=0.4) -> float:
@@ -174,11 +193,7 @@ def _effective_cores(case, chunks, batches, shape, ps, stages, window=0.4) -> fl
     t0, done = time.perf_counter(), 0
     while time.perf_counter() - t0 < window:
         for chunk, s in zip(chunks, mine):
-            profile_chunk(
-                chunk, _forward_step, itertools.cycle(batches), input_shape=shape,
-                first=s == 0, loss=s == layout.num_stages - 1, num_microbatches=len(batches),
-                repeats=1, warmup=0,
-            )  # fmt: skip
+            _profile_stage(chunk, s, layout, batches, shape, repeats=1, warmup=0)
         done += 1
     rate = torch.tensor([done * unit / (time.perf_counter() - t0)])
     dist.all_reduce(rate, group=ps.pp_group)
@@ -192,8 +207,8 @@ def _executor_overhead(case, chunks, p2p, batches, ps) -> float:
     m = ps.pp_size
     start, end = _step(*case, chunks, p2p, batches[:m], ps, timeline=tl)
     layout = layout_of(case[0], ps.pp_size, case[1])
-    n = len(with_p2p(generate(case[0], pp_size=m, num_microbatches=m, num_chunks=case[1]),
-                     layout)[ps.pp_rank])  # fmt: skip
+    compute = generate(case[0], pp_size=m, num_microbatches=m, num_chunks=case[1])
+    n = len(with_p2p(compute, layout)[ps.pp_rank])
     mine = torch.tensor([(end - start - sum(e - s for _, s, e in tl.spans)) / n])
     dist.all_reduce(mine, group=ps.pp_group)
     return float(mine) / ps.pp_size
@@ -205,10 +220,16 @@ def _step(schedule, v, chunks, p2p, batches, ps, timeline=None) -> tuple[float, 
     dist.barrier(group=ps.pp_group)
     start = time.perf_counter()
     forward_backward_pipelining(
-        schedule=schedule, forward_step_func=_forward_step,
-        data_iterator=[iter(batches)] * len(chunks), model=chunks, num_microbatches=len(batches),
-        p2p=p2p, pp_rank=ps.pp_rank, pp_size=ps.pp_size, timeline=timeline,
-    )  # fmt: skip
+        schedule=schedule,
+        forward_step_func=_forward_step,
+        data_iterator=[iter(batches)] * len(chunks),
+        model=[ModelChunk(chunk, index=c) for c, chunk in enumerate(chunks)],
+        num_microbatches=len(batches),
+        p2p=p2p,
+        pp_rank=ps.pp_rank,
+        pp_size=ps.pp_size,
+        timeline=timeline,
+    )
     return start, time.perf_counter()
 
 
@@ -279,19 +300,22 @@ def compare(results: dict, m: int, cores: int | str | None) -> dict:
         k = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]
         sim, mid = sims[k], case["runs"][k]  # the run of median ratio, drawn
         t0 = min(s for s, _, _ in mid)
+        formula = theory(schedule, pp_size=pp, num_microbatches=m, num_chunks=v)
         rows[(schedule, v)] = {
-            "predicted": statistics.median(x.step_time for x in sims), "measured": measured,
-            "ratio": ratio, "ratios": ratios,
+            "predicted": statistics.median(x.step_time for x in sims),
+            "measured": measured,
+            "ratio": ratio,
+            "ratios": ratios,
             "cores": statistics.median(shares) if shares[0] else None,
-            "per_action": statistics.median(per_action), "overhead": _overhead(case["runs"], lists),
+            "per_action": statistics.median(per_action),
+            "overhead": _overhead(case["runs"], lists),
             "stretch": _stretch(case["runs"], case["stages"], layout),
             "bubble_measured": statistics.median(measured_bubble(r) for r in case["runs"]),
             "bubble_simulated": sim.bubble,
-            "bubble_theory": theory(schedule, pp_size=pp, num_microbatches=m, num_chunks=v)[
-                "bubble"],
+            "bubble_theory": formula["bubble"],
             "predicted_spans": sim.spans,
             "measured_spans": [[(lb, s - t0, e - t0) for lb, s, e in spans] for _, _, spans in mid],
-        }  # fmt: skip
+        }
     base = next(iter(rows.values()))["ratios"]  # the first case's (1f1b) per-run ratios
     for row in rows.values():  # the machine's drift moves every case of a run alike: taken out
         row["relative"] = statistics.median(a / b for a, b in zip(row["ratios"], base))
@@ -338,19 +362,23 @@ def main() -> None:
     parser.add_argument("--m", type=int, default=8)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument(
-        "--cores", type=int, default=len(os.sched_getaffinity(0)),
+        "--cores",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
         help="the machine's cores, for the 'nominal' column (default: this process's affinity)",
-    )  # fmt: skip
+    )
     parser.add_argument("--timeline-dir", default=None, help="write the SVGs here (PP 4 only)")
     parser.add_argument("--check", action="store_true", help="exit 1 unless all within 15%%")
     parser.add_argument("--raw", default=None, help="save the raw spans to RAW.pp<P>.pkl")
     parser.add_argument("--reuse", action="store_true", help="re-read --raw instead of running")
     parser.add_argument("--tiny", action="store_true", help="a smoke run: tiny model, 1 run")
     parser.add_argument(
-        "--cores-once-per-run", dest="per_case_cores", action="store_false",
+        "--cores-once-per-run",
+        dest="per_case_cores",
+        action="store_false",
         help="measure the effective cores once per run (before the first schedule), not before "
         "every schedule's step (the default: the load drifts within a run)",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
     if args.tiny:
         args.runs, args.pp = 1, [2]
@@ -385,7 +413,7 @@ def main() -> None:
             f"{'measured':>8s} {'simulated':>9s} {'formula':>7s}"
         )
         for (schedule, v), row in rows.items():
-            name = schedule + (f" v{v}" if v > 1 and schedule not in ("zbv", "dualpipev") else "")
+            name = schedule + (f" v{v}" if v > 1 and schedule not in V_SHAPED else "")
             print(
                 f"  {name:22s} {row['predicted'] * 1e3:8.1f}ms {row['measured'] * 1e3:8.1f}ms "
                 f"{row['ratio']:6.3f} {nominal[(schedule, v)]['ratio']:7.3f} "
@@ -403,10 +431,13 @@ def main() -> None:
                 if schedule == "zb-h1" and v > 1:
                     continue  # one picture per schedule: zb-h1 at v 1
                 with open(path, "w") as f:
-                    f.write(render_comparison_svg(
-                        row["predicted_spans"], row["measured_spans"],
-                        f"{schedule}, PP {pp}, m {args.m}{vs} ({share})",
-                    ))  # fmt: skip
+                    f.write(
+                        render_comparison_svg(
+                            row["predicted_spans"],
+                            row["measured_spans"],
+                            f"{schedule}, PP {pp}, m {args.m}{vs} ({share})",
+                        )
+                    )
                 print(f"    wrote {path}")
     if args.check and bad:
         raise SystemExit(f"predicted / measured outside [0.85, 1.15]: {', '.join(bad)}")

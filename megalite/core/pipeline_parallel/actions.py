@@ -25,6 +25,7 @@ either. Layer blocks follow the stage number: stage s holds the s-th block of la
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -284,6 +285,45 @@ def _with_p2p_per_action(
             if send is not None:
                 lists.append(send[0])
         out.append(lists)
+    return out
+
+
+class PostedOp(NamedTuple):
+    """One ``isend`` / ``irecv`` of a posted batch. ``stage``: the receiving stage; ``chunk``:
+    this rank's chunk that produced (send) or will consume (recv) the tensor."""
+
+    send: bool
+    peer: int  # pipeline rank at the other end
+    kind: str  # "F": an activation, "B": the grad of one
+    microbatch: int
+    stage: int
+    chunk: int
+    tag: int
+
+
+def message_tag(kind: str, microbatch: int, stage: int, num_stages: int) -> int:
+    return (0 if kind == "F" else 1) + 2 * (stage + num_stages * microbatch)
+
+
+def posting_plan(
+    program: Sequence[Action | P2PBatch], layout: StageLayout, pp_rank: int, *, tagged: bool = True
+) -> list[Action | tuple[PostedOp, ...]]:
+    """What the executor does, in order: a compute ``Action``, or a tuple of ``PostedOp`` posted
+    as one ``batch_isend_irecv`` (in tuple order). A pure function of the program: the tests check
+    on it, for every schedule, that the two ends of each message post it in batches that pair up
+    (deadlock-free) and that each direction is received in the order it is sent (FIFO)."""
+    out: list[Action | tuple[PostedOp, ...]] = []
+    for item in program:
+        if isinstance(item, Action) and item.op not in COMM:
+            out.append(item)
+            continue
+        ops = []
+        for a in item.actions if isinstance(item, P2PBatch) else (item,):
+            kind, mb, stage = message(a, pp_rank, layout)
+            tag = message_tag(kind, mb, stage, layout.num_stages) if tagged else 0
+            send = a.op.startswith("SEND")
+            ops.append(PostedOp(send, peer(a, pp_rank, layout), kind, mb, stage, a.chunk, tag))
+        out.append(tuple(ops))
     return out
 
 

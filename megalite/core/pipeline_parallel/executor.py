@@ -1,70 +1,63 @@
 """Run one rank's action list (``actions.py``): the one executor behind every schedule.
 
-    losses = execute(lists[pp_rank], layout=layout, pp_rank=r, forward_step_func=..., model=[...],
-                     data_iterator=[...], num_microbatches=m, p2p=p2p)
+    losses = execute(lists[pp_rank], layout=layout, pp_rank=r, forward_step_func=...,
+                     model=[ModelChunk(...), ...], data_iterator=[...], num_microbatches=m, p2p=p2p)
 
 Per (micro-batch, chunk) it keeps the input received (or handed over by the previous chunk of the
 same rank, at the turn of a V), the output, and the grad of the output. F runs
-``forward_step_func(data_iterator[c], model[c])`` after ``set_input_tensor``; on the stage that
-holds the loss it applies ``loss_func``, divides by ``num_microbatches`` (and applies
+``forward_step_func(data_iterator[c], model[c].module)`` after ``set_input_tensor``; on the stage
+that holds the loss it applies ``loss_func``, divides by ``num_microbatches`` (and applies
 ``grad_scale_func`` before backward). B runs the backward; I runs it with the chunk's linear
 layers deferring their weight grads into a ``WeightGradStore`` keyed by the micro-batch; W
 computes them.
 
 Communication: ``actions`` is this rank's ``actions.p2p_program`` (compute actions and
-``P2PBatch`` es); each batch is posted as ONE ``batch_isend_irecv`` of the ops ``posting_plan``
-lists, in that order -- ``p2p_program``'s docstring says why this is deadlock-free and
-FIFO-correct on nccl, which ignores tags. Sends are never waited for (once a send is
-done the executor drops its reference to the sent output and keeps only the output's autograd edge,
-``release_output``: the next stage has a copy; on gloo a send reports done only once waited for,
-so with overlap the release comes at the end of the step -- no saving on CPU -- while nccl's
-works report it as it happens); with overlap a
-received tensor is waited for by its consumer, without (``--no-overlap-p2p-communication``) the
-whole batch is waited for right after posting. Messages still carry a tag per (direction,
-micro-batch, stage) for gloo; ``P2PCommunicator(tagged=False)`` sends all with tag 0, as nccl
-would see them (the tests run that on gloo, which then matches by posting order). A plain
-SEND / RECV action (an old flat list) is posted as a batch of one.
+``P2PBatch`` es); each batch is posted as ONE ``batch_isend_irecv`` of the ops
+``actions.posting_plan`` lists, in that order (``p2p_program``'s docstring says why this is
+deadlock-free and FIFO-correct on nccl, which ignores tags). Sends are never waited for: once a
+send is done the executor drops its reference to the sent output and keeps only the output's
+autograd edge (``release_output``; the next stage has a copy). On gloo a send reports done only
+once waited for, so with overlap the release comes at the end of the step (no saving on CPU);
+nccl's works report it as it happens. With overlap a received tensor is waited for by its
+consumer; without (``P2PCommunicator(overlap=False)``) the whole batch is waited for right after
+posting. Messages carry a tag per (direction, micro-batch, stage) for gloo;
+``P2PCommunicator(tagged=False)`` sends all with tag 0, as nccl would see them (the tests run
+that on gloo, which then matches by posting order). A plain SEND / RECV action (a flat list of
+``with_p2p``) is posted as a batch of one.
 
 Grad sync: every compute action runs inside the ``no_sync()`` of every chunk except the chunks for
 which it is the last action touching their grads (their last B, I or W of the step), so the
-data-parallel wrappers learn each parameter's last micro-batch from the schedule.
+data-parallel wrappers learn each parameter's last micro-batch from the schedule
+(``ModelChunk.no_sync``: the chunk's grad wrapper's).
 
 Losses are returned on the last pipeline rank (as for 1F1B), also when the loss stage lives on
-another rank (a V layout computes it on rank 0): the loss rank sends them over.
+another rank (a V layout computes it on rank 0): the loss rank sends them over, by the names
+kept in ``P2PCommunicator.loss_names``.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.autograd import Variable
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from megalite.core.pipeline_parallel.actions import (
-    COMM,
     Action,
     P2PBatch,
+    PostedOp,
     StageLayout,
-    message,
-    peer,
+    posting_plan,
 )
+from megalite.core.pipeline_parallel.model_chunk import ModelChunk, check_model_chunks
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.core.pipeline_parallel.timeline import Timeline
 from megalite.core.tensor_parallel.layers import WeightGradStore, attach_weight_grad_store
 
 _LABEL = {"F": "forward", "B": "backward", "I": "backward-input", "W": "backward-weight"}
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module under the wrappers of one chunk (the one with ``set_input_tensor``)."""
-    while not hasattr(model, "set_input_tensor") and hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def release_output(
@@ -97,53 +90,12 @@ def backward_freed_output(output: torch.Tensor | GradientEdge, grad: torch.Tenso
     )
 
 
-def no_sync(model: Sequence[nn.Module]) -> contextlib.ExitStack:
-    """Every chunk's ``no_sync()`` at once (chunks without one are skipped)."""
+def no_sync(model: Sequence[ModelChunk]) -> contextlib.ExitStack:
+    """Every chunk's ``no_sync()`` at once."""
     stack = contextlib.ExitStack()
     for chunk in model:
-        chunk_no_sync = getattr(chunk, "no_sync", None)
-        if chunk_no_sync is not None:
-            stack.enter_context(chunk_no_sync())
+        stack.enter_context(chunk.no_sync())
     return stack
-
-
-class PostedOp(NamedTuple):
-    """One ``isend`` / ``irecv`` of a posted batch. ``stage``: the receiving stage; ``chunk``:
-    this rank's chunk that produced (send) or will consume (recv) the tensor."""
-
-    send: bool
-    peer: int  # pipeline rank at the other end
-    kind: str  # "F": an activation, "B": the grad of one
-    microbatch: int
-    stage: int
-    chunk: int
-    tag: int
-
-
-def message_tag(kind: str, microbatch: int, stage: int, num_stages: int) -> int:
-    return (0 if kind == "F" else 1) + 2 * (stage + num_stages * microbatch)
-
-
-def posting_plan(
-    program: Sequence[Action | P2PBatch], layout: StageLayout, pp_rank: int, *, tagged: bool = True
-) -> list[Action | tuple[PostedOp, ...]]:
-    """What the executor does, in order: a compute ``Action``, or a tuple of ``PostedOp`` posted
-    as one ``batch_isend_irecv`` (in tuple order). A pure function of the program: the tests check
-    on it, for every schedule, that the two ends of each message post it in batches that pair up
-    (deadlock-free) and that each direction is received in the order it is sent (FIFO)."""
-    out: list[Action | tuple[PostedOp, ...]] = []
-    for item in program:
-        if isinstance(item, Action) and item.op not in COMM:
-            out.append(item)
-            continue
-        ops = []
-        for a in item.actions if isinstance(item, P2PBatch) else (item,):
-            kind, mb, stage = message(a, pp_rank, layout)
-            tag = message_tag(kind, mb, stage, layout.num_stages) if tagged else 0
-            send = a.op.startswith("SEND")
-            ops.append(PostedOp(send, peer(a, pp_rank, layout), kind, mb, stage, a.chunk, tag))
-        out.append(tuple(ops))
-    return out
 
 
 class _AllOf:
@@ -198,12 +150,24 @@ def per_chunk_iterators(data_iterator: Sequence[Iterator | None]) -> list[Iterat
 
 
 class _Run:
+    """One step of one rank: the tensors in flight between its actions, and the actions."""
+
     def __init__(
-        self, *, layout, pp_rank, forward_step_func, model, data_iterator, num_microbatches,
-        p2p, forward_only, grad_scale_func, timeline,
-    ):  # fmt: skip
+        self,
+        *,
+        layout: StageLayout,
+        pp_rank: int,
+        forward_step_func: Callable,
+        model: list[ModelChunk],
+        data_iterator: Sequence[Iterator | None],
+        num_microbatches: int,
+        p2p: P2PCommunicator,
+        forward_only: bool,
+        grad_scale_func: Callable | None,
+        timeline: Timeline | None,
+    ):
         self.layout, self.rank = layout, pp_rank
-        self.forward_step_func, self.model = forward_step_func, list(model)
+        self.forward_step_func, self.model = forward_step_func, model
         self.data_iterator = per_chunk_iterators(data_iterator)
         self.m, self.p2p = num_microbatches, p2p
         self.forward_only, self.grad_scale_func = forward_only, grad_scale_func
@@ -308,13 +272,14 @@ class _Run:
             x.requires_grad_()
         grad_ctx = torch.no_grad() if self.forward_only else contextlib.nullcontext()
         with self._span(a), grad_ctx:
-            unwrap(self.model[c]).set_input_tensor(x)
-            output, loss_func = self.forward_step_func(self.data_iterator[c], self.model[c])
+            stage = self.model[c].module
+            stage.set_input_tensor(x)
+            output, loss_func = self.forward_step_func(self.data_iterator[c], stage)
             if self.is_loss[c]:
                 loss, reported = loss_func(output)
                 self.losses[mb] = reported
                 output = loss / self.m
-        unwrap(self.model[c]).set_input_tensor(None)
+        stage.set_input_tensor(None)
         if not self.forward_only:
             self.inputs[(mb, c)] = x
             self.outputs[(mb, c)] = output
@@ -354,8 +319,8 @@ class _Run:
         for i, a in enumerate(plan):
             if isinstance(a, Action) and a.op in ("B", "I", "W"):
                 last[a.chunk] = i
-        for c, chunk in enumerate(self.model):
-            attach_weight_grad_store(unwrap(chunk), self.stores[c])
+        for chunk, store in zip(self.model, self.stores):
+            attach_weight_grad_store(chunk.module, store)
         try:
             for i, item in enumerate(plan):
                 self._poll_sends()
@@ -366,7 +331,7 @@ class _Run:
             self._poll_sends(wait=True)
         finally:
             for chunk in self.model:
-                attach_weight_grad_store(unwrap(chunk), None)
+                attach_weight_grad_store(chunk.module, None)
         if any(s.pending() for s in self.stores):
             raise RuntimeError("the action list left weight grads queued: an I without its W")
         return [self.losses[mb] for mb in sorted(self.losses)]
@@ -386,16 +351,17 @@ def execute(
     layout: StageLayout,
     pp_rank: int,
     forward_step_func: Callable,
-    model: list[nn.Module],
-    data_iterator: list[Iterator | None],
+    model: list[ModelChunk],
+    data_iterator: Sequence[Iterator | None],
     num_microbatches: int,
     p2p: P2PCommunicator,
     forward_only: bool = False,
     grad_scale_func: Callable | None = None,
     timeline: Timeline | None = None,
 ) -> list[dict]:
-    """Run ``actions`` (this rank's ``p2p_program``, or a flat list of ``with_p2p``); returns the
-    per-micro-batch loss dicts on the last pipeline rank, [] elsewhere."""
+    """Run ``actions`` (this rank's ``p2p_program``, or a flat list of ``with_p2p``) over this
+    rank's chunks (``model``, chunk 0 first); returns the per-micro-batch loss dicts on the last
+    pipeline rank, [] elsewhere."""
     if len(model) != layout.num_chunks or len(data_iterator) != layout.num_chunks:
         raise ValueError(
             f"the schedule runs {layout.num_chunks} model chunk(s) per rank, got {len(model)} "
@@ -403,52 +369,16 @@ def execute(
         )
     p2p.check_neighbours()
     run = _Run(
-        layout=layout, pp_rank=pp_rank, forward_step_func=forward_step_func, model=model,
-        data_iterator=data_iterator, num_microbatches=num_microbatches, p2p=p2p,
-        forward_only=forward_only, grad_scale_func=grad_scale_func, timeline=timeline,
-    )  # fmt: skip
-    plan = posting_plan(actions, layout, pp_rank, tagged=getattr(p2p, "tagged", True))
-    losses = run.run(plan)
-    return _losses_to_last_rank(losses, layout, pp_rank, p2p, num_microbatches)
-
-
-def _losses_to_last_rank(losses, layout, pp_rank, p2p, m) -> list[dict]:
-    src, dst = layout.loss_rank(), layout.pp_size - 1
-    if src == dst:
-        return losses if pp_rank == dst else []
-    if pp_rank not in (src, dst):
-        return []
-    # the loss names travel once per run (a host read), then are kept on the communicator
-    known = getattr(p2p, "loss_names", None)
-    if pp_rank == src:
-        names = list(losses[0]) if losses else []
-        if known is not None and names != known:
-            raise RuntimeError(
-                f"the loss function returned {names} after {known} in an earlier step; a V "
-                "pipeline layout hands the losses over by name, so keep the names fixed"
-            )
-        if known is None:
-            header = torch.tensor([len(names)], dtype=torch.int64, device=p2p.device)
-            dist.send(header, p2p.global_rank(dst, pp_rank), group=p2p.group)
-            if names:  # send_object_list cannot send an empty list
-                dist.send_object_list(names, p2p.global_rank(dst, pp_rank), group=p2p.group)
-            p2p.loss_names = names
-        if names:
-            values = torch.stack(
-                [torch.stack([d[n].detach().float().reshape(()) for n in names]) for d in losses]
-            )
-            dist.send(values.to(p2p.device), p2p.global_rank(dst, pp_rank), group=p2p.group)
-        return []
-    names = known
-    if names is None:
-        header = torch.zeros(1, dtype=torch.int64, device=p2p.device)
-        dist.recv(header, p2p.global_rank(src, pp_rank), group=p2p.group)
-        names = [None] * int(header)
-        if names:
-            dist.recv_object_list(names, p2p.global_rank(src, pp_rank), group=p2p.group)
-        p2p.loss_names = names
-    if not names:  # nothing reported: the last rank gets m empty dicts
-        return [{} for _ in range(m)]
-    values = torch.empty(m, len(names), dtype=torch.float32, device=p2p.device)
-    dist.recv(values, p2p.global_rank(src, pp_rank), group=p2p.group)
-    return [dict(zip(names, row.unbind(0))) for row in values]
+        layout=layout,
+        pp_rank=pp_rank,
+        forward_step_func=forward_step_func,
+        model=check_model_chunks(model),
+        data_iterator=data_iterator,
+        num_microbatches=num_microbatches,
+        p2p=p2p,
+        forward_only=forward_only,
+        grad_scale_func=grad_scale_func,
+        timeline=timeline,
+    )
+    losses = run.run(posting_plan(actions, layout, pp_rank, tagged=p2p.tagged))
+    return p2p.losses_to_last_rank(losses, layout, pp_rank, num_microbatches)

@@ -49,52 +49,54 @@ def check_schedule(
     num_chunks: int = 1,
     microbatch_group_size: int | None = None,
 ) -> None:
-    """One-line ValueError when ``schedule`` cannot run this layout."""
+    """One-line ValueError when ``schedule`` cannot run this layout. Messages name the config
+    fields the values come from (``pipeline_schedule``, ``num_virtual_stages_per_pipeline_rank``,
+    ...): the flag layer writes them as flags."""
     p, m, v = pp_size, num_microbatches, num_chunks
     if schedule not in SCHEDULES:
         raise ValueError(
-            f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}"
+            f"pipeline_schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}"
         )
     if m < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {m}")
     if schedule in ("1f1b", "gpipe") and v != 1:
         raise ValueError(
-            f"--pipeline-schedule {schedule} runs one model chunk per rank, got {v} virtual "
-            "stages; use interleaved-1f1b (or zb-h1) with --num-virtual-stages-per-pipeline-rank"
+            f"pipeline_schedule {schedule} runs one model chunk per rank, got {v} virtual "
+            "stages; use interleaved-1f1b (or zb-h1) with num_virtual_stages_per_pipeline_rank"
         )
     if schedule == "interleaved-1f1b":
         if v < 2:
             raise ValueError(
-                "--pipeline-schedule interleaved-1f1b needs --num-virtual-stages-per-pipeline-rank"
-                f" >= 2 (or --num-layers-per-virtual-pipeline-stage), got {v}; use 1f1b for one"
+                "pipeline_schedule interleaved-1f1b needs num_virtual_stages_per_pipeline_rank"
+                f" >= 2 (or num_layers_per_virtual_pipeline_stage), got {v}; use 1f1b for one"
             )
         g = p if microbatch_group_size is None else microbatch_group_size
         if not p <= g <= m:
             raise ValueError(
-                f"--microbatch-group-size-per-virtual-pipeline-stage {g} must lie in [pp {p}, "
+                f"microbatch_group_size_per_virtual_pipeline_stage {g} must lie in [pp {p}, "
                 f"num_microbatches {m}] for the interleaved schedule; raise the global batch "
                 "size or lower the group size"
             )
         if 0 < m % g < p:
             raise ValueError(
                 f"num_microbatches {m} leaves a last group of {m % g} < pp {p} micro-batches with "
-                f"--microbatch-group-size-per-virtual-pipeline-stage {g} (the interleaved "
+                f"microbatch_group_size_per_virtual_pipeline_stage {g} (the interleaved "
                 "schedule would wait on itself); make num_microbatches a multiple of the group "
                 "size, or the remainder >= pp (e.g. group size = num_microbatches)"
             )
     if schedule in V_SHAPED and v != 2:
         raise ValueError(
-            f"--pipeline-schedule {schedule} holds exactly 2 chunks per rank in a V, got "
-            f"--num-virtual-stages-per-pipeline-rank {v}; leave it unset or set it to 2"
+            f"pipeline_schedule {schedule} holds exactly 2 chunks per rank in a V, got "
+            f"num_virtual_stages_per_pipeline_rank {v}; leave it unset or set it to 2"
         )
     if schedule == "dualpipev" and m < 2 * p:
         raise ValueError(
-            f"--pipeline-schedule dualpipev needs num_microbatches >= 2 x pp = {2 * p}, got {m};"
-            " raise --global-batch-size or lower --micro-batch-size"
+            f"pipeline_schedule dualpipev needs num_microbatches >= 2 x pp = {2 * p}, got {m};"
+            " raise global_batch_size or lower micro_batch_size"
         )
     if p < 2 and schedule != "1f1b":
         raise ValueError(
-            f"--pipeline-schedule {schedule} needs --pipeline-model-parallel-size >= 2, got {p}"
+            f"pipeline_schedule {schedule} needs pipeline_model_parallel_size >= 2, got {p}"
         )
 
 
@@ -111,9 +113,12 @@ def generate(
     if schedule in V_SHAPED:
         num_chunks = 2
     check_schedule(
-        schedule, pp_size=pp_size, num_microbatches=num_microbatches, num_chunks=num_chunks,
+        schedule,
+        pp_size=pp_size,
+        num_microbatches=num_microbatches,
+        num_chunks=num_chunks,
         microbatch_group_size=microbatch_group_size,
-    )  # fmt: skip
+    )
     p, m = pp_size, num_microbatches
     layout = layout_of(schedule, p, num_chunks)
     if forward_only:

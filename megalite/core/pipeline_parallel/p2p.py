@@ -1,4 +1,4 @@
-"""Stage-to-stage communication: activations forward, their grads backward, between adjacent stages.
+"""Stage-to-stage communication: activations forward, their grads backward, between pipeline stages.
 
 Shapes are known ahead (``[s, b, h]``, or ``[s/tp, b, h]`` under sequence parallel) and the dtype
 is the run's, so the receiver preallocates and no shape travels with each message. What could go
@@ -6,21 +6,22 @@ wrong is checked instead of hanging:
 - on first use, neighbours exchange the (shape, dtype) each will send and compare it with what the
   other expects; a mismatch raises the same one-line error on both stages;
 - every send checks the tensor against the declared shape and dtype before it leaves.
-Paired operations (send one way, receive the other) are issued together with ``batch_isend_irecv``
-so two neighbours calling them at the same time cannot deadlock; this works on gloo and nccl.
 
-The action-list executor (``executor.py``) uses the same object for its batched, asynchronous
-sends and receives between any two stages of the pipeline: ``pp_ranks`` (the global ranks of the
-pipeline group in stage order) lets it reach non-neighbours (the wrap-around of an interleaved
-schedule), ``overlap`` says whether a posted receive may wait until its consumer runs
-(``--no-overlap-p2p-communication`` turns it off), ``tagged=False`` posts every message with tag
-0: matched by posting order alone, as nccl matches them (a test mode for gloo).
+The executor (``executor.py``) posts its sends and receives itself, batched and asynchronous; this
+object holds what they share for a run: the group, the declared shape and dtype, ``pp_ranks`` (the
+global ranks of the pipeline group in stage order: an interleaved schedule's wrap-around reaches a
+non-neighbour), ``overlap`` (whether a posted receive may wait until its consumer runs),
+``tagged`` (False posts every message with tag 0: matched by posting order alone, as nccl matches
+them; a test mode for gloo). It also hands the losses to the last rank when the loss stage lives
+elsewhere (``losses_to_last_rank``), by the names it keeps in ``loss_names``.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from megalite.core.pipeline_parallel.actions import StageLayout
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
@@ -30,10 +31,12 @@ class StageShapeMismatch(RuntimeError):
 
 
 class P2PCommunicator:
-    """Send/receive between this stage and its neighbours in the pipeline.
+    """What the pipeline stages of one run exchange, and with whom.
 
-    ``prev_rank`` / ``next_rank`` are global ranks (None at the ends of the pipeline). Receives
-    return None where there is no neighbour, so a schedule reads the same on every stage.
+    ``prev_rank`` / ``next_rank`` are global ranks (None at the ends of the pipeline).
+    ``loss_names``: the names of the loss dict, once known. A V layout computes the loss on
+    pipeline rank 0 and hands the values to the last rank by name; the names travel in the first
+    step only (a host read) and are kept here for the run's later steps.
     """
 
     def __init__(
@@ -45,7 +48,6 @@ class P2PCommunicator:
         dtype: torch.dtype,
         device: torch.device,
         group,
-        timeline=None,
         pp_ranks: list[int] | None = None,
         overlap: bool = True,
         tagged: bool = True,
@@ -55,7 +57,7 @@ class P2PCommunicator:
         self.tagged = tagged
         self.shape, self.dtype, self.device = tuple(tensor_shape), dtype, device
         self.group = group
-        self.timeline = timeline
+        self.loss_names: list[str] | None = None
         self._checked = False
 
     # --- the consistency check --------------------------------------------------------------------
@@ -85,7 +87,9 @@ class P2PCommunicator:
             received[peer] = buf
             ops.append(dist.P2POp(dist.isend, mine, peer, self.group))
             ops.append(dist.P2POp(dist.irecv, buf, peer, self.group))
-        self._run(ops)
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
         for peer, spec in received.items():
             if not torch.equal(spec.cpu(), mine.cpu()):
                 first, second = sorted([dist.get_rank(), peer])
@@ -115,72 +119,61 @@ class P2PCommunicator:
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)
 
     def validate(self, t: torch.Tensor, what: str) -> None:
-        self._validate(t, what)
-
-    def _validate(self, t: torch.Tensor, what: str) -> None:
+        """A one-line StageShapeMismatch unless ``t`` has the declared shape and dtype."""
         if tuple(t.shape) != self.shape or t.dtype != self.dtype:
             raise StageShapeMismatch(
                 f"{what}: tensor is {list(t.shape)} {t.dtype} but the pipeline was set up for "
                 f"{list(self.shape)} {self.dtype}"
             )
 
-    # --- primitives ------------------------------------------------------------------------------
+    # --- the losses of a layout whose loss stage is not on the last rank ------------------------
 
-    def _run(self, ops: list) -> None:
-        if not ops:
-            return
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
+    def losses_to_last_rank(
+        self, losses: list[dict], layout: StageLayout, pp_rank: int, num_microbatches: int
+    ) -> list[dict]:
+        """The per-micro-batch loss dicts on the last pipeline rank, [] elsewhere. ``losses``:
+        what this rank computed ([] off the loss stage's rank). When the loss stage lives on
+        another rank (a V: rank 0) it sends the values, by ``loss_names``, to the last rank."""
+        src, dst = layout.loss_rank(), layout.pp_size - 1
+        if src == dst:
+            return losses if pp_rank == dst else []
+        if pp_rank == src:
+            self._send_losses(losses, self.global_rank(dst, pp_rank))
+            return []
+        if pp_rank == dst:
+            return self._recv_losses(self.global_rank(src, pp_rank), num_microbatches)
+        return []
 
-    def _communicate(
-        self,
-        *,
-        send_next: torch.Tensor | None = None,
-        send_prev: torch.Tensor | None = None,
-        recv_prev: bool = False,
-        recv_next: bool = False,
-        label: str,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        self.check_neighbours()
-        ops = []
-        from_prev = from_next = None
-        if send_next is not None and self.next_rank is not None:
-            self._validate(send_next, "send to the next stage")
-            ops.append(dist.P2POp(dist.isend, send_next.contiguous(), self.next_rank, self.group))
-        if send_prev is not None and self.prev_rank is not None:
-            self._validate(send_prev, "send to the previous stage")
-            ops.append(dist.P2POp(dist.isend, send_prev.contiguous(), self.prev_rank, self.group))
-        if recv_prev and self.prev_rank is not None:
-            from_prev = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, from_prev, self.prev_rank, self.group))
-        if recv_next and self.next_rank is not None:
-            from_next = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, from_next, self.next_rank, self.group))
-        if ops and self.timeline is not None:
-            with self.timeline.span(label):
-                self._run(ops)
-        else:
-            self._run(ops)
-        return from_prev, from_next
+    def _send_losses(self, losses: list[dict], to: int) -> None:
+        names = list(losses[0]) if losses else []
+        if self.loss_names is not None and names != self.loss_names:
+            raise RuntimeError(
+                f"the loss function returned {names} after {self.loss_names} in an earlier step; "
+                "a V pipeline layout hands the losses over by name, so keep the names fixed"
+            )
+        if self.loss_names is None:  # the first step: the names, once (a host read)
+            header = torch.tensor([len(names)], dtype=torch.int64, device=self.device)
+            dist.send(header, to, group=self.group)
+            if names:  # send_object_list cannot send an empty list
+                dist.send_object_list(names, to, group=self.group)
+            self.loss_names = names
+        if names:
+            values = torch.stack(
+                [torch.stack([d[n].detach().float().reshape(()) for n in names]) for d in losses]
+            )  # [num_microbatches, num_names]
+            dist.send(values.to(self.device), to, group=self.group)
 
-    # --- what schedules call ----------------------------------------------------------------------
-
-    def recv_forward(self) -> torch.Tensor | None:
-        """The previous stage's output activation (None on the first stage)."""
-        return self._communicate(recv_prev=True, label="recv")[0]
-
-    def send_forward(self, output: torch.Tensor | None) -> None:
-        self._communicate(send_next=output, label="send")
-
-    def recv_backward(self) -> torch.Tensor | None:
-        """The grad of this stage's output from the next stage (None on the last stage)."""
-        return self._communicate(recv_next=True, label="recv")[1]
-
-    def send_backward(self, input_grad: torch.Tensor | None) -> None:
-        self._communicate(send_prev=input_grad, label="send")
-
-    def send_forward_recv_backward(self, output: torch.Tensor | None) -> torch.Tensor | None:
-        return self._communicate(send_next=output, recv_next=True, label="send+recv")[1]
-
-    def send_backward_recv_forward(self, input_grad: torch.Tensor | None) -> torch.Tensor | None:
-        return self._communicate(send_prev=input_grad, recv_prev=True, label="send+recv")[0]
+    def _recv_losses(self, src: int, num_microbatches: int) -> list[dict]:
+        if self.loss_names is None:  # the first step: the names, once
+            header = torch.zeros(1, dtype=torch.int64, device=self.device)
+            dist.recv(header, src, group=self.group)
+            names = [None] * int(header)
+            if names:
+                dist.recv_object_list(names, src, group=self.group)
+            self.loss_names = names
+        names = self.loss_names
+        if not names:  # nothing reported: the last rank gets one empty dict per micro-batch
+            return [{} for _ in range(num_microbatches)]
+        values = torch.empty(num_microbatches, len(names), dtype=torch.float32, device=self.device)
+        dist.recv(values, src, group=self.group)
+        return [dict(zip(names, row.unbind(0))) for row in values]

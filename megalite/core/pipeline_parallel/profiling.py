@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.core.pipeline_parallel.executor import unwrap
 from megalite.core.tensor_parallel.layers import WeightGradStore, attach_weight_grad_store
 
 
@@ -46,11 +45,12 @@ def profile_chunk(
     device: torch.device | None = None,
 ) -> tuple[float, float, float]:
     """Median seconds of (F, I, W) of ``chunk`` run alone; ``data_iterator`` yields at least
-    ``repeats`` micro-batches (``first``: the chunk holds stage 0, ``loss``: the last stage)."""
+    ``repeats`` micro-batches (``first``: the chunk holds stage 0, ``loss``: the last stage).
+    ``chunk`` is the stage module (``ModelChunk.module``: it takes ``set_input_tensor``)."""
     if repeats <= warmup or warmup < 0:
         raise ValueError(f"profile_chunk: repeats ({repeats}) must exceed warmup ({warmup})")
-    inner, store = unwrap(chunk), WeightGradStore()
-    attach_weight_grad_store(inner, store)
+    store = WeightGradStore()
+    attach_weight_grad_store(chunk, store)
     times: list[tuple[float, float, float]] = []
     try:
         for k in range(repeats):
@@ -58,7 +58,7 @@ def profile_chunk(
             if not first:
                 x = torch.randn(input_shape, dtype=dtype, device=device).requires_grad_()
             t0 = time.perf_counter()
-            inner.set_input_tensor(x)
+            chunk.set_input_tensor(x)
             output, loss_func = forward_step_func(data_iterator, chunk)
             if loss:
                 output = loss_func(output)[0] / num_microbatches
@@ -71,10 +71,10 @@ def profile_chunk(
             t2 = time.perf_counter()
             store.flush(k)
             t3 = time.perf_counter()
-            inner.set_input_tensor(None)
+            chunk.set_input_tensor(None)
             times.append((t1 - t0, t2 - t1, t3 - t2))
     finally:
-        attach_weight_grad_store(inner, None)
+        attach_weight_grad_store(chunk, None)
         chunk.zero_grad(set_to_none=True)
     kept = times[warmup:]
     return tuple(statistics.median(t[i] for t in kept) for i in range(3))  # type: ignore[return-value]

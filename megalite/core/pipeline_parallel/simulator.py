@@ -14,8 +14,8 @@ chunks differ (the first holds the embedding, the last the output layer). A list
 every generator is checked without processes.
 
 Costs per global stage (``Costs(stages=[(F, I, W), ...])``, e.g. profiled on every rank by
-``profiling.profile_stage_costs``) replace the per-chunk ones: the first stage holds the embedding,
-the last the output layer and the loss.
+``profiling.profile_chunk`` and shared by ``profiling.gather_stage_costs``) replace the per-chunk
+ones: the first stage holds the embedding, the last the output layer and the loss.
 
 Ranks sharing cores (``simulate(..., cores=c)``): on a machine with fewer cores than pipeline
 ranks (PP 4 on 2 CPU cores), a rank's work is stretched while more ranks than cores have work to
@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megalite.core.pipeline_parallel.actions import Action, StageLayout
+from megalite.core.pipeline_parallel.generators import V_SHAPED
 
 
 class ScheduleDeadlock(RuntimeError):
@@ -84,9 +85,13 @@ class Costs:
         if self.stages is not None:
             stages = [tuple(x * factor for x in fiw) for fiw in self.stages]
         return Costs(
-            times(self.forward), times(self.backward_input), times(self.backward_weight),
-            p2p=self.p2p, per_action=self.per_action, stages=stages,
-        )  # fmt: skip
+            times(self.forward),
+            times(self.backward_input),
+            times(self.backward_weight),
+            p2p=self.p2p,
+            per_action=self.per_action,
+            stages=stages,
+        )
 
 
 def costs_from_spans(
@@ -238,10 +243,15 @@ def _simulate_shared(
     arrival: dict[tuple[str, int, int], float] = {}
     done: dict[tuple[str, int, int], float] = {}
     t, end_of = 0.0, [0.0] * p
-    scale = max([costs.per_action, costs.p2p, 1e-300] + [
-        costs.of_stage(op, layout.stage(r, c), c)
-        for r in range(p) for c in range(layout.num_chunks) for op in ("F", "B")
-    ])  # fmt: skip
+    scale = max(
+        [costs.per_action, costs.p2p, 1e-300]
+        + [
+            costs.of_stage(op, layout.stage(r, c), c)
+            for r in range(p)
+            for c in range(layout.num_chunks)
+            for op in ("F", "B")
+        ]
+    )
     eps = 1e-9 * scale
 
     def ready_at(r: int) -> float | None:
@@ -357,7 +367,7 @@ def theory(schedule: str, *, pp_size: int, num_microbatches: int, num_chunks: in
     elif schedule == "zb-h1":  # (p - 1)(F + I - W): a third of 1F1B's at F = I = W
         bubble = (p - 1) / (3 * v * m + p - 1)
         peak = min(p, m) if v == 1 else min(v * p, m * v)  # v > 1: the bubble is a lower bound
-    elif schedule in ("zbv", "dualpipev"):  # in chunk units (a chunk is half a stage)
+    elif schedule in V_SHAPED:  # in chunk units (a chunk is half a stage)
         bubble = (p - 1) / (6 * m + p - 1)
         peak = 2 * p if schedule == "zbv" else 2 * p + 1
     else:
