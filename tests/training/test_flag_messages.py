@@ -127,7 +127,7 @@ def test_flag_message_rewrites_names_only():
     for text in (
         "--num-layers 3 is bad",
         "/data/num_layers.idx does not exist",
-        "data.seq_length 8 differs",
+        "model.vocab_size 99 differs",
         "leaves 2, which does not split evenly over the stages",
         "got 'learned_absolute'",
     ):
