@@ -1,4 +1,4 @@
-"""How many of Megatron-LM's flag uses ``pretrain_gpt.py`` accepts (issue 18).
+"""How many of Megatron-LM's flag uses ``pretrain_gpt.py`` accepts.
 
     python tools/megatron_flag_coverage.py MEGATRON_LM_CHECKOUT [--missing N]
 
@@ -7,7 +7,7 @@ Reads the flags of Megatron's GPT-3 and Llama example scripts
 functional-test configurations (``tests/functional_tests/test_cases/gpt/*/model_config.yaml``,
 ``MODEL_ARGS``; a ``false`` value is a flag not passed) and sorts every use into: implemented
 (megalite's parser knows it), ignored (accepted with the one warning line of
-``megatron_flags.IGNORED_FLAGS``), refused (``flags.PLANNED_FLAGS``: an issue brings it) and
+``megatron_flags.IGNORED_FLAGS``), refused (``megatron_flags.REFUSED_FLAGS``, saying why) and
 unknown. Prints the share of uses accepted (implemented + ignored) and the most used others.
 """
 
@@ -15,14 +15,20 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import glob
 import os
 import re
 
+from megalite.training.flags import build_parser
+from megalite.training.megatron_flags import IGNORED_FLAGS, REFUSED_FLAGS
+
 _FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9_-]*[a-z0-9])")
 # torchrun's own flags on the launch line of the scripts: not pretrain_gpt.py's
-LAUNCHER = {"--nproc_per_node", "--nnodes", "--node_rank", "--master_addr", "--master_port",
-            "--nproc-per-node", "--node-rank", "--master-addr", "--master-port"}  # fmt: skip
+LAUNCHER = {
+    *("--nproc_per_node", "--nnodes", "--node_rank", "--master_addr", "--master_port"),
+    *("--nproc-per-node", "--node-rank", "--master-addr", "--master-port"),
+}
 
 
 def script_flags(path: str) -> list[str]:
@@ -37,7 +43,7 @@ def script_flags(path: str) -> list[str]:
 
 def yaml_flags(path: str) -> list[str]:
     """The flags of a functional test's ``MODEL_ARGS`` (a ``false`` value: not passed)."""
-    import yaml
+    import yaml  # PyYAML: only this tool needs it, for Megatron's test configurations
 
     with open(path, encoding="utf-8") as f:
         doc = yaml.safe_load(f) or {}
@@ -47,8 +53,9 @@ def yaml_flags(path: str) -> list[str]:
 
 def sources(root: str) -> dict[str, list[str]]:
     out = {}
-    for path in [os.path.join(root, "examples/gpt3/train_gpt3_175b_distributed.sh"),
-                 *sorted(glob.glob(os.path.join(root, "examples/llama/*.sh")))]:  # fmt: skip
+    gpt3 = os.path.join(root, "examples/gpt3/train_gpt3_175b_distributed.sh")
+    llama = sorted(glob.glob(os.path.join(root, "examples/llama/*.sh")))
+    for path in [gpt3, *llama]:
         if os.path.isfile(path):
             out[os.path.relpath(path, root)] = script_flags(path)
     pattern = os.path.join(root, "tests/functional_tests/test_cases/gpt/*/model_config.yaml")
@@ -65,16 +72,17 @@ def is_inference(flags: list[str]) -> bool:
 INFERENCE = {"--prompts", "--prompt-file", "--num-tokens-to-generate", "--perform-rl-step"}
 
 
-def classify(flag: str) -> str:
-    from megalite.training.flags import PLANNED_FLAGS, build_parser
-    from megalite.training.megatron_flags import IGNORED_FLAGS, REFUSED_FLAGS
+@functools.cache
+def _known_flags() -> frozenset[str]:
+    return frozenset(build_parser()._option_string_actions)
 
-    known = build_parser()._option_string_actions
+
+def classify(flag: str) -> str:
     if flag in IGNORED_FLAGS:
         return "ignored"
-    if flag in known:
+    if flag in _known_flags():
         return "implemented"
-    if flag in PLANNED_FLAGS or flag in REFUSED_FLAGS:
+    if flag in REFUSED_FLAGS:
         return "refused"
     return "unknown"
 
@@ -88,8 +96,11 @@ def main() -> None:
     training = {k: v for k, v in everything.items() if not is_inference(v)}
     print(f"all {len(everything)} sources:")
     report({k: v for k, v in everything.items()}, 0)
-    print(f"\nthe {len(training)} pretraining sources (without {len(everything) - len(training)} "
-          "inference / RL tests, which run other entry points):")  # fmt: skip
+    others = len(everything) - len(training)
+    print(
+        f"\nthe {len(training)} pretraining sources (without {others} inference / RL tests, "
+        "which run other entry points):"
+    )
     report(training, cli.missing)
 
 
@@ -106,8 +117,8 @@ def report(found: dict[str, list[str]], missing: int) -> None:
     for kind in ("implemented", "ignored", "refused", "unknown"):
         print(f"  {kind:12s} {by_kind[kind]:5d} uses ({100 * by_kind[kind] / total:.1f}%)")
     print(f"accepted: {100 * accepted / total:.1f}% of uses, {distinct_ok}/{len(uses)} flags")
-    others = [(n, f, kinds[f]) for f, n in uses.most_common() if kinds[f] not in
-              ("implemented", "ignored")]  # fmt: skip
+    accepted_kinds = ("implemented", "ignored")
+    others = [(n, f, kinds[f]) for f, n in uses.most_common() if kinds[f] not in accepted_kinds]
     for n, f, kind in others[:missing]:
         print(f"  {n:4d}  {f}  ({kind})")
 

@@ -1,10 +1,11 @@
 """DataConfig: the data flags of ``pretrain_gpt.py`` as one validated dataclass.
 
 Flag names follow Megatron-LM (``--data-path``, ``--split``, ``--data-cache-path``, ``--mock-data``,
-``--tokenizer-type``, ``--tokenizer-model``, ``--vocab-size``, ``--seq-length``, ``--seed``,
-``--num-workers``, ``--eod-mask-loss``). ``validate()`` refuses bad combinations with one-line
-ValueErrors that name the flag, the value and the fix; it touches no file except to check that named
-files exist.
+``--tokenizer-type``, ``--tokenizer-model``, ``--vocab-size``, ``--num-workers``,
+``--eod-mask-loss``). The sample length and the seed of the data order are the model's
+(``GPTConfig.seq_length``, ``GPTConfig.seed``): the builders take them as arguments.
+``validate()`` refuses bad combinations with one-line ValueErrors that name the flag, the value and
+the fix; it touches no file except to check that named files exist.
 """
 
 from __future__ import annotations
@@ -14,9 +15,14 @@ import os
 from dataclasses import dataclass
 
 TOKENIZER_TYPES = (
-    "NullTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-    "Llama2Tokenizer", "TikTokenizer", "HuggingFaceTokenizer",
-)  # fmt: skip
+    "NullTokenizer",
+    "GPT2BPETokenizer",
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer",
+    "TikTokenizer",
+    "HuggingFaceTokenizer",
+)
 
 
 @dataclass
@@ -35,11 +41,9 @@ class DataConfig:
     merge_file: str | None = None  # GPT2BPETokenizer: merges.txt
     tiktoken_pattern: str | None = None  # TikTokenizer: v1 | v2
     tiktoken_num_special_tokens: int = 1000  # TikTokenizer
-    seq_length: int = 1024
-    seed: int = 1234
     num_workers: int = 0
     eod_mask_loss: bool = False  # --eod-mask-loss: no loss on eod tokens
-    # issue 18: documents inside a sample (gpt_dataset.get_ltor_masks_and_position_ids)
+    # documents inside a sample (gpt_dataset.get_ltor_masks_and_position_ids)
     reset_position_ids: bool = False  # positions restart after each eod
     reset_attention_mask: bool = False  # attention does not cross an eod
 
@@ -77,10 +81,6 @@ class DataConfig:
                 raise ValueError(
                     f"--tokenizer-model {self.tokenizer_model}: no such file or folder"
                 )
-        if not isinstance(self.seq_length, int) or self.seq_length < 1:
-            raise ValueError(f"--seq-length must be an integer >= 1, got {self.seq_length!r}")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"--seed must be an integer >= 0, got {self.seed!r}")
         if not isinstance(self.num_workers, int) or self.num_workers < 0:
             raise ValueError(f"--num-workers must be an integer >= 0, got {self.num_workers!r}")
         per_split = [self.train_data_path, self.valid_data_path, self.test_data_path]

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from megalite.core.context_parallel import CP_COMM_TYPES
 from megalite.core.pipeline_parallel.stages import stage_layer_ranges
 from megalite.core.tensor_parallel.layers import padded_vocab_size
+from megalite.models.moe_config import check_moe
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -27,6 +29,8 @@ ATTENTION_BACKENDS = ("sdpa", "unfused")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 VOCAB_FROM_TOKENIZER = 0  # vocab_size placeholder: set from the tokenizer before validate()
+# Megatron's precision flags (--bf16, --fp16; neither: fp32) -> the parameters' dtype
+PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -68,9 +72,9 @@ class GPTConfig:
     use_fused_kernels: bool = True
     label_smoothing: float = 0.0
     params_dtype: torch.dtype = torch.float32
-    seed: int = 1234
-    cp_comm_type: str = "p2p"  # issue 15: p2p | a2a | all_gather (used when cp > 1)
-    # issue 16: mixture of experts (Megatron's --num-experts, --moe-*; models/moe_config.py)
+    seed: int = 1234  # the weights' initialisation, dropout and the data order
+    cp_comm_type: str = "p2p"  # context parallel attention: p2p | a2a | all_gather (cp > 1)
+    # mixture of experts (Megatron's --num-experts, --moe-*; models/moe_config.py)
     num_experts: int | None = None  # None: dense MLPs everywhere
     moe_ffn_hidden_size: int | None = None  # per expert; None: ffn_hidden_size
     moe_router_topk: int = 2
@@ -89,8 +93,8 @@ class GPTConfig:
     moe_layer_freq: int | str = 1
     moe_shared_expert_intermediate_size: int | None = None
     moe_shared_expert_gate: bool = False
-    add_qkv_bias: bool = False  # issue 16: a bias on the QKV projection only (Qwen2, Qwen2-MoE)
-    # issue 18: Megatron's math flags (models/rotary.py, core/norms.py, models/mlp.py, attention)
+    add_qkv_bias: bool = False  # a bias on the QKV projection only (Qwen2, Qwen2-MoE)
+    # Megatron's options of the math (models/rotary.py, core/norms.py, models/mlp.py, attention)
     apply_layernorm_1p: bool = False  # norm weights stored as w - 1, applied as 1 + w
     qk_layernorm: bool = False  # a norm over each head's query and key (head dim)
     squared_relu: bool = False  # relu(x)^2 instead of GELU
@@ -131,6 +135,11 @@ class GPTConfig:
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
 
+    @property
+    def precision_name(self) -> str:
+        """``params_dtype`` as Megatron's precision flags name it: bf16, fp16 or fp32."""
+        return next(name for name, dtype in PARAMS_DTYPES.items() if dtype == self.params_dtype)
+
     def padded_vocab_size(self, tp_size: int) -> int:
         """The vocabulary rounded up to ``make_vocab_size_divisible_by * tp_size``."""
         return padded_vocab_size(
@@ -167,9 +176,7 @@ class GPTConfig:
         _check_sizes(self)
         _check_parallel(self, tp_size=tp_size, pp_size=pp_size)
         _check_recompute(self)
-        _check_megatron_math(self)  # issue 18
-        from megalite.models.moe_config import check_moe  # issue 16
-
+        _check_megatron_math(self)
         check_moe(self, tp_size=tp_size)
 
 
@@ -178,7 +185,7 @@ def _check_choices(c: GPTConfig) -> None:
         ("position_embedding_type", c.position_embedding_type, POSITION_EMBEDDING_TYPES),
         ("normalization", c.normalization, NORMALIZATIONS),
         ("attention_backend", c.attention_backend, ATTENTION_BACKENDS),
-        ("cp_comm_type", c.cp_comm_type, ("p2p", "a2a", "all_gather")),  # issue 15
+        ("cp_comm_type", c.cp_comm_type, CP_COMM_TYPES),
     ):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
@@ -193,6 +200,8 @@ def _check_choices(c: GPTConfig) -> None:
         raise ValueError(f"init_method_std must be > 0, got {c.init_method_std}")
     if c.norm_epsilon <= 0:
         raise ValueError(f"norm_epsilon must be > 0, got {c.norm_epsilon}")
+    if not isinstance(c.seed, int) or c.seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {c.seed!r}")
     if c.make_vocab_size_divisible_by < 1:
         raise ValueError(
             f"make_vocab_size_divisible_by must be >= 1, got {c.make_vocab_size_divisible_by}"
@@ -250,9 +259,10 @@ def _check_parallel(c: GPTConfig, *, tp_size: int, pp_size: int) -> None:
 def _check_recompute(c: GPTConfig) -> None:
     g, m = c.recompute_granularity, c.recompute_method
     if g is not None and g not in RECOMPUTE_GRANULARITIES:
-        raise ValueError(f"recompute_granularity must be full or selective, got {g!r}")
+        allowed = " or ".join(RECOMPUTE_GRANULARITIES)
+        raise ValueError(f"recompute_granularity must be {allowed}, got {g!r}")
     if m is not None and m not in RECOMPUTE_METHODS:
-        raise ValueError(f"recompute_method must be uniform or block, got {m!r}")
+        raise ValueError(f"recompute_method must be {' or '.join(RECOMPUTE_METHODS)}, got {m!r}")
     if g == "full" and m is None:
         raise ValueError(
             "recompute_granularity full needs recompute_method uniform or block "
@@ -267,7 +277,8 @@ def _check_recompute(c: GPTConfig) -> None:
         raise ValueError(f"recompute_num_layers must be >= 1, got {c.recompute_num_layers!r}")
 
 
-def _check_megatron_math(c: GPTConfig) -> None:  # issue 18
+def _check_megatron_math(c: GPTConfig) -> None:
+    """Megatron's options of the math: partial and scaled RoPE, the activation choices."""
     if not 0.0 < c.rotary_percent <= 1.0:
         raise ValueError(f"rotary_percent must be in (0, 1], got {c.rotary_percent}")
     if c.position_embedding_type == "rope" and int(c.kv_channels * c.rotary_percent) < 2:

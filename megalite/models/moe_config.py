@@ -1,5 +1,5 @@
-"""The MoE fields of ``GPTConfig`` (issue 16): which layers are MoE, the core ``MoEConfig``, and
-their checks (``GPTConfig.validate`` calls ``check_moe``)."""
+"""The MoE fields of ``GPTConfig``: which layers are MoE, the core ``MoEConfig``, and their checks
+(``GPTConfig.validate`` calls ``check_moe``)."""
 
 from __future__ import annotations
 

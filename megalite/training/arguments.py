@@ -7,8 +7,8 @@ and calls their ``validate()`` before any process group exists: the world size c
 launcher's environment (``launch.detect_launch``) and is recorded in ``parallel.world_size``. The
 dataclasses name their fields in errors; ``flag_message`` rewrites those names into flags here, so
 a ``pretrain_gpt.py`` user reads ``--tensor-model-parallel-size``. An unknown flag is an error
-("unknown flag --x"), never ignored; abbreviations are not accepted; a Megatron flag that an open
-issue of this wave brings says which (``flags.PLANNED_FLAGS``).
+("unknown flag --x"), never ignored; abbreviations are not accepted; a Megatron flag that megalite
+does not implement says why (``megatron_flags.REFUSED_FLAGS``).
 
 The tokenizer is not loaded here. With ``--tokenizer-type NullTokenizer`` the vocabulary is known
 from ``--vocab-size`` and the tokenizer is set; otherwise ``with_tokenizer`` builds it from its
@@ -27,26 +27,28 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from megalite.data.config import DataConfig
-from megalite.models.config import VOCAB_FROM_TOKENIZER, GPTConfig
+from megalite.errors import ConfigError
+from megalite.models.config import PARAMS_DTYPES, VOCAB_FROM_TOKENIZER, GPTConfig
 from megalite.training import megatron_flags
 from megalite.training.config import (
-    ConfigError,
     LoggingConfig,
-    OptimizerConfig,
-    ParallelConfig,
     PretrainConfig,
     TrainingConfig,
     with_tokenizer,
 )
-from megalite.training.flags import ATTENTION_BACKEND_ALIASES, PLANNED_FLAGS, build_parser
+from megalite.training.flags import ATTENTION_BACKEND_ALIASES, build_parser
 from megalite.training.launch import detect_launch
+from megalite.training.megatron_flags import REFUSED_FLAGS
+from megalite.training.optimizer_config import OptimizerConfig
+from megalite.training.parallel_config import ParallelConfig
 from megalite.training.signals import parse_signal
 
 __all__ = ["build_config", "build_parser", "flag_message", "parse_args", "with_tokenizer"]
 
 logger = logging.getLogger(__name__)
 
-# Parameter names used by core/models functions, as the flag that sets them.
+# Parameters of core/models functions that are not named like the field they take, as the flag
+# that sets them (every other parameter is named after its field, which is the flag's dest).
 _PARAMETER_FLAGS = {
     "tp_size": "--tensor-model-parallel-size",
     "pp_size": "--pipeline-model-parallel-size",
@@ -54,8 +56,9 @@ _PARAMETER_FLAGS = {
     "last_stage_layers": "--decoder-last-pipeline-num-layers",
 }
 # Field names that are one plain word are rewritten only when they cannot be English.
-_ONE_WORD_FIELDS = {"lr", "fp16", "bf16", "seed", "save", "load", "finetune", "hysteresis",
-                    "device", "swiglu", "normalization"}  # fmt: skip
+_ONE_WORD_FIELDS = set(
+    "lr fp16 bf16 seed save load finetune hysteresis device swiglu normalization".split()
+)
 _NAME = re.compile(r"(?<![\w\-./])[a-z][a-z0-9]*(?:_[a-z0-9]+)*(?![\w\-/])")
 
 
@@ -72,7 +75,10 @@ def _field_flags() -> dict[str, str]:
 def flag_message(message: str) -> str:
     """``message`` with every config field / core parameter name it holds written as its flag:
     ``"num_layers 3 is not divisible by pp_size 2"`` -> ``"--num-layers 3 is not divisible by
-    --pipeline-model-parallel-size 2"``. Flags already there are left alone."""
+    --pipeline-model-parallel-size 2"``. A name is rewritten when it is a whole word (not part of a
+    path, a dotted name or a flag) and the dest of a flag; flags already there are left alone.
+    ``parse_args`` applies it to every error of parsing and validation, ``pretrain_gpt.py`` to
+    the errors of the run."""
     flags = _field_flags()
 
     def rewrite(m: re.Match) -> str:
@@ -110,11 +116,11 @@ def _refuse_unknown(unknown: list[str]) -> None:
     flags = [u.split("=", 1)[0] for u in unknown if u.startswith("-") and not _is_number(u)]
     if not flags:
         raise ConfigError(f"unexpected argument(s) {' '.join(unknown)}")
-    planned = [f for f in flags if f in PLANNED_FLAGS]
-    if planned:
+    refused = [f for f in flags if f in REFUSED_FLAGS]
+    if refused:
         raise ConfigError(
-            f"unknown flag {planned[0]}: not implemented yet, planned in "
-            f"{PLANNED_FLAGS[planned[0]]}; remove it to run"
+            f"unknown flag {refused[0]}: not implemented ({REFUSED_FLAGS[refused[0]]}); "
+            "remove it to run"
         )
     raise ConfigError(
         f"unknown flag {flags[0]}"
@@ -178,6 +184,8 @@ def _model_flags(a: argparse.Namespace, *, rank: int) -> dict:
                 "--sequence-parallel has no effect with --tensor-model-parallel-size 1; off"
             )
         sequence_parallel = False
+    if a.fp16 and a.bf16:
+        raise ConfigError("--fp16 and --bf16 are mutually exclusive; choose one")
     return {
         "vocab_size": VOCAB_FROM_TOKENIZER,
         "add_bias_linear": not a.disable_bias_linear,
@@ -185,7 +193,7 @@ def _model_flags(a: argparse.Namespace, *, rank: int) -> dict:
         "attention_backend": ATTENTION_BACKEND_ALIASES[a.attention_backend],
         "recompute_granularity": granularity,
         "sequence_parallel": sequence_parallel,
-        "params_dtype": OptimizerConfig(bf16=a.bf16, fp16=a.fp16).params_dtype,
+        "params_dtype": PARAMS_DTYPES["bf16" if a.bf16 else "fp16" if a.fp16 else "fp32"],
     }
 
 
@@ -193,9 +201,9 @@ def build_config(a: argparse.Namespace, *, world_size: int, rank: int = 0) -> Pr
     """Map parsed flags onto a ``PretrainConfig`` for a ``world_size``-rank launch and validate it
     (warnings are logged on ``rank`` 0 only, once per job). Errors name fields (``parse_args``
     rewrites them into flags)."""
-    megatron_flags.position_embedding_alias(a)  # issue 18
-    megatron_flags.warn_ignored(a, rank=rank)  # issue 18
-    megatron_flags.prepare(a)  # issue 18: data-args files, step batch schedule, grad dtype
+    megatron_flags.position_embedding_alias(a)
+    megatron_flags.warn_ignored(a, rank=rank)
+    megatron_flags.prepare(a)  # data-args files, the step batch schedule, the grad dtype
     parallel = ParallelConfig(**_fields(ParallelConfig, a, world_size=world_size))
     if a.distributed_backend is not None:
         wanted = "cuda" if a.distributed_backend == "nccl" else "cpu"
@@ -204,7 +212,7 @@ def build_config(a: argparse.Namespace, *, world_size: int, rank: int = 0) -> Pr
                 f"--distributed-backend {a.distributed_backend} does not run on --device {a.device}"
             )
         parallel.device = wanted
-        if wanted == "cuda" and not torch.cuda.is_available():  # issue 17
+        if wanted == "cuda" and not torch.cuda.is_available():
             raise ConfigError(
                 "--distributed-backend nccl needs CUDA and this machine has no GPU "
                 "(torch.cuda.is_available() is False); drop the flag to run on CPU with gloo"
@@ -215,10 +223,8 @@ def build_config(a: argparse.Namespace, *, world_size: int, rank: int = 0) -> Pr
         exit_signal = parse_signal(a.exit_signal).name
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    model_flags = _model_flags(a, rank=rank)
-    parallel.sequence_parallel = model_flags["sequence_parallel"]
     try:
-        model = GPTConfig(**_fields(GPTConfig, a, **model_flags))
+        model = GPTConfig(**_fields(GPTConfig, a, **_model_flags(a, rank=rank)))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     decay_iters = a.lr_decay_iters if a.lr_decay_iters is not None else train_iters
@@ -238,7 +244,7 @@ def build_config(a: argparse.Namespace, *, world_size: int, rank: int = 0) -> Pr
         ),
         logging=LoggingConfig(**_fields(LoggingConfig, a)),
     )
-    try:  # issue 18: --lr-warmup-samples / --lr-decay-samples / --train-samples decay
+    try:  # Megatron's sample-based LR schedule and batch-size schedules
         megatron_flags.apply_sample_schedule(cfg, a, train_samples=a.train_samples)
         megatron_flags.apply_batch_size_calculator(cfg, a)  # --rampup-batch-size: train_iters
     except ValueError as e:

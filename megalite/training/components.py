@@ -22,20 +22,23 @@ from megalite.core.optimizer import (
 from megalite.core.parallel_state import ParallelState
 from megalite.core.tensor_parallel.random import RNGStatesTracker
 from megalite.models.gpt import GPTModel
-from megalite.training.config import OptimizerConfig, PretrainConfig
+from megalite.training.config import PretrainConfig
 from megalite.training.lr_scheduler import LRScheduler
-from megalite.training.model_chunks import (  # issue 14: several model chunks per rank
+from megalite.training.model_chunks import (
     ModelChunks,
     build_gpt_chunks,
     effective_schedule,
     num_model_chunks,
     tied_params,
 )
+from megalite.training.optimizer_config import OptimizerConfig
 
 
-def build_loss_scaler(opt: OptimizerConfig, *, device: torch.device) -> LossScaler | None:
-    """fp16 only: ``--loss-scale S`` constant, else dynamic. None for bf16 and fp32."""
-    if not opt.fp16:
+def build_loss_scaler(
+    opt: OptimizerConfig, *, params_dtype: torch.dtype, device: torch.device
+) -> LossScaler | None:
+    """fp16 parameters only: ``--loss-scale S`` constant, else dynamic. None for bf16 and fp32."""
+    if params_dtype != torch.float16:
         return None
     if opt.loss_scale is not None:
         return ConstantLossScaler(opt.loss_scale, device=device)
@@ -58,9 +61,13 @@ def build_model(
     """This rank's pipeline stage of the GPT model (the whole model when PP = 1); with several
     chunks per rank (virtual stages, V schedules) a ``ModelChunks`` of them."""
     chunks = build_gpt_chunks(
-        cfg.model, ps, schedule=effective_schedule(cfg), num_chunks=num_model_chunks(cfg),
-        rng_tracker=rng_tracker, device=device,
-    )  # fmt: skip
+        cfg.model,
+        ps,
+        schedule=effective_schedule(cfg),
+        num_chunks=num_model_chunks(cfg),
+        rng_tracker=rng_tracker,
+        device=device,
+    )
     return chunks[0] if len(chunks) == 1 else ModelChunks(chunks)
 
 
@@ -178,7 +185,7 @@ def setup_model_and_optimizer(
         accumulate_allreduce_grads_in_fp32=par.accumulate_allreduce_grads_in_fp32,
         bucket_size=par.bucket_size(
             ps.dp_size,
-            stage_numel=sum(p.numel() for p in module.parameters()),  # issue 18
+            stage_numel=sum(p.numel() for p in module.parameters()),  # --ddp-num-buckets
         ),
         overlap_grad_reduce=par.overlap_grad_reduce,
         overlap_param_gather=par.overlap_param_gather,
@@ -188,10 +195,10 @@ def setup_model_and_optimizer(
         adam_beta2=opt.adam_beta2,
         adam_eps=opt.adam_eps,
         clip_grad=opt.clip_grad,
-        loss_scaler=build_loss_scaler(opt, device=device),
+        loss_scaler=build_loss_scaler(opt, params_dtype=cfg.model.params_dtype, device=device),
         count_zeros=cfg.logging.log_num_zeros_in_grad,
         offload=offload_spec(par),
-        decoupled_lr=opt.decoupled_lr,  # issue 18
+        decoupled_lr=opt.decoupled_lr,
         decoupled_min_lr=opt.decoupled_min_lr,
     )
     decay_iters = opt.lr_decay_iters or cfg.training.train_iters

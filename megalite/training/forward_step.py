@@ -12,13 +12,13 @@ reported over ``dp x cp`` are averaged too, so both come out as the single proce
 every token of the sequence (the cp ranks' terms sum to it; the ``cp_size`` factor undoes the
 average's division).
 
-``--calculate-per-token-loss`` (issue 18, Megatron's semantics): a micro-batch's loss is the SUM
+``--calculate-per-token-loss`` (Megatron's semantics): a micro-batch's loss is the SUM
 of its (local) unmasked per-token losses and it also reports its token count (``NUM_TOKENS``);
 ``train_step`` then scales the synced grads so that they are those of ``sum / N`` with N the
 unmasked tokens of the whole global batch (every micro-batch, DP and CP rank), and reports the
 loss as that token-weighted mean.
 
-``--reset-attention-mask`` (issue 18): a batch with ``document_ids`` # [b, s] (the loader's) or a
+``--reset-attention-mask``: a batch with ``document_ids`` # [b, s] (the loader's) or a
 Megatron ``attention_mask`` # [b, 1, s, s] (True = masked) gives the model a bool mask that keeps
 attention inside each document.
 """
@@ -34,7 +34,7 @@ from torch import nn
 from megalite.core.context_parallel.chunking import split_for_cp
 from megalite.data.gpt_dataset import document_attention_mask
 
-NUM_TOKENS = "num tokens"  # issue 18: the reported token count of a per-token-loss micro-batch
+NUM_TOKENS = "num tokens"  # the reported token count of a per-token-loss micro-batch
 
 
 def masked_mean_loss(
@@ -77,9 +77,9 @@ def batch_attention_mask(batch: dict, device: torch.device) -> torch.Tensor | No
 
 
 def cp_coordinates(model: nn.Module) -> tuple[int, int]:
-    """(cp_size, cp_rank) of a GPTModel stage, or of the one a data-parallel wrapper holds."""
-    inner = getattr(model, "module", model)
-    return getattr(inner, "cp_size", 1), getattr(inner, "cp_rank", 0)
+    """(cp_size, cp_rank) of the GPTModel stage that a model chunk of the schedule (a data-parallel
+    wrapper, or a view of one chunk of several) holds as ``module``."""
+    return model.module.cp_size, model.module.cp_rank
 
 
 def gpt_forward_step(
@@ -102,7 +102,7 @@ def gpt_forward_step(
 
     tokens, labels, position_ids = local("tokens"), local("labels"), local("position_ids")
     loss_mask = split_for_cp(loss_mask, 1, cp_size, cp_rank)
-    attention_mask = batch_attention_mask(batch, device)  # issue 18
+    attention_mask = batch_attention_mask(batch, device)  # documents kept apart, or None
     if attention_mask is None:
         output = model(tokens, position_ids, labels=labels)
     else:
@@ -112,7 +112,7 @@ def gpt_forward_step(
                 "ring attention has no document mask); drop one of them"
             )
         output = model(tokens, position_ids, labels=labels, attention_mask=attention_mask)
-    if calculate_per_token_loss:  # issue 18
+    if calculate_per_token_loss:  # the token sum; train_step divides by the global count
         return output, partial(masked_sum_loss, loss_mask)
     return output, partial(masked_mean_loss, loss_mask, num_tokens=num_tokens, cp_size=cp_size)
 

@@ -22,7 +22,6 @@ class _RankFilter(logging.Filter):
         self.rank, self.log_rank, self.all_ranks = rank, log_rank, False
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.rank = self.rank
         return self.all_ranks or self.rank == self.log_rank or record.levelno >= logging.WARNING
 
 
@@ -31,12 +30,11 @@ def configure_logging(*, rank: int, log_rank: int, level: int = logging.INFO) ->
     it). INFO lines print bare on ``log_rank``; warnings carry ``[rank N]``."""
     logger = logging.getLogger(LOGGER_NAME)
     for handler in list(logger.handlers):
-        if getattr(handler, "_megalite", False):
+        if isinstance(handler, _StdoutHandler):
             logger.removeHandler(handler)
-    handler = logging.StreamHandler(sys.stdout)
-    handler._megalite = True  # type: ignore[attr-defined]
+    handler = _StdoutHandler(sys.stdout)
     handler.addFilter(_RankFilter(rank, log_rank))
-    handler.setFormatter(_Formatter())
+    handler.setFormatter(_Formatter(rank))
     logger.addHandler(handler)
     logger.setLevel(level)
     logger.propagate = False
@@ -50,11 +48,19 @@ def log_on_all_ranks(enabled: bool = True) -> None:
                 f.all_ranks = enabled
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """The handler ``configure_logging`` installs (and replaces on a second call)."""
+
+
 class _Formatter(logging.Formatter):
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
     def format(self, record: logging.LogRecord) -> str:
         message = record.getMessage()
         if record.levelno >= logging.WARNING:
-            return f"[rank {getattr(record, 'rank', '?')}] {record.levelname.lower()}: {message}"
+            return f"[rank {self.rank}] {record.levelname.lower()}: {message}"
         return message
 
 
@@ -77,7 +83,7 @@ class IntervalStats:
     tflops_per_device: float
     mfu_percent: float | None
     peak_memory_mib: float
-    num_zeros_in_grad: float | None = None  # issue 18: --log-num-zeros-in-grad (the last step's)
+    num_zeros_in_grad: float | None = None  # --log-num-zeros-in-grad (the last step's)
 
 
 def format_iteration_line(s: IntervalStats) -> str:
@@ -93,7 +99,7 @@ def format_iteration_line(s: IntervalStats) -> str:
     parts.append(f"loss scale: {s.loss_scale:.1f}")
     if s.grad_norm is not None:
         parts.append(f"grad norm: {s.grad_norm:.3f}")
-    if s.num_zeros_in_grad is not None:  # issue 18: Megatron's field, after the grad norm
+    if s.num_zeros_in_grad is not None:  # Megatron's field, after the grad norm
         parts.append(f"num zeros: {s.num_zeros_in_grad:.1f}")
     parts += [
         f"number of skipped iterations: {s.skipped_iterations:3d}",

@@ -18,12 +18,12 @@ With a constant B every formula is the same counted in samples or in steps, exce
 of inverse-square-root, which Megatron applies to sample counts; hence ``samples_per_step``. A
 caller that counts samples itself (a batch-size ramp) builds the schedule in samples with
 ``samples_per_step=1`` and calls ``step(samples)``. The first step of a warmed-up run uses
-``warmup_init`` (0 by default), as in Megatron-LM. Under a batch-size schedule (issue 18,
-``megalite.training.microbatches``) the trainer sets ``increment`` to each step's batch over the
+``warmup_init`` (0 by default), as in Megatron-LM. Under a batch-size schedule
+(``megalite.training.microbatches``) the trainer sets ``increment`` to each step's batch over the
 final batch B, so ``n`` stays "samples consumed / B", possibly fractional, and the schedule is
 Megatron's in samples.
 
-Per-group rates (``--decoupled-lr`` / ``--decoupled-min-lr``, issue 18): a param group holding
+Per-group rates (``--decoupled-lr`` / ``--decoupled-min-lr``): a param group holding
 ``max_lr`` / ``min_lr`` keys follows the same formulas with its own ``max_lr`` and ``min_lr`` (the
 warmup still starts from ``warmup_init``), as Megatron's ``OptimizerParamScheduler`` reads them
 from its groups. They are read once, at construction, so an optimizer checkpoint whose groups lack
@@ -77,8 +77,8 @@ class LRScheduler:
         )
         self.samples_per_step = samples_per_step
         self.num_steps: int | float = 0
-        self.increment: int | float = 1  # what step() adds (issue 18: batch / final batch)
-        # issue 18: per group (max_lr, min_lr) or None where the group follows the run's rates
+        self.increment: int | float = 1  # what step() adds (batch schedules: batch / final batch)
+        # per group (max_lr, min_lr) or None where the group follows the run's rates
         self.group_rates: list[tuple[float | None, float | None]] = [
             (g.get("max_lr"), g.get("min_lr")) for g in optimizer.param_groups
         ]
@@ -133,6 +133,6 @@ class LRScheduler:
         for key in ("max_lr", "min_lr", "warmup_init", "warmup_iters", "decay_iters"):
             setattr(self, key, state[key])
         self.decay_style = state["decay_style"]
-        n = state["num_steps"]  # fractional under a batch-size schedule (issue 18)
+        n = state["num_steps"]  # fractional under a batch-size schedule
         self.num_steps = int(n) if float(n).is_integer() else float(n)
         self._apply()

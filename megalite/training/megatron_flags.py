@@ -1,21 +1,21 @@
-"""Megatron-LM flags that change nothing in megalite, Megatron flags refused, and issue 18's group.
+"""Megatron-LM flags that change nothing in megalite, the flags it refuses, and the Megatron flags
+that rewrite others before the config is built.
 
 A Megatron user's script runs unchanged (DESIGN §6): a flag that only switches an implementation,
 a fusion, an I/O strategy or a log Megatron writes elsewhere (``IGNORED_FLAGS``) is accepted, and
 one warning line lists those a run passed and why nothing changes; a flag that would change the
-math and that megalite does not implement is refused (``REFUSED_FLAGS``, or ``flags.PLANNED_FLAGS``
-for those an open issue of this wave brings), one line naming the flag and the issue. None is
-silently ignored.
+math and that megalite does not implement is refused (``REFUSED_FLAGS``), one line naming the flag
+and why. None is silently ignored.
 
-Issue 18's implemented flags: ``--decoupled-lr`` / ``--decoupled-min-lr``
-(``core.optimizer.builders``), ``--rampup-batch-size`` / ``--step-batch-size-schedule``
-(``training.microbatches``; with ``--train-samples``), ``--data-args-path`` /
-``--per-split-data-args-path`` (``data.config``), ``--grad-reduce-in-bf16`` (bf16 grad buffers,
-megalite's bf16 default), ``--ckpt-format`` (``checkpoint.megatron_save``),
-``--rotary-percent`` (any value in (0, 1]: ``models.rotary``), the sample-based schedule
-``--lr-warmup-samples`` / ``--lr-decay-samples`` (with ``--train-samples``, the decay spans the
-samples, not whole iterations, as Megatron's), and ``--use-rotary-position-embeddings``
-(Megatron's old alias of ``--position-embedding-type rope``).
+Before the config is built (``prepare``), and on it (``apply_sample_schedule``,
+``apply_batch_size_calculator``): ``--data-args-path`` / ``--per-split-data-args-path`` fill the
+data paths from files (``data.config``); ``--step-batch-size-schedule`` sets the global batch size,
+and it or ``--rampup-batch-size`` count the iterations of ``--train-samples``
+(``training.microbatches``); ``--lr-warmup-samples`` / ``--lr-decay-samples`` become (fractional)
+iterations (with ``--train-samples`` and no decay length the decay spans the samples, not whole
+iterations, as Megatron's); ``--grad-reduce-in-bf16`` is checked against
+``--accumulate-allreduce-grads-in-fp32`` (bf16 grad buffers are megalite's bf16 default); and
+``--use-rotary-position-embeddings`` is Megatron's old alias of ``--position-embedding-type rope``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import logging
 
-from megalite.training.config import ConfigError
+from megalite.data.config import read_data_args, read_per_split_data_args
+from megalite.errors import ConfigError
+from megalite.training.microbatches import batch_size_calculator, parse_step_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -116,96 +118,68 @@ IGNORED_FLAGS: dict[str, str] = {
     "--profile-step-end": _PROFILE,
 }
 VALUED_FLAGS = {
-    "--transformer-impl", "--cross-entropy-fusion-impl", "--wgrad-deferral-limit",
-    "--cuda-graph-impl", "--empty-unused-memory-level", "--manual-gc-interval",
-    "--num-distributed-optimizer-instances", "--async-strategy", "--dist-ckpt-strictness",
-    "--save-retain-interval", "--check-weight-hash-across-dp-replicas-interval", "--rerun-mode",
-    "--straggler-minmax-count", "--timing-log-level", "--timing-log-option", "--wandb-project",
-    "--wandb-entity", "--wandb-exp-name", "--wandb-save-dir", "--profile-step-start",
+    "--transformer-impl",
+    "--cross-entropy-fusion-impl",
+    "--wgrad-deferral-limit",
+    "--cuda-graph-impl",
+    "--empty-unused-memory-level",
+    "--manual-gc-interval",
+    "--num-distributed-optimizer-instances",
+    "--async-strategy",
+    "--dist-ckpt-strictness",
+    "--save-retain-interval",
+    "--check-weight-hash-across-dp-replicas-interval",
+    "--rerun-mode",
+    "--straggler-minmax-count",
+    "--timing-log-level",
+    "--timing-log-option",
+    "--wandb-project",
+    "--wandb-entity",
+    "--wandb-exp-name",
+    "--wandb-save-dir",
+    "--profile-step-start",
     "--profile-step-end",
-}  # fmt: skip
+}
 
-ISSUE_18 = "issue 18 (Megatron migration), not implemented yet"
-# Megatron flags that change the math and that megalite does not implement: refused, naming why.
+_FP8 = "FP8 training needs Transformer Engine"
+_ATTENTION = "an attention variant: multi-latent or gated attention"
+# Megatron flags that change the math and that megalite does not implement: flag -> why.
 REFUSED_FLAGS: dict[str, str] = {
-    **dict.fromkeys(
-        ("--rotary-scaling-factor",),
-        ISSUE_18,
-    ),
-    **dict.fromkeys(
-        ("--fp8-format", "--fp8-recipe", "--fp8-param-gather", "--first-last-layers-bf16"),
-        "no issue yet (FP8 training needs Transformer Engine)",
-    ),
-    **dict.fromkeys(
-        ("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
-         "--qk-pos-emb-head-dim", "--v-head-dim", "--experimental-attention-variant",
-         "--attention-output-gate"),
-        "no issue yet (attention variants: MLA, gated attention)",
-    ),
-}  # fmt: skip
+    "--rotary-scaling-factor": "YaRN rotary scaling, used with multi-latent attention",
+    "--fp8-format": _FP8,
+    "--fp8-recipe": _FP8,
+    "--fp8-param-gather": _FP8,
+    "--first-last-layers-bf16": _FP8,
+    "--multi-latent-attention": _ATTENTION,
+    "--q-lora-rank": _ATTENTION,
+    "--kv-lora-rank": _ATTENTION,
+    "--qk-head-dim": _ATTENTION,
+    "--qk-pos-emb-head-dim": _ATTENTION,
+    "--v-head-dim": _ATTENTION,
+    "--experimental-attention-variant": _ATTENTION,
+    "--attention-output-gate": _ATTENTION,
+}
 
 
-def add_megatron_flags(parser: argparse.ArgumentParser, group) -> None:
-    """Issue 18's group: ``group`` (a ``flags._Group`` over ``TrainingConfig``) gets
-    ``--ckpt-format``; the ignored flags and the sample-based schedule go in as plain flags."""
-    group.add(
-        "--ckpt-format",
-        choices=["megalite", "torch", "torch_dist"],
-        help="megalite's own files (default) or Megatron-LM's torch / torch_dist",
-    )
-    g = group.group
-    g.add_argument("--lr-warmup-samples", type=int, default=None)
-    g.add_argument("--lr-decay-samples", type=int, default=None)
-    g.add_argument("--use-rotary-position-embeddings", action="store_true")
-    g.add_argument("--rotary-percent", type=float, default=1.0)  # issue 18: GPTConfig's
-    g.add_argument(
-        "--decoupled-lr",
-        type=float,
-        default=None,
-        help="the word embedding and output layer's own --lr",
-    )
-    g.add_argument(
-        "--decoupled-min-lr",
-        type=float,
-        default=None,
-        help="their own --min-lr (default: --min-lr)",
-    )
-    group.add(
-        "--rampup-batch-size",
-        nargs=3,
-        type=int,
-        metavar=("START", "INCREMENT", "SAMPLES"),
-        help="grow the global batch from START by INCREMENT over SAMPLES (--train-samples)",
-    )
-    group.add(
-        "--step-batch-size-schedule",
-        help='"0:B0 T1:B1 ...": batch Bi from Ti consumed tokens on (--train-samples)',
-    )
-    g.add_argument("--data-args-path", default=None, help="a file holding the --data-path list")
-    g.add_argument(
-        "--per-split-data-args-path",
-        default=None,
-        help='a JSON file {"train": ..., "valid": ..., "test": ...} of data paths',
-    )
-    g.add_argument(
-        "--grad-reduce-in-bf16",
-        action="store_true",
-        help="with --bf16: grads accumulated and reduced over DP in bf16 (the default)",
-    )
+def _ignored_dest(flag: str) -> str:
+    return "ignored_" + flag[2:].replace("-", "_")
+
+
+def add_ignored_flags(parser: argparse.ArgumentParser) -> None:
+    """``IGNORED_FLAGS``, accepted and hidden from ``--help`` (``warn_ignored`` names them)."""
+    g = parser.add_argument_group("Megatron-LM flags that change nothing in megalite")
     for flag in IGNORED_FLAGS:
-        dest = "ignored_" + flag[2:].replace("-", "_")
         if flag in VALUED_FLAGS:
-            g.add_argument(flag, dest=dest, default=None, help=argparse.SUPPRESS)
+            g.add_argument(flag, dest=_ignored_dest(flag), default=None, help=argparse.SUPPRESS)
         else:
-            g.add_argument(flag, dest=dest, action="store_true", help=argparse.SUPPRESS)
+            g.add_argument(
+                flag, dest=_ignored_dest(flag), action="store_true", help=argparse.SUPPRESS
+            )
 
 
 def ignored_given(a: argparse.Namespace) -> list[str]:
     """The ignored flags this command line passed."""
-    return [
-        f for f in IGNORED_FLAGS if getattr(a, "ignored_" + f[2:].replace("-", "_"), None) not in
-        (None, False)
-    ]  # fmt: skip
+    return [f for f in IGNORED_FLAGS if getattr(a, _ignored_dest(f)) not in (None, False)]
 
 
 def warn_ignored(a: argparse.Namespace, *, rank: int) -> None:
@@ -222,13 +196,9 @@ def warn_ignored(a: argparse.Namespace, *, rank: int) -> None:
 
 
 def position_embedding_alias(a: argparse.Namespace) -> None:
-    """``--use-rotary-position-embeddings``: Megatron's old spelling of RoPE.
-    ``--rotary-percent`` left out is 1.0 (RoPE on every channel; issue 18 implements the
-    partial embedding, ``GPTConfig.rotary_percent``)."""
-    if getattr(a, "use_rotary_position_embeddings", False):
+    """``--use-rotary-position-embeddings``: Megatron's old spelling of RoPE."""
+    if a.use_rotary_position_embeddings:
         a.position_embedding_type = "rope"
-    if getattr(a, "rotary_percent", None) is None:  # issue 18: a Namespace built by hand
-        a.rotary_percent = 1.0
 
 
 def apply_sample_schedule(cfg, a: argparse.Namespace, *, train_samples: int | None) -> None:
@@ -255,8 +225,6 @@ def apply_sample_schedule(cfg, a: argparse.Namespace, *, train_samples: int | No
 def apply_data_args(a: argparse.Namespace) -> None:
     """``--data-args-path`` / ``--per-split-data-args-path``: the blend lists read from files
     (``data.config.read_data_args``) into ``--data-path`` / ``--{train,valid,test}-data-path``."""
-    from megalite.data.config import read_data_args, read_per_split_data_args
-
     try:
         if a.data_args_path is not None:
             if a.data_path:
@@ -279,8 +247,6 @@ def step_schedule_batch(a: argparse.Namespace) -> None:
     """``--step-batch-size-schedule``: its last batch is the global batch size. Megatron refuses
     ``--global-batch-size`` beside it (its own GPT-3 example passes both, equal): megalite
     accepts the same value and refuses another."""
-    from megalite.training.microbatches import parse_step_schedule
-
     if a.step_batch_size_schedule is None:
         return
     steps = parse_step_schedule(a.step_batch_size_schedule, seq_length=a.seq_length)
@@ -298,8 +264,6 @@ def apply_batch_size_calculator(cfg, a: argparse.Namespace) -> None:
     ``train_iters`` counted as Megatron counts them from ``--train-samples``. A ramp needs
     sample-based training (as Megatron); a step schedule may run ``--train-iters`` (its LR
     schedule then spans ``--lr-decay-iters`` x the final batch in samples, as Megatron's)."""
-    from megalite.training.microbatches import batch_size_calculator
-
     t = cfg.training
     if t.rampup_batch_size is None and t.step_batch_size_schedule is None:
         return
@@ -320,7 +284,7 @@ def apply_batch_size_calculator(cfg, a: argparse.Namespace) -> None:
 def grad_reduce_dtype(a: argparse.Namespace) -> None:
     """``--grad-reduce-in-bf16``: bf16 grad buffers (with --bf16 the grads are accumulated and
     reduced over DP in bf16; megalite's default, where Megatron's bf16 default is fp32)."""
-    if getattr(a, "grad_reduce_in_bf16", False) and a.accumulate_allreduce_grads_in_fp32:
+    if a.grad_reduce_in_bf16 and a.accumulate_allreduce_grads_in_fp32:
         raise ConfigError(
             "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict each "
             "other; keep one"
@@ -328,7 +292,7 @@ def grad_reduce_dtype(a: argparse.Namespace) -> None:
 
 
 def prepare(a: argparse.Namespace) -> None:
-    """Issue 18's flags that rewrite others before the config is built."""
+    """The Megatron flags that rewrite others before the config is built (module docstring)."""
     apply_data_args(a)
     step_schedule_batch(a)
     grad_reduce_dtype(a)

@@ -25,7 +25,7 @@ ramp iterations while consumed <= SAMPLES (and <= N), then ``(N - consumed) // G
 
 from __future__ import annotations
 
-from megalite.training.config import ConfigError
+from megalite.errors import ConfigError
 
 _SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
 

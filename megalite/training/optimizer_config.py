@@ -1,11 +1,10 @@
 """The optimizer's part of a run's configuration (``PretrainConfig.optimizer``): AdamW, its LR
-schedule, clipping, and mixed precision with loss scaling; it validates itself."""
+schedule, clipping, and the loss scaling of fp16; it validates itself. The precision itself is the
+model's ``GPTConfig.params_dtype`` (``--bf16`` / ``--fp16``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 from megalite.errors import ConfigError, at_least
 from megalite.training.lr_scheduler import DECAY_STYLES
@@ -13,7 +12,7 @@ from megalite.training.lr_scheduler import DECAY_STYLES
 
 @dataclass
 class OptimizerConfig:
-    """AdamW, its LR schedule, clipping, and mixed precision (bf16 / fp16 with loss scaling)."""
+    """AdamW, its LR schedule, clipping, and the loss scaling that fp16 parameters need."""
 
     lr: float = 1e-4
     min_lr: float = 0.0
@@ -27,28 +26,14 @@ class OptimizerConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
-    bf16: bool = False
-    fp16: bool = False
-    loss_scale: float | None = None  # constant scale; None: dynamic
+    loss_scale: float | None = None  # fp16: a constant scale; None: dynamic
     initial_loss_scale: float = 2.0**32
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
-    # issue 18: the word embedding / output weights' own LR schedule (Megatron's flags)
+    # the word embedding / output weights' own LR schedule (Megatron's flags)
     decoupled_lr: float | None = None
     decoupled_min_lr: float | None = None
-
-    @property
-    def params_dtype(self) -> torch.dtype:
-        if self.bf16:
-            return torch.bfloat16
-        if self.fp16:
-            return torch.float16
-        return torch.float32
-
-    @property
-    def precision_name(self) -> str:
-        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
 
     def warmup_iters(self, decay_iters: int) -> float:
         if self.lr_warmup_fraction is not None:  # Megatron: a fraction of the decay samples
@@ -57,8 +42,6 @@ class OptimizerConfig:
 
     def validate(self, *, train_iters: int | None = None) -> None:
         """``train_iters`` stands in for ``lr_decay_iters`` when that is None."""
-        if self.fp16 and self.bf16:
-            raise ConfigError("fp16 and bf16 are mutually exclusive; choose one")
         if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr})")
         if self.lr_decay_style not in DECAY_STYLES:

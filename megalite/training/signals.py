@@ -47,10 +47,10 @@ def parse_signal(text: str) -> signal.Signals:
         )
     except (KeyError, ValueError):
         raise ValueError(
-            f"--exit-signal {text!r} is not a signal; use a name such as SIGTERM or SIGUSR1"
+            f"exit_signal {text!r} is not a signal; use a name such as SIGTERM or SIGUSR1"
         ) from None
     if sig in _UNCATCHABLE:
-        raise ValueError(f"--exit-signal {sig.name} cannot be caught; use SIGTERM or SIGUSR1")
+        raise ValueError(f"exit_signal {sig.name} cannot be caught; use SIGTERM or SIGUSR1")
     return sig
 
 

@@ -38,7 +38,7 @@ class IntervalSnapshot:
     first_bad_grad_norm: int | None
     per_step_losses: list[float]  # "lm loss" of every step since the last read (last stage)
     per_step_grad_norms: list[float]  # NaN for skipped steps
-    num_zeros_in_grad: float | None = None  # issue 18: the last step's count (when counted)
+    num_zeros_in_grad: float | None = None  # the last step's count (when counted)
 
 
 class DeviceStats:
@@ -59,7 +59,7 @@ class DeviceStats:
         self.iterations, self.skipped = 0, 0
         self.step_losses: list[torch.Tensor] = []
         self.step_grad_norms: list[torch.Tensor] = []
-        self.last_num_zeros: torch.Tensor | None = None  # issue 18
+        self.last_num_zeros: torch.Tensor | None = None  # --log-num-zeros-in-grad
 
     def add(
         self,
@@ -73,7 +73,7 @@ class DeviceStats:
         ``grad_norm`` None when the step was skipped (fp16 overflow); ``num_zeros_in_grad``
         (``--log-num-zeros-in-grad``) kept for the next read."""
         self.iterations += 1
-        if num_zeros_in_grad is not None:  # issue 18
+        if num_zeros_in_grad is not None:
             self.last_num_zeros = num_zeros_in_grad.detach().to(self.device, torch.float64)
         if not update_successful:
             self.skipped += 1
@@ -123,7 +123,7 @@ class DeviceStats:
                 torch.stack(self.step_grad_norms) if self.step_grad_norms else first_bad[:0],
                 first_bad[:0] if self.last_num_zeros is None else self.last_num_zeros.reshape(1),
             ]
-        ).tolist()  # fmt: skip  (the one device -> host copy of the interval)
+        ).tolist()  # the one device -> host copy of the interval
         k, n_loss = len(names), len(self.step_losses)
         sums, (finite_steps, nonfinite), (bad_loss, bad_norm) = (
             packed[:k],

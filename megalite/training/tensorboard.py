@@ -20,6 +20,7 @@ class TensorBoardLogger:
     def __init__(self, log_dir: str | None, *, enabled: bool, queue_size: int = 1000):
         self.writer = None
         if log_dir and enabled:
+            # needs the optional tensorboard package: imported only when a run writes events
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=log_dir, max_queue=queue_size)

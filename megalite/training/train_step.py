@@ -12,7 +12,7 @@ The LR schedule advances only when the optimizer actually stepped (an fp16 overf
 Nothing here reads the device: losses, grad norm and zero count stay tensors (the fp16 skip
 decision inside ``optimizer.step()`` is the only host sync, and only with a loss scaler).
 
-``calculate_per_token_loss`` (issue 18, Megatron's ``--calculate-per-token-loss``): each
+``calculate_per_token_loss`` (Megatron's ``--calculate-per-token-loss``): each
 micro-batch's loss is its token SUM (``forward_step.masked_sum_loss``); after the grad sync the
 global count N of unmasked tokens (summed on the last stage over micro-batches and ``dp x cp``,
 then broadcast over the pipeline) rescales the grad buffers by ``m * dp * cp / N``, undoing the
@@ -51,7 +51,7 @@ def average_losses_across_dp(
 ) -> dict[str, torch.Tensor]:
     """Mean over micro-batches of each name, then the mean over the DP group (one all-reduce).
     Per-token losses (the dicts carry ``NUM_TOKENS``): each name's sum over micro-batches and DP
-    divided by the summed token count (issue 18)."""
+    divided by the summed token count."""
     if not reported:
         return {}
     if NUM_TOKENS in reported[0]:
@@ -90,7 +90,7 @@ def scale_grads_per_token(
     ps: ParallelState,
     num_microbatches: int,
 ) -> dict[str, torch.Tensor]:
-    """Issue 18: rescale every synced grad buffer by ``m * dp * cp / N`` (module docstring);
+    """Per-token loss: rescale every synced grad buffer by ``m * dp * cp / N`` (module docstring);
     returns the token-weighted losses on the last stage ({} elsewhere). Collective over
     ``dp x cp`` (last stage) and the pipeline group."""
     losses, tokens = {}, torch.zeros((), dtype=torch.float32, device=ps.device)
@@ -118,7 +118,7 @@ def train_step(
     forward_backward_func: Callable[..., list[dict]],
     seq_length: int | None = None,
     micro_batch_size: int | None = None,
-    calculate_per_token_loss: bool = False,  # issue 18
+    calculate_per_token_loss: bool = False,
 ) -> StepResult:
     wrappers = grad_wrappers(model)  # chunks of a rank may share one wrapper
     for wrapper in wrappers:
@@ -137,7 +137,7 @@ def train_step(
     for wrapper in wrappers:
         wrapper.finish_grad_sync()
     per_token = None
-    if calculate_per_token_loss:  # issue 18
+    if calculate_per_token_loss:  # grads of the global batch's token-weighted mean
         per_token = scale_grads_per_token(
             wrappers, reported, ps=ps, num_microbatches=num_microbatches
         )

@@ -64,8 +64,14 @@ def test_token_ids_outside_the_vocabulary_never_train(tmp_path, capsys, monkeypa
     beyond = dataset(tmp_path, "beyond", good_docs() + [[5, 200, 7]])
     status, err = run_in_process(main, [*TINY, "--data-path", beyond], capsys)
     assert status == 1
-    one_error_line(err, "--data-path", beyond + ".bin", "largest token id 200", "128 ids",
-                   "padded vocabulary of 128")  # fmt: skip
+    one_error_line(
+        err,
+        "--data-path",
+        beyond + ".bin",
+        "largest token id 200",
+        "128 ids",
+        "padded vocabulary of 128",
+    )
     # between the tokenizer's 128 ids and the padded 256 rows: would train silently
     padding = dataset(tmp_path, "padding", good_docs() + [[130]])
     pad_flags = [*TINY, "--make-vocab-size-divisible-by", "256", "--data-path", padding]

@@ -1,4 +1,4 @@
-"""Issue 18: ``--rampup-batch-size`` / ``--step-batch-size-schedule`` (Megatron's micro-batch
+"""Megatron's ``--rampup-batch-size`` / ``--step-batch-size-schedule`` (Megatron's micro-batch
 calculators) and ``--decoupled-lr`` / ``--decoupled-min-lr``, against values computed by hand
 from Megatron's formulas:
 
@@ -84,8 +84,9 @@ def test_batch_schedule_by_hand():
     assert bs.train_iters(52) == 6 and bs.consumed_after(6) == 52
     assert bs.train_iters(51) == 5  # the partial last batch is dropped (Megatron)
     # Megatron's example: 16 -> 1024 by 16 over 300000 samples: 63 increments of 4761.9 samples
-    big = BatchSizeCalculator(global_batch_size=1024, micro_batch_size=2, dp_size=8,
-                        rampup=(16, 16, 300000))  # fmt: skip
+    big = BatchSizeCalculator(
+        global_batch_size=1024, micro_batch_size=2, dp_size=8, rampup=(16, 16, 300000)
+    )
     assert [big.global_batch_size(c) for c in (4761, 4762, 300000, 300001)] == [16, 32, 1024, 1024]
     assert big.num_microbatches(4762) == 2
     steps = parse_step_schedule("0:4 64:8, 1K:12", seq_length=16)  # tokens -> samples
@@ -193,10 +194,8 @@ def _rungs_case() -> dict:
 
     out = {}
     for strategy in ("no_shard", "optim", "optim_grads", "optim_grads_params"):
-        cfg = _cfg(
-            "--decoupled-lr", "2e-3", "--data-parallel-sharding-strategy", strategy,
-            world_size=2, rank=dist.get_rank(),
-        )  # fmt: skip
+        flags = ("--decoupled-lr", "2e-3", "--data-parallel-sharding-strategy", strategy)
+        cfg = _cfg(*flags, world_size=2, rank=dist.get_rank())
         ps = initialize_model_parallel(1, 1, device=torch.device("cpu"))
         try:
             _, result, record, _ = _run(cfg, ps)

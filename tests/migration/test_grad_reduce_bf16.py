@@ -1,4 +1,4 @@
-"""Issue 18: ``--grad-reduce-in-bf16`` (Megatron: with ``--bf16`` the grads are accumulated and
+"""Megatron's ``--grad-reduce-in-bf16`` (Megatron: with ``--bf16`` the grads are accumulated and
 reduced over DP in bf16, not fp32). The grad buffer is bf16; after the step's sync each DP rank
 holds, bitwise, the hand-reduced bf16 value: per rank the micro-batch grads summed in bf16, divided
 by DP in bf16, then the ranks' values summed and rounded to bf16 once (two ranks)."""

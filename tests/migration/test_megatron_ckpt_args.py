@@ -1,4 +1,4 @@
-"""What a Megatron checkpoint's ``args`` and scheduler fix when megalite loads it (issue 18).
+"""What a Megatron checkpoint's ``args`` and scheduler fix when megalite loads it.
 
 1. The model settings megalite implements beyond the shapes (``--add-qkv-bias``,
    ``--qk-layernorm``, ``--apply-layernorm-1p``, ``--squared-relu``, ``--rotary-percent``, ...)
@@ -52,16 +52,31 @@ def test_a_run_contradicting_the_checkpoints_args_is_one_line(flags, named):
 
 
 def _args(**over) -> argparse.Namespace:
-    base = dict(position_embedding_type="rope", add_bias_linear=False, add_qkv_bias=False,
-                qk_layernorm=False, apply_layernorm_1p=False, squared_relu=False,
-                rotary_percent=1.0, rotary_interleaved=False, use_rope_scaling=False,
-                rope_scaling_factor=8.0)  # fmt: skip
+    base = dict(
+        position_embedding_type="rope",
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=False,
+        apply_layernorm_1p=False,
+        squared_relu=False,
+        rotary_percent=1.0,
+        rotary_interleaved=False,
+        use_rope_scaling=False,
+        rope_scaling_factor=8.0,
+    )
     return argparse.Namespace(**{**base, **over})
 
 
 def _config(**over) -> GPTConfig:
-    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=8,
-                position_embedding_type="rope", add_bias_linear=False)  # fmt: skip
+    base = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=64,
+        seq_length=8,
+        position_embedding_type="rope",
+        add_bias_linear=False,
+    )
     return GPTConfig(**{**base, **over})
 
 
@@ -108,8 +123,8 @@ def test_rampup_scheduler_position_is_megatrons_samples(monkeypatch):
         return reader
 
     monkeypatch.setattr(megatron, "open_reader", as_ramped)
-    flags = [*BASE, *MODEL, "--load", LEGACY, "--lr-warmup-samples", "8", "--train-samples",
-             "24", "--rampup-batch-size", "2", "2", "8"]  # fmt: skip
+    ramp = "--lr-warmup-samples 8 --train-samples 24 --rampup-batch-size 2 2 8".split()
+    flags = [*BASE, *MODEL, "--load", LEGACY, *ramp]
     for flag in ("--train-iters", "--train-iters", "--lr-warmup-iters"):  # sample-based instead
         i = flags.index(flag)
         del flags[i : i + 2]

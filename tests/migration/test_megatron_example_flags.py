@@ -1,4 +1,4 @@
-"""Megatron-LM's own example scripts through pretrain_gpt.py's flags (issue 18).
+"""Megatron-LM's own example scripts through pretrain_gpt.py's flags.
 
 The flag lists below are those of Megatron's ``examples/gpt3/train_gpt3_175b_distributed.sh``,
 ``examples/llama/train_llama3_8b_h100_fp8.sh`` (its bf16 variant, i.e. without the four
@@ -8,7 +8,7 @@ in their order, with the sizes shrunk (layers, hidden, heads, sequence, batch, i
 replaced by ``--mock-data`` and a NullTokenizer, and paths made temporary. Every other flag is as
 Megatron's (GPT-3's ``--step-batch-size-schedule`` shrunk to ``0:2,32:4``: 2 samples, then 4 from
 32 tokens on). Each run: the flags megalite refuses are refused one at a time, each with one line
-naming the issue that brings it (they are dropped and the parse retried); ``DROPPED`` lists them
+saying why it is not implemented (they are dropped and the parse retried); ``DROPPED`` lists them
 with the reason, exactly, so an entry is removed when its flag lands; the flags that change nothing
 are accepted with one warning line, and the run trains to its last iteration with finite losses.
 """
@@ -65,7 +65,7 @@ LLAMA3_8B = """
 --profile --profile-step-start 4 --profile-step-end 6 --ckpt-format torch_dist
 --distributed-timeout-minutes 60 --save {tmp}/ckpt --load {tmp}/ckpt --tensorboard-dir {tmp}/tb
 """
-# The flags each run still drops: flag -> the issue / reason. At merge, remove an entry once its
+# The flags each run still drops: flag -> the reason. At merge, remove an entry once its
 # flag is implemented (the test fails until then: it checks this list is exact).
 DROPPED: dict[str, dict[str, str]] = {
     "gpt3_175b": {},
@@ -90,7 +90,7 @@ GPT3_TP2_PP2 = """
 
 
 def accepted_flags(argv: list[str], env: dict) -> tuple[list[str], list[str]]:
-    """Drop refused flags one at a time (each: one line naming an issue); the rest parses."""
+    """Drop refused flags one at a time (each: one line saying why); the rest parses."""
     refused = []
     while True:
         try:
@@ -98,9 +98,11 @@ def accepted_flags(argv: list[str], env: dict) -> tuple[list[str], list[str]]:
             return argv, refused
         except ConfigError as e:
             text = str(e)
-            assert "\n" not in text and "issue" in text, text
-            flag = text.split("unknown flag ", 1)[1].split(":", 1)[0] if "unknown flag" in text \
-                else text.split(" ", 1)[0]  # fmt: skip
+            assert "\n" not in text and "not implemented" in text, text
+            if "unknown flag" in text:
+                flag = text.split("unknown flag ", 1)[1].split(":", 1)[0]
+            else:
+                flag = text.split(" ", 1)[0]
             assert flag.startswith("--") and flag in argv, text
             i = argv.index(flag)
             has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
@@ -142,8 +144,11 @@ def run_pretrain_gpt(argv: list[str]) -> subprocess.CompletedProcess:
         env.pop(name, None)
     done = subprocess.run(
         [sys.executable, str(ROOT / "pretrain_gpt.py"), *argv],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-2000:]
     return done
 

@@ -12,15 +12,26 @@ from tests.slurm.test_scripts import _dry_run, _parameters
 
 
 def _config(**moe) -> GPTConfig:
-    return GPTConfig(num_layers=4, hidden_size=8, num_attention_heads=2, vocab_size=16,
-                     seq_length=4, num_experts=4, **moe)  # fmt: skip
+    return GPTConfig(
+        num_layers=4,
+        hidden_size=8,
+        num_attention_heads=2,
+        vocab_size=16,
+        seq_length=4,
+        num_experts=4,
+        **moe,
+    )
 
 
 @pytest.mark.parametrize(
     "freq, pattern",
-    [(1, [1, 1, 1, 1]), (2, [1, 0, 1, 0]), ("[0,1,1,0]", [0, 1, 1, 0]),
-     ("([0]+[1]*3)", [0, 1, 1, 1])],
-)  # fmt: skip
+    [
+        (1, [1, 1, 1, 1]),
+        (2, [1, 0, 1, 0]),
+        ("[0,1,1,0]", [0, 1, 1, 0]),
+        ("([0]+[1]*3)", [0, 1, 1, 1]),
+    ],
+)
 def test_moe_layer_freq(freq, pattern):
     assert moe_layer_pattern(_config(moe_layer_freq=freq)) == [bool(v) for v in pattern]
 

@@ -16,6 +16,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from megalite.training.arguments import parse_args
 
@@ -79,7 +80,7 @@ def test_script_flags_parse_at_their_world_size(script, tmp_path):
     cfg = parse_args(argv, env={"RANK": "0", "WORLD_SIZE": str(world)})
     assert cfg.parallel.tensor_model_parallel_size == tp
     assert cfg.parallel.pipeline_model_parallel_size == pp
-    assert cfg.parallel.use_distributed_optimizer and cfg.optimizer.bf16
+    assert cfg.parallel.use_distributed_optimizer and cfg.model.params_dtype == torch.bfloat16
     assert cfg.model.vocab_size == vocab
     n = _parameters(cfg.model)
     assert low <= n <= high, f"{script}: {n / 1e9:.3f}B parameters, outside its name's size"
@@ -89,6 +90,9 @@ def test_missing_data_path_is_a_clear_error(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("DATA_PATH", "TOKENIZER_MODEL")}
     proc = subprocess.run(
         ["bash", str(ROOT / "scripts/pretrain_gpt_gpt2_125m.sh")],
-        capture_output=True, text=True, env={**env, "DRY_RUN": "1"}, timeout=30,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env={**env, "DRY_RUN": "1"},
+        timeout=30,
+    )
     assert proc.returncode != 0 and "set DATA_PATH" in proc.stderr

@@ -100,8 +100,11 @@ def test_entry_point_process_exits_2_with_one_line():
     env["PYTHONPATH"] = str(ROOT)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "pretrain_gpt.py"), *BASE, "--fp16", "--bf16", "--nope"],
-        capture_output=True, text=True, env=env, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         "error: unknown flag --nope; see pretrain_gpt.py --help for the flags megalite implements"
@@ -116,24 +119,24 @@ def test_flags_map_onto_the_configs():
     m = cfg.model
     assert (m.position_embedding_type, m.normalization, m.swiglu) == ("rope", "RMSNorm", True)
     assert (m.num_query_groups, m.add_bias_linear, m.untie_embeddings_and_output_weights) == (
-        2, False, True,
-    )  # fmt: skip
+        2,
+        False,
+        True,
+    )
     assert (m.norm_epsilon, m.ffn_hidden_size, m.vocab_size) == (1e-6, 64, 128)  # 127 + eod
     assert m.attention_backend == "sdpa" and m.recompute_granularity == "selective"
     assert m.params_dtype == torch.bfloat16 and m.sequence_parallel and not m.use_fused_kernels
-    assert cfg.parallel.data_parallel_size == 2 and cfg.num_microbatches == 2
+    assert cfg.parallel.data_parallel_size == 2 and cfg.check_world(4, 2) == 2
     assert cfg.parallel.bucket_size() == 1000
     assert cfg.optimizer.warmup_iters(cfg.optimizer.lr_decay_iters) == 1  # 0.2 x 5
-    assert cfg.data.mock_data and cfg.data.seq_length == 16 and cfg.tokenizer.eod == 127
+    assert cfg.data.mock_data and cfg.model.seq_length == 16 and cfg.tokenizer.eod == 127
     # defaults: global batch = micro x dp; --train-samples -> iterations; SP with TP 1 warned off
     with LogCapture() as logs:
-        cfg = parse_args(
-            [*_replace(_replace(BASE, "--global-batch-size", None), "--train-iters", None),
-             "--train-samples", "40", "--sequence-parallel"],
-            env={"RANK": "0", "WORLD_SIZE": "2"},
-        )  # fmt: skip
+        defaults = _replace(_replace(BASE, "--global-batch-size", None), "--train-iters", None)
+        argv = [*defaults, *"--train-samples 40 --sequence-parallel".split()]
+        cfg = parse_args(argv, env={"RANK": "0", "WORLD_SIZE": "2"})
     assert cfg.training.global_batch_size == 4 and cfg.training.train_iters == 10
-    assert not cfg.model.sequence_parallel and not cfg.parallel.sequence_parallel
+    assert not cfg.model.sequence_parallel
     assert any("--sequence-parallel has no effect" in line for line in logs.lines)
 
 

@@ -123,10 +123,12 @@ def test_tp2_pp2_dp2_sequence_parallel_with_both_overlaps_equals_oracle():
     """8 ranks: TP 2 (sequence parallel) x PP 2 x DP 2, ZeRO-1 with the grad reduce-scatters
     started from the hooks after the last of 2 micro-batches and the param all-gathers waited for
     by the forward. 1e-5: the TP, PP and DP sums and the norm's squares run in another order."""
-    flags = (
-        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-        "--sequence-parallel", "--overlap-grad-reduce", "--overlap-param-gather",
-    )  # fmt: skip
+    flags = tuple(
+        (
+            "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+            "--sequence-parallel --overlap-grad-reduce --overlap-param-gather"
+        ).split()
+    )
     layouts = [(family, flags) for family in FAMILIES]
     results = run_distributed(_layouts_case, 8, layouts, timeout=600)
     _check(layouts, results, {f: _oracle(f) for f in FAMILIES}, rel=1e-5)
@@ -160,8 +162,9 @@ def _resume_case() -> dict:
         }
         tails = {}
         for name, flags in (("sharded", ()), ("full", ("--ddp-bucket-size", "3000"))):
-            resumed, data = trainer_and_data(config(*ZERO, *BF16, *flags, world_size=world,
-                                                    rank=rank), ps)  # fmt: skip
+            resumed, data = trainer_and_data(
+                config(*ZERO, *BF16, *flags, world_size=world, rank=rank), ps
+            )
             resumed.model[0].load_state_dict(saved["model"])
             if name == "sharded":
                 resumed.optimizer.load_state_dict(saved["optimizer"])

@@ -11,7 +11,9 @@ import pytest
 
 from megalite.core.pipeline_parallel.stages import stage_layer_ranges
 from megalite.models import GPTConfig
-from megalite.training.arguments import flag_message
+from megalite.training.arguments import flag_message, parse_args
+from megalite.training.config import ConfigError
+from tests.training.common import BASE as FLAGS
 
 BASE = dict(num_layers=4, hidden_size=64, num_attention_heads=8, vocab_size=100, seq_length=16)
 
@@ -100,6 +102,7 @@ def test_model_layout_errors_read_as_flags(overrides, tp, pp, message):
     [
         (dict(hidden_size=60), "--hidden-size 60 is not divisible by --num-attention-heads 8"),
         (dict(num_layers=0), "--num-layers must be an integer >= 1, got 0"),
+        (dict(seq_length=0), "--seq-length must be an integer >= 1, got 0"),
         (dict(vocab_size=None), "--vocab-size must be an integer >= 1, got None"),
     ],
 )
@@ -124,7 +127,7 @@ def test_flag_message_rewrites_names_only():
     for text in (
         "--num-layers 3 is bad",
         "/data/num_layers.idx does not exist",
-        "data.seq_length 8 differs",
+        "model.vocab_size 99 differs",
         "leaves 2, which does not split evenly over the stages",
         "got 'learned_absolute'",
     ):
@@ -132,3 +135,64 @@ def test_flag_message_rewrites_names_only():
     assert flag_message("fp16 and bf16 are mutually exclusive") == (
         "--fp16 and --bf16 are mutually exclusive"
     )
+
+
+@pytest.mark.parametrize(
+    "message, expected",
+    [
+        (
+            "pipeline_schedule must be one of 1f1b, gpipe, got 'zb'",
+            "--pipeline-schedule must be one of 1f1b, gpipe, got 'zb'",
+        ),
+        (
+            "pipeline_schedule zbv holds exactly 2 chunks per rank in a V, got "
+            "num_virtual_stages_per_pipeline_rank 3",
+            "--pipeline-schedule zbv holds exactly 2 chunks per rank in a V, got "
+            "--num-virtual-stages-per-pipeline-rank 3",
+        ),
+        (
+            "num_attention_heads 6 is not divisible by tensor_model_parallel_size 4",
+            "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4",
+        ),
+        (
+            "data_parallel_sharding_strategy 'zero' is not one of no_shard, optim",
+            "--data-parallel-sharding-strategy 'zero' is not one of no_shard, optim",
+        ),
+        (
+            "cp_comm_type must be one of p2p, a2a, all_gather, got 'ring'",
+            "--cp-comm-type must be one of p2p, a2a, all_gather, got 'ring'",
+        ),
+        (
+            "seed must be an integer >= 0, got -1; exit_signal 'X' is not a signal",
+            "--seed must be an integer >= 0, got -1; --exit-signal 'X' is not a signal",
+        ),
+    ],
+)
+def test_flag_message_translates_core_parameters(message, expected):
+    """core and models name parameters by the config fields they take, which are the flags'
+    dests; the flag layer writes each as its flag."""
+    assert flag_message(message) == expected
+
+
+def test_flag_message_keeps_flags_and_other_names():
+    for text in (
+        # a message that spells the flag already is left as it is
+        "--pipeline-schedule zbv holds exactly 2 chunks per rank in a V, got "
+        "--num-virtual-stages-per-pipeline-rank 3",
+        # a parameter no flag sets stays a name
+        "num_microbatches >= 2 x pp = 8, got 4",
+        # values that look like names: a schedule, a strategy
+        "got 'optim_grads_params' and interleaved-1f1b",
+    ):
+        assert flag_message(text) == text
+
+
+def test_errors_of_core_checks_reach_the_user_as_flags():
+    """A layout that the pipeline schedules' own check refuses, through parse_args: flags only."""
+    pipeline = "--num-layers 8 --pipeline-model-parallel-size 2 --pipeline-schedule zbv"
+    argv = [*FLAGS, *pipeline.split(), "--num-virtual-stages-per-pipeline-rank", "3"]
+    with pytest.raises(ConfigError) as err:
+        parse_args(argv, env={"RANK": "0", "WORLD_SIZE": "2"})
+    text = str(err.value)
+    assert "--pipeline-schedule zbv" in text and "--num-virtual-stages-per-pipeline-rank 3" in text
+    assert not re.search(r"(?<![\w-])[a-z]+_[a-z_]+", text), text  # no parameter name left

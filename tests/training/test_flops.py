@@ -13,9 +13,14 @@ def test_gpt2_tiny_by_hand():
     # MLP 4*32*128=16384 -> 26624; x2 layers = 53248; logits 2*32*128 = 8192 -> 61440 forward;
     # x3 (fwd + bwd) x 128 tokens = 23,592,960.
     got = model_flops_per_iteration(
-        num_layers=2, hidden_size=32, seq_length=16, global_batch_size=8, padded_vocab_size=128,
-        ffn_hidden_size=128, num_attention_heads=4,
-    )  # fmt: skip
+        num_layers=2,
+        hidden_size=32,
+        seq_length=16,
+        global_batch_size=8,
+        padded_vocab_size=128,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+    )
     assert got == 23_592_960
 
 
@@ -24,9 +29,16 @@ def test_llama_gqa_swiglu_by_hand():
     # QKV 2*32*(32+32)=4096, QK^T 1024, AV 1024, proj 2048, MLP 6*32*64=12288 -> 20480 per layer;
     # x2 = 40960; + logits 8192 = 49152; x3 x 128 = 18,874,368.
     got = model_flops_per_iteration(
-        num_layers=2, hidden_size=32, seq_length=16, global_batch_size=8, padded_vocab_size=128,
-        ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2, swiglu=True,
-    )  # fmt: skip
+        num_layers=2,
+        hidden_size=32,
+        seq_length=16,
+        global_batch_size=8,
+        padded_vocab_size=128,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        swiglu=True,
+    )
     assert got == 18_874_368
 
 
@@ -35,9 +47,14 @@ def test_matches_the_megatron_paper_closed_form_for_gpt3():
     b, s, L, h, V = 1536, 2048, 96, 12288, 51200
     paper = 72 * b * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
     got = model_flops_per_iteration(
-        num_layers=L, hidden_size=h, seq_length=s, global_batch_size=b, padded_vocab_size=V,
-        ffn_hidden_size=4 * h, num_attention_heads=96,
-    )  # fmt: skip
+        num_layers=L,
+        hidden_size=h,
+        seq_length=s,
+        global_batch_size=b,
+        padded_vocab_size=V,
+        ffn_hidden_size=4 * h,
+        num_attention_heads=96,
+    )
     assert math.isclose(got, paper, rel_tol=1e-12)
 
 

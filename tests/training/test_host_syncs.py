@@ -22,8 +22,8 @@ LOGGED = {4, 8}
 
 
 def _reads_per_iteration(flags: list[str], ps: ParallelState) -> dict[int, int]:
-    cfg = config("--train-iters", "8", "--log-interval", "4", *flags,
-                 world_size=ps.world_size, rank=ps.rank())  # fmt: skip
+    run = "--train-iters 8 --log-interval 4".split()
+    cfg = config(*run, *flags, world_size=ps.world_size, rank=ps.rank())
     trainer, data = trainer_and_data(cfg, ps)
     step = trainer.step
     with SyncCounter() as counter:

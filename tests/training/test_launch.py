@@ -68,10 +68,14 @@ def test_srun_style_two_processes_train_without_torchrun():
     for rank in range(2):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
         env.update(
-            SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
-            SLURM_NODELIST="localhost", MASTER_PORT=port, OMP_NUM_THREADS="1",
+            SLURM_PROCID=str(rank),
+            SLURM_NTASKS="2",
+            SLURM_LOCALID=str(rank),
+            SLURM_NODELIST="localhost",
+            MASTER_PORT=port,
+            OMP_NUM_THREADS="1",
             PYTHONPATH=str(ROOT),
-        )  # fmt: skip
+        )
         argv = [*BASE, "--tensor-model-parallel-size", "2", "--train-iters", "2"]
         argv += ["--log-interval", "1", "--device", "cpu"]
         procs.append(
@@ -81,7 +85,7 @@ def test_srun_style_two_processes_train_without_torchrun():
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
-            )  # fmt: skip
+            )
         )
     outs = [p.communicate(timeout=180) for p in procs]
     for p, (_, err) in zip(procs, outs):

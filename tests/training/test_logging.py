@@ -14,12 +14,22 @@ from megalite.training.logging import (
 
 def _stats(**kw) -> IntervalStats:
     base = dict(
-        iteration=10, train_iters=500, consumed_samples=320, ms_per_iteration=123.456,
-        learning_rate=3e-4, global_batch_size=32, losses={"lm loss": 4.0123456789},
-        loss_scale=65536.0, grad_norm=1.23456, skipped_iterations=1, nan_iterations=0,
-        tokens_per_second=4321.7, tflops_per_device=12.3456, mfu_percent=4.56789,
+        iteration=10,
+        train_iters=500,
+        consumed_samples=320,
+        ms_per_iteration=123.456,
+        learning_rate=3e-4,
+        global_batch_size=32,
+        losses={"lm loss": 4.0123456789},
+        loss_scale=65536.0,
+        grad_norm=1.23456,
+        skipped_iterations=1,
+        nan_iterations=0,
+        tokens_per_second=4321.7,
+        tflops_per_device=12.3456,
+        mfu_percent=4.56789,
         peak_memory_mib=1024.25,
-    )  # fmt: skip
+    )
     base.update(kw)
     return IntervalStats(**base)
 

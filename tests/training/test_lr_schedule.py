@@ -18,8 +18,9 @@ class _Opt:
 
 def _lrs(style: str, n: int = 12, **kw) -> list[float]:
     opt = _Opt()
-    s = LRScheduler(opt, max_lr=1.0, min_lr=0.1, warmup_iters=2, decay_iters=10,
-                    decay_style=style, **kw)  # fmt: skip
+    s = LRScheduler(
+        opt, max_lr=1.0, min_lr=0.1, warmup_iters=2, decay_iters=10, decay_style=style, **kw
+    )
     out = []
     for _ in range(n):
         assert opt.param_groups[0]["lr"] == opt.param_groups[1]["lr"] == s.get_lr()
@@ -98,8 +99,16 @@ def test_inverse_square_root_is_min_lr_past_decay_iters():
         "--lr-decay-style inverse-square-root",
         8,
     )
-    expected = [0.0, 5e-4, 1e-3, 8.16496580927726e-4, 7.0710678118654752e-4,
-                6.324555320336759e-4, 1e-5, 1e-5]  # fmt: skip
+    expected = [
+        0.0,
+        5e-4,
+        1e-3,
+        8.16496580927726e-4,
+        7.0710678118654752e-4,
+        6.324555320336759e-4,
+        1e-5,
+        1e-5,
+    ]
     assert lrs == pytest.approx(expected, rel=1e-12, abs=1e-15)
 
 
@@ -120,15 +129,28 @@ def test_inverse_square_root_clamps_count_samples():
     # No warmup: Megatron's lr = max_lr sqrt(max(W, 1) / max(n, 1)) on sample counts, so with
     # W = 0 and B = 8 samples a step, step n = 1 gives 1e-3 sqrt(1 / 8), n = 2 gives sqrt(1 / 16).
     opt = _Opt()
-    s = LRScheduler(opt, max_lr=1e-3, min_lr=0.0, warmup_iters=0, decay_iters=10,
-                    decay_style="inverse-square-root", samples_per_step=8)  # fmt: skip
+    s = LRScheduler(
+        opt,
+        max_lr=1e-3,
+        min_lr=0.0,
+        warmup_iters=0,
+        decay_iters=10,
+        decay_style="inverse-square-root",
+        samples_per_step=8,
+    )
     lrs = [s.get_lr()]
     for _ in range(2):
         s.step()
         lrs.append(s.get_lr())
     assert lrs == pytest.approx([1e-3, 1e-3 * math.sqrt(1 / 8), 2.5e-4], rel=1e-12)
     # the same schedule counted in samples (a batch-size ramp) gives the same numbers
-    t = LRScheduler(_Opt(), max_lr=1e-3, min_lr=0.0, warmup_iters=0, decay_iters=80,
-                    decay_style="inverse-square-root")  # fmt: skip
+    t = LRScheduler(
+        _Opt(),
+        max_lr=1e-3,
+        min_lr=0.0,
+        warmup_iters=0,
+        decay_iters=80,
+        decay_style="inverse-square-root",
+    )
     t.step(8)
     assert t.get_lr() == pytest.approx(lrs[1], rel=1e-12)

@@ -1,4 +1,4 @@
-"""Issue 18: ``--calculate-per-token-loss``, documents (``--reset-position-ids``,
+"""Megatron's ``--calculate-per-token-loss``, documents (``--reset-position-ids``,
 ``--reset-attention-mask``) through the training step, and ``--log-num-zeros-in-grad`` in the log.
 
 Per-token loss (Megatron's semantics): the gradient of a step is that of the global batch's
@@ -35,8 +35,9 @@ def _micro_batches(steps: int = 2, per_step: int = 4) -> list[dict]:
     """``steps x per_step`` micro-batches of 2 samples x 16 tokens with eods inside, and loss masks
     that keep a different number of tokens in each micro-batch."""
     rng = np.random.default_rng(0)
-    collate = GPTBatchCollator(eod=EOD, eod_mask_loss=True, reset_position_ids=True,
-                               reset_attention_mask=True)  # fmt: skip
+    collate = GPTBatchCollator(
+        eod=EOD, eod_mask_loss=True, reset_position_ids=True, reset_attention_mask=True
+    )
     out = []
     for k in range(steps * per_step):
         samples = [rng.integers(0, EOD, 17) for _ in range(2)]
@@ -97,8 +98,8 @@ def _per_token_case(family: str, layout: str):
 
 def _pp2_documents_case(family: str):
     rank = dist.get_rank()
-    flags = (*FAMILIES[family], "--calculate-per-token-loss", "--reset-position-ids",
-             "--reset-attention-mask", "--eod-mask-loss", "--train-iters", "2")  # fmt: skip
+    documents = "--reset-position-ids --reset-attention-mask --eod-mask-loss --train-iters 2"
+    flags = (*FAMILIES[family], "--calculate-per-token-loss", *documents.split())
     batches = _micro_batches(steps=2)
     losses = {}
     for name, pp in (("pp2", 2), ("single", 1)):
@@ -136,16 +137,29 @@ def test_reset_attention_mask_refused_under_context_parallel():
 
 
 def test_num_zeros_in_log_line_and_tensorboard():
-    base = dict(iteration=1, train_iters=2, consumed_samples=8, ms_per_iteration=1.0,
-                learning_rate=1e-3, global_batch_size=8, losses={"lm loss": 2.0}, loss_scale=1.0,
-                grad_norm=0.5, skipped_iterations=0, nan_iterations=0, tokens_per_second=1.0,
-                tflops_per_device=0.0, mfu_percent=None, peak_memory_mib=1.0)  # fmt: skip
+    base = dict(
+        iteration=1,
+        train_iters=2,
+        consumed_samples=8,
+        ms_per_iteration=1.0,
+        learning_rate=1e-3,
+        global_batch_size=8,
+        losses={"lm loss": 2.0},
+        loss_scale=1.0,
+        grad_norm=0.5,
+        skipped_iterations=0,
+        nan_iterations=0,
+        tokens_per_second=1.0,
+        tflops_per_device=0.0,
+        mfu_percent=None,
+        peak_memory_mib=1.0,
+    )
     line = format_iteration_line(IntervalStats(**base, num_zeros_in_grad=12.0))
     assert "| grad norm: 0.500 | num zeros: 12.0 |" in line
     assert "num zeros" not in format_iteration_line(IntervalStats(**base))
 
-    cfg = config("--log-num-zeros-in-grad", "--log-interval", "1", "--train-iters", "2",
-                 "--global-batch-size", "2")  # fmt: skip
+    run = "--log-interval 1 --train-iters 2 --global-batch-size 2".split()
+    cfg = config("--log-num-zeros-in-grad", *run)
     trainer, data = trainer_and_data(cfg, ParallelState.single())
     written: dict[str, float] = {}
 

@@ -27,8 +27,11 @@ from tests.harness import run_distributed
 from tests.training.common import FAMILIES, assert_close_rel, config, train_losses
 
 REL = 1e-6
-RUNGS = {"zero2": ["--zero-stage", "2"], "zero3": ["--data-parallel-sharding-strategy",
-                                                     "optim_grads_params"]}  # fmt: skip
+BUCKETS = ("--ddp-bucket-size", "3000")  # several buckets per rank in these tiny models
+RUNGS = {
+    "zero2": ["--zero-stage", "2"],
+    "zero3": ["--data-parallel-sharding-strategy", "optim_grads_params"],
+}
 LAYOUTS = [
     ("gpt2", ()),
     ("gpt2", ("--tensor-model-parallel-size", "2", "--sequence-parallel")),
@@ -49,8 +52,8 @@ def ladder_case(cases) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
     for rung, family, flags in cases:
-        cfg = config(*FAMILIES[family], *RUNGS[rung], "--ddp-bucket-size", "3000", *flags,
-                     world_size=world, rank=rank)  # fmt: skip
+        family_flags = (*FAMILIES[family], *RUNGS[rung], *BUCKETS)
+        cfg = config(*family_flags, *flags, world_size=world, rank=rank)
         ps = _mesh(cfg)
         try:
             result = train_losses(cfg, ps)
@@ -96,8 +99,12 @@ def _save_or_resume(flags: tuple[str, ...], *, save: str | None, load: str | Non
     return result.losses if ps.is_last_stage else None
 
 
-ZERO3_BIG = ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-             "--sequence-parallel", "--zero-stage", "3")  # fmt: skip
+ZERO3_BIG = tuple(
+    (
+        "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+        "--sequence-parallel --zero-stage 3"
+    ).split()
+)
 ZERO1_SMALL = ("--use-distributed-optimizer",)
 
 
@@ -133,9 +140,8 @@ RUNG_FLAGS = {
     1: ["--zero-stage", "1"],
     2: ["--zero-stage", "2"],
     3: ["--zero-stage", "3"],
-    "offload": ["--zero-stage", "2", "--optimizer-cpu-offload", "--optimizer-offload-fraction",
-                "0.5"],
-}  # fmt: skip
+    "offload": "--zero-stage 2 --optimizer-cpu-offload --optimizer-offload-fraction 0.5".split(),
+}
 
 
 def memory_case(tmp: str) -> dict:
@@ -144,8 +150,8 @@ def memory_case(tmp: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
     for rung, flags in RUNG_FLAGS.items():
-        cfg = config(*FAMILIES["gpt2"], "--bf16", "--accumulate-allreduce-grads-in-fp32",
-                     "--ddp-bucket-size", "3000", *flags, world_size=world, rank=rank)  # fmt: skip
+        precision = ("--bf16", "--accumulate-allreduce-grads-in-fp32")
+        cfg = config(*FAMILIES["gpt2"], *precision, *BUCKETS, *flags, world_size=world, rank=rank)
         ps = _mesh(cfg)
         try:
             run = build_run(cfg, ps, torch.device("cpu"), resume=False)

@@ -107,8 +107,14 @@ def _check(layouts, results) -> None:
 
 
 def _sizes(tp=1, pp=1, ep=1, etp=None, sp=False) -> tuple[str, ...]:
-    flags = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-             "--expert-model-parallel-size", str(ep)]  # fmt: skip
+    flags = [
+        "--tensor-model-parallel-size",
+        str(tp),
+        "--pipeline-model-parallel-size",
+        str(pp),
+        "--expert-model-parallel-size",
+        str(ep),
+    ]
     if etp is not None:
         flags += ["--expert-tensor-parallel-size", str(etp)]
     return (*flags, *(["--sequence-parallel"] if sp else []))
@@ -137,15 +143,27 @@ def test_moe_flag_errors_are_one_line_before_process_groups():
     from megalite.training.config import ConfigError
 
     cases = [
-        (["--num-experts", "4", "--expert-model-parallel-size", "3"], 3,
-         "--num-experts 4 is not divisible by --expert-model-parallel-size 3"),
+        (
+            ["--num-experts", "4", "--expert-model-parallel-size", "3"],
+            3,
+            "--num-experts 4 is not divisible by --expert-model-parallel-size 3",
+        ),
         (["--moe-aux-loss-coeff", "0.1"], 1, "need --num-experts"),
         (["--num-experts", "4", "--moe-layer-freq", "[1,0,1]"], 1, "--moe-layer-freq has 3"),
-        (["--num-experts", "4", "--expert-model-parallel-size", "4"], 2,
-         "world size 2 is not divisible by --expert-tensor-parallel-size 1 x"),
-        (["--num-experts", "4", "--moe-ffn-hidden-size", "6", "--tensor-model-parallel-size",
-          "4", "--sequence-parallel"], 4, "--moe-ffn-hidden-size 6 is not divisible"),
-    ]  # fmt: skip
+        (
+            ["--num-experts", "4", "--expert-model-parallel-size", "4"],
+            2,
+            "world size 2 is not divisible by --expert-tensor-parallel-size 1 x",
+        ),
+        (
+            (
+                "--num-experts 4 --moe-ffn-hidden-size 6 "
+                "--tensor-model-parallel-size 4 --sequence-parallel"
+            ).split(),
+            4,
+            "--moe-ffn-hidden-size 6 is not divisible",
+        ),
+    ]
     for flags, world, message in cases:
         try:
             config(*flags, "--global-batch-size", str(2 * world * 4), world_size=world)
@@ -161,8 +179,8 @@ def _save_case(root: str, families: list[str]) -> dict:
     env = {"RANK": str(rank), "WORLD_SIZE": str(world)}
     out = {}
     for family in families:
-        flags = [*_flags(family), "--train-iters", "4", "--save", os.path.join(root, family),
-                 "--save-interval", "2", *_sizes(tp=2, ep=2, sp=True)]  # fmt: skip
+        save = ["--save", os.path.join(root, family), "--save-interval", "2"]
+        flags = [*_flags(family), "--train-iters", "4", *save, *_sizes(tp=2, ep=2, sp=True)]
         out[family] = pretrain(config(*flags, world_size=world, rank=rank), env=env).losses
     return out
 
@@ -184,11 +202,19 @@ def _zero_save_and_reshard_case(root: str, cases: list[tuple[str, tuple, tuple, 
 
 
 ZERO_CASES = [
-    ("zero1", ("--use-distributed-optimizer",), _sizes(tp=2, ep=2, sp=True),
-     ("--use-distributed-optimizer", *_sizes(ep=1))),
-    ("zero3", ("--zero-stage", "3"), _sizes(ep=2),
-     ("--zero-stage", "2", *_sizes(tp=2, ep=4, etp=1, sp=True))),
-]  # fmt: skip
+    (
+        "zero1",
+        ("--use-distributed-optimizer",),
+        _sizes(tp=2, ep=2, sp=True),
+        ("--use-distributed-optimizer", *_sizes(ep=1)),
+    ),
+    (
+        "zero3",
+        ("--zero-stage", "3"),
+        _sizes(ep=2),
+        ("--zero-stage", "2", *_sizes(tp=2, ep=4, etp=1, sp=True)),
+    ),
+]
 
 
 def _four_rank_checkpoint_case(root: str) -> dict:

@@ -26,10 +26,8 @@ def test_single_process_run_writes_log_lines_and_tensorboard_scalars(
     tmp_path, capsys, restore_logging
 ):
     tb = tmp_path / "tb"
-    cfg = config(
-        "--train-iters", "4", "--log-interval", "2", "--eval-interval", "2", "--eval-iters", "1",
-        "--tensorboard-dir", str(tb), "--bf16",
-    )  # fmt: skip
+    run = "--train-iters 4 --log-interval 2 --eval-interval 2 --eval-iters 1 --bf16".split()
+    cfg = config(*run, "--tensorboard-dir", str(tb))
     result = pretrain(cfg, env={})
     out = capsys.readouterr().out
     lines = [x for x in out.splitlines() if x.startswith(" iteration ")]
@@ -42,10 +40,20 @@ def test_single_process_run_writes_log_lines_and_tensorboard_scalars(
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {
-        "lm loss", "learning-rate", "loss-scale", "grad-norm", "batch-size",
-        "num-skipped-iterations", "iteration-time", "tokens-per-second", "tflops-per-device",
-        "peak-memory-mib", "lm loss validation", "lm loss validation ppl", "lm loss test",
-    } <= tags  # fmt: skip
+        "lm loss",
+        "learning-rate",
+        "loss-scale",
+        "grad-norm",
+        "batch-size",
+        "num-skipped-iterations",
+        "iteration-time",
+        "tokens-per-second",
+        "tflops-per-device",
+        "peak-memory-mib",
+        "lm loss validation",
+        "lm loss validation ppl",
+        "lm loss test",
+    } <= tags
     loss = events.Scalars("lm loss")
     assert [e.step for e in loss] == [1, 2, 3, 4]
     assert [e.value for e in loss] == pytest.approx(result.losses, rel=1e-6)

@@ -19,9 +19,10 @@ from tests.training.common import BASE, FAMILIES, config
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = [
-    *BASE, *FAMILIES["llama"], "--train-iters", "4", "--log-interval", "2", "--eval-interval", "2",
-    "--eval-iters", "1",
-]  # fmt: skip
+    *BASE,
+    *FAMILIES["llama"],
+    *"--train-iters 4 --log-interval 2 --eval-interval 2 --eval-iters 1".split(),
+]
 LOSS = re.compile(r" iteration +(\d+)/ +4 \|.* lm loss: ([0-9.E+-]+) \|")
 
 
@@ -29,9 +30,9 @@ LOSS = re.compile(r" iteration +(\d+)/ +4 \|.* lm loss: ([0-9.E+-]+) \|")
 def test_torchrun_four_processes_tp2_dp2():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           str(ROOT / "pretrain_gpt.py"), *FLAGS,
-           "--tensor-model-parallel-size", "2", "--sequence-parallel"]  # fmt: skip
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    layout = "--tensor-model-parallel-size 2 --sequence-parallel".split()
+    cmd = [*torchrun, "4", str(ROOT / "pretrain_gpt.py"), *FLAGS, *layout]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=150, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout

@@ -81,9 +81,10 @@ def test_any_rank_signalled_agrees_across_ranks():
 
 # -- end to end under torchrun -------------------------------------------------------------------
 FLAGS = [
-    *BASE, "--pipeline-model-parallel-size", "2", "--train-iters", "100000", "--log-interval", "1",
-    "--exit-signal-handler", "--distributed-timeout-minutes", "1",
-]  # fmt: skip
+    *BASE,
+    *"--pipeline-model-parallel-size 2 --train-iters 100000 --log-interval 1".split(),
+    *"--exit-signal-handler --distributed-timeout-minutes 1".split(),
+]
 ITERATION = re.compile(r" iteration +(\d+)/ *100000 \|")
 
 

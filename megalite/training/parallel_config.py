@@ -1,0 +1,193 @@
+"""The parallel layout of a run (``PretrainConfig.parallel``): the mesh's sizes and rank order, the
+pipeline schedule and its virtual stages, the data-parallel rung (DDP, ZeRO-1/2/3) with its grad
+buckets and optimizer offload, context and expert parallelism, the device. It validates itself
+(``validate``); the rules that join it to the model live in ``PretrainConfig.validate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megalite.core.distributed import STRATEGIES
+from megalite.core.pipeline_parallel.generators import SCHEDULES
+from megalite.errors import ConfigError
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    pipeline_schedule: str = "1f1b"  # one of core.pipeline_parallel.generators.SCHEDULES
+    # virtual pipeline stages (several model chunks per rank; Megatron's flags) and p2p overlap
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    num_virtual_stages_per_pipeline_rank: int | None = None
+    microbatch_group_size_per_virtual_pipeline_stage: int | None = None  # None: pp
+    no_overlap_p2p_communication: bool = False
+    use_distributed_optimizer: bool = False
+    ddp_bucket_size: int | None = None  # elements; None: max(40M, 1M x dp)
+    ddp_num_buckets: int | None = None  # Megatron's: bucket size = the rank's parameters // N
+    accumulate_allreduce_grads_in_fp32: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False  # ZeRO-1: all-gather a bucket before its first use
+    distributed_timeout_minutes: float = 10.0
+    device: str = "auto"  # auto | cpu | cuda
+    world_size: int | None = None  # the launcher's, when parsed from flags; None: built in code
+    use_tp_pp_dp_mapping: bool = False  # rank order tp-cp-ep-pp-dp instead of tp-cp-ep-dp-pp
+    # context parallel: the sequence split over cp ranks (shards no parameter); the attention's
+    # communication is the model's cp_comm_type
+    context_parallel_size: int = 1
+    # the sharded data-parallel rungs (ZeRO-1/2/3) and optimizer offload (validate_zero)
+    data_parallel_sharding_strategy: str | None = None  # no_shard|optim|optim_grads|..._params
+    zero_stage: int | None = None  # DeepSpeed's alias: 0 1 2 3
+    optimizer_cpu_offload: bool = False  # optimizer state and step on the host
+    optimizer_offload_fraction: float = 1.0  # share of the optimizer state offloaded
+    optimizer_offload_dir: str | None = None  # NVMe: the offloaded state in files there
+    optimizer_offload_host_memory_mb: float = 256.0  # host buffer bound of the NVMe stream
+    # the expert view of the mesh (etp x ep x edp x pp); ETP None = the TP size
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+
+    @property
+    def rank_order(self) -> str:
+        """The mesh's axis order, fastest first (Megatron's default, or its alternative)."""
+        return "tp-cp-ep-pp-dp" if self.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp"
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int | None:
+        """DP size of the world this config was parsed for (None without one); a run uses its
+        mesh's ``ps.dp_size``."""
+        if self.world_size is None:
+            return None
+        return self.world_size // (self.model_parallel_size * self.context_parallel_size)
+
+    def sharding_strategy(self) -> str:
+        """The data-parallel rung: ``no_shard`` (DDP), ``optim`` (ZeRO-1), ``optim_grads``
+        (ZeRO-2) or ``optim_grads_params`` (ZeRO-3)."""
+        if self.data_parallel_sharding_strategy is not None:
+            return self.data_parallel_sharding_strategy
+        if self.zero_stage is not None:
+            return STRATEGIES[self.zero_stage]
+        return "optim" if self.use_distributed_optimizer else "no_shard"
+
+    @property
+    def offload(self) -> bool:
+        return self.optimizer_cpu_offload or self.optimizer_offload_dir is not None
+
+    def validate_zero(self) -> None:
+        """The rung and offload flags agree (one line each otherwise); sets
+        ``use_distributed_optimizer`` for every sharded rung."""
+        s, z = self.data_parallel_sharding_strategy, self.zero_stage
+        if s is not None and s not in STRATEGIES:
+            raise ConfigError(
+                f"data_parallel_sharding_strategy must be one of {', '.join(STRATEGIES)}, got {s!r}"
+            )
+        if z is not None and z not in range(4):
+            raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {z}")
+        if s is not None and z is not None and STRATEGIES[z] != s:
+            raise ConfigError(
+                f"zero_stage {z} is data_parallel_sharding_strategy {STRATEGIES[z]}, not "
+                f"{s}; pass one of the two"
+            )
+        chosen = s if s is not None else None if z is None else STRATEGIES[z]
+        if self.use_distributed_optimizer and chosen == "no_shard":
+            raise ConfigError(
+                "use_distributed_optimizer shards the optimizer state, data_parallel_sharding_"
+                "strategy no_shard (zero_stage 0) does not; drop one of them"
+            )
+        strategy = self.sharding_strategy()
+        if strategy == "optim_grads_params" and self.overlap_param_gather:
+            raise ConfigError(
+                "overlap_param_gather does not apply to ZeRO-3 (optim_grads_params), which "
+                "gathers each unit before its forward and prefetches the next; drop "
+                "overlap_param_gather"
+            )
+        if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
+            raise ConfigError(
+                f"optimizer_offload_fraction must be in [0, 1], got "
+                f"{self.optimizer_offload_fraction}"
+            )
+        if self.offload and strategy == "no_shard":
+            raise ConfigError(
+                "optimizer_cpu_offload / optimizer_offload_dir offload the sharded optimizer "
+                "state: add use_distributed_optimizer or a zero_stage >= 1"
+            )
+        if self.optimizer_offload_host_memory_mb <= 0:
+            raise ConfigError(
+                f"optimizer_offload_host_memory_mb must be > 0, got "
+                f"{self.optimizer_offload_host_memory_mb}"
+            )
+        if strategy != "no_shard":
+            self.use_distributed_optimizer = True
+
+    def bucket_size(self, dp_size: int | None = None, stage_numel: int | None = None) -> int:
+        """Elements per grad bucket: ``ddp_bucket_size``, else max(40M, 1M x ``dp_size``)."""
+        if self.ddp_num_buckets is not None and stage_numel is not None:
+            return max(stage_numel // self.ddp_num_buckets, 1)
+        if self.ddp_bucket_size is not None:
+            return self.ddp_bucket_size
+        dp = dp_size if dp_size is not None else self.data_parallel_size or 1
+        return max(40_000_000, 1_000_000 * dp)
+
+    def validate(self) -> None:
+        self.validate_zero()
+        for name, value in (
+            ("tensor_model_parallel_size", self.tensor_model_parallel_size),
+            ("pipeline_model_parallel_size", self.pipeline_model_parallel_size),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.pipeline_schedule not in SCHEDULES:
+            raise ConfigError(
+                f"pipeline_schedule must be one of {', '.join(SCHEDULES)}, got "
+                f"{self.pipeline_schedule!r}"
+            )
+        if self.device not in DEVICES:
+            raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.distributed_timeout_minutes <= 0:
+            raise ConfigError(
+                f"distributed_timeout_minutes must be > 0, got {self.distributed_timeout_minutes}"
+            )
+        if self.ddp_bucket_size is not None and self.ddp_bucket_size < 1:
+            raise ConfigError(f"ddp_bucket_size must be >= 1 element, got {self.ddp_bucket_size}")
+        if self.ddp_num_buckets is not None and (  # as Megatron: a count or a size
+            self.ddp_num_buckets < 1 or self.ddp_bucket_size is not None
+        ):
+            raise ConfigError(
+                f"ddp_num_buckets {self.ddp_num_buckets}: give a count >= 1 and not together "
+                f"with ddp_bucket_size ({self.ddp_bucket_size}); drop one of the two"
+            )
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ConfigError(
+                "overlap_param_gather needs use_distributed_optimizer (it overlaps ZeRO-1's "
+                "parameter all-gather with the next forward); turn it on or drop "
+                "overlap_param_gather"
+            )
+        if self.overlap_grad_reduce and not self.use_distributed_optimizer:
+            raise ConfigError(
+                "overlap_grad_reduce is implemented for use_distributed_optimizer only; turn it "
+                "on, or drop overlap_grad_reduce (the all-reduce then runs after backward)"
+            )
+        cp = self.context_parallel_size
+        if not isinstance(cp, int) or cp < 1:
+            raise ConfigError(f"context_parallel_size must be an integer >= 1, got {cp!r}")
+        if self.world_size is not None:
+            mp = self.model_parallel_size
+            tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+            if self.world_size < 1 or self.world_size % mp:
+                raise ConfigError(
+                    f"world size {self.world_size} is not divisible by tensor_model_parallel_size "
+                    f"{tp} x pipeline_model_parallel_size {pp} = {mp}; launch a multiple of {mp} "
+                    "processes or change the sizes"
+                )
+            if self.world_size % (mp * cp):
+                raise ConfigError(
+                    f"world size {self.world_size} is not divisible by tensor x pipeline "
+                    f"model-parallel size {mp} x context_parallel_size {cp} = {mp * cp}; launch a "
+                    f"multiple of {mp * cp} processes or change the sizes"
+                )
