@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.core.parallel_state import ParallelState
-from megalite.planning.measure import measure_step
+from megalite.measure.saved_tensors import measure_step
 from megalite.planning.predict import predict_for_config
 from megalite.training.forward_step import make_forward_step
 from megalite.training.pretrain import build_run, mesh_for
