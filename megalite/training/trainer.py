@@ -76,10 +76,10 @@ class FirstStepHook:
 
     ``around_first_step`` returns a context manager the trainer enters just before its first
     ``step`` (forward, backward, optimizer step) and leaves right after it, whether or not that
-    step updated the weights. ``after_first_update`` runs once, after the first step whose
-    optimizer update was applied (an fp16 step the loss scaler skips is not one), before that
-    step's ``around_first_step`` contexts are left when it is the first step. Hooks run in the
-    order they were given; contexts are left in reverse."""
+    step updated the weights. ``after_first_update`` runs once, right after the first step whose
+    optimizer update was applied (an fp16 step the loss scaler skips is not one): inside the
+    contexts when that is the first step. Hooks run in the order given; contexts are left in
+    reverse."""
 
     def around_first_step(self, trainer: Trainer) -> AbstractContextManager:
         return nullcontext()

@@ -3,9 +3,9 @@ r"""The planner on published training configurations: does its memory fit, is it
     python tools/bench/planner_published.py            # prints the table of docs/PLANNER.md
 
 Each row is a published run (model, GPUs, layout, batch, and the MFU its authors report, cited in
-docs/PLANNER.md), mapped onto the same layout in megalite (interleaving, CP, ZeRO-3 for FSDP and
-EP have landed; the note says what still differs). The planner's default efficiency per GPU
-preset is used, no calibration on those GPUs.
+docs/PLANNER.md), mapped onto the same layout in megalite (interleaving, CP, EP, ZeRO-3 for
+FSDP; the note says what still differs). The planner's default efficiency per GPU preset is used,
+no calibration on those GPUs.
 """
 
 from __future__ import annotations
