@@ -24,12 +24,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 # c10d op -> (the op as counted, the argument that holds the counted tensor, or a list of them)
 _OPS = {
-    "allreduce_": ("all_reduce", 0),  # dist.all_reduce
-    "_allgather_base_": ("all_gather", 0),  # all_gather_single / all_gather_into_tensor: output
-    "_reduce_scatter_base_": ("reduce_scatter", 1),  # reduce_scatter_single / _tensor: input
-    "alltoall_base_": ("all_to_all", 1),  # all_to_all_single: input
-    "broadcast_": ("broadcast", 0),
-    "send": ("p2p", 0),  # send, isend (batch_isend_irecv's sends too)
+    "c10d::allreduce_": ("all_reduce", 0),  # dist.all_reduce
+    "c10d::_allgather_base_": ("all_gather", 0),  # all_gather_single / _into_tensor: the output
+    "c10d::_reduce_scatter_base_": ("reduce_scatter", 1),  # reduce_scatter_single / _tensor: input
+    "c10d::alltoall_base_": ("all_to_all", 1),  # all_to_all_single: the input
+    "c10d::broadcast_": ("broadcast", 0),
+    "c10d::send": ("p2p", 0),  # send, isend (batch_isend_irecv's sends too)
 }
 
 
@@ -50,8 +50,9 @@ class CommLog(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace == "c10d" and func._opname in _OPS:
-            op, arg = _OPS[func._opname]
+        counted = _OPS.get(func.name())
+        if counted is not None:
+            op, arg = counted
             if op == "p2p":
                 size = 2
             else:  # the op's process group, as the dispatcher carries it
