@@ -16,35 +16,35 @@ full disk at a save -- prints one line ``error: ...`` naming the flag or file an
 status 2 for flags (also a config parsed for one world size and run on another), 1 otherwise (a run
 stopped by a NaN/inf loss prints ``error: iteration N: ...``). Inputs and outputs are checked at
 start-up, before any process group (megalite.training.startup_checks); a bug shows its traceback.
+
+Besides the training log, the first step is held against the planner's prediction for the run's
+own layout (``megalite.measure.first_step``): one line each, and TensorBoard scalars.
 """
 
 from __future__ import annotations
 
 import sys
 
+from megalite.errors import run_main
+from megalite.measure.first_step import FirstStepComparison
+from megalite.training.arguments import build_parser, flag_message, parse_args, with_tokenizer
+from megalite.training.config import ConfigError
+from megalite.training.pretrain import TrainingError, pretrain
+
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
     if "-h" in argv or "--help" in argv:
-        from megalite.training.arguments import build_parser
-
         build_parser().print_help()
         return 0
-    from megalite.errors import run_main
-    from megalite.training.pretrain import TrainingError
-
     return run_main(_pretrain, argv, user_errors={TrainingError: 1})
 
 
 def _pretrain(argv: list[str]) -> int:
-    from megalite.training.arguments import flag_message, parse_args, with_tokenizer
-    from megalite.training.config import ConfigError
-    from megalite.training.pretrain import pretrain
-
     try:
         cfg = with_tokenizer(parse_args(argv))
-        pretrain(cfg)
+        pretrain(cfg, first_step_hooks=[FirstStepComparison()])
     except ConfigError as e:  # field names (a config parsed for another world size) -> flags
         raise ConfigError(flag_message(str(e))) from None
     return 0

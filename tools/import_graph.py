@@ -35,6 +35,7 @@ ALLOWED: dict[str, set[str]] = {
     "inference": {"checkpoint", "models", "core"},
     "training": {"checkpoint", "models", "core", "data"},
     "planning": {"training", "checkpoint", "models", "core", "data"},
+    "measure": {"planning", "training", "checkpoint", "models", "core", "data"},
     "__init__": {"core", "models", "data", "checkpoint", "conversion", "inference", "training"},
 }
 

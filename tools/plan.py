@@ -23,10 +23,13 @@ import argparse
 import os
 import sys
 
-from megalite.planning.cluster import calibrated, load_calibration, preset
-from megalite.planning.presets import MODEL_PRESETS, REFUSED_PRESETS
-from megalite.planning.report import breakdown, ranking_table
-from megalite.planning.search import explain, search
+# run as a script: the repository root on the path, for the calibration harness in tools/planner
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megalite.planning.cluster import calibrated, load_calibration, preset  # noqa: E402
+from megalite.planning.presets import MODEL_PRESETS, REFUSED_PRESETS  # noqa: E402
+from megalite.planning.report import breakdown, ranking_table  # noqa: E402
+from megalite.planning.search import explain, search  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     precision.add_argument("--fp32", action="store_true")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--explain", action="store_true")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
-                   help="worker processes for a large search (default: every core)")  # fmt: skip
+    jobs_help = "worker processes for a large search (default: every core)"
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help=jobs_help)
     p.add_argument("--calibrate", action="store_true", help="measure this machine, then exit")
     p.add_argument("--calibration-out", default="plan_calibration.json")
     return p
@@ -97,7 +100,9 @@ def main(argv: list[str] | None = None, out=None) -> int:
     args, rest = build_parser().parse_known_args(argv)
     try:
         if args.calibrate:
-            from megalite.planning.calibrate import calibrate_and_save
+            # the harness builds real runs (the training loop, data): imported only to calibrate,
+            # so a search (and each of its worker processes) starts without them
+            from tools.planner.calibrate import calibrate_and_save
 
             calibrate_and_save(args.calibration_out, out=out)
             return 0

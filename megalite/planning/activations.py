@@ -1,7 +1,7 @@
 """Activation bytes one rank keeps for backward, from the tensors megalite's own modules save.
 
 Each term below is a tensor autograd saves in megalite's forward (checked against saved-tensor
-hooks, ``planning.measure.SavedTensorMeter``, in tests/planning), counted once per storage:
+hooks, ``measure.saved_tensors.SavedTensorMeter``, in tests/planning), counted once per storage:
 views share their base's storage, and a tensor saved by two ops counts once. Per micro-batch,
 with ``T = s b`` tokens, ``Tn = T / tp`` under sequence parallel (else ``T``), ``e`` the
 activation dtype's bytes, ``n, g`` heads and query groups per TP rank, ``d`` the head dim,
@@ -28,40 +28,26 @@ checkpointed chunk, ``selective`` drops the attention core's logsumexp (and, unf
 ``s x s`` scores) and recomputes them in backward; the recomputation's own activations are the
 transient ``backward_peak``.
 
-The schedule decides how many micro-batches are in flight (``IN_FLIGHT``); the peak a stage holds
-is that many micro-batches' saved bytes plus the transient of a recomputed chunk in backward.
+The schedule decides how many micro-batches are in flight (its action list replayed,
+``replay_peak``); the peak a stage holds is that many micro-batches' saved bytes plus the
+transient of a recomputed chunk in backward.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
+from megalite.core.moe.router import expert_capacity
+from megalite.core.pipeline_parallel.generators import SCHEDULES, generate, layout_of
 from megalite.models.config import GPTConfig
-
-
-def _in_flight_1f1b(pp_rank: int, pp: int, m: int, v: int = 1) -> int:
-    # warmup of pp - pp_rank - 1 forwards, then one more before the first backward
-    return min(pp - pp_rank, m)
-
-
-def _in_flight_gpipe(pp_rank: int, pp: int, m: int, v: int = 1) -> int:
-    return m  # every forward before any backward
-
-
-# Micro-batches (x model chunks) whose activations a pipeline rank holds at its peak, per schedule:
-# (pp_rank, pp_size, num_microbatches, virtual stages) -> count of (micro-batch, chunk) pairs.
-# The closed forms of the two single-chunk schedules; every schedule (``MODELLED_SCHEDULES``) is
-# predicted by replaying its action list (``replay_peak``), which these agree with.
-IN_FLIGHT: dict[str, Callable[[int, int, int, int], int]] = {
-    "1f1b": _in_flight_1f1b,
-    "gpipe": _in_flight_gpipe,
-}
-
+from megalite.models.moe_config import moe_layer_pattern
+from megalite.planning.model_state import DTYPE_BYTES
+from megalite.training.model_chunks import stage_blocks
 
 CP_MODELLED = ("p2p", "all_gather")  # --cp-comm-type values whose saved tensors are modelled
-MODELLED_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")
+# every schedule the pipeline runs: each is predicted by replaying its own action lists
+MODELLED_SCHEDULES = SCHEDULES
 
 
 @dataclass
@@ -108,6 +94,7 @@ def fused_norms(c: GPTConfig, device: str) -> bool:
         return False
     if device != "cpu":
         return True
+    # TEMPORARY (only core.fusions may read the kernels' runtime): until fusions answers this
     from megalite.kernels import runtime
 
     return runtime.interpreting() and runtime.kernels_ready()
@@ -188,8 +175,6 @@ def expert_rows(c: GPTConfig, m: MoEShape, tokens: int) -> float:
     """Routed (token, expert) rows this rank's experts compute for ``tokens`` local tokens: exact
     with one expert group or padded capacity, else the balanced-routing expectation (dropless
     routing is data-dependent: the planner assumes every expert gets its share)."""
-    from megalite.core.moe.router import expert_capacity
-
     k, E = c.moe_router_topk, c.num_experts
     if c.moe_token_dispatcher_type == "alltoall" and c.moe_pad_expert_input_to_capacity:
         cap = expert_capacity(tokens, E, k, c.moe_expert_capacity_factor)
@@ -269,22 +254,17 @@ def _chunk_activations(
     fused: bool = False,
 ) -> tuple[int, int, int, int]:
     """(layers, per_layer, extras, backward_peak) of one model chunk for one micro-batch."""
-    from megalite.models.moe_config import moe_layer_pattern
-
     b, s = micro_batch_size, c.seq_length // cp
     tokens = s * b
     n_layers = layers[1] - layers[0]
     selective = c.recompute_granularity == "selective"
     pattern = moe_layer_pattern(c)
-    each = [
-        layer_bytes(
-            c, tokens=tokens, b=b, tp=tp, e=e, selective=selective, mask_bytes=mask_bytes,
-            cpu=cpu, cp=cp, moe=moe if pattern[i] else None, fused=fused,
-        )
-        for i in range(*layers)
-    ]  # fmt: skip
-    per_layer = max(each, default=0)
     common = dict(tokens=tokens, tp=tp, e=e, mask_bytes=mask_bytes, cp=cp, fused=fused)
+    each = [
+        layer_bytes(c, **common, b=b, selective=selective, cpu=cpu, moe=moe if pattern[i] else None)
+        for i in range(*layers)
+    ]
+    per_layer = max(each, default=0)
     extras = stage_extras(c, **common, first=first, last=last)
     # in backward the loss and output layer are freed before any layer is recomputed
     early_extras = stage_extras(c, **common, first=first, last=False)
@@ -335,11 +315,10 @@ def schedule_lists(schedule: str, pp: int, m: int, vp: int, group: int | None) -
     """The schedule's compute actions, one tuple per pipeline rank (``generators.generate``):
     the same for every layout of this shape, so built once (the planner's search asks for them
     thousands of times; callers only read them)."""
-    from megalite.core.pipeline_parallel.generators import generate, layout_of
-
     chunks = layout_of(schedule, pp, vp).num_chunks
-    lists = generate(schedule, pp_size=pp, num_microbatches=m, num_chunks=chunks,
-                     microbatch_group_size=group)  # fmt: skip
+    lists = generate(
+        schedule, pp_size=pp, num_microbatches=m, num_chunks=chunks, microbatch_group_size=group
+    )
     return tuple(tuple(rank) for rank in lists)
 
 
@@ -364,10 +343,6 @@ def stage_activations(
     ``vp`` model chunks per rank (the V schedules: 2): the schedule's own action list for this
     rank is replayed (``replay_peak``), so each schedule's in-flight micro-batches and chunks,
     uneven chunks included, come from the lists the executor runs."""
-    from megalite.core.pipeline_parallel.generators import layout_of
-    from megalite.planning.model_state import DTYPE_BYTES
-    from megalite.training.model_chunks import stage_blocks
-
     e = DTYPE_BYTES[precision]
     mask_bytes = e if device == "cpu" else 1  # CPU dropout saves its scaled noise, CUDA a bool
     layout = layout_of(schedule, pp, vp)
@@ -380,11 +355,20 @@ def stage_activations(
         s = layout.stage(pp_rank, chunk)
         parts.append(
             _chunk_activations(
-                c, layers=blocks[s], first=s == 0, last=s == layout.num_stages - 1,
-                micro_batch_size=micro_batch_size, tp=tp, e=e, mask_bytes=mask_bytes,
-                cpu=device == "cpu", cp=cp, moe=moe, fused=fused,
+                c,
+                layers=blocks[s],
+                first=s == 0,
+                last=s == layout.num_stages - 1,
+                micro_batch_size=micro_batch_size,
+                tp=tp,
+                e=e,
+                mask_bytes=mask_bytes,
+                cpu=device == "cpu",
+                cp=cp,
+                moe=moe,
+                fused=fused,
             )
-        )  # fmt: skip
+        )
     layers = sum(p[0] for p in parts)
     extras = sum(p[2] for p in parts)
     per_layer = parts[0][1]

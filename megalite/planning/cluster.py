@@ -9,7 +9,8 @@ cost per layer per micro-batch pass (kernel launches on GPU, op dispatch on CPU)
 step, ``cores`` the CPU cores the ranks of a CPU run share
 (a rank waiting in the pipeline's bubble lends its core; 0 on GPUs: a device per rank).
 
-Calibration file (JSON, written by ``calibrate.calibrate`` and read by ``load_calibration``)::
+Calibration file (JSON, written by ``tools/plan.py --calibrate``, ``tools/planner/calibrate.py``,
+and read by ``load_calibration``)::
 
     {"format": "megalite-plan-calibration/1", "device": "...", "peak_tflops": 989.0,
      "efficiency": 0.62, "layer_overhead_s": 2e-5, "step_overhead_s": 0.0, "cores": 0,
@@ -26,6 +27,15 @@ from pathlib import Path
 
 CALIBRATION_FORMAT = "megalite-plan-calibration/1"
 GIB = 2**30
+
+
+def bus_factor(op: str, n: int) -> float:
+    """Bytes on the busiest link per byte of the op's full tensor (nccl-tests' convention)."""
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op == "p2p":
+        return 1.0
+    return (n - 1) / n  # all_gather, reduce_scatter, all_to_all
 
 
 @dataclass(frozen=True)
@@ -67,15 +77,13 @@ class Cluster:
     ) -> float:
         """One ``op`` (``traffic.Comm``'s names) of ``nbytes`` over ``n`` ranks spanning ``span``
         consecutive global ranks: ``latency + bus_factor x bytes / bus bandwidth``, with the
-        op's own calibrated figures inside a node where the calibration has them
-        (``calibrate_comm``: between busy ranks), else the link's bandwidth and
+        op's own calibrated figures inside a node where the calibration has them (measured
+        between busy ranks, ``tools/planner/calibrate_comm.py``), else the link's bandwidth and
         ``collective_latency_s`` (a reduce-scatter: ``reduce_scatter_cost`` of an all-reduce).
         ``overlapped``: posted before compute and waited on after it (the CP ring), so no rank
         sleeps through the latency: the transfer alone. ``synced``: right after another collective
         of the same ranks with only elementwise work between, so the ranks arrive in step: the
         op's idle latency where calibrated."""
-        from megalite.planning.calibrate_comm import bus_factor
-
         if n <= 1 or nbytes <= 0:
             return 0.0
         figures = self.calibration.get("collectives", {}).get(op, {})
@@ -101,14 +109,20 @@ class Cluster:
 # is lower than the link's rating; these are the usual measured figures (nccl-tests). The default
 # efficiency (share of peak the model's GEMMs reach, other ops folded in) is an assumption, not a
 # fit: calibrate on the GPUs you plan for.
-PRESETS: dict[str, dict] = {
-    "H100": dict(gpu_memory_gib=80, peak_tflops=989.0, intra_node_gbps=360.0,
-                 inter_node_gbps=45.0, gpus_per_node=8, efficiency=0.6),
-    "H200": dict(gpu_memory_gib=141, peak_tflops=989.0, intra_node_gbps=360.0,
-                 inter_node_gbps=45.0, gpus_per_node=8, efficiency=0.6),
-    "A100": dict(gpu_memory_gib=80, peak_tflops=312.0, intra_node_gbps=230.0,
-                 inter_node_gbps=22.0, gpus_per_node=8, efficiency=0.7),
-}  # fmt: skip
+_PRESET_FIELDS = (
+    "gpu_memory_gib",
+    "peak_tflops",
+    "intra_node_gbps",
+    "inter_node_gbps",
+    "gpus_per_node",
+    "efficiency",
+)
+_PRESET_ROWS = {  # the fields above, in order
+    "H100": (80, 989.0, 360.0, 45.0, 8, 0.6),
+    "H200": (141, 989.0, 360.0, 45.0, 8, 0.6),
+    "A100": (80, 312.0, 230.0, 22.0, 8, 0.7),
+}
+PRESETS: dict[str, dict] = {name: dict(zip(_PRESET_FIELDS, r)) for name, r in _PRESET_ROWS.items()}
 
 
 def preset(name: str, gpus: int, **overrides) -> Cluster:

@@ -7,10 +7,10 @@ The parameters of a rank are listed in registration order (``param_numels``, mir
 figures compare field by field.
 
 A rung is a row of ``ZERO_RUNGS``: which of params, grads and fp32 master + Adam states are
-sharded over DP. Bytes per parameter for bf16 params, fp32 grads and masters (``4 + 12/N`` for
-ZeRO-1, Megatron's ``optim``) follow from the row; the ZeRO-2/3 rows (``optim_grads``,
-``optim_grads_params``) and CPU offload (``offload_fraction``: the share of master + Adam state
-held in host memory) plug in here when issue 13 lands.
+sharded over DP. Bytes per parameter follow from the row: with bf16 params and grads (fp32
+masters), ``4 + 12/N`` for ZeRO-1 (Megatron's ``optim``), ``2 + 14/N`` for ZeRO-2
+(``optim_grads``), ``16/N`` for ZeRO-3 (``optim_grads_params``); CPU offload
+(``offload_fraction``) moves that share of the sharded master + Adam state to host memory.
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ from dataclasses import dataclass
 
 from megalite.core.distributed.grad_buffer import GradBufferLayout
 from megalite.core.optimizer.memory_report import ModelStateBytes
+from megalite.core.pipeline_parallel.generators import layout_of
 from megalite.models.config import GPTConfig
+from megalite.models.moe_config import moe_layer_pattern
+from megalite.training.model_chunks import stage_blocks
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -81,8 +84,6 @@ def _chunk_params(
     borrow: bool,
 ) -> list[tuple[str, int, bool, str]]:
     """(name, elements, expert, unit name) of one GPT chunk in registration order."""
-    from megalite.models.moe_config import moe_layer_pattern
-
     h, t = cfg.hidden_size, tp
     vocab = cfg.padded_vocab_size(tp) // t
     bias = cfg.add_bias_linear
@@ -156,9 +157,6 @@ def rank_params(
     order: the rank's chunks in chunk order (``training.model_chunks``), each ``GPTModel``'s
     order inside. ZeRO-3 units: one per embedding / layer / final norm / output layer of a single
     chunk; a whole chunk when the rank holds several (``Zero3DataParallel``'s default units)."""
-    from megalite.core.pipeline_parallel.generators import layout_of
-    from megalite.training.model_chunks import stage_blocks
-
     layout = layout_of(schedule, pp, vp)
     blocks = stage_blocks(cfg, layout)
     stages = [layout.stage(pp_rank, c) for c in range(layout.num_chunks)]
@@ -167,10 +165,17 @@ def rank_params(
     units: dict[str, int] = {}
     for c, s in enumerate(stages):
         last = s == layout.num_stages - 1
-        for name, n, expert, unit in _chunk_params(
-            cfg, tp=tp, etp=etp or tp, ep=ep, layers=blocks[s], first=s == 0, last=last,
+        params = _chunk_params(
+            cfg,
+            tp=tp,
+            etp=etp or tp,
+            ep=ep,
+            layers=blocks[s],
+            first=s == 0,
+            last=last,
             borrow=holds_first,
-        ):  # fmt: skip
+        )
+        for name, n, expert, unit in params:
             key = unit if len(stages) == 1 else f"chunk{c}"
             prefix = "" if len(stages) == 1 else f"chunks.{c}."
             out.append(ParamSpec(prefix + name, n, expert, units.setdefault(key, len(units))))
@@ -211,9 +216,10 @@ def model_state_bytes(
     ``offload_fraction``: the share of each optimizer shard held on the host (``host``)."""
     r = ZERO_RUNGS[rung]
     if not r.available:
-        raise NotImplementedError(f"ZeRO rung {rung} is not implemented yet (issue 13)")
-    specs = rank_params(cfg, tp=tp, pp=pp, pp_rank=pp_rank, schedule=schedule, vp=vp, ep=ep,
-                        etp=etp)  # fmt: skip
+        raise NotImplementedError(f"ZeRO rung {rung} is not implemented yet")
+    specs = rank_params(
+        cfg, tp=tp, pp=pp, pp_rank=pp_rank, schedule=schedule, vp=vp, ep=ep, etp=etp
+    )
     p_bytes = DTYPE_BYTES[precision]
     g_bytes = 4 if grads_in_fp32 else p_bytes
     master_bytes = 0 if p_bytes == 4 else 4

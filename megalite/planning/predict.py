@@ -10,7 +10,9 @@ from dataclasses import dataclass, replace
 
 from megalite.core.optimizer.memory_report import ModelStateBytes
 from megalite.planning.activations import StageActivations, stage_activations
-from megalite.planning.model_state import model_state_bytes
+from megalite.planning.model_state import ZERO_RUNGS, model_state_bytes
+from megalite.training.config import PretrainConfig
+from megalite.training.model_chunks import effective_schedule, num_model_chunks
 
 
 @dataclass(frozen=True)
@@ -43,13 +45,9 @@ class Layout:
 
     def flags(self) -> list[str]:
         """The pretrain_gpt.py flags of this layout."""
-        from megalite.planning.model_state import ZERO_RUNGS
-
-        out = [
-            "--tensor-model-parallel-size", str(self.tp),
-            "--pipeline-model-parallel-size", str(self.pp),
-            "--micro-batch-size", str(self.micro_batch_size),
-        ]  # fmt: skip
+        out = ["--tensor-model-parallel-size", str(self.tp)]
+        out += ["--pipeline-model-parallel-size", str(self.pp)]
+        out += ["--micro-batch-size", str(self.micro_batch_size)]
         if self.sequence_parallel:
             out.append("--sequence-parallel")
         if self.cp > 1:
@@ -68,16 +66,16 @@ class Layout:
             if self.rung != "optim_grads_params":  # ZeRO-3 gathers per unit itself
                 out.append("--overlap-param-gather")
         if self.offload_fraction:
-            out += ["--optimizer-cpu-offload", "--optimizer-offload-fraction",
-                    str(self.offload_fraction)]  # fmt: skip
+            out += ["--optimizer-cpu-offload"]
+            out += ["--optimizer-offload-fraction", str(self.offload_fraction)]
         if self.recompute == "selective":
             out += ["--recompute-granularity", "selective"]
-        elif self.recompute == "full":
-            out += ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                    "--recompute-num-layers", "1"]  # fmt: skip
-        elif self.recompute:  # "block<N>": the first N layers of each chunk
-            out += ["--recompute-granularity", "full", "--recompute-method", "block",
-                    "--recompute-num-layers", self.recompute.removeprefix("block")]  # fmt: skip
+        elif self.recompute:  # full: every layer; "block<N>": the first N layers of each chunk
+            full = self.recompute == "full"
+            method = "uniform" if full else "block"
+            layers = "1" if full else self.recompute.removeprefix("block")
+            out += ["--recompute-granularity", "full", "--recompute-method", method]
+            out += ["--recompute-num-layers", layers]
         return out
 
     def name(self) -> str:
@@ -100,10 +98,8 @@ class Layout:
         return " ".join(parts)
 
 
-def layout_of(cfg, *, dp: int) -> Layout:
+def layout_of(cfg: PretrainConfig, *, dp: int) -> Layout:
     """The layout a ``PretrainConfig`` runs with on a mesh of data-parallel size ``dp``."""
-    from megalite.training.model_chunks import effective_schedule, num_model_chunks
-
     par, m = cfg.parallel, cfg.model
     return Layout(
         tp=par.tensor_model_parallel_size,
@@ -208,7 +204,7 @@ def predict_memory(
 
 
 def predict_for_config(
-    cfg,
+    cfg: PretrainConfig,
     *,
     dp: int,
     dp_ranks: list[int] | None = None,

@@ -6,30 +6,34 @@ cards; Mistral's Mixtral 8x7B config: Llama-shaped, 8 experts, top-2, 32K vocabu
 
 from __future__ import annotations
 
+NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
+
 
 def _gpt(layers: int, hidden: int, heads: int, seq: int = 1024) -> dict:
-    return {
-        "argv": ["--num-layers", str(layers), "--hidden-size", str(hidden),
-                 "--num-attention-heads", str(heads), "--seq-length", str(seq),
-                 "--max-position-embeddings", str(seq), "--attention-dropout", "0",
-                 "--hidden-dropout", "0"],
-        "vocab_size": 50257,
-    }  # fmt: skip
+    argv = ["--num-layers", str(layers), "--hidden-size", str(hidden)]
+    argv += ["--num-attention-heads", str(heads), "--seq-length", str(seq)]
+    argv += ["--max-position-embeddings", str(seq), *NO_DROPOUT]
+    return {"argv": argv, "vocab_size": 50257}
 
 
-def _llama(layers: int, hidden: int, heads: int, groups: int, ffn: int, vocab: int, seq: int,
-           base: int = 10000) -> dict:  # fmt: skip
+def _llama(
+    layers: int,
+    hidden: int,
+    heads: int,
+    groups: int,
+    ffn: int,
+    vocab: int,
+    seq: int,
+    base: int = 10000,
+) -> dict:
     gqa = ["--group-query-attention", "--num-query-groups", str(groups)] if groups != heads else []
-    return {
-        "argv": ["--num-layers", str(layers), "--hidden-size", str(hidden),
-                 "--num-attention-heads", str(heads), *gqa, "--ffn-hidden-size", str(ffn),
-                 "--seq-length", str(seq), "--max-position-embeddings", str(seq),
-                 "--position-embedding-type", "rope", "--rotary-base", str(base),
-                 "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
-                 "--untie-embeddings-and-output-weights", "--attention-dropout", "0",
-                 "--hidden-dropout", "0"],
-        "vocab_size": vocab,
-    }  # fmt: skip
+    argv = ["--num-layers", str(layers), "--hidden-size", str(hidden)]
+    argv += ["--num-attention-heads", str(heads), *gqa, "--ffn-hidden-size", str(ffn)]
+    argv += ["--seq-length", str(seq), "--max-position-embeddings", str(seq)]
+    argv += ["--position-embedding-type", "rope", "--rotary-base", str(base)]
+    argv += ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear"]
+    argv += ["--untie-embeddings-and-output-weights", *NO_DROPOUT]
+    return {"argv": argv, "vocab_size": vocab}
 
 
 MODEL_PRESETS: dict[str, dict] = {
@@ -49,7 +53,7 @@ MODEL_PRESETS: dict[str, dict] = {
 }
 MODEL_PRESETS["llama3-70b"] = MODEL_PRESETS["llama-70b"]
 MODEL_PRESETS["mixtral-8x7b"] = _llama(32, 4096, 32, 8, 14336, 32000, 4096, 1000000)
-MODEL_PRESETS["mixtral-8x7b"]["argv"] += ["--num-experts", "8", "--moe-router-topk", "2",
-                                          "--moe-token-dispatcher-type", "alltoall"]  # fmt: skip
+MODEL_PRESETS["mixtral-8x7b"]["argv"] += ["--num-experts", "8", "--moe-router-topk", "2"]
+MODEL_PRESETS["mixtral-8x7b"]["argv"] += ["--moe-token-dispatcher-type", "alltoall"]
 # presets named so that asking for them says why they are refused (none today)
 REFUSED_PRESETS: dict[str, str] = {}

@@ -1,4 +1,4 @@
-"""Text tables of a plan: the ranking, one layout's breakdown, and the start-up comparison."""
+"""Text tables of a plan: the ranking, and one layout's breakdown (memory per rank, step time)."""
 
 from __future__ import annotations
 

@@ -22,17 +22,22 @@ evaluates them too.
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 from dataclasses import dataclass, field, replace
 
 from megalite.core.mesh_layout import mesh_sizes
+from megalite.core.pipeline_parallel.generators import V_SHAPED
 from megalite.planning.activations import MODELLED_SCHEDULES
 from megalite.planning.cluster import Cluster
 from megalite.planning.model_state import ZERO_RUNGS
 from megalite.planning.predict import Layout, RankMemory, predict_memory
 from megalite.planning.step_time import StepTime, predict_step_time
+from megalite.training.arguments import build_parser, parse_args
+from megalite.training.config import PretrainConfig
 
-VALIDATION_FLAGS = ["--lr", "1e-4", "--train-iters", "1", "--mock-data",
-                    "--tokenizer-type", "NullTokenizer"]  # fmt: skip
+# the flags validation needs besides the model's and the layout's (placeholders: no run follows)
+VALIDATION_FLAGS = ["--lr", "1e-4", "--train-iters", "1", "--mock-data"]
+VALIDATION_FLAGS += ["--tokenizer-type", "NullTokenizer"]
 
 
 @dataclass
@@ -49,14 +54,21 @@ class Candidate:
         return max((r.total for r in self.memory), default=0)
 
 
-def validate(model_argv: list[str], layout: Layout, *, vocab_size: int, global_batch_size: int,
-             seq_length: int | None = None, extra: list[str] = (), parser=None):  # fmt: skip
+def validate(
+    model_argv: list[str],
+    layout: Layout,
+    *,
+    vocab_size: int,
+    global_batch_size: int,
+    seq_length: int | None = None,
+    extra: list[str] = (),
+    parser=None,
+) -> tuple[PretrainConfig, list[str]]:
     """The ``PretrainConfig`` pretrain_gpt.py builds for these flags on ``layout.world_size``
-    ranks (``ConfigError``/``ValueError`` with its one-line message if it refuses them)."""
-    from megalite.training.arguments import parse_args
-
-    argv = [*model_argv, *layout.flags(), "--global-batch-size", str(global_batch_size),
-            *VALIDATION_FLAGS, "--vocab-size", str(vocab_size), *extra]  # fmt: skip
+    ranks (``ConfigError``/``ValueError`` with its one-line message if it refuses them), and the
+    flags."""
+    argv = [*model_argv, *layout.flags(), "--global-batch-size", str(global_batch_size)]
+    argv += [*VALIDATION_FLAGS, "--vocab-size", str(vocab_size), *extra]
     if seq_length is not None:
         argv += ["--seq-length", str(seq_length)]
     env = {"WORLD_SIZE": str(layout.world_size), "RANK": "0"}
@@ -124,11 +136,23 @@ def candidate_layouts(
         schedules = [("1f1b", 1)]
         if pp > 1:
             schedules = [(name, v) for name in MODELLED_SCHEDULES for v in _chunks(name, space)]
-        for (ep, etp), sp, (schedule, vp), b, rc in itertools.product(
-            _expert_options(num_experts, tp, dp, cp), [tp > 1], schedules, mbs, space.recompute
-        ):  # fmt: skip
-            base = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, sequence_parallel=sp,
-                          schedule=schedule, micro_batch_size=b, recompute=rc, vp=vp)  # fmt: skip
+        experts = _expert_options(num_experts, tp, dp, cp)
+        for (ep, etp), (schedule, vp), b, rc in itertools.product(
+            experts, schedules, mbs, space.recompute
+        ):
+            base = Layout(
+                tp=tp,
+                pp=pp,
+                dp=dp,
+                cp=cp,
+                ep=ep,
+                etp=etp,
+                sequence_parallel=tp > 1,
+                schedule=schedule,
+                micro_batch_size=b,
+                recompute=rc,
+                vp=vp,
+            )
             # ZeRO shards over dp x cp, and the expert state over the expert DP group
             for rung in rungs if dp * cp > 1 or base.edp > 1 else ["no_shard"]:
                 out.append(replace(base, rung=rung))
@@ -138,7 +162,7 @@ def candidate_layouts(
 def _chunks(schedule: str, space: SearchSpace) -> tuple[int, ...]:
     if schedule == "interleaved-1f1b":
         return space.interleaved_vp
-    return (2,) if schedule in ("zb-h1", "zbv", "dualpipev") else (1,)
+    return (2,) if schedule == "zb-h1" or schedule in V_SHAPED else (1,)
 
 
 def evaluate(
@@ -158,9 +182,13 @@ def evaluate(
     one model."""
     try:
         cfg, argv = validate(
-            model_argv, layout, vocab_size=vocab_size, global_batch_size=global_batch_size,
-            extra=extra, parser=parser,
-        )  # fmt: skip
+            model_argv,
+            layout,
+            vocab_size=vocab_size,
+            global_batch_size=global_batch_size,
+            extra=extra,
+            parser=parser,
+        )
     except ValueError as e:
         return Candidate(layout, [], error=str(e).splitlines()[0])
     precision = cfg.optimizer.precision_name
@@ -179,9 +207,13 @@ def evaluate(
     cand.fits = cand.peak_bytes <= cluster.usable_bytes
     if cand.fits or time_misfits:
         cand.step = predict_step_time(
-            cfg.model, layout, cluster, global_batch_size=global_batch_size, precision=precision,
+            cfg.model,
+            layout,
+            cluster,
+            global_batch_size=global_batch_size,
+            precision=precision,
             overlap_grad_reduce=par.overlap_grad_reduce,
-        )  # fmt: skip
+        )
     return cand
 
 
@@ -199,8 +231,9 @@ def lighter(a: str | None, b: str | None) -> bool:
         return False
     if a is None or b == "full":
         return True
-    return (a.startswith("block") and b.startswith("block")
-            and int(a.removeprefix("block")) < int(b.removeprefix("block")))  # fmt: skip
+    if not (a.startswith("block") and b.startswith("block")):
+        return False
+    return int(a.removeprefix("block")) < int(b.removeprefix("block"))
 
 
 def recompute_rank(x: str | None) -> int:
@@ -228,8 +261,6 @@ class _Evaluator:
     exhaustive: bool
 
     def family(self, layouts: list[Layout]) -> SearchResult:
-        from megalite.training.arguments import build_parser
-
         parser, memo, out = build_parser(), {}, SearchResult([], [])
         fitting: dict[Layout, list] = {}  # layout without recompute -> the recomputes that fit
         for layout in sorted(layouts, key=lambda x: recompute_rank(x.recompute)):
@@ -240,10 +271,16 @@ class _Evaluator:
                 out.dominated += 1
                 continue
             cand = evaluate(
-                self.model_argv, layout, self.cluster, vocab_size=self.vocab_size,
-                global_batch_size=self.global_batch_size, extra=self.extra, parser=parser,
-                time_misfits=False, memo=memo,
-            )  # fmt: skip
+                self.model_argv,
+                layout,
+                self.cluster,
+                vocab_size=self.vocab_size,
+                global_batch_size=self.global_batch_size,
+                extra=self.extra,
+                parser=parser,
+                time_misfits=False,
+                memo=memo,
+            )
             if cand.error is None and cand.fits:
                 out.ranked.append(cand)
                 fitting.setdefault(base, []).append(layout.recompute)
@@ -268,21 +305,24 @@ def search(
     at a time, on ``jobs`` worker processes when there are many; the result does not depend on
     ``jobs`` (ties keep the candidates' order)."""
     if layouts is None:
-        cfg, _ = validate(model_argv, Layout(), vocab_size=vocab_size, global_batch_size=1,
-                          extra=extra)  # fmt: skip
+        cfg, _ = validate(
+            model_argv, Layout(), vocab_size=vocab_size, global_batch_size=1, extra=extra
+        )
         layouts = candidate_layouts(
-            cluster, global_batch_size=global_batch_size, seq_length=cfg.model.seq_length,
-            num_experts=cfg.model.num_experts or 0, space=space,
-        )  # fmt: skip
+            cluster,
+            global_batch_size=global_batch_size,
+            seq_length=cfg.model.seq_length,
+            num_experts=cfg.model.num_experts or 0,
+            space=space,
+        )
     order = {layout: i for i, layout in enumerate(layouts)}
     families: dict[tuple, list[Layout]] = {}
     for layout in layouts:
         families.setdefault(family_of(layout), []).append(layout)
-    evaluator = _Evaluator(list(model_argv), cluster, vocab_size, global_batch_size, list(extra),
-                           exhaustive)  # fmt: skip
+    evaluator = _Evaluator(
+        list(model_argv), cluster, vocab_size, global_batch_size, list(extra), exhaustive
+    )
     if jobs > 1 and len(layouts) >= PARALLEL_FROM and len(families) > 1:
-        import multiprocessing
-
         # spawn, not fork: the caller may hold torch's threads
         with multiprocessing.get_context("spawn").Pool(min(jobs, len(families))) as pool:
             parts = pool.map(evaluator.family, list(families.values()), chunksize=1)

@@ -27,10 +27,18 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from megalite.core.pipeline_parallel import simulator
+from megalite.core.pipeline_parallel.actions import with_p2p
+from megalite.core.pipeline_parallel.generators import layout_of
 from megalite.models.config import GPTConfig
+from megalite.models.moe_config import moe_layer_pattern
+from megalite.planning.activations import schedule_lists
 from megalite.planning.cluster import Cluster
-from megalite.planning.model_state import DTYPE_BYTES
+from megalite.planning.model_state import DTYPE_BYTES, rank_params
+from megalite.planning.predict import Layout
+from megalite.planning.traffic import pass_traffic, recomputed_layers, step_traffic
 from megalite.training.flops import model_flops_per_iteration
+from megalite.training.model_chunks import stage_blocks
 
 
 @dataclass
@@ -52,10 +60,15 @@ def _layer_forward_flops(c: GPTConfig, *, tokens: int, s: int, moe: bool) -> flo
     token attends over ``s``, also under CP): the formula megalite logs; a MoE layer's MLP counts
     its ``topk`` experts per token (the router's ``2 h E`` too)."""
     common = dict(
-        hidden_size=c.hidden_size, seq_length=s, global_batch_size=1,
-        num_attention_heads=c.num_attention_heads, kv_channels=c.kv_channels,
-        num_query_groups=c.num_query_groups, swiglu=c.swiglu, padded_vocab_size=0,
-    )  # fmt: skip
+        hidden_size=c.hidden_size,
+        seq_length=s,
+        global_batch_size=1,
+        num_attention_heads=c.num_attention_heads,
+        kv_channels=c.kv_channels,
+        num_query_groups=c.num_query_groups,
+        swiglu=c.swiglu,
+        padded_vocab_size=0,
+    )
     per_token = tokens / (3 * s)
     attention = model_flops_per_iteration(num_layers=1, ffn_hidden_size=0, **common) * per_token
     if not moe:
@@ -72,31 +85,32 @@ def pipeline_program(schedule: str, pp: int, m: int, vp: int, group: int | None)
     """The schedule's action lists with their sends and receives, one per pipeline rank: the same
     for every layout with this schedule and shape (the search asks for it thousands of times;
     the simulator only reads it)."""
-    from megalite.core.pipeline_parallel.actions import with_p2p
-    from megalite.core.pipeline_parallel.generators import layout_of
-    from megalite.planning.activations import schedule_lists
-
     lists = [list(rank) for rank in schedule_lists(schedule, pp, m, vp, group)]
     return tuple(tuple(rank) for rank in with_p2p(lists, layout_of(schedule, pp, vp)))
 
 
 @functools.lru_cache(maxsize=4096)
-def simulated_step(schedule: str, pp: int, m: int, vp: int, group: int | None,
-                   stages: tuple, p2p: float, cores: float | None) -> float:  # fmt: skip
+def simulated_step(
+    schedule: str,
+    pp: int,
+    m: int,
+    vp: int,
+    group: int | None,
+    stages: tuple,
+    p2p: float,
+    cores: float | None,
+) -> float:
     """The simulator's step time of ``pipeline_program`` at per-stage (F, I, W) costs ``stages``:
     layouts that differ only in what the pipeline does not see (the ZeRO rung, offload) share
     one replay."""
-    from megalite.core.pipeline_parallel.generators import layout_of
-    from megalite.core.pipeline_parallel.simulator import Costs, simulate
-
     program = pipeline_program(schedule, pp, m, vp, group)
-    costs = Costs(stages=list(stages), p2p=p2p)
-    return simulate(program, layout_of(schedule, pp, vp), costs, cores=cores).step_time
+    costs = simulator.Costs(stages=list(stages), p2p=p2p)
+    return simulator.simulate(program, layout_of(schedule, pp, vp), costs, cores=cores).step_time
 
 
 def predict_step_time(
     c: GPTConfig,
-    layout,
+    layout: Layout,
     cluster: Cluster,
     *,
     global_batch_size: int,
@@ -107,15 +121,13 @@ def predict_step_time(
     (``pipeline_parallel.simulator.simulate``) run over the schedule's own action lists
     (``generators.generate``) with each stage's own costs (``Costs(stages=...)``) and, on a CPU,
     the ranks sharing its cores; its makespan less the busiest rank's work is the bubble."""
-    from megalite.core.pipeline_parallel.generators import layout_of
-    from megalite.models.moe_config import moe_layer_pattern
-    from megalite.planning.traffic import pass_traffic, recomputed_layers, step_traffic
-    from megalite.training.model_chunks import stage_blocks
 
     def cost(comms) -> float:
-        return sum(cluster.collective_seconds(x.op, x.nbytes, x.n, x.span,
-                                              overlapped=x.overlapped, synced=x.synced) * x.count
-                   for x in comms)  # fmt: skip
+        seconds = cluster.collective_seconds
+        return sum(
+            seconds(x.op, x.nbytes, x.n, x.span, overlapped=x.overlapped, synced=x.synced) * x.count
+            for x in comms
+        )
 
     tp, pp, dp, b = layout.tp, layout.pp, layout.dp, layout.micro_batch_size
     cp, ep = layout.cp, layout.ep
@@ -151,8 +163,10 @@ def predict_step_time(
         bwd = (2 * fwd_flops + recompute) / tp / rate + 2 * n_layers * cluster.layer_overhead_s
         bwd += cluster.chunk_overhead_s
         n_moe = sum(moe[start:end])
-        fwd_c, bwd_c = pass_traffic(c, layout, n_layers=n_layers, n_moe=n_moe, first=st == 0,
-                                    last=st == stages.num_stages - 1, e=e)  # fmt: skip
+        last = st == stages.num_stages - 1
+        fwd_c, bwd_c = pass_traffic(
+            c, layout, n_layers=n_layers, n_moe=n_moe, first=st == 0, last=last, e=e
+        )
         comm_f, comm_b = cost(fwd_c), cost(bwd_c)
         stage_f.append(f + comm_f)
         stage_b.append(bwd + comm_b)
@@ -161,10 +175,12 @@ def predict_step_time(
     send = act_bytes / (tp if layout.sequence_parallel else 1)
     p2p = cluster.collective_seconds("p2p", send, 2, pp_span) if pp > 1 else 0.0
     chunks = stages.num_chunks
-    busy_rank = [
-        m * sum(stage_f[stages.stage(r, ch)] + stage_b[stages.stage(r, ch)] for ch in range(chunks))
-        for r in range(pp)
-    ]  # fmt: skip
+
+    def on_rank(r: int, per_stage) -> float:
+        """``per_stage(stage)`` over pipeline rank ``r``'s chunks, for ``m`` micro-batches."""
+        return m * sum(per_stage(stages.stage(r, ch)) for ch in range(chunks))
+
+    busy_rank = [on_rank(r, lambda x: stage_f[x] + stage_b[x]) for r in range(pp)]
     busiest_total = max(busy_rank)
     world = tp * pp * dp * cp
     shared = 0 < cluster.cores < world  # CPU: ranks are processes sharing the cores
@@ -172,23 +188,17 @@ def predict_step_time(
     if pp > 1:
         # B = I + W with half of the backward in W (the weight-grad GEMMs); a pipeline rank is
         # world // pp processes computing in step: cores / group per rank
+        costs = tuple((f, bw / 2, bw / 2) for f, bw in zip(stage_f, stage_b))
+        cores = cluster.cores / (world // pp) if shared else None
         simulated = simulated_step(
-            layout.schedule, pp, m, layout.vp, layout.microbatch_group_size,
-            tuple((f, bw / 2, bw / 2) for f, bw in zip(stage_f, stage_b)), p2p,
-            cluster.cores / (world // pp) if shared else None,
-        )  # fmt: skip
+            layout.schedule, pp, m, layout.vp, layout.microbatch_group_size, costs, p2p, cores
+        )
         makespan = simulated if shared else max(simulated, busiest_total)
     else:  # the collectives were calibrated among the same sharing ranks: not slowed again
-        comm = m * sum(stage_comm[stages.stage(0, ch)] for ch in range(chunks))
+        comm = on_rank(0, stage_comm.__getitem__)
         makespan = (busiest_total - comm) * slow + comm
-    busiest = max(
-        m * sum(stage_f[stages.stage(r, ch)] + stage_b[stages.stage(r, ch)]
-                - stage_comm[stages.stage(r, ch)] for ch in range(chunks))
-        for r in range(pp)
-    )  # fmt: skip
-    tp_comm = max(
-        m * sum(stage_comm[stages.stage(r, ch)] for ch in range(chunks)) for r in range(pp)
-    )
+    busiest = max(on_rank(r, lambda x: stage_f[x] + stage_b[x] - stage_comm[x]) for r in range(pp))
+    tp_comm = max(on_rank(r, stage_comm.__getitem__) for r in range(pp))
     # per step: the data-parallel grads (ZeRO-2/3: every micro-batch), the tied embedding, SP's
     # replicated grads, the grad norm (traffic.step_traffic), on the rank that sends the most
     # (a grad reduction hides behind the backward under --overlap-grad-reduce; ZeRO-3's gathers
@@ -207,13 +217,21 @@ def predict_step_time(
         return grads + gathers + rest
 
     dp_comm = max(per_step(r) for r in range(pp))
-    from megalite.planning.model_state import rank_params
 
-    params = max(
-        sum(p.numel for p in rank_params(c, tp=tp, pp=pp, pp_rank=r, schedule=layout.schedule,
-                                         vp=layout.vp, ep=ep, etp=layout.etp))
-        for r in range(pp)
-    )  # fmt: skip
+    def rank_numel(r: int) -> int:
+        specs = rank_params(
+            c,
+            tp=tp,
+            pp=pp,
+            pp_rank=r,
+            schedule=layout.schedule,
+            vp=layout.vp,
+            ep=ep,
+            etp=layout.etp,
+        )
+        return sum(p.numel for p in specs)
+
+    params = max(rank_numel(r) for r in range(pp))
     dp_n = dp * cp
     shard = dp_n if layout.rung != "no_shard" else 1
     optimizer = params / shard * cluster.optimizer_s_per_param
@@ -221,11 +239,17 @@ def predict_step_time(
     fixed = cluster.step_overhead_s * slow
     seconds = makespan + dp_comm + optimizer + fixed
     model_flops = model_flops_per_iteration(
-        num_layers=c.num_layers, padded_vocab_size=vocab, hidden_size=h, seq_length=s,
-        global_batch_size=global_batch_size, ffn_hidden_size=c.ffn_hidden_size,
-        num_attention_heads=c.num_attention_heads, kv_channels=c.kv_channels,
-        num_query_groups=c.num_query_groups, swiglu=c.swiglu,
-    )  # fmt: skip
+        num_layers=c.num_layers,
+        padded_vocab_size=vocab,
+        hidden_size=h,
+        seq_length=s,
+        global_batch_size=global_batch_size,
+        ffn_hidden_size=c.ffn_hidden_size,
+        num_attention_heads=c.num_attention_heads,
+        kv_channels=c.kv_channels,
+        num_query_groups=c.num_query_groups,
+        swiglu=c.swiglu,
+    )
     if c.num_experts:  # the FLOPs a MoE model does: topk experts per token
         dense_mlp = _layer_forward_flops(c, tokens=s, s=s, moe=False)
         moe_mlp = _layer_forward_flops(c, tokens=s, s=s, moe=True)

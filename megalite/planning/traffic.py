@@ -5,9 +5,10 @@
 
 A ``Comm`` is one op (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``, ``p2p``)
 over ``n`` ranks on a group spanning ``span`` consecutive global ranks, of ``nbytes`` (the full
-tensor as ``comm_log.CommLog`` counts it: an all-gather's output, a reduce-scatter's input, one
-message), ``count`` times. ``step_time`` charges each with ``Cluster.collective_seconds``;
-``tests/planning/test_traffic.py`` holds the counts against a real step's ``CommLog``.
+tensor as ``measure.comm_log.CommLog`` counts it: an all-gather's output, a reduce-scatter's
+input, one message), ``count`` times. ``step_time`` charges each with
+``Cluster.collective_seconds``; ``tests/planning/test_traffic.py`` holds the counts against a
+real step's ``CommLog``.
 
 Per micro-batch and pass of a stage (megalite's modules, logged):
 
@@ -38,7 +39,13 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, replace
 
+from megalite.core.pipeline_parallel.actions import with_p2p
+from megalite.core.pipeline_parallel.generators import generate, layout_of
 from megalite.models.config import GPTConfig
+from megalite.models.moe_config import moe_layer_pattern
+from megalite.planning.model_state import ParamSpec, rank_params
+from megalite.planning.predict import Layout
+from megalite.training.model_chunks import stage_blocks
 
 
 @dataclass(frozen=True)
@@ -59,7 +66,7 @@ def _keep(comms: list[Comm]) -> list[Comm]:
 
 
 def pass_traffic(
-    c: GPTConfig, layout, *, n_layers: int, n_moe: int, first: bool, last: bool, e: int
+    c: GPTConfig, layout: Layout, *, n_layers: int, n_moe: int, first: bool, last: bool, e: int
 ) -> tuple[list[Comm], list[Comm]]:
     """(forward, backward) of one micro-batch through one stage (module docstring)."""
     tp, cp, b, s, h = layout.tp, layout.cp, layout.micro_batch_size, c.seq_length, c.hidden_size
@@ -75,13 +82,13 @@ def pass_traffic(
         # every all-gather follows a reduce-scatter with only a norm or a residual between
         # (forward: each block's input after the previous block's output; backward the same
         # mirrored), so the ranks meet it in step: ``synced``
-        fwd += [Comm("all_gather", tp, act, tp, per_layer + last, synced=True),
-                Comm("reduce_scatter", tp, act, tp, per_layer + first)]  # fmt: skip
+        fwd.append(Comm("all_gather", tp, act, tp, per_layer + last, synced=True))
+        fwd.append(Comm("reduce_scatter", tp, act, tp, per_layer + first))
         again = 2 * k - (k_moe if c.num_experts else 0)
-        bwd += [Comm("all_gather", tp, act, tp, per_layer + again + first, synced=True),
-                Comm("reduce_scatter", tp, act, tp, per_layer + again + last),
-                # each column-parallel linear saved its input shard: gathered again for dW
-                Comm("all_gather", tp, act, tp, per_layer + last)]  # fmt: skip
+        bwd.append(Comm("all_gather", tp, act, tp, per_layer + again + first, synced=True))
+        bwd.append(Comm("reduce_scatter", tp, act, tp, per_layer + again + last))
+        # each column-parallel linear saved its input shard: gathered again for dW
+        bwd.append(Comm("all_gather", tp, act, tp, per_layer + last))
     else:  # (a MoE layer's output is reduced over TP once, as a dense MLP's)
         fwd.append(Comm("all_reduce", tp, act, tp, per_layer + first))
         bwd.append(Comm("all_reduce", tp, act, tp, per_layer + 2 * k + last))
@@ -114,7 +121,9 @@ def recomputed_layers(c: GPTConfig, n_layers: int) -> int:
     return n_layers
 
 
-def _moe_traffic(c: GPTConfig, layout, *, tokens: int, e: int) -> tuple[list[Comm], list[Comm]]:
+def _moe_traffic(
+    c: GPTConfig, layout: Layout, *, tokens: int, e: int
+) -> tuple[list[Comm], list[Comm]]:
     """One MoE layer's (forward, backward) for this rank's ``tokens`` (``/tp`` under SP)."""
     etp = layout.etp or layout.tp
     ep, h = layout.ep, c.hidden_size
@@ -123,31 +132,38 @@ def _moe_traffic(c: GPTConfig, layout, *, tokens: int, e: int) -> tuple[list[Com
     if c.moe_token_dispatcher_type == "allgather":
         n = etp * ep
         x, probs = n * t * h * e, n * t * c.num_experts * 4
-        fwd = [Comm("all_gather", n, x, span), Comm("all_gather", n, probs, span, 2),
-               Comm("reduce_scatter", n, x, span)]  # fmt: skip
-        bwd = [Comm("reduce_scatter", n, x, span), Comm("reduce_scatter", n, probs, span),
-               Comm("all_gather", n, x, span)]  # fmt: skip
+        fwd = [Comm("all_gather", n, x, span), Comm("all_gather", n, probs, span, 2)]
+        fwd.append(Comm("reduce_scatter", n, x, span))
+        bwd = [Comm("reduce_scatter", n, x, span), Comm("reduce_scatter", n, probs, span)]
+        bwd.append(Comm("all_gather", n, x, span))
         return fwd, bwd
     routed = t * c.moe_router_topk * h * e
     counts = Comm("all_to_all", ep, ep * (c.num_experts // ep) * 8, span)
     fwd = [counts, Comm("all_to_all", ep, routed, span, 2)]
     bwd = [Comm("all_to_all", ep, routed, span, 2)]
     if etp > 1:  # expert TP: tokens gathered over etp, partial outputs reduce-scattered
-        fwd += [Comm("all_gather", etp, etp * routed, span), Comm("reduce_scatter", etp,
-                                                                  etp * routed, span)]  # fmt: skip
-        bwd += [Comm("all_gather", etp, etp * routed, span), Comm("reduce_scatter", etp,
-                                                                  etp * routed, span)]  # fmt: skip
+        for comms in (fwd, bwd):
+            comms.append(Comm("all_gather", etp, etp * routed, span))
+            comms.append(Comm("reduce_scatter", etp, etp * routed, span))
     return fwd, bwd
 
 
-def step_traffic(c: GPTConfig, layout, *, pp_rank: int, m: int, e: int, cpu: bool) -> list[Comm]:
+def step_traffic(
+    c: GPTConfig, layout: Layout, *, pp_rank: int, m: int, e: int, cpu: bool
+) -> list[Comm]:
     """What pipeline rank ``pp_rank`` sends once per step, outside the passes (module
     docstring). ``cpu``: gloo, where ZeRO's reduce-scatter and all-gather are p2p exchanges."""
-    from megalite.planning.model_state import rank_params
-
     tp, pp, cp = layout.tp, layout.pp, layout.cp
-    specs = rank_params(c, tp=tp, pp=pp, pp_rank=pp_rank, schedule=layout.schedule,
-                        vp=layout.vp, ep=layout.ep, etp=layout.etp)  # fmt: skip
+    specs = rank_params(
+        c,
+        tp=tp,
+        pp=pp,
+        pp_rank=pp_rank,
+        schedule=layout.schedule,
+        vp=layout.vp,
+        ep=layout.ep,
+        etp=layout.etp,
+    )
     dense = sum(p.numel for p in specs if not p.expert)
     expert = sum(p.numel for p in specs if p.expert)
     n, span = layout.dp * cp, tp * layout.dp * cp
@@ -171,8 +187,6 @@ def step_traffic(c: GPTConfig, layout, *, pp_rank: int, m: int, e: int, cpu: boo
         else:
             out.append(_shard("reduce_scatter", group, numel * e, span, grads, cpu=cpu, grad=True))
             out.append(_shard("all_gather", group, numel * e, span, 1, cpu=cpu))
-    from megalite.core.pipeline_parallel.generators import layout_of
-
     stages = layout_of(layout.schedule if pp > 1 else "1f1b", pp, layout.vp)
     first, last = stages.place(0)[0], stages.loss_rank()
     if first != last and pp_rank in (first, last) and not c.untie_embeddings_and_output_weights:
@@ -187,11 +201,9 @@ def step_traffic(c: GPTConfig, layout, *, pp_rank: int, m: int, e: int, cpu: boo
     return _keep(out)
 
 
-def _tied_unit(c: GPTConfig, layout, specs, pp_rank: int) -> int | None:
+def _tied_unit(c: GPTConfig, layout: Layout, specs: list[ParamSpec], pp_rank: int) -> int | None:
     """The ZeRO-3 unit of the word embeddings when this rank also runs the output layer with
     them (tied, first and last stage on one rank): gathered once more, for the output layer."""
-    from megalite.core.pipeline_parallel.generators import layout_of
-
     stages = layout_of(layout.schedule if layout.pp > 1 else "1f1b", layout.pp, layout.vp)
     mine = {stages.stage(pp_rank, ch) for ch in range(stages.num_chunks)}
     if c.untie_embeddings_and_output_weights or not {0, stages.num_stages - 1} <= mine:
@@ -199,15 +211,12 @@ def _tied_unit(c: GPTConfig, layout, specs, pp_rank: int) -> int | None:
     return next(p.unit for p in specs if "word_embeddings" in p.name)
 
 
-def rank_traffic(c: GPTConfig, layout, *, pp_rank: int, m: int, e: int, cpu: bool) -> list[Comm]:
+def rank_traffic(
+    c: GPTConfig, layout: Layout, *, pp_rank: int, m: int, e: int, cpu: bool
+) -> list[Comm]:
     """Everything pipeline rank ``pp_rank`` sends in one step of ``m`` micro-batches: the passes
     of its chunks, its pipeline messages (the schedule's sends, ``actions.with_p2p``) and
     ``step_traffic``: what ``CommLog`` records on that rank."""
-    from megalite.core.pipeline_parallel.actions import with_p2p
-    from megalite.core.pipeline_parallel.generators import generate, layout_of
-    from megalite.models.moe_config import moe_layer_pattern
-    from megalite.training.model_chunks import stage_blocks
-
     schedule = layout.schedule if layout.pp > 1 else "1f1b"
     stages = layout_of(schedule, layout.pp, layout.vp)
     blocks, moe = stage_blocks(c, stages), moe_layer_pattern(c)
@@ -215,13 +224,24 @@ def rank_traffic(c: GPTConfig, layout, *, pp_rank: int, m: int, e: int, cpu: boo
     for ch in range(stages.num_chunks):
         st = stages.stage(pp_rank, ch)
         start, end = blocks[st]
-        fwd, bwd = pass_traffic(c, layout, n_layers=end - start, n_moe=sum(moe[start:end]),
-                                first=st == 0, last=st == stages.num_stages - 1, e=e)  # fmt: skip
+        fwd, bwd = pass_traffic(
+            c,
+            layout,
+            n_layers=end - start,
+            n_moe=sum(moe[start:end]),
+            first=st == 0,
+            last=st == stages.num_stages - 1,
+            e=e,
+        )
         out += [Comm(x.op, x.n, x.nbytes, x.span, x.count * m) for x in fwd + bwd]
     if layout.pp > 1:
-        lists = generate(schedule, pp_size=layout.pp, num_microbatches=m,
-                         num_chunks=stages.num_chunks,
-                         microbatch_group_size=layout.microbatch_group_size)  # fmt: skip
+        lists = generate(
+            schedule,
+            pp_size=layout.pp,
+            num_microbatches=m,
+            num_chunks=stages.num_chunks,
+            microbatch_group_size=layout.microbatch_group_size,
+        )
         sends = sum(a.op.startswith("SEND") for a in with_p2p(lists, stages)[pp_rank])
         tokens = c.seq_length * layout.micro_batch_size // layout.cp
         act = tokens * c.hidden_size * e // (layout.tp if layout.sequence_parallel else 1)
@@ -229,14 +249,15 @@ def rank_traffic(c: GPTConfig, layout, *, pp_rank: int, m: int, e: int, cpu: boo
     return out + step_traffic(c, layout, pp_rank=pp_rank, m=m, e=e, cpu=cpu)
 
 
-def _shard(op: str, n: int, nbytes: float, span: int, count: float, *, cpu: bool,
-           grad: bool = False) -> Comm:  # fmt: skip
+def _shard(
+    op: str, n: int, nbytes: float, span: int, count: float, *, cpu: bool, grad: bool = False
+) -> Comm:
     if cpu:  # shard_collectives on gloo: one message of a shard to each other rank
         return Comm("p2p", n, nbytes / n, span, count * (n - 1), grad)
     return Comm(op, n, nbytes, span, count, grad)
 
 
-def sp_replicated(c: GPTConfig, specs) -> int:
+def sp_replicated(c: GPTConfig, specs: list[ParamSpec]) -> int:
     """Elements of the params that sequence parallelism keeps whole on every TP rank."""
     names = ("norm", "layernorm", "position", "linear_proj.bias", "linear_fc2.bias", "router")
     return sum(p.numel for p in specs if any(k in p.name for k in names))

@@ -8,12 +8,16 @@ builds the mesh, refuses a config parsed for another world, then ``build_run`` a
 chunks, the optimizer, a resumed checkpoint and the data loaders, and ``Trainer.train`` runs
 ``train_iters`` iterations (``megalite.training.trainer``), with a last evaluation on the
 validation and test sets. Tests call ``build_run`` on their own mesh instead of copying this.
+
+What watches the first step comes in as ``first_step_hooks`` (``trainer.FirstStepHook``): the
+memory report measured after the first update is training's own (``log=True``);
+``pretrain_gpt.py`` adds the planner's comparison.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -26,18 +30,26 @@ from megalite.core.optimizer.memory_report import log_memory_after_step, log_mod
 from megalite.core.parallel_state import ParallelState, initialize_model_parallel
 from megalite.core.tensor_parallel.random import model_parallel_seed
 from megalite.data.builders import build_data_loaders, train_valid_test_num_samples
-from megalite.planning.startup import watch_first_step  # issue 19
 from megalite.training import checkpoint_io
 from megalite.training.config import PretrainConfig, with_tokenizer
 from megalite.training.forward_step import make_forward_step
 from megalite.training.launch import detect_launch, init_distributed, select_device
 from megalite.training.logging import configure_logging
-from megalite.training.model_chunks import grad_wrappers  # issue 14
+from megalite.training.model_chunks import grad_wrappers
 from megalite.training.signals import ExitSignalHandler, parse_signal
 from megalite.training.startup_checks import check_startup
-from megalite.training.trainer import Trainer, TrainingError, TrainResult
+from megalite.training.trainer import FirstStepHook, Trainer, TrainingError, TrainResult
 
-__all__ = ["Run", "TrainResult", "Trainer", "TrainingError", "build_run", "pretrain"]
+__all__ = [
+    "FirstStepHook",
+    "MemoryReport",
+    "Run",
+    "TrainResult",
+    "Trainer",
+    "TrainingError",
+    "build_run",
+    "pretrain",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +63,16 @@ class Run:
     train_iter: list[Iterator | None]
     valid_iter: list[Iterator | None] | None
     test_iter: list[Iterator | None] | None
+
+
+class MemoryReport(FirstStepHook):
+    """The model-state memory measured after the first update, per rank, beside the theory
+    (``memory_report.log_memory_after_step``: every rank, a collective; printed on the logging
+    rank). The first step's own buffers (staged grad buckets, gathered ZeRO-3 units) are in it."""
+
+    def after_first_update(self, trainer: Trainer) -> None:
+        wrapper = grad_wrappers(trainer.model)[0]  # the chunks of a rank share one
+        log_memory_after_step(wrapper, trainer.optimizer, trainer.ps)
 
 
 def _barrier(group) -> None:
@@ -67,27 +89,29 @@ def build_run(
     resume: bool = True,
     build_cache: bool = True,
     log: bool = False,
+    first_step_hooks: Sequence[FirstStepHook] = (),
 ) -> Run:
     """Model chunks, optimizer, LR schedule, the checkpoint of ``--load`` (if any) and the data
     loaders positioned after it, on the mesh ``ps`` (any layout; ``ParallelState.single()`` for a
     single-process oracle). ``cfg`` must carry its tokenizer (``with_tokenizer``).
     ``seed_rng``: seed the TP-aware RNG tracker from ``--seed`` (dropout); ``resume``: load
     ``--load`` (if set; tests that drive the loading themselves pass False); ``build_cache``: this
-    rank builds missing data index caches (one per node). Every rank of ``ps`` calls this."""
+    rank builds missing data index caches (one per node); ``log``: log the parameter count and
+    the model-state memory, and measure it again after the first update (``MemoryReport``);
+    ``first_step_hooks``: the trainer's (after the memory report). Every rank of ``ps`` calls
+    this."""
     tracker = None
     if seed_rng:
         tracker = model_parallel_seed(
             cfg.training.seed, tp_rank=ps.tp_rank, pp_rank=ps.pp_rank, device=device
         )
-    trainer = Trainer(cfg, ps, device=device, tracker=tracker)
+    hooks = [MemoryReport(), *first_step_hooks] if log else list(first_step_hooks)
+    trainer = Trainer(cfg, ps, device=device, tracker=tracker, first_step_hooks=hooks)
     if log:
         n_params = sum(p.numel() for chunk in trainer.model for p in chunk.parameters())
         logger.info("parameters on the last rank: %d", n_params)
-        wrapper = grad_wrappers(trainer.model)[0]  # issue 14: chunks of a rank share one
+        wrapper = grad_wrappers(trainer.model)[0]  # the chunks of a rank share one
         log_model_state_memory(wrapper, trainer.optimizer, ps)
-        trainer.optimizer.after_first_step = lambda: log_memory_after_step(  # issue 13
-            wrapper, trainer.optimizer, ps
-        )
     t = cfg.training
     try:
         loaded = checkpoint_io.load_checkpoint(trainer) if t.load and resume else None
@@ -99,7 +123,8 @@ def build_run(
         eval_interval=t.eval_interval,
         eval_iters=t.eval_iters,
     )
-    ramp = not trainer.batch_sizes.constant  # issue 18: Megatron's sampler, --train-samples
+    # a batch-size ramp: Megatron's sampler, sized by --train-samples
+    ramp = not trainer.batch_sizes.constant
     if ramp:
         needed = trainer.batch_sizes.consumed_after(t.train_iters)  # may pass --train-samples
         samples = (max(t.train_samples or samples[0], needed), *samples[1:])
@@ -108,7 +133,7 @@ def build_run(
         tokenizer=cfg.tokenizer,
         micro_batch_size=t.micro_batch_size,
         global_batch_size=t.global_batch_size,
-        dp_rank=ps.dp_rank,  # issue 15: the cp ranks of a replica read the same micro-batches
+        dp_rank=ps.dp_rank,  # the cp ranks of a replica read the same micro-batches
         dp_size=ps.dp_size,
         train_samples=samples[0],
         valid_samples=samples[1],
@@ -118,7 +143,7 @@ def build_run(
         device=device,
         build_cache=build_cache,
         barrier=lambda: _barrier(ps.group()),
-        train_global_batch_size=t.micro_batch_size * ps.dp_size if ramp else None,  # issue 18
+        train_global_batch_size=t.micro_batch_size * ps.dp_size if ramp else None,
     )
     if loaded is not None:  # last: building the loaders may draw from the generators
         checkpoint_io.restore_rng(trainer, loaded)
@@ -130,9 +155,9 @@ def build_run(
 def _exit_signal_handler(cfg: PretrainConfig) -> ExitSignalHandler | None:
     """The installed handler when ``--exit-signal-handler`` is on, else None."""
     t = cfg.training
-    if not getattr(t, "exit_signal_handler", False):
+    if not t.exit_signal_handler:
         return None
-    handler = ExitSignalHandler(parse_signal(getattr(t, "exit_signal", "SIGTERM"))).install()
+    handler = ExitSignalHandler(parse_signal(t.exit_signal)).install()
     logger.info("--exit-signal-handler: %s saves a checkpoint and exits", handler.signum.name)
     return handler
 
@@ -151,12 +176,18 @@ def mesh_for(par, **kwargs) -> ParallelState:
 
 
 def pretrain(
-    cfg: PretrainConfig, *, forward_step_func: Callable | None = None, env=None
+    cfg: PretrainConfig,
+    *,
+    forward_step_func: Callable | None = None,
+    env=None,
+    first_step_hooks: Sequence[FirstStepHook] = (),
 ) -> TrainResult:
-    """Run the whole job described by ``cfg``; returns the summary (losses on the last stage)."""
+    """Run the whole job described by ``cfg``; returns the summary (losses on the last stage).
+    ``first_step_hooks`` watch the first training step (``FirstStepHook``), after the memory
+    report."""
     cfg = with_tokenizer(cfg)  # validates; builds the tokenizer unless set
     launch = detect_launch(env)
-    check_startup(cfg, launch)  # issue 17: flags and files, before any process group
+    check_startup(cfg, launch)  # flags and files, before any process group
     device = select_device(cfg.parallel.device, launch.local_rank)
     owns_world = not dist.is_initialized()
     init_distributed(launch, device, timeout_minutes=cfg.parallel.distributed_timeout_minutes)
@@ -172,20 +203,32 @@ def pretrain(
     try:
         num_microbatches = cfg.check_world(ps.world_size, ps.dp_size)  # before any data is read
         exit_signal = _exit_signal_handler(cfg)
-        cp = f" x CP {ps.cp_size} ({cfg.parallel.cp_comm_type})" if ps.cp_size > 1 else ""  # 15
+        cp = f" x CP {ps.cp_size} ({cfg.parallel.cp_comm_type})" if ps.cp_size > 1 else ""
         logger.info(
             "megalite: world %d = TP %d%s x PP %d x DP %d on %s (%s), %d micro-batches of %d per "
             "DP rank per iteration",
-            ps.world_size, ps.tp_size, cp, ps.pp_size, ps.dp_size, device, ps.backend,
-            num_microbatches, cfg.training.micro_batch_size,
-        )  # fmt: skip
-        run = build_run(cfg, ps, device, build_cache=launch.local_rank == 0, log=True)
+            ps.world_size,
+            ps.tp_size,
+            cp,
+            ps.pp_size,
+            ps.dp_size,
+            device,
+            ps.backend,
+            num_microbatches,
+            cfg.training.micro_batch_size,
+        )
+        run = build_run(
+            cfg,
+            ps,
+            device,
+            build_cache=launch.local_rank == 0,
+            log=True,
+            first_step_hooks=first_step_hooks,
+        )
         trainer, t = run.trainer, cfg.training
         trainer.exit_signal = exit_signal
-        watch_first_step(trainer)  # issue 19: the planner's prediction vs the first step
         forward_step = forward_step_func or make_forward_step(
-            device,
-            calculate_per_token_loss=cfg.training.calculate_per_token_loss,  # issue 18
+            device, calculate_per_token_loss=cfg.training.calculate_per_token_loss
         )
         valid_iter = run.valid_iter if t.eval_iters else None
         result = trainer.train(forward_step, run.train_iter, valid_iter)

@@ -23,7 +23,7 @@ from megalite.core.parallel_state import initialize_model_parallel
 from megalite.core.pipeline_parallel.forward_backward import forward_backward_pipelining
 from megalite.core.pipeline_parallel.model_chunk import ModelChunk
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
-from megalite.planning.measure import SavedTensorMeter
+from megalite.measure.saved_tensors import SavedTensorMeter
 from megalite.training.model_chunks import build_gpt_chunks
 from tests.harness import run_distributed
 from tests.models.helpers import make_batch, make_config, weighted_lm_step

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
 
-from megalite.planning.cluster import preset
+from megalite.planning.cluster import calibrated, load_calibration, preset, save_calibration
 from megalite.planning.model_state import ZERO_RUNGS, bytes_per_param
+from megalite.planning.predict import Layout
+from megalite.planning.presets import MODEL_PRESETS
+from megalite.planning.search import evaluate
+from megalite.planning.step_time import predict_step_time
 from megalite.training.arguments import parse_args
+from tests.training.common import config
 from tools.plan import main
 
 
@@ -35,8 +41,8 @@ def test_plan_prints_ranked_layouts_whose_flags_pretrain_gpt_accepts():
 
 
 def test_explain_names_refusals_and_misfits():
-    rc, out = _run("--model", "llama3-8b", "--gpus", "8", "--gpu-memory-gib", "24",
-                   "--global-batch-size", "8", "--explain")  # fmt: skip
+    small_gpus = ["--gpus", "8", "--gpu-memory-gib", "24"]
+    rc, out = _run("--model", "llama3-8b", *small_gpus, "--global-batch-size", "8", "--explain")
     assert rc == 0
     explained = out.split("why each", 1)[1]
     assert "TP1 PP1 DP8: does not fit" in explained and "GiB usable per GPU" in explained
@@ -49,8 +55,8 @@ def test_one_line_errors(capsys):
     assert _run("--model", "deepseek-v3")[0] == 2  # not a preset: one line naming the presets
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--model deepseek-v3" in err and "mixtral-8x7b" in err
-    assert _run("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-                "--seq-length", "32")[0] == 2  # fmt: skip
+    no_vocab = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+    assert _run(*no_vocab, "--seq-length", "32")[0] == 2
     assert "--vocab-size" in capsys.readouterr().err
 
 
@@ -65,15 +71,9 @@ def test_bytes_per_param_table_is_designs():
 def test_step_time_bubble_comes_from_the_schedule():
     """The pipeline term is the simulator over each schedule's action list: GPipe and 1F1B share
     the textbook bubble, interleaving and zero-bubble schedules shrink it."""
-    import dataclasses
-
-    from megalite.planning.predict import Layout
-    from megalite.planning.step_time import predict_step_time
-    from tests.training.common import config
-
-    cfg = config("--num-layers", "8", "--global-batch-size", "16", "--micro-batch-size", "1",
-                 "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
-                 "--max-position-embeddings", "1024").model  # fmt: skip
+    shape = ["--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024"]
+    batch = ["--global-batch-size", "16", "--micro-batch-size", "1"]
+    cfg = config("--num-layers", "8", *batch, *shape, "--max-position-embeddings", "1024").model
     free_links = dict(collective_latency_s=0.0, intra_node_gbps=1e9, inter_node_gbps=1e9)
     cluster = dataclasses.replace(preset("H100", 4), **free_links)
 
@@ -99,12 +99,15 @@ def test_presets_override():
 
 
 def test_calibration_file_round_trip(tmp_path):
-    from megalite.planning.cluster import calibrated, load_calibration, save_calibration
-
     path = tmp_path / "calib.json"
-    figures = {"device": "cpu", "peak_tflops": 0.05, "efficiency": 0.5, "layer_overhead_s": 1e-3,
-               "optimizer_s_per_param": 1e-8,
-               "collectives": {"all_reduce": {"gbps": 0.8, "latency_s": 5e-4}}}  # fmt: skip
+    figures = {
+        "device": "cpu",
+        "peak_tflops": 0.05,
+        "efficiency": 0.5,
+        "layer_overhead_s": 1e-3,
+        "optimizer_s_per_param": 1e-8,
+        "collectives": {"all_reduce": {"gbps": 0.8, "latency_s": 5e-4}},
+    }
     save_calibration(path, figures)
     c = calibrated(preset("H100", 2), load_calibration(path))
     assert (c.peak_tflops, c.efficiency, c.intra_node_gbps, c.collective_latency_s) == (
@@ -121,14 +124,9 @@ def test_calibration_file_round_trip(tmp_path):
 
 
 def test_mixtral_preset_is_planned():
-    """MoE landed: the mixtral-8x7b preset is planned (Megatron-Core's published layout fits)."""
-    from megalite.planning.cluster import preset
-    from megalite.planning.predict import Layout
-    from megalite.planning.presets import MODEL_PRESETS
-    from megalite.planning.search import evaluate
-
+    """A MoE preset: mixtral-8x7b is planned (Megatron-Core's published layout fits)."""
     p = MODEL_PRESETS["mixtral-8x7b"]
     layout = Layout(tp=1, pp=4, dp=16, ep=8, rung="optim", schedule="interleaved-1f1b", vp=8)
-    c = evaluate([*p["argv"], "--bf16"], layout, preset("H100", 64), vocab_size=p["vocab_size"],
-                 global_batch_size=256)  # fmt: skip
+    argv, cluster = [*p["argv"], "--bf16"], preset("H100", 64)
+    c = evaluate(argv, layout, cluster, vocab_size=p["vocab_size"], global_batch_size=256)
     assert c.error is None and c.fits and 35.0 < c.step.mfu < 55.0

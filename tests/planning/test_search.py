@@ -23,9 +23,9 @@ from megalite.planning.search import (
 )
 
 # a MoE model with sequences long enough for CP, small enough to evaluate every layout
-MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
-         "--seq-length", "4096", "--max-position-embeddings", "4096", "--num-experts", "4",
-         "--moe-router-topk", "2", "--bf16"]  # fmt: skip
+MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8"]
+MODEL += ["--seq-length", "4096", "--max-position-embeddings", "4096"]
+MODEL += ["--num-experts", "4", "--moe-router-topk", "2", "--bf16"]
 VOCAB, GBS = 1024, 8
 SPACE = SearchSpace(micro_batch_sizes=(1, 2), interleaved_vp=(2,))
 # 4.2 GiB: some layouts fit as they are, some only with recompute, some not at all
@@ -40,8 +40,9 @@ def _clear_caches():
 @pytest.fixture(scope="module")
 def small():
     _clear_caches()
-    layouts = candidate_layouts(CLUSTER, global_batch_size=GBS, seq_length=4096, num_experts=4,
-                                space=SPACE)  # fmt: skip
+    layouts = candidate_layouts(
+        CLUSTER, global_batch_size=GBS, seq_length=4096, num_experts=4, space=SPACE
+    )
     fast = search(MODEL, CLUSTER, vocab_size=VOCAB, global_batch_size=GBS, space=SPACE)
     # every layout on its own: a fresh parser, no memo, step time even for misfits
     every = {
@@ -90,8 +91,9 @@ def test_fast_search_predicts_what_evaluating_every_layout_predicts(small):
     for c in dominated:  # none is faster than a lighter recompute of it that fits (equal when
         for light in lighter_fits(c):  # a chunk holds no more layers than the lighter block)
             assert light.step.tokens_per_s >= c.step.tokens_per_s, (light.layout, c.layout)
-    everything = search(MODEL, CLUSTER, vocab_size=VOCAB, global_batch_size=GBS, space=SPACE,
-                        exhaustive=True)  # fmt: skip
+    everything = search(
+        MODEL, CLUSTER, vocab_size=VOCAB, global_batch_size=GBS, space=SPACE, exhaustive=True
+    )
     assert [c.layout for c in everything.ranked] == [c.layout for c in fitting]
 
 
@@ -158,8 +160,8 @@ def test_moe_ranks_expert_parallel_first():
     p = MODEL_PRESETS["mixtral-8x7b"]
     cluster = preset("H100", 16)
     space = SearchSpace(micro_batch_sizes=(1,), interleaved_vp=(2,), recompute=(None, "full"))
-    result = search([*p["argv"], "--bf16"], cluster, vocab_size=p["vocab_size"],
-                    global_batch_size=16, space=space)  # fmt: skip
+    argv = [*p["argv"], "--bf16"]
+    result = search(argv, cluster, vocab_size=p["vocab_size"], global_batch_size=16, space=space)
     assert result.ranked[0].layout.ep == 8, result.ranked[0].layout.name()
     # without EP each rank of a stage holds every expert, sharded by TP or ZeRO-3 at best: those
     # layouts pay TP traffic, bubbles or per-unit gathers that EP does not

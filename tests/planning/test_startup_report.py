@@ -1,16 +1,24 @@
 """pretrain_gpt.py logs the planner's prediction for its own layout and, after the first step, the
-measured figures beside it, and writes both to TensorBoard (read back with tensorboard's reader)."""
+measured figures beside it, and writes both to TensorBoard (read back with tensorboard's reader):
+the first-step hook ``measure.first_step.FirstStepComparison`` it hands to ``pretrain``."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
 import re
+from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from megalite.measure import first_step
+from megalite.measure.first_step import FirstStepComparison, uncovered_features
 from megalite.training.pretrain import pretrain
-from tests.training.common import config
+from tests.training.common import BASE, config
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -23,13 +31,28 @@ def restore_logging():
     root.propagate = saved[2]
 
 
-def test_pretrain_prints_and_logs_prediction_beside_measurement(tmp_path, capsys, restore_logging):
+def _entry():
+    spec = importlib.util.spec_from_file_location("pretrain_gpt", ROOT / "pretrain_gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _one_process(monkeypatch) -> None:
+    """No launcher in the environment: pretrain_gpt.py runs as one plain process."""
+    for name in list(os.environ):
+        if name in ("RANK", "WORLD_SIZE", "LOCAL_RANK") or name.startswith("SLURM_"):
+            monkeypatch.delenv(name)
+
+
+def test_pretrain_gpt_prints_and_logs_prediction_beside_measurement(
+    tmp_path, capsys, restore_logging, monkeypatch
+):
     tb = tmp_path / "tb"
-    cfg = config(
-        "--train-iters", "2", "--tensorboard-dir", str(tb), "--hidden-dropout", "0.1",
-        "--attention-dropout", "0.1", "--recompute-activations",
-    )  # fmt: skip
-    pretrain(cfg, env={})
+    _one_process(monkeypatch)
+    flags = ["--train-iters", "2", "--tensorboard-dir", str(tb), "--recompute-activations"]
+    flags += ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    assert _entry().main([*BASE, *flags]) == 0
     out = capsys.readouterr().out
     assert "planner: predicted per rank (pp rank 0): model state" in out
     line = next(x for x in out.splitlines() if "planner vs first step" in x)
@@ -42,29 +65,28 @@ def test_pretrain_prints_and_logs_prediction_beside_measurement(tmp_path, capsys
     events.Reload()
     scalars = {t: events.Scalars(t) for t in events.Tags()["scalars"] if t.startswith("planner/")}
     assert set(scalars) == {
-        "planner/predicted-state-mib", "planner/measured-state-mib",
-        "planner/predicted-activations-mib", "planner/measured-activations-mib",
+        "planner/predicted-state-mib",
+        "planner/measured-state-mib",
+        "planner/predicted-activations-mib",
+        "planner/measured-activations-mib",
         "planner/predicted-peak-mib",
-    }  # fmt: skip
+    }
     assert [e.step for e in scalars["planner/measured-activations-mib"]] == [1]
     assert scalars["planner/measured-state-mib"][0].value == pytest.approx(state_m, abs=0.01)
 
 
 def test_a_layout_the_planner_cannot_predict_still_trains(capsys, restore_logging, monkeypatch):
-    from megalite.planning import startup
-
     def unknown(trainer):
         raise KeyError("interleaved")  # e.g. a schedule added before the planner knows it
 
-    monkeypatch.setattr(startup, "predicted_for_rank", unknown)
-    result = pretrain(config("--train-iters", "1"), env={})
+    monkeypatch.setattr(first_step, "predicted_for_rank", unknown)
+    hooks = [FirstStepComparison()]
+    result = pretrain(config("--train-iters", "1"), env={}, first_step_hooks=hooks)
     assert result.iteration == 1
     assert "planner: no prediction for this layout (KeyError" in capsys.readouterr().out
 
 
 def test_features_the_planner_does_not_model_are_named_not_predicted():
-    from megalite.planning.startup import uncovered_features
-
     cfg = config()
     assert uncovered_features(cfg) == []
     cfg.parallel.zero_stage = 3  # the whole ladder, CP p2p and MoE are modelled

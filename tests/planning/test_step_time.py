@@ -3,8 +3,9 @@
 One 2-rank gloo world calibrates itself (``calibrate.calibrate_in_world``: the cores its ranks
 share, the compute rate and the fixed costs per layer pass, chunk pass and step with every rank
 busy, each collective between busy ranks) and then predicts and runs each layout below
-(``planning.accuracy``: medians of 4 steps, the slowest rank's), every feature: DP with each ZeRO
-rung, TP, TP with SP, PP with each of the six schedules, full and selective recompute, CP, EP.
+(``tools/planner/accuracy.py``: medians of 4 steps, the slowest rank's), every feature: DP with
+each ZeRO rung, TP, TP with SP, PP with each of the six schedules, full and selective recompute,
+CP, EP.
 
 The error is taken at the machine's speed of the moment: each measured step runs right after a
 step of the calibration's reference model, and the prediction is scaled by how much that reference
@@ -24,9 +25,9 @@ import os
 
 import pytest
 
-from megalite.planning.calibrate import REFERENCE
 from megalite.planning.predict import Layout
 from tests.harness import run_distributed
+from tools.planner.calibrate import REFERENCE
 
 opt_out = pytest.mark.skipif(
     os.environ.get("MEGALITE_PLANNER_TIMING") == "0",
@@ -62,7 +63,7 @@ RANKED = [  # clearly different speeds: the ranking, not the noise, decides
 
 
 def _case():
-    from megalite.planning.accuracy import step_time_accuracy
+    from tools.planner.accuracy import step_time_accuracy
 
     items = ACCURATE + [lay for lay in RANKED if lay not in ACCURATE]
     reference = [*MODEL, "--vocab-size", str(VOCAB)]
@@ -117,7 +118,7 @@ SMALL_RANKED = [  # DP2 mbs4 should win; each other candidate is >= 1.3x slower 
 
 
 def _ranking_case():
-    from megalite.planning.accuracy import step_time_accuracy
+    from tools.planner.accuracy import step_time_accuracy
 
     reference = [*SMALL, "--vocab-size", str(VOCAB)]
     _, rows = step_time_accuracy(SMALL, SMALL_RANKED, vocab_size=VOCAB, global_batch_size=GBS,

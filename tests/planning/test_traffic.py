@@ -1,11 +1,11 @@
 """The planner's traffic model counts every collective and message a real step issues.
 
-For each layout, one step of pretrain_gpt.py's run is logged on every rank (``CommLog``: op,
-group size, bytes) and held against ``traffic.rank_traffic`` for that rank: the same ops, the same
-sizes, the same counts. Noise-free: it checks what the step-time model charges for, whatever the
-machine's speed. (The alltoall dispatcher's token all-to-alls carry as many rows as the router
-sends, so there only their number is compared; the grad norm's one-number all-reduces are left
-out, ``_no_scalars``.)
+For each layout, one step of pretrain_gpt.py's run is logged on every rank
+(``measure.comm_log.CommLog``: op, group size, bytes) and held against ``traffic.rank_traffic``
+for that rank: the same ops, the same sizes, the same counts. Noise-free: it checks what the
+step-time model charges for, whatever the machine's speed. (The alltoall dispatcher's token
+all-to-alls carry as many rows as the router sends, so there only their number is compared; the
+grad norm's one-number all-reduces are left out, ``_no_scalars``.)
 """
 
 from __future__ import annotations
@@ -13,9 +13,17 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import torch
+import torch.distributed as dist
 
+from megalite.measure.comm_log import CommLog
+from megalite.planning.model_state import DTYPE_BYTES
 from megalite.planning.predict import Layout
+from megalite.planning.search import validate
+from megalite.planning.traffic import counts, rank_traffic
+from megalite.training.forward_step import make_forward_step
 from tests.harness import run_distributed
+from tools.planner.accuracy import build_world_run
 
 MODEL = (
     "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
@@ -23,8 +31,8 @@ MODEL = (
 ).split()
 MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
 UNTIED = ["--untie-embeddings-and-output-weights"]
-FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform",
-        "--recompute-num-layers", "1"]  # fmt: skip
+FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+FULL += ["--recompute-num-layers", "1"]
 CASES = [  # (layout, extra model flags, global batch)
     (Layout(dp=2, micro_batch_size=2), [], 8),
     (Layout(dp=2, micro_batch_size=2, rung="optim"), [], 8),
@@ -67,22 +75,12 @@ WORLD4 = [  # groups of 4, and groups that span other axes
 
 
 def _case(cases):
-    import torch
-    import torch.distributed as dist
-
-    from megalite.planning.accuracy import _build
-    from megalite.planning.comm_log import CommLog
-    from megalite.planning.model_state import DTYPE_BYTES
-    from megalite.planning.search import validate
-    from megalite.planning.traffic import counts, rank_traffic
-    from megalite.training.forward_step import make_forward_step
-
     torch.set_num_threads(1)
     step = make_forward_step(torch.device("cpu"))
     out = []
     for layout, extra, gbs in cases:
         cfg, argv = validate(MODEL, layout, vocab_size=256, global_batch_size=gbs, extra=extra)
-        run, ps = _build([*argv, "--train-iters", "4"])
+        run, ps = build_world_run([*argv, "--train-iters", "4"])
         try:
             run.trainer.step(step, run.train_iter)
             with CommLog() as log:

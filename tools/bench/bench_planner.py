@@ -4,12 +4,13 @@ r"""The planner's step time against measurement on this CPU, per layout, and the
     cpu-run-all python tools/bench/bench_planner.py --world 4 --steps 5
     python tools/bench/bench_planner.py --tiny                   # seconds: a smoke run
 
-Spawns a gloo world of ``--world`` ranks which calibrates itself (``calibrate.calibrate_in_world``:
-the cores its ranks share, the compute rate and fixed costs with every rank busy, the all-reduce),
-then predicts and runs each layout (``planning.accuracy``): DP with each ZeRO rung, TP with and
+Spawns a gloo world of ``--world`` ranks which calibrates itself
+(``tools/planner/calibrate.py``, ``calibrate_in_world``: the cores its ranks share, the compute
+rate and fixed costs with every rank busy, the all-reduce), then predicts and runs each layout
+(``tools/planner/accuracy.py``): DP with each ZeRO rung, TP with and
 without SP, PP with each schedule, recompute, CP, EP. Prints predicted vs measured (medians of
 ``--steps`` steps, the slowest rank's) and whether the layout the planner ranks first is within 10%
-of the measured best (the issue's bar).
+of the measured best (the planner's ranking bar).
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megalite.planning.accuracy import step_time_accuracy  # noqa: E402
-from megalite.planning.calibrate import REFERENCE  # noqa: E402
 from megalite.planning.predict import Layout  # noqa: E402
+from tools.planner.accuracy import step_time_accuracy  # noqa: E402
+from tools.planner.calibrate import REFERENCE  # noqa: E402
 
 MODEL = [a for a in REFERENCE if a not in ("--vocab-size", "1024")]
 VOCAB = 1024
@@ -38,12 +39,13 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
 def layouts(world: int) -> list:
     w = world
     out = [Layout(dp=w, micro_batch_size=8 // w)]
-    out += [Layout(dp=w, micro_batch_size=8 // w, rung=r)
-            for r in ("optim", "optim_grads", "optim_grads_params")]  # fmt: skip
-    out += [Layout(tp=w, micro_batch_size=4), Layout(tp=w, micro_batch_size=4,
-                                                     sequence_parallel=True)]  # fmt: skip
-    for sched, vp in (("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2), ("zb-h1", 1),
-                      ("zbv", 2), ("dualpipev", 2)):  # fmt: skip
+    for rung in ("optim", "optim_grads", "optim_grads_params"):
+        out.append(Layout(dp=w, micro_batch_size=8 // w, rung=rung))
+    out += [Layout(tp=w, micro_batch_size=4)]
+    out += [Layout(tp=w, micro_batch_size=4, sequence_parallel=True)]
+    schedules = [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]
+    schedules += [("zbv", 2), ("dualpipev", 2)]
+    for sched, vp in schedules:
         out.append(Layout(pp=w, micro_batch_size=1, schedule=sched, vp=vp))
     out += [
         Layout(dp=w, micro_batch_size=8 // w, recompute="full"),
@@ -65,12 +67,18 @@ def _worker(rank: int, world: int, init: str, args, queue) -> None:
         model += ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "32"]
         items = items[:2]
     reference = [*model, "--vocab-size", str(VOCAB)]
-    calib, rows = step_time_accuracy(model, items, vocab_size=VOCAB, global_batch_size=8,
-                                     steps=args.steps, reference=reference,
-                                     recalibrate=args.recalibrate)  # fmt: skip
+    calib, rows = step_time_accuracy(
+        model,
+        items,
+        vocab_size=VOCAB,
+        global_batch_size=8,
+        steps=args.steps,
+        reference=reference,
+        recalibrate=args.recalibrate,
+    )
     if rank == 0:
-        queue.put((calib, [(r.layout.name(), r.predicted, r.measured, r.raw_error, r.error)
-                           for r in rows]))  # fmt: skip
+        table = [(r.layout.name(), r.predicted, r.measured, r.raw_error, r.error) for r in rows]
+        queue.put((calib, table))
     dist.destroy_process_group()
 
 
@@ -88,8 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_worker, args=(r, args.world, init, args, queue), daemon=True)
-                 for r in range(args.world)]  # fmt: skip
+        procs = [
+            ctx.Process(target=_worker, args=(r, args.world, init, args, queue), daemon=True)
+            for r in range(args.world)
+        ]
         for proc in procs:
             proc.start()
         while True:  # a rank that dies leaves nothing in the queue: stop instead of waiting
@@ -101,16 +111,16 @@ def main(argv: list[str] | None = None) -> int:
                     raise SystemExit("error: a measuring rank failed (traceback above)") from None
         for proc in procs:
             proc.join()
+    collectives = ", ".join(
+        f"{op} {v['latency_s'] * 1e3:.2f} ms ({v.get('idle_latency_s', 0) * 1e3:.2f} "
+        f"in step) + {v['gbps']:.2f} GB/s"
+        for op, v in calib["collectives"].items()
+    )
     print(
         f"calibration: cores {calib['cores'] or args.world:g}, rate {calib['efficiency']:.3g} "
         f"TFLOP/s, layer overhead {calib['layer_overhead_s'] * 1e6:.0f} us, chunk overhead "
         f"{calib.get('chunk_overhead_s', 0) * 1e6:.0f} us, step overhead "
-        f"{calib['step_overhead_s'] * 1e3:.1f} ms; between busy ranks: "
-        + ", ".join(
-            f"{op} {v['latency_s'] * 1e3:.2f} ms ({v.get('idle_latency_s', 0) * 1e3:.2f} "
-            f"in step) + {v['gbps']:.2f} GB/s"
-            for op, v in calib["collectives"].items()
-        )  # fmt: skip
+        f"{calib['step_overhead_s'] * 1e3:.1f} ms; between busy ranks: {collectives}"
     )
     print(f"{'layout':<40} {'predicted s':>12} {'measured s':>11} {'raw':>8} {'error':>8}")
     errors = []

@@ -3,9 +3,9 @@ r"""The planner on published training configurations: does its memory fit, is it
     python tools/bench/planner_published.py            # prints the table of docs/PLANNER.md
 
 Each row is a published run (model, GPUs, layout, batch, and the MFU its authors report, cited in
-docs/PLANNER.md), mapped onto the same layout in megalite (interleaving, CP, ZeRO-3 for FSDP and
-EP have landed; the note says what still differs). The planner's default efficiency per GPU
-preset is used, no calibration on those GPUs.
+docs/PLANNER.md), mapped onto the same layout in megalite (interleaving, CP, EP, ZeRO-3 for
+FSDP; the note says what still differs). The planner's default efficiency per GPU preset is used,
+no calibration on those GPUs.
 """
 
 from __future__ import annotations
@@ -21,8 +21,14 @@ from megalite.planning.predict import Layout  # noqa: E402
 from megalite.planning.presets import MODEL_PRESETS  # noqa: E402
 from megalite.planning.search import evaluate  # noqa: E402
 
-BLOCK2 = ["--recompute-granularity", "full", "--recompute-method", "block",
-          "--recompute-num-layers", "2"]  # fmt: skip
+
+def _block(n: int) -> list[str]:
+    """The flags that recompute the first ``n`` layers of each chunk."""
+    flags = ["--recompute-granularity", "full", "--recompute-method", "block"]
+    return [*flags, "--recompute-num-layers", str(n)]
+
+
+BLOCK2 = _block(2)
 PICK = "<pick>"  # in a row's extra flags: the planner picks the interleaving depth and recompute
 
 
@@ -32,11 +38,10 @@ def _pick(argv: list[str], layout: Layout, cluster, vocab: int, gbs: int):
     best = None
     for v in (1, 2, 4, 8):
         for n in range(5):
-            rc = ["--recompute-granularity", "full", "--recompute-method", "block",
-                  "--recompute-num-layers", str(n)] if n else []  # fmt: skip
+            rc = _block(n) if n else []
             sched = dict(schedule="interleaved-1f1b", vp=v) if v > 1 else {}
-            c = evaluate([*argv, *rc], replace(layout, **sched), cluster, vocab_size=vocab,
-                         global_batch_size=gbs)  # fmt: skip
+            variant = replace(layout, **sched)
+            c = evaluate([*argv, *rc], variant, cluster, vocab_size=vocab, global_batch_size=gbs)
             if c.error is None and c.fits and (best is None or c.step.mfu > best[0].step.mfu):
                 best = (c, c.layout.name() + (f" rc-block{n}" if n else ""))
     return best
@@ -106,8 +111,8 @@ ROWS = [
 
 
 def main() -> int:
-    print("| run | GPUs | megalite layout | peak GiB / usable | fits | predicted MFU | "
-          "published MFU | in range | note |")  # fmt: skip
+    columns = "run | GPUs | megalite layout | peak GiB / usable | fits | predicted MFU"
+    print(f"| {columns} | published MFU | in range | note |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, model, gpu, gpus, layout, gbs, extra, (lo, hi), note in ROWS:
         cluster = preset(gpu, gpus)

@@ -74,7 +74,6 @@ class MixedPrecisionOptimizer:
     optimizer: torch.optim.Optimizer
     reduce_groups: tuple = ()
     expert_reduce_groups: tuple = ()
-    after_first_step = None  # called once after the first successful step (every rank)
     has_experts = False
 
     def __init__(
@@ -172,9 +171,6 @@ class MixedPrecisionOptimizer:
         self._before_inner_step()
         self.optimizer.step()
         self._update_model_params()
-        if self.after_first_step is not None:  # e.g. the memory report's measured figure
-            callback, self.after_first_step = self.after_first_step, None
-            callback()
         return True, norm, num_zeros
 
     # --- what subclasses provide ------------------------------------------------------------------

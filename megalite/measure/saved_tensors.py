@@ -1,4 +1,5 @@
-"""Measured figures to hold the planner's predictions against (not pure: runs the real model).
+"""The activations a training step keeps for backward, measured (the figure the planner's
+activation term predicts).
 
 ``SavedTensorMeter`` counts the activations autograd keeps for backward with saved-tensor hooks:
 every tensor a forward op saves is packed through it; its storage is counted once (views and
@@ -14,10 +15,15 @@ leave the step's numbers bit-identical (tests/core/test_saved_tensor_hooks_wgrad
 
 from __future__ import annotations
 
+import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
+
+from megalite.core.optimizer.memory_report import ModelStateBytes, model_state_bytes
+from megalite.training.model_chunks import grad_wrappers
+from megalite.training.trainer import Trainer
 
 
 class _Held:
@@ -79,14 +85,13 @@ class SavedTensorMeter:
         self._hooks.__exit__(*exc)
 
 
-def measure_step(trainer, forward_step_func, data_iterator) -> tuple[object, int, float]:
+def measure_step(
+    trainer: Trainer, forward_step_func: Callable, data_iterator
+) -> tuple[ModelStateBytes, int, float]:
     """Run one training step of ``trainer`` under a ``SavedTensorMeter``: (model-state bytes as
-    ``memory_report`` measures them, saved-activation peak in bytes, step seconds)."""
-    import time
-
-    from megalite.core.optimizer.memory_report import model_state_bytes
-
-    wrapper = getattr(trainer.model[0], "wrapper", trainer.model[0])  # several chunks: one wrapper
+    ``memory_report`` measures them before the step, saved-activation peak in bytes, step
+    seconds)."""
+    wrapper = grad_wrappers(trainer.model)[0]  # the chunks of a rank share one
     params = list(wrapper.parameters())
     state = model_state_bytes(wrapper, trainer.optimizer, dp_size=trainer.ps.dp_size)
     start = time.perf_counter()

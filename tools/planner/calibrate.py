@@ -10,11 +10,14 @@
 - each collective's latency and bus bandwidth between two busy local processes on CPU
   (``calibrate_comm``: what a step meets); an all-reduce between two GPUs over NCCL.
 
-Medians of several repetitions. The file format is in ``planning.cluster``.
+Medians of several repetitions. The file format is in ``planning.cluster``. Every collective
+names its group: ``calibrate_comm.world_group()`` in the processes this module spawns, the
+caller's in ``calibrate_in_world``.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import tempfile
@@ -22,8 +25,18 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
+from megalite.core.parallel_state import ParallelState
 from megalite.planning.cluster import save_calibration
+from megalite.planning.model_state import param_numels
+from megalite.training import flops
+from megalite.training.arguments import parse_args
+from megalite.training.config import with_tokenizer
+from megalite.training.forward_step import make_forward_step
+from megalite.training.pretrain import build_run
+from tools.planner.calibrate_comm import busy_collectives, world_group
 
 REFERENCE = (
     "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 128 "
@@ -72,12 +85,6 @@ def reference_step(
     argv: list[str], device: torch.device, *, repeat: int = 5
 ) -> tuple[float, object]:
     """Median seconds of one training step of the model ``argv`` in one process, and its config."""
-    from megalite.core.parallel_state import ParallelState
-    from megalite.training.arguments import parse_args
-    from megalite.training.config import with_tokenizer
-    from megalite.training.forward_step import make_forward_step
-    from megalite.training.pretrain import build_run
-
     cfg = with_tokenizer(parse_args(argv, env={}))
     run = build_run(cfg, ParallelState.single(device), device, seed_rng=True, resume=False)
     step = make_forward_step(device)
@@ -111,31 +118,33 @@ def fit_compute(
     per layer, spread 1 : 2 over forward and backward; the rest is per pass of the chunk, half
     each way); what is left of the first step, less the optimizer step, is the step's own fixed
     cost (zeroing the grads, the loss, the grad norm)."""
-    from megalite.planning.model_state import param_numels
-    from megalite.training.flops import model_flops_per_iteration
-
     layers = parse_layers(argv)
     points = []
     for b, gbs, n in ((1, 1, layers), (4, 4, layers), (1, 4, layers), (1, 4, layers // 2)):
-        t, cfg = reference_step([*_layers(argv, n), "--micro-batch-size", str(b),
-                                 "--global-batch-size", str(gbs)], device,
-                                repeat=repeat)  # fmt: skip
+        batch = ["--micro-batch-size", str(b), "--global-batch-size", str(gbs)]
+        t, cfg = reference_step([*_layers(argv, n), *batch], device, repeat=repeat)
         m = cfg.model
-        flops = model_flops_per_iteration(
-            num_layers=m.num_layers, hidden_size=m.hidden_size, seq_length=m.seq_length,
-            global_batch_size=gbs, padded_vocab_size=m.padded_vocab_size(1),
-            ffn_hidden_size=m.ffn_hidden_size, num_attention_heads=m.num_attention_heads,
-            kv_channels=m.kv_channels, num_query_groups=m.num_query_groups, swiglu=m.swiglu,
-        )  # fmt: skip
+        model_flops = flops.model_flops_per_iteration(
+            num_layers=m.num_layers,
+            hidden_size=m.hidden_size,
+            seq_length=m.seq_length,
+            global_batch_size=gbs,
+            padded_vocab_size=m.padded_vocab_size(1),
+            ffn_hidden_size=m.ffn_hidden_size,
+            num_attention_heads=m.num_attention_heads,
+            kv_channels=m.kv_channels,
+            num_query_groups=m.num_query_groups,
+            swiglu=m.swiglu,
+        )
         params = sum(k for _, k in param_numels(m, tp=1, pp=1, pp_rank=0))
-        points.append((flops, t, params))
+        points.append((model_flops, t, params))
     (f1, t1, params), (f4, t4, _), (_, t4m, _), (fh, th, params_h) = points
     rate = (f4 - f1) / max(t4 - t1, 1e-9)  # FLOP/s of the marginal work
     per_microbatch = max((t4m - t4) / 3, 0.0)
     fixed = max(t1 - f1 / rate - per_microbatch - params * optimizer_s_per_param, 0.0)
     half = (th - fixed - fh / rate - params_h * optimizer_s_per_param) / 4
-    per_layer = min(max((per_microbatch - half) / (layers - layers // 2), 0.0),
-                    per_microbatch / layers)  # fmt: skip
+    per_layer = max((per_microbatch - half) / (layers - layers // 2), 0.0)
+    per_layer = min(per_layer, per_microbatch / layers)
     return {
         "efficiency": rate / (peak_tflops * 1e12),
         "layer_overhead_s": per_layer / 3,
@@ -157,51 +166,51 @@ def _busy_seconds(n: int = 40) -> float:
     return time.perf_counter() - start
 
 
-def shared_cores(*, repeat: int = 3) -> float:
-    """The cores the ranks of this (CPU, gloo) world share: each rank computes alone (the others
+def shared_cores(group: dist.ProcessGroup, *, repeat: int = 3) -> float:
+    """The cores the ranks of ``group`` (CPU, gloo) share: each rank computes alone (the others
     wait in a barrier, asleep) and then all at once; ``world x alone / together`` (medians),
-    ``world`` when they do not slow each other down. Collective over the default group."""
-    import torch.distributed as dist
-
-    world, rank = dist.get_world_size(), dist.get_rank()
+    ``world`` when they do not slow each other down. Collective over ``group``."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     alone, together = [], []
     for _ in range(repeat):
         for r in range(world):
-            dist.barrier()
+            dist.barrier(group=group)
             if r == rank:
                 alone.append(_busy_seconds())
-        dist.barrier()
+        dist.barrier(group=group)
         together.append(_busy_seconds())
     mine = torch.tensor([statistics.median(alone), statistics.median(together)])
-    dist.all_reduce(mine)
+    dist.all_reduce(mine, group=group)
     cores = world * float(mine[0] / mine[1])
     return world if cores > 0.9 * world else max(cores, 1.0)
 
 
 def calibrate_in_world(
-    argv: list[str] = REFERENCE, *, peak_tflops: float = 1.0, repeat: int = 3
+    argv: list[str] = REFERENCE,
+    *,
+    group: dist.ProcessGroup,
+    peak_tflops: float = 1.0,
+    repeat: int = 3,
 ) -> dict:
-    """The calibration of a CPU gloo world, in it (every rank calls it): the shared cores, then
-    the reference steps with every rank busy (``fit_compute``: each rank alone on its model), the
-    figures scaled back to a rank with a core of its own; each collective between busy ranks, over
-    the world (``calibrate_comm.busy_collectives``)."""
-    import torch.distributed as dist
-
+    """The calibration of a CPU gloo ``group``, in it (every rank of it calls this): the shared
+    cores, then the reference steps with every rank busy (``fit_compute``: each rank alone on its
+    model), the figures scaled back to a rank with a core of its own; each collective between
+    busy ranks, over ``group`` (``calibrate_comm.busy_collectives``)."""
     device = torch.device("cpu")
-    world = dist.get_world_size()
-    cores = shared_cores()
+    world = dist.get_world_size(group)
+    cores = shared_cores(group)
     slow = world / cores
     opt = optimizer_seconds_per_param(device, n=1_000_000)
-    dist.barrier()
-    fit = fit_compute(argv, device, peak_tflops=peak_tflops, optimizer_s_per_param=opt,
-                      repeat=repeat)  # fmt: skip
-    figures = torch.tensor([fit["efficiency"], fit["layer_overhead_s"], fit["chunk_overhead_s"],
-                            fit["step_overhead_s"], opt], dtype=torch.float64)  # fmt: skip
-    dist.all_reduce(figures)
+    dist.barrier(group=group)
+    fit = fit_compute(
+        argv, device, peak_tflops=peak_tflops, optimizer_s_per_param=opt, repeat=repeat
+    )
+    names = ("efficiency", "layer_overhead_s", "chunk_overhead_s", "step_overhead_s")
+    figures = torch.tensor([*(fit[k] for k in names), opt], dtype=torch.float64)
+    dist.all_reduce(figures, group=group)
     eff, layer, chunk, step, opt = (figures / world).tolist()
-    from megalite.planning.calibrate_comm import busy_collectives
-
-    collectives = busy_collectives()  # every rank the same figures (and so the same predictions)
+    # every rank the same figures (and so the same predictions)
+    collectives = busy_collectives(group)
     return {
         "device": "cpu",
         "peak_tflops": peak_tflops,
@@ -225,31 +234,26 @@ def optimizer_seconds_per_param(device: torch.device, n: int = 4_000_000) -> flo
 def _all_reduce_worker(
     rank: int, world: int, init_file: str, queue, *, backend: str, sizes
 ) -> None:
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    group = world_group()
     out = {}
     for n in sizes:
         x = torch.ones(n // 4, device=device)
-        t = _median_time(lambda x=x: dist.all_reduce(x), repeat=7, sync=_sync(device))
-        out[n] = t
+        reduce = functools.partial(dist.all_reduce, x, group=group)
+        out[n] = _median_time(reduce, repeat=7, sync=_sync(device))
     if rank == 0:
         queue.put(out)
     dist.destroy_process_group()
 
 
 def _busy_worker(rank: int, world: int, init_file: str, queue) -> None:
-    import torch.distributed as dist
-
-    from megalite.planning.calibrate_comm import busy_collectives
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    figures = busy_collectives()
+    figures = busy_collectives(world_group())
     if rank == 0:
         queue.put(figures)
     dist.destroy_process_group()
@@ -257,8 +261,6 @@ def _busy_worker(rank: int, world: int, init_file: str, queue) -> None:
 
 def _in_world(worker, world: int = 2):
     """What rank 0 of a spawned ``world``-process gloo group puts in the queue."""
-    import torch.multiprocessing as mp
-
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -275,8 +277,6 @@ def _in_world(worker, world: int = 2):
 def all_reduce_figures(backend: str, *, sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 23)) -> dict:
     """Latency (s) and bus bandwidth (GB/s) of a 2-rank all-reduce: ``t = lat + bytes / bw``
     (for two ranks the bus factor 2 (n-1)/n is 1)."""
-    import functools
-
     times = _in_world(functools.partial(_all_reduce_worker, backend=backend, sizes=sizes))
     small, large = min(sizes), max(sizes)
     bw = (large - small) / max(times[large] - times[small], 1e-9)
@@ -289,15 +289,13 @@ def all_reduce_figures(backend: str, *, sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 2
 
 def calibrate(*, device: torch.device | None = None, argv: list[str] = REFERENCE) -> dict:
     """Every figure, as the calibration file holds them."""
-    from megalite.training.flops import peak_tflops
-
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     mm = matmul_tflops(device, dtype, sizes=(1024, 4096, 8192) if cuda else (256, 512, 1024))
-    peak = (peak_tflops(name, "bf16") if cuda else None) or max(mm.values())
+    peak = (flops.peak_tflops(name, "bf16") if cuda else None) or max(mm.values())
     data = {
         "device": name,
         "peak_tflops": peak,
