@@ -23,6 +23,7 @@ from megalite.data.gpt_dataset import default_cache_dir
 from megalite.data.indexed_dataset import IndexedDataset
 from megalite.data.vocab_check import token_range
 from megalite.errors import ArgumentParser, UsageError, check_writable_dir, run_main
+from megalite.models.config import GPTConfig
 from megalite.training.config import TrainingConfig
 
 
@@ -41,7 +42,7 @@ def _main(argv: list[str] | None) -> int:
     p.add_argument("--test-data-path", nargs="+", default=None)
     p.add_argument("--data-cache-path", default=None)
     p.add_argument("--seq-length", type=int, required=True)
-    p.add_argument("--seed", type=int, default=data.seed)
+    p.add_argument("--seed", type=int, default=GPTConfig.seed)
     p.add_argument("--train-iters", type=int, default=None)
     p.add_argument("--train-samples", type=int, default=None)
     p.add_argument("--global-batch-size", type=int, required=True)
@@ -72,18 +73,22 @@ def _main(argv: list[str] | None) -> int:
         test_data_path=args.test_data_path,
         data_cache_path=args.data_cache_path,
         vocab_size=1,  # the caches do not depend on the tokenizer
-        seq_length=args.seq_length,
-        seed=args.seed,
     )
     try:
         cfg.validate()
     except ValueError as e:  # the data flags, each named in the message
         raise UsageError(str(e)) from None
+    if args.seq_length < 1:
+        raise UsageError(f"--seq-length must be an integer >= 1, got {args.seq_length}")
+    if args.seed < 0:
+        raise UsageError(f"--seed must be an integer >= 0, got {args.seed}")
     if args.data_cache_path:
         check_writable_dir(args.data_cache_path, flag="--data-cache-path", what="index caches")
     samples = {"train_samples": train, "valid_samples": valid, "test_samples": test}
     check_data(cfg, **samples)  # the indexes open and the splits read have tokens
-    datasets = build_datasets(cfg, tokenizer=None, **samples)
+    datasets = build_datasets(
+        cfg, seq_length=args.seq_length, seed=args.seed, tokenizer=None, **samples
+    )
     for name, ds in zip(("train", "valid", "test"), datasets):
         logging.info("%s: %s", name, "none" if ds is None else f"{len(ds)} samples cached")
     for prefix in _prefixes(cfg):  # the start-up vocabulary check then only reads them

@@ -89,8 +89,10 @@ def megatron_args(
         if isinstance(section, dict):
             values.update(section)
     model = config["model"]
-    values.pop("params_dtype", None)
+    dtype = str(values.pop("params_dtype", "torch.float32"))
     values.update(
+        bf16=dtype == "torch.bfloat16",  # Megatron's precision flags, from the model's dtype
+        fp16=dtype == "torch.float16",
         tensor_model_parallel_size=reader.tp_size,
         pipeline_model_parallel_size=reader.pp_size,
         data_parallel_size=reader.dp_size,

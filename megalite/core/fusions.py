@@ -26,6 +26,13 @@ def _use_triton(x: torch.Tensor, use_fused: bool) -> bool:
     )
 
 
+def fused_kernels_on_cpu() -> bool:
+    """Whether the fused kernels serve CPU tensors in this process: only under triton's
+    interpreter (``TRITON_INTERPRET=1``) with triton importable. On a GPU they serve whenever
+    the caller asks for them."""
+    return runtime.interpreting() and runtime.kernels_ready()
+
+
 def _reference_layer_norm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
 ) -> torch.Tensor:

@@ -47,30 +47,33 @@ def train_valid_test_num_samples(
 def build_datasets(
     cfg: DataConfig,
     *,
+    seq_length: int,
+    seed: int,
     tokenizer,
     train_samples: int,
     valid_samples: int,
     test_samples: int,
     write_cache: bool = True,
 ) -> tuple:
-    """(train, valid, test) datasets (None where a split is empty or asks for 0 samples)."""
+    """(train, valid, test) datasets of ``seq_length``-token samples, shuffled from ``seed``
+    (None where a split is empty or asks for 0 samples)."""
     cfg.validate()
     wanted = (train_samples, valid_samples, test_samples)
     if cfg.mock_data:
         return tuple(
             MockGPTDataset(
                 num_samples=n,
-                seq_length=cfg.seq_length,
+                seq_length=seq_length,
                 vocab_size=tokenizer.vocab_size,
                 eod=tokenizer.eod,
-                seed=cfg.seed,
+                seed=seed,
                 split_name=name,
             )
             if n > 0
             else None
             for name, n in zip(SPLIT_NAMES, wanted)
         )
-    common = {"cfg": cfg, "write_cache": write_cache}
+    common = {"cfg": cfg, "seq_length": seq_length, "seed": seed, "write_cache": write_cache}
     if cfg.data_path:
         split = parse_split(cfg.split)
         prefixes, weights = parse_blend(cfg.data_path, flag="--data-path")
@@ -103,6 +106,8 @@ def _build_split(
     split: tuple[float, float, float],
     num_samples: int,
     cfg: DataConfig,
+    seq_length: int,
+    seed: int,
     write_cache: bool,
 ):
     name = SPLIT_NAMES[split_index]
@@ -124,8 +129,8 @@ def _build_split(
                 ds,
                 (lo, hi),
                 num_samples=n,
-                seq_length=cfg.seq_length,
-                seed=cfg.seed,
+                seq_length=seq_length,
+                seed=seed,
                 split_name=name,
                 cache_dir=cfg.data_cache_path,
                 write_cache=write_cache,
@@ -232,6 +237,8 @@ def check_data(
 def build_data_loaders(
     cfg: DataConfig,
     *,
+    seq_length: int,
+    seed: int,
     tokenizer,
     micro_batch_size: int,
     global_batch_size: int,
@@ -260,6 +267,8 @@ def build_data_loaders(
     """
     datasets = None
     kwargs = dict(
+        seq_length=seq_length,
+        seed=seed,
         tokenizer=tokenizer,
         train_samples=train_samples,
         valid_samples=valid_samples,

@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from megalite.core import fusions
 from megalite.core.moe.router import expert_capacity
 from megalite.core.pipeline_parallel.generators import SCHEDULES, generate, layout_of
 from megalite.models.config import GPTConfig
@@ -94,10 +95,7 @@ def fused_norms(c: GPTConfig, device: str) -> bool:
         return False
     if device != "cpu":
         return True
-    # TEMPORARY (only core.fusions may read the kernels' runtime): until fusions answers this
-    from megalite.kernels import runtime
-
-    return runtime.interpreting() and runtime.kernels_ready()
+    return fusions.fused_kernels_on_cpu()
 
 
 def layer_bytes(

@@ -12,7 +12,7 @@ from megalite.core.optimizer.memory_report import ModelStateBytes
 from megalite.planning.activations import StageActivations, stage_activations
 from megalite.planning.model_state import ZERO_RUNGS, model_state_bytes
 from megalite.training.config import PretrainConfig
-from megalite.training.model_chunks import effective_schedule, num_model_chunks
+from megalite.training.pipeline_config import effective_schedule, num_model_chunks
 
 
 @dataclass(frozen=True)
@@ -218,7 +218,7 @@ def predict_for_config(
         cfg.model,
         layout_of(cfg, dp=dp),
         global_batch_size=cfg.training.global_batch_size,
-        precision=cfg.optimizer.precision_name,
+        precision=cfg.model.precision_name,
         bucket_size=par.bucket_size(dp),
         edp_rank=edp_rank,
         grads_in_fp32=par.accumulate_allreduce_grads_in_fp32,

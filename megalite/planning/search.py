@@ -191,7 +191,7 @@ def evaluate(
         )
     except ValueError as e:
         return Candidate(layout, [], error=str(e).splitlines()[0])
-    precision = cfg.optimizer.precision_name
+    precision = cfg.model.precision_name
     par = cfg.parallel
     memory = predict_memory(
         cfg.model,

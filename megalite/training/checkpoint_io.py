@@ -24,12 +24,12 @@ from torch import nn
 from megalite import checkpoint
 from megalite.checkpoint import LoadedCheckpoint
 from megalite.checkpoint.records import plain_data
+from megalite.core.pipeline_parallel.model_chunk import ModelChunk
 
 
-def gpt_modules(model: list[nn.Module]) -> list[nn.Module]:
+def gpt_modules(model: list[ModelChunk]) -> list[nn.Module]:
     """The GPT stage module of each model chunk. ``model``: the Trainer's model, a list of
-    data-parallel wrappers (one per virtual stage); a wrapper's ``.module`` is the GPTModel stage
-    whose grads it syncs."""
+    ``ModelChunk`` (one per virtual stage) whose ``.module`` is the GPTModel stage."""
     return [chunk.module for chunk in model]
 
 
@@ -68,7 +68,7 @@ def save_checkpoint(trainer, iteration: int | None = None, *, save_dir: str | No
     return iter_dir
 
 
-def gathered_params(model: list[nn.Module]) -> contextlib.ExitStack:  # issue 13
+def gathered_params(model: list[ModelChunk]) -> contextlib.ExitStack:  # issue 13
     """Every chunk's parameters whole inside (ZeRO-3 gathers its shards and writes loads back);
     a no-op for the other data-parallel rungs."""
     from megalite.training.model_chunks import grad_wrappers  # issue 14: views share one
@@ -128,7 +128,7 @@ def _load(trainer, load_dir, iteration, t):
         optimizer=trainer.optimizer,
         scheduler=trainer.scheduler,
         ps=trainer.ps,
-        seed=t.seed,
+        seed=trainer.cfg.model.seed,
         iteration=t.ckpt_step if iteration is None else iteration,
         load_optim=not t.no_load_optim,
         load_rng=not t.no_load_rng,
@@ -141,7 +141,8 @@ def run_layer_ranges(trainer) -> list[tuple[int, int]] | None:
     """The layers of every global stage of the trainer's run (stage order), for any number of
     model chunks per rank; None when the run has no parallel config (a test's stand-in)."""
     from megalite.core.pipeline_parallel.generators import layout_of
-    from megalite.training.model_chunks import effective_schedule, num_model_chunks, stage_blocks
+    from megalite.training.model_chunks import stage_blocks
+    from megalite.training.pipeline_config import effective_schedule, num_model_chunks
 
     cfg = trainer.cfg
     if getattr(cfg, "parallel", None) is None or getattr(cfg, "model", None) is None:

@@ -27,11 +27,10 @@ from megalite.training.lr_scheduler import LRScheduler
 from megalite.training.model_chunks import (
     ModelChunks,
     build_gpt_chunks,
-    effective_schedule,
-    num_model_chunks,
     tied_params,
 )
 from megalite.training.optimizer_config import OptimizerConfig
+from megalite.training.pipeline_config import effective_schedule, num_model_chunks
 
 
 def build_loss_scaler(

@@ -29,14 +29,12 @@ def evaluate(
     eval_iters: int,
     num_microbatches: int,
     forward_backward_func: Callable[..., list[dict]],
-    seq_length: int | None = None,
-    micro_batch_size: int | None = None,
 ) -> dict[str, float]:
     """Mean loss per name over ``eval_iters`` global batches (dropout off); {} off the last
     stage."""
-    was_training = [chunk.training for chunk in model]
+    was_training = [chunk.module.training for chunk in model]
     for chunk in model:
-        chunk.eval()
+        chunk.module.eval()
     totals: dict[str, torch.Tensor] = {}
     try:
         with torch.no_grad():
@@ -47,8 +45,6 @@ def evaluate(
                     model=model,
                     num_microbatches=num_microbatches,
                     forward_only=True,
-                    seq_length=seq_length,
-                    micro_batch_size=micro_batch_size,
                 )
                 if ps.is_last_stage:
                     mean = average_losses_across_dp(reported, ps.group("dp", "cp"))
@@ -56,7 +52,7 @@ def evaluate(
                         totals[name] = totals.get(name, 0.0) + value
     finally:
         for chunk, mode in zip(model, was_training):
-            chunk.train(mode)
+            chunk.module.train(mode)
     return {name: float(value) / eval_iters for name, value in totals.items()}
 
 

@@ -103,12 +103,12 @@ def build_run(
     tracker = None
     if seed_rng:
         tracker = model_parallel_seed(
-            cfg.training.seed, tp_rank=ps.tp_rank, pp_rank=ps.pp_rank, device=device
+            cfg.model.seed, tp_rank=ps.tp_rank, pp_rank=ps.pp_rank, device=device
         )
     hooks = [MemoryReport(), *first_step_hooks] if log else list(first_step_hooks)
     trainer = Trainer(cfg, ps, device=device, tracker=tracker, first_step_hooks=hooks)
     if log:
-        n_params = sum(p.numel() for chunk in trainer.model for p in chunk.parameters())
+        n_params = sum(p.numel() for chunk in trainer.model for p in chunk.module.parameters())
         logger.info("parameters on the last rank: %d", n_params)
         wrapper = grad_wrappers(trainer.model)[0]  # the chunks of a rank share one
         log_model_state_memory(wrapper, trainer.optimizer, ps)
@@ -130,6 +130,8 @@ def build_run(
         samples = (max(t.train_samples or samples[0], needed), *samples[1:])
     iters = build_data_loaders(
         cfg.data,
+        seq_length=cfg.model.seq_length,
+        seed=cfg.model.seed,
         tokenizer=cfg.tokenizer,
         micro_batch_size=t.micro_batch_size,
         global_batch_size=t.global_batch_size,
@@ -203,7 +205,7 @@ def pretrain(
     try:
         num_microbatches = cfg.check_world(ps.world_size, ps.dp_size)  # before any data is read
         exit_signal = _exit_signal_handler(cfg)
-        cp = f" x CP {ps.cp_size} ({cfg.parallel.cp_comm_type})" if ps.cp_size > 1 else ""
+        cp = f" x CP {ps.cp_size} ({cfg.model.cp_comm_type})" if ps.cp_size > 1 else ""
         logger.info(
             "megalite: world %d = TP %d%s x PP %d x DP %d on %s (%s), %d micro-batches of %d per "
             "DP rank per iteration",

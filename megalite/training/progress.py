@@ -72,7 +72,7 @@ class Progress:
             swiglu=m.swiglu,
         )
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-        precision = cfg.optimizer.precision_name
+        precision = cfg.model.precision_name
         self.peak = peak_tflops(device_name, precision, override=cfg.logging.peak_tflops)
 
     def step_scalars(

@@ -1,10 +1,11 @@
 """One training iteration: forward-backward over the micro-batches, grad sync, optimizer step.
 
-    result = train_step(forward_step_func, [data_iterator], [model], optimizer, scheduler, ps=ps,
+    result = train_step(forward_step_func, [data_iterator], [chunk], optimizer, scheduler, ps=ps,
                         num_microbatches=n, forward_backward_func=get_forward_backward_func(ps))
 
-``model`` is the list of this rank's model chunks (data-parallel wrappers, or views of one wrapper
-over several chunks) and ``data_iterator`` one iterator per chunk. Global batch =
+``model`` is the list of this rank's model chunks (``ModelChunk``: each chunk's module and its
+data-parallel wrapper, which the chunks of a rank share) and ``data_iterator`` one iterator per
+chunk. Global batch =
 ``micro_batch_size x num_microbatches x dp_size``. The reported losses are the mean over this
 rank's micro-batches, averaged over the DP group: equal to the mean over all micro-batches of the
 global batch (last stage; empty elsewhere).
@@ -116,8 +117,6 @@ def train_step(
     ps: ParallelState,
     num_microbatches: int,
     forward_backward_func: Callable[..., list[dict]],
-    seq_length: int | None = None,
-    micro_batch_size: int | None = None,
     calculate_per_token_loss: bool = False,
 ) -> StepResult:
     wrappers = grad_wrappers(model)  # chunks of a rank may share one wrapper
@@ -131,8 +130,6 @@ def train_step(
         num_microbatches=num_microbatches,
         forward_only=False,
         grad_scale_func=optimizer.scale_loss if optimizer.loss_scaler is not None else None,
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
     )
     for wrapper in wrappers:
         wrapper.finish_grad_sync()

@@ -28,6 +28,7 @@ import torch
 from megalite.core.moe import routers_of, set_aux_loss_scale, update_expert_bias
 from megalite.core.parallel_state import ParallelState
 from megalite.core.pipeline_parallel.forward_backward import get_forward_backward_func
+from megalite.core.pipeline_parallel.model_chunk import ModelChunk
 from megalite.models.moe_layer import read_moe_stats
 from megalite.training import checkpoint_io
 from megalite.training.checkpoint_io import exit_duration_reached
@@ -35,7 +36,8 @@ from megalite.training.components import setup_model_and_optimizer
 from megalite.training.config import PretrainConfig
 from megalite.training.evaluate import evaluate_and_log
 from megalite.training.microbatches import batch_size_calculator
-from megalite.training.model_chunks import effective_schedule, schedule_chunks
+from megalite.training.model_chunks import schedule_chunks
+from megalite.training.pipeline_config import effective_schedule
 from megalite.training.progress import Progress
 from megalite.training.signals import ExitSignalHandler, any_rank_signalled
 from megalite.training.step_stats import DeviceStats, IntervalSnapshot
@@ -91,9 +93,10 @@ class FirstStepHook:
 class Trainer:
     """The loop's state and its pieces; ``pretrain.build_run`` builds one, tests may too.
 
-    ``model`` is the list of this rank's model chunks (data-parallel wrappers; one without virtual
-    pipeline stages), ``optimizer`` covers all of them. ``first_step_hooks``: see
-    ``FirstStepHook``; more may be appended to the list before the first step."""
+    ``model`` is the list of this rank's model chunks (``ModelChunk``: the GPT stage and the
+    data-parallel wrapper they share; one without virtual pipeline stages), ``optimizer`` covers
+    all of them. ``first_step_hooks``: see ``FirstStepHook``; more may be appended to the list
+    before the first step."""
 
     def __init__(
         self,
@@ -114,13 +117,13 @@ class Trainer:
         model, self.optimizer, self.scheduler = setup_model_and_optimizer(
             cfg, ps, device=device, rng_tracker=tracker
         )
-        # a view per model chunk: the chunks of a rank share one grad wrapper
-        self.model: list[torch.nn.Module] = schedule_chunks(model)
-        self.routers = routers_of(self.model)  # MoE routers, found once; none in a dense model
+        # one per model chunk: the chunks of a rank share one grad wrapper
+        self.model: list[ModelChunk] = schedule_chunks(model)
+        # MoE routers, found once; none in a dense model
+        self.routers = routers_of([chunk.module for chunk in self.model])
         self.forward_backward_func = get_forward_backward_func(
             ps,
             pipeline_schedule=effective_schedule(cfg),
-            num_chunks=len(self.model),
             microbatch_group_size=cfg.parallel.microbatch_group_size_per_virtual_pipeline_stage,
             overlap_p2p=not cfg.parallel.no_overlap_p2p_communication,
             seq_length=cfg.model.seq_length // ps.cp_size,  # context parallel: [s/cp(/tp), b, h]
@@ -149,8 +152,6 @@ class Trainer:
             "ps": self.ps,
             "num_microbatches": self.num_microbatches,
             "forward_backward_func": self.forward_backward_func,
-            "seq_length": self.cfg.model.seq_length,
-            "micro_batch_size": self.cfg.training.micro_batch_size,
         }
 
     def step(self, forward_step_func: Callable, data_iterator) -> StepResult:
@@ -219,7 +220,8 @@ class Trainer:
         over the world; nothing for a dense model)."""
         if self.cfg.model.num_experts is None:
             return
-        layers = read_moe_stats(self.model, self.ps, self.cfg.model.num_layers)
+        modules = [chunk.module for chunk in self.model]
+        layers = read_moe_stats(modules, self.ps, self.cfg.model.num_layers)
         if layers:
             losses = self.progress.moe_losses(layers, self.result.iteration)
             self.result.moe_losses.append(losses)

@@ -109,7 +109,8 @@ def _hf_first_iteration_loss(hf: torch.nn.Module, cfg) -> float:
     """The mean over the first global batch's micro-batches of the HF model's masked mean loss."""
     t = cfg.training
     loader, _, _ = build_data_loaders(
-        cfg.data, tokenizer=cfg.tokenizer, micro_batch_size=t.micro_batch_size,
+        cfg.data, seq_length=cfg.model.seq_length, seed=cfg.model.seed,
+        tokenizer=cfg.tokenizer, micro_batch_size=t.micro_batch_size,
         global_batch_size=t.global_batch_size, dp_rank=0, dp_size=1,
         train_samples=t.global_batch_size, valid_samples=0, test_samples=0,
     )  # fmt: skip

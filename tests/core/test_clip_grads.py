@@ -31,12 +31,13 @@ CLIP = 0.3  # well below the ~1.0 norm of the first step: clipping is active
 
 def _grads_after_sync(cfg, ps) -> tuple[object, list]:
     trainer, data = trainer_and_data(cfg, ps)
-    (model,) = trainer.model
+    (chunk,) = trainer.model
+    model = chunk.grad_wrapper
     model.zero_grad_buffer()
     forward_backward_no_pipelining(
         forward_step_func=make_forward_step(CPU),
         data_iterator=data,
-        model=[model],
+        model=[chunk],
         num_microbatches=trainer.num_microbatches,
     )
     model.finish_grad_sync()

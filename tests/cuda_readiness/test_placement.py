@@ -18,8 +18,8 @@ from megalite.checkpoint import records
 from megalite.core.context_parallel.comm import Ring
 from megalite.core.distributed import shard_collectives
 from megalite.core.optimizer.sharded_optimizer import ShardedOptimizer
-from megalite.core.pipeline_parallel import executor
 from megalite.core.pipeline_parallel.actions import StageLayout
+from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.core.tensor_parallel.random import RNGStatesTracker
 from megalite.data import samplers
 from megalite.training import trainer
@@ -164,8 +164,14 @@ def test_pipeline_loss_handover_on_the_p2p_device_names_once(monkeypatch):
     monkeypatch.setattr(dist, "send_object_list", lambda names, *a, **k: objects.append(names))
 
     def comm():
-        return types.SimpleNamespace(
-            device=torch.device("meta"), group=None, global_rank=lambda t, m: t
+        return P2PCommunicator(
+            prev_rank=None,
+            next_rank=None,
+            tensor_shape=(1,),
+            dtype=torch.float32,
+            device=torch.device("meta"),
+            group=None,
+            pp_ranks=[0, 1],
         )
 
     layout = StageLayout(pp_size=2, num_chunks=2, shape="v")
@@ -173,12 +179,12 @@ def test_pipeline_loss_handover_on_the_p2p_device_names_once(monkeypatch):
     losses = [{"lm loss": torch.tensor(1.0)}, {"lm loss": torch.tensor(2.0)}]
     p2p = comm()
     for _ in range(3):
-        assert executor._losses_to_last_rank(losses, layout, 0, p2p, 2) == []
+        assert p2p.losses_to_last_rank(losses, layout, 0, 2) == []
     assert objects == [["lm loss"]]
     assert [tuple(t.shape) for t in sent] == [(1,), (2, 1), (2, 1), (2, 1)]  # header once
     assert {t.device.type for t in sent} == {"meta"}
     with pytest.raises(RuntimeError, match="keep the names fixed"):
-        executor._losses_to_last_rank([{"other": torch.tensor(1.0)}], layout, 0, p2p, 1)
+        p2p.losses_to_last_rank([{"other": torch.tensor(1.0)}], layout, 0, 1)
 
     received = []
 
@@ -189,11 +195,11 @@ def test_pipeline_loss_handover_on_the_p2p_device_names_once(monkeypatch):
 
     monkeypatch.setattr(dist, "recv", recv)
     with pytest.raises(StopIteration):
-        executor._losses_to_last_rank([], layout, 1, comm(), 2)
+        comm().losses_to_last_rank([], layout, 1, 2)
     assert received[-1].device.type == "meta"
     last = comm()
     last.loss_names = ["lm loss"]  # a later step: only the values are received
-    out = executor._losses_to_last_rank([], layout, 1, last, 2)
+    out = last.losses_to_last_rank([], layout, 1, 2)
     assert received[-1].shape == (2, 1) and received[-1].device.type == "meta"
     assert [list(d) for d in out] == [["lm loss"], ["lm loss"]]
 

@@ -84,12 +84,9 @@ def _two_datasets(tmp_path):
 
 def test_data_path_weights_give_the_blend(tmp_path, monkeypatch):
     pa, pb = _two_datasets(tmp_path)
-    cfg = DataConfig(
-        data_path=["0.3", pa, "0.7", pb], vocab_size=200, seq_length=16, split="90,10,0"
-    )
-    train, valid, test = build_datasets(
-        cfg, tokenizer=None, train_samples=500, valid_samples=40, test_samples=8
-    )
+    cfg = DataConfig(data_path=["0.3", pa, "0.7", pb], vocab_size=200, split="90,10,0")
+    samples = dict(train_samples=500, valid_samples=40, test_samples=8)
+    train, valid, test = build_datasets(cfg, seq_length=16, seed=1234, tokenizer=None, **samples)
     assert test is None and isinstance(train, BlendedDataset) and len(train) == 500
     source = []
     for i in range(500):
@@ -103,16 +100,17 @@ def test_data_path_weights_give_the_blend(tmp_path, monkeypatch):
         raise AssertionError("the blending index should come from the cache")
 
     monkeypatch.setattr(blended_module, "build_blending_index", no_rebuild)
-    again = build_datasets(cfg, tokenizer=None, train_samples=500, valid_samples=40, test_samples=8)
+    again = build_datasets(cfg, seq_length=16, seed=1234, tokenizer=None, **samples)
     assert [again[0][i].tolist() for i in range(20)] == [train[i].tolist() for i in range(20)]
 
 
 def test_prefixes_without_weights_are_weighed_by_tokens(tmp_path):
     pa, pb = _two_datasets(tmp_path)
-    cfg = DataConfig(data_path=[pa, pb], vocab_size=200, seq_length=16, split="1,0,0")
+    cfg = DataConfig(data_path=[pa, pb], vocab_size=200, split="1,0,0")
     train, _, _ = build_datasets(
-        cfg, tokenizer=None, train_samples=300, valid_samples=0, test_samples=0
-    )
+        cfg, seq_length=16, seed=1234, tokenizer=None, train_samples=300, valid_samples=0,
+        test_samples=0,
+    )  # fmt: skip
     from megalite.data.indexed_dataset import IndexedDataset
 
     tokens = [IndexedDataset(p).num_tokens for p in (pa, pb)]
@@ -121,11 +119,11 @@ def test_prefixes_without_weights_are_weighed_by_tokens(tmp_path):
 
 def test_per_split_paths_and_small_constituent_error(tmp_path):
     pa, pb = _two_datasets(tmp_path)
-    cfg = DataConfig(train_data_path=[pa], valid_data_path=["1", pa, "1", pb], vocab_size=200,
-                     seq_length=16)  # fmt: skip
+    cfg = DataConfig(train_data_path=[pa], valid_data_path=["1", pa, "1", pb], vocab_size=200)
     train, valid, test = build_datasets(
-        cfg, tokenizer=None, train_samples=64, valid_samples=32, test_samples=8
-    )
+        cfg, seq_length=16, seed=1234, tokenizer=None, train_samples=64, valid_samples=32,
+        test_samples=8,
+    )  # fmt: skip
     assert test is None and len(valid) == 32 and len(train) >= 64
     assert train.description["documents"] == [0, 200]  # the whole dataset for its split
     with pytest.raises(ValueError, match=r"blended dataset 1 .* must give \d+ samples but holds 2"):

@@ -87,8 +87,9 @@ def _dataset(tmp_path):
 
 
 def _loaders(cfg, **kw):
-    args = dict(tokenizer=NullTokenizer(1000), micro_batch_size=2, global_batch_size=8, dp_rank=0,
-                dp_size=2, train_samples=96, valid_samples=24, test_samples=8)  # fmt: skip
+    args = dict(seq_length=16, seed=1234, tokenizer=NullTokenizer(1000), micro_batch_size=2,
+                global_batch_size=8, dp_rank=0, dp_size=2, train_samples=96, valid_samples=24,
+                test_samples=8)  # fmt: skip
     args.update(kw)
     return build_data_loaders(cfg, **args)
 
@@ -105,7 +106,7 @@ def _same(a, b):
 def test_resume_from_consumed_samples_yields_the_same_batches(tmp_path, blend):
     prefix = _dataset(tmp_path)
     path = ["0.5", prefix, "0.5", prefix] if blend else [prefix]
-    cfg = DataConfig(data_path=path, vocab_size=1000, seq_length=16, split="80,20,0")
+    cfg = DataConfig(data_path=path, vocab_size=1000, split="80,20,0")
     for rank in (0, 1):
         train, valid, test = _loaders(cfg, dp_rank=rank)
         assert test is None
@@ -125,7 +126,7 @@ def test_resume_from_consumed_samples_yields_the_same_batches(tmp_path, blend):
 
 
 def test_dp_ranks_together_see_the_dp1_stream(tmp_path):
-    cfg = DataConfig(data_path=[_dataset(tmp_path)], vocab_size=1000, seq_length=16, split="1,0,0")
+    cfg = DataConfig(data_path=[_dataset(tmp_path)], vocab_size=1000, split="1,0,0")
     single = list(_loaders(cfg, dp_size=1, micro_batch_size=4)[0])
     ranks = [list(_loaders(cfg, dp_size=2, dp_rank=r)[0]) for r in (0, 1)]
     for step, (a, b) in enumerate(zip(*ranks)):
@@ -133,15 +134,15 @@ def test_dp_ranks_together_see_the_dp1_stream(tmp_path):
 
 
 def test_workers_give_the_same_batches(tmp_path):
-    cfg = DataConfig(data_path=[_dataset(tmp_path)], vocab_size=1000, seq_length=16, split="1,0,0")
+    cfg = DataConfig(data_path=[_dataset(tmp_path)], vocab_size=1000, split="1,0,0")
     plain = list(_loaders(cfg)[0])
     cfg.num_workers = 2
     assert _same(list(_loaders(cfg)[0]), plain)
 
 
 def test_mock_loaders_share_the_path(tmp_path):
-    cfg = DataConfig(mock_data=True, vocab_size=100, seq_length=8, seed=3)
-    train, valid, test = _loaders(cfg, tokenizer=NullTokenizer(100))
+    cfg = DataConfig(mock_data=True, vocab_size=100)
+    train, valid, test = _loaders(cfg, seq_length=8, seed=3, tokenizer=NullTokenizer(100))
     first = next(train)
     ds = MockGPTDataset(num_samples=96, seq_length=8, vocab_size=101, eod=100, seed=3)
     assert first["tokens"].tolist() == [ds[0][:-1].tolist(), ds[1][:-1].tolist()]
@@ -149,7 +150,7 @@ def test_mock_loaders_share_the_path(tmp_path):
 
 
 def test_cache_builders_then_barrier_then_readers(tmp_path, monkeypatch):
-    cfg = DataConfig(data_path=[_dataset(tmp_path)], vocab_size=1000, seq_length=16, split="8,1,1",
+    cfg = DataConfig(data_path=[_dataset(tmp_path)], vocab_size=1000, split="8,1,1",
                      data_cache_path=str(tmp_path / "cache"))  # fmt: skip
     events = []
     real = gpt_module.build_gpt_indices
@@ -175,8 +176,9 @@ def test_sample_counts_follow_megatron():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
 def test_batches_are_pinned_for_cuda(tmp_path):
-    cfg = DataConfig(mock_data=True, vocab_size=100, seq_length=8, num_workers=2)
-    batch = next(_loaders(cfg, tokenizer=NullTokenizer(100), device=torch.device("cuda"))[0])
+    cfg = DataConfig(mock_data=True, vocab_size=100, num_workers=2)
+    loaders = _loaders(cfg, seq_length=8, tokenizer=NullTokenizer(100), device=torch.device("cuda"))
+    batch = next(loaders[0])
     assert all(v.is_pinned() for v in batch.values())
 
 
@@ -197,11 +199,11 @@ def test_build_data_cache_tool_prepares_every_index(tmp_path, monkeypatch):
 
     monkeypatch.setattr(gpt_module, "build_gpt_indices", no_build)
     monkeypatch.setattr(blended_module, "build_blending_index", no_build)
-    cfg = DataConfig(data_path=["0.4", prefix, "0.6", prefix], split="8,1,1", seq_length=16, seed=9,
+    cfg = DataConfig(data_path=["0.4", prefix, "0.6", prefix], split="8,1,1",
                      data_cache_path=cache, vocab_size=1000)  # fmt: skip
     train, valid, test = train_valid_test_num_samples(
         train_iters=12, global_batch_size=8, eval_interval=6, eval_iters=1
     )
-    loaders = _loaders(cfg, train_samples=train, valid_samples=valid, test_samples=test,
+    loaders = _loaders(cfg, seed=9, train_samples=train, valid_samples=valid, test_samples=test,
                        build_cache=False)  # fmt: skip
     assert all(it is not None for it in loaders) and len(list(loaders[0])) == 12 * 8 // 4

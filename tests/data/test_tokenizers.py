@@ -99,7 +99,6 @@ def test_parse_split_and_blend(tmp_path):
         ({"tokenizer_type": "GPT2BPETokenizer"}, r"GPT2BPETokenizer needs --vocab-file"),
         ({}, r"NullTokenizer needs --vocab-size V >= 1 \(got None\)"),
         ({"tokenizer_type": "SentencePieceTokenizer"}, r"needs --tokenizer-model"),
-        ({"vocab_size": 9, "seq_length": 0, "mock_data": True}, r"--seq-length must be .* got 0"),
         ({"vocab_size": 9}, r"no data: pass --data-path"),
         ({"vocab_size": 9, "mock_data": True, "data_path": ["x"]}, r"mutually exclusive"),
         ({"vocab_size": 9, "data_path": ["0.5", "P"]}, r"P\.idx does not exist"),

@@ -155,7 +155,7 @@ def test_ramp_schedule_data_lr_decoupled_and_resume(tmp_path):
     flat = torch.cat([next(fresh.train_iter[0])["tokens"] for _ in range(26)])
     assert torch.equal(tokens, flat)
     # decoupled parameters: the word embedding and the output layer, not the position embedding
-    model = trainer.model[0]
+    model = trainer.model[0].grad_wrapper
     in_group = {id(p) for p in trainer.optimizer.model_params[-2:]}
     chosen = {n for n, p in model.named_parameters() if id(p) in in_group}
     assert {n.split("module.")[-1] for n in chosen} == {

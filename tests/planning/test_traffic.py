@@ -86,7 +86,7 @@ def _case(cases):
             with CommLog() as log:
                 run.trainer.step(step, run.train_iter)
             m = gbs // (layout.micro_batch_size * layout.dp)
-            e = DTYPE_BYTES[cfg.optimizer.precision_name]
+            e = DTYPE_BYTES[cfg.model.precision_name]
             comms = rank_traffic(cfg.model, layout, pp_rank=ps.rank("pp"), m=m, e=e, cpu=True)
             predicted, measured = counts(comms), log.counts()
         finally:

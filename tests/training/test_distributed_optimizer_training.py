@@ -155,7 +155,7 @@ def _resume_case() -> dict:
         first.cfg.training.train_iters = 3
         head = first.train(forward, data).losses
         saved = {
-            "model": {k: v.clone() for k, v in first.model[0].state_dict().items()},
+            "model": {k: v.clone() for k, v in first.model[0].grad_wrapper.state_dict().items()},
             "optimizer": first.optimizer.state_dict(),
             "full": first.optimizer.full_state_dict(),
             "scheduler": first.scheduler.state_dict(),
@@ -165,7 +165,7 @@ def _resume_case() -> dict:
             resumed, data = trainer_and_data(
                 config(*ZERO, *BF16, *flags, world_size=world, rank=rank), ps
             )
-            resumed.model[0].load_state_dict(saved["model"])
+            resumed.model[0].grad_wrapper.load_state_dict(saved["model"])
             if name == "sharded":
                 resumed.optimizer.load_state_dict(saved["optimizer"])
             else:
@@ -195,7 +195,7 @@ def _memory_case() -> tuple[list, list[str]]:
     try:
         trainer, _ = trainer_and_data(config(*ZERO, *BF16, world_size=world, rank=rank), ps)
         with LogCapture() as logs:
-            rows = log_model_state_memory(trainer.model[0], trainer.optimizer, ps)
+            rows = log_model_state_memory(trainer.model[0].grad_wrapper, trainer.optimizer, ps)
         return rows, logs.lines
     finally:
         ps.destroy()

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from megalite.core.parallel_state import ParallelState, initialize_model_parallel
-from megalite.core.pipeline_parallel.executor import unwrap
 from megalite.data.samplers import GPTBatchCollator
 from megalite.models import GPTModel
 from megalite.training.config import ConfigError
@@ -79,7 +78,7 @@ def _per_token_case(family: str, layout: str):
     cfg = config(*flags, world_size=2, rank=rank)
     ps = initialize_model_parallel(1, context_parallel_size=2 if cp else 1)
     trainer, _ = trainer_and_data(cfg, ps)
-    module = unwrap(trainer.model[0])
+    module = trainer.model[0].module
     oracle = GPTModel(cfg.model, ParallelState.single())
     oracle.load_state_dict(module.state_dict())
     batches = _micro_batches(steps=1)

@@ -155,7 +155,7 @@ def memory_case(tmp: str) -> dict:
         ps = _mesh(cfg)
         try:
             run = build_run(cfg, ps, torch.device("cpu"), resume=False)
-            model, opt = run.trainer.model[0], run.trainer.optimizer
+            model, opt = run.trainer.model[0].grad_wrapper, run.trainer.optimizer
             rows = log_model_state_memory(model, opt, ps)
             counted = _count_storages(model, opt)
         finally:

@@ -119,7 +119,7 @@ def test_bf16_learns_the_mock_task_with_fp32_master_weights():
     flags = ["--train-iters", "40", "--lr", "1e-2", "--lr-decay-style", "constant"]
     cfg = config("--bf16", "--accumulate-allreduce-grads-in-fp32", *flags)
     trainer, data = trainer_and_data(cfg, ParallelState.single())
-    model, opt = trainer.model[0], trainer.optimizer
+    model, opt = trainer.model[0].grad_wrapper, trainer.optimizer
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in opt.master_params} == {torch.float32}
     assert {b.grad_dtype for b in model.grad_buffers} == {torch.float32}

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     flags = [*GPT2_SMALL, *(["--bf16"] if args.bf16 else [])]
     cfg = parse_args([*flags, "--save", os.path.join(args.dir, "megalite")], env={})
     trainer, data = trainer_and_data(cfg, ParallelState.single())
-    n_params = sum(p.numel() for chunk in trainer.model for p in chunk.parameters())
+    n_params = sum(p.numel() for chunk in trainer.model for p in chunk.module.parameters())
     started = time.perf_counter()
     trainer.step(make_forward_step(torch.device("cpu")), data)  # Adam moments exist
     trainer.result.iteration = 1
