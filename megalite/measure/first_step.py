@@ -23,7 +23,8 @@ from megalite.measure.saved_tensors import SavedTensorMeter
 from megalite.planning.activations import CP_MODELLED, MODELLED_SCHEDULES
 from megalite.planning.predict import RankMemory, predict_for_config
 from megalite.training.config import PretrainConfig
-from megalite.training.model_chunks import effective_schedule, grad_wrappers
+from megalite.training.model_chunks import grad_wrappers
+from megalite.training.pipeline_config import effective_schedule
 from megalite.training.trainer import FirstStepHook, Trainer
 
 logger = logging.getLogger(__name__)
