@@ -29,10 +29,10 @@ from collections.abc import Iterator
 from functools import partial
 
 import torch
-from torch import nn
 
 from megalite.core.context_parallel.chunking import split_for_cp
 from megalite.data.gpt_dataset import document_attention_mask
+from megalite.models.gpt import GPTModel
 
 NUM_TOKENS = "num tokens"  # the reported token count of a per-token-loss micro-batch
 
@@ -76,23 +76,18 @@ def batch_attention_mask(batch: dict, device: torch.device) -> torch.Tensor | No
     return None
 
 
-def cp_coordinates(model: nn.Module) -> tuple[int, int]:
-    """(cp_size, cp_rank) of the GPTModel stage that a model chunk of the schedule (a data-parallel
-    wrapper, or a view of one chunk of several) holds as ``module``."""
-    return model.module.cp_size, model.module.cp_rank
-
-
 def gpt_forward_step(
     data_iterator: Iterator[dict] | None,
-    model: nn.Module,
+    model: GPTModel,
     *,
     device: torch.device,
     calculate_per_token_loss: bool = False,
 ) -> tuple[torch.Tensor, partial]:
     """Read the next micro-batch dict (``tokens``, ``labels``, ``loss_mask``, ``position_ids``, all
     # [b, s]), keep this cp rank's chunks (the model's mesh says which), and run the model;
-    returns (per-token loss # [b, s/cp], loss function)."""
-    cp_size, cp_rank = cp_coordinates(model)
+    returns (per-token loss # [b, s/cp], loss function). ``model`` is the chunk's GPT stage
+    (``ModelChunk.module``)."""
+    cp_size, cp_rank = model.cp_size, model.cp_rank
     batch = next(data_iterator)
     loss_mask = batch["loss_mask"].to(device, non_blocking=True)
     num_tokens = loss_mask.sum() if cp_size > 1 else None  # over the whole sequence
