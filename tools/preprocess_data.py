@@ -35,9 +35,10 @@ import logging
 import signal
 import sys
 
+from megalite.data.config import TOKENIZER_TYPES
 from megalite.data.preprocess import preprocess_jsonl
 from megalite.data.sentence_split import PunktSplitter
-from megalite.data.tokenizers import TOKENIZER_TYPES, make_tokenizer
+from megalite.data.tokenizers import make_tokenizer
 from megalite.errors import ArgumentParser, run_main
 
 

@@ -37,7 +37,7 @@ from itertools import chain
 import numpy as np
 
 from megalite.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
-from megalite.data.tokenizers import Tokenizer
+from megalite.data.tokenizer_base import Tokenizer
 from megalite.errors import UserError, check_writable_dir, path_problem, read_error
 
 logger = logging.getLogger(__name__)

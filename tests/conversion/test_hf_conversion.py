@@ -159,8 +159,8 @@ def test_hf_to_megalite_to_hf_is_identical_and_trains_on(family, tmp_path):
 
 
 def test_sentencepiece_tokenizer_is_written_for_transformers(tmp_path):
+    from megalite.data.sentencepiece_tokenizer import SentencePieceTokenizer
     from megalite.data.tokenizer_training import train_sentencepiece
-    from megalite.data.tokenizers import SentencePieceTokenizer
 
     rng = random.Random(0)
     words = "the cat sat on a red mat while big dogs ran fast near the old stone river".split()

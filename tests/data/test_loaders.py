@@ -11,8 +11,8 @@ import megalite.data.gpt_dataset as gpt_module
 from megalite.data.builders import build_data_loaders, train_valid_test_num_samples
 from megalite.data.config import DataConfig
 from megalite.data.mock_dataset import MockGPTDataset
+from megalite.data.null_tokenizer import NullTokenizer
 from megalite.data.samplers import GPTBatchCollator, MicroBatchSampler
-from megalite.data.tokenizers import NullTokenizer
 from tests.data.helpers import random_docs, write_dataset
 
 

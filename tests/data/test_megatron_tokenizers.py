@@ -11,13 +11,13 @@ import pickle
 import pytest
 
 from megalite.data.gpt2_bpe import GPT2BPETokenizer
-from megalite.data.tiktoken_tokenizer import PATTERNS, TikTokenizer
-from megalite.data.tokenizers import (
+from megalite.data.sentencepiece_tokenizer import (
     GPTSentencePieceTokenizer,
     Llama2Tokenizer,
     SentencePieceTokenizer,
-    make_tokenizer,
 )
+from megalite.data.tiktoken_tokenizer import PATTERNS, TikTokenizer
+from megalite.data.tokenizers import make_tokenizer
 from megalite.training.arguments import parse_args, with_tokenizer
 from megalite.training.config import ConfigError
 from tests.data.bpe_files import (

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from megalite.data.indexed_dataset import IndexedDataset
+from megalite.data.null_tokenizer import NullTokenizer
 from megalite.data.preprocess import PreprocessError, preprocess_jsonl
-from megalite.data.tokenizers import NullTokenizer, SentencePieceTokenizer
+from megalite.data.sentencepiece_tokenizer import SentencePieceTokenizer
 from tests.data.helpers import REPO, files_in, write_jsonl
 
 

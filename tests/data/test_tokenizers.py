@@ -8,12 +8,10 @@ import pickle
 import pytest
 
 from megalite.data.config import DataConfig, parse_blend, parse_split
-from megalite.data.tokenizers import (
-    HuggingFaceTokenizer,
-    NullTokenizer,
-    SentencePieceTokenizer,
-    build_tokenizer,
-)
+from megalite.data.hf_tokenizer import HuggingFaceTokenizer
+from megalite.data.null_tokenizer import NullTokenizer
+from megalite.data.sentencepiece_tokenizer import SentencePieceTokenizer
+from megalite.data.tokenizers import build_tokenizer
 from tests.data.helpers import write_dataset
 
 

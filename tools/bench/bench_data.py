@@ -31,9 +31,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from bench_data_common import write_corpus, write_id_corpus  # noqa: E402
 
+from megalite.data.null_tokenizer import NullTokenizer  # noqa: E402
 from megalite.data.preprocess import preprocess_jsonl  # noqa: E402
+from megalite.data.sentencepiece_tokenizer import SentencePieceTokenizer  # noqa: E402
 from megalite.data.tokenizer_training import train_sentencepiece  # noqa: E402
-from megalite.data.tokenizers import NullTokenizer, SentencePieceTokenizer  # noqa: E402
 
 ROOT = "/tmp/megalite_bench_data"
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
