@@ -154,7 +154,7 @@ def test_distrib_optim_is_megatrons_adam_state_by_name():
     Adam state Megatron's plain optimizer saved for the same run; a reader that ignored a bucket
     rule would find other sizes, and is refused in one line, not left to misread."""
     from megalite.checkpoint.megatron import LegacyReader
-    from megalite.checkpoint.megatron_distopt import flat_layout, read_distrib_optim
+    from megalite.checkpoint.megatron.distopt import flat_layout, read_distrib_optim
 
     plain = LegacyReader(os.path.join(FIXTURES, FORMATS["torch"], "iter_0000002"))
     flat = LegacyReader(os.path.join(FIXTURES, SOURCES["torch+distrib_optim"], "iter_0000002"))
@@ -279,7 +279,7 @@ def test_megalite_files_have_the_structure_of_megatrons(tmp_path):
 
     import torch.distributed.checkpoint as dcp
 
-    from megalite.checkpoint.megatron_legacy import load_megatron_file
+    from megalite.checkpoint.megatron.legacy import load_megatron_file
 
     single = ParallelState.single()
     for what, extra in WRITES.items():

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.checkpoint.megatron import open_reader
-from megalite.checkpoint.megatron_legacy import load_megatron_file
+from megalite.checkpoint.megatron.legacy import load_megatron_file
 from megalite.core.parallel_state import ParallelState, initialize_model_parallel
 from megalite.core.tensor_parallel.random import TP_RNG, model_parallel_seed
 from megalite.training import checkpoint_io
@@ -111,12 +111,12 @@ def _tp0_replicas(src: str, shard: str, key: str, flat: torch.Tensor) -> torch.T
     """``flat`` with the ranges of the TP-replicated parameters (the norms) taken from TP rank 0's
     file: megalite holds one copy of them, and the fixture's synthetic gradients let Megatron's
     copies drift apart across TP ranks (by ~2e-3); every other element is compared as written."""
-    from megalite.checkpoint.megatron_distopt import (
+    from megalite.checkpoint.megatron.distopt import (
         bucket_size_from_args,
         flat_layout,
         shared_embedding_name,
     )
-    from megalite.checkpoint.megatron_legacy import parameter_names
+    from megalite.checkpoint.megatron.legacy import parameter_names
 
     tp0 = "mp_rank_00_" + shard.rsplit("_", 1)[1]
     if shard == tp0:
