@@ -61,6 +61,7 @@ class _Unpickler(pickle.Unpickler):
             or (module == "torch._utils" and name.startswith("_rebuild"))
             or (module == "torch._tensor" and name == "_rebuild_from_type_v2")
             or (module == "torch" and name in ("Size", "device", "Tensor"))
+            # a dtype by name (torch.float32, ...); the name comes from the file, so may be anything
             or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
             or (module == "_codecs" and name == "encode")
             or (
