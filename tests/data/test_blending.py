@@ -121,8 +121,9 @@ def test_prefixes_without_weights_are_weighed_by_tokens(tmp_path):
 
 def test_per_split_paths_and_small_constituent_error(tmp_path):
     pa, pb = _two_datasets(tmp_path)
-    cfg = DataConfig(train_data_path=[pa], valid_data_path=["1", pa, "1", pb], vocab_size=200,
-                     seq_length=16)  # fmt: skip
+    cfg = DataConfig(
+        train_data_path=[pa], valid_data_path=["1", pa, "1", pb], vocab_size=200, seq_length=16
+    )
     train, valid, test = build_datasets(
         cfg, tokenizer=None, train_samples=64, valid_samples=32, test_samples=8
     )

@@ -125,9 +125,10 @@ def test_keep_whitespace_round_trips_code(tmp_path):
         for i in range(200):
             f.write(json.dumps({"text": code.replace("x", f"v{i % 17}")}) + "\n")
     kept = SentencePieceTokenizer(
-        train_sentencepiece([str(path)], model_prefix=str(tmp_path / "k"), vocab_size=300,
-                            keep_whitespace=True)
-    )  # fmt: skip
+        train_sentencepiece(
+            [str(path)], model_prefix=str(tmp_path / "k"), vocab_size=300, keep_whitespace=True
+        )
+    )
     folded = SentencePieceTokenizer(
         train_sentencepiece([str(path)], model_prefix=str(tmp_path / "f"), vocab_size=300)
     )

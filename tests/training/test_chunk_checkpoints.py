@@ -32,8 +32,9 @@ from tests.harness import run_distributed
 from tests.training.common import FAMILIES, assert_close_rel, config
 
 REL = 1e-5
-RUN = ["--num-layers", "4", "--micro-batch-size", "1", "--global-batch-size", "8",
-       "--train-iters", "6"]  # fmt: skip
+RUN = [
+    *"--num-layers 4 --micro-batch-size 1 --global-batch-size 8 --train-iters 6".split(),
+]
 ZERO1 = "--use-distributed-optimizer"
 PP2, PP4 = ["--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "4"]
 # (name, layout flags, load from, exit at): in chain order
@@ -72,8 +73,15 @@ def test_multi_chunk_checkpoints_reshard_between_layouts(family):
         oracle = pretrain(config(*flags), env={}).losses
         assert len(oracle) == 6 and oracle[-1] < oracle[0], "the oracle does not train"
         results = run_distributed(_chain, 4, root, family, timeout=600)
-        first = {"interleaved": 0, "zbv": 2, "pp4": 3, "dualpipev": 4, "pp1": 5,
-                 "dualpipev_again": 5, "no_optim": 2}  # fmt: skip
+        first = {
+            "interleaved": 0,
+            "zbv": 2,
+            "pp4": 3,
+            "dualpipev": 4,
+            "pp1": 5,
+            "dualpipev_again": 5,
+            "no_optim": 2,
+        }
         for name, _, _, exit_at in CHAIN:
             reported = [r[name] for r in results if r[name]]
             assert reported, f"{name}: no rank reported losses"
