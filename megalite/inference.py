@@ -38,7 +38,10 @@ _ITER_NAME = re.compile(r"^(iter_(\d+)|release)$")
 class CausalLM(GPTModel):
     """A single-process GPTModel whose ``position_ids`` default to ``0..s-1``:
     ``model(tokens)`` -> logits # [b, s, vocab]; ``model(tokens, labels=labels)`` -> per-token
-    loss # [b, s]."""
+    loss # [b, s]. ``checkpoint_info``: where ``load_model`` read it from (path, iteration) and the
+    run's recorded config and layout."""
+
+    checkpoint_info: dict | None = None
 
     def forward(
         self,
@@ -91,12 +94,11 @@ def load_model(path: str, iteration: int | str | None = None) -> CausalLM:
     tracker.add(TP_RNG, config.seed + 2718)
     with torch.device("cpu"):
         model = CausalLM(config, ParallelState.single(), rng_tracker=tracker)
-    experts = {}  # issue 16: MoE experts from their own files, by global expert index
+    experts = {}  # MoE experts from their own files, by global expert index
     if has_experts(model):
-        experts, _ = expert_states(
-            ExpertReader(reader.iter_dir, reader.layer_ranges), model, ParallelState.single(),
-            with_optimizer=False,
-        )  # fmt: skip
+        expert_reader = ExpertReader(reader.iter_dir, reader.layer_ranges)
+        single = ParallelState.single()
+        experts, _ = expert_states(expert_reader, model, single, with_optimizer=False)
     with torch.no_grad():
         for name, param in model.state_dict().items():
             full = experts[name] if name in experts else reader.model_tensor(name)

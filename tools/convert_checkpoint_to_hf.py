@@ -36,8 +36,12 @@ def _main(argv: list[str] | None) -> int:
     p.add_argument("--load", required=True, help="the megalite --save directory (or an iter_*)")
     p.add_argument("--iteration", help="which iteration (default: the latest complete one)")
     p.add_argument("--save", required=True, help="the HuggingFace folder to write")
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="weights' dtype (auto: the run's --bf16/--fp16/fp32)")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        help="weights' dtype (auto: the run's --bf16/--fp16/fp32)",
+    )
     p.add_argument("--max-shard-size", default="5GB")
     p.add_argument("--verify", action="store_true")
     p.add_argument("--verify-tolerance", type=float, default=1e-4)

@@ -41,6 +41,7 @@ def generate(
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
     model.eval()
+    # not every HF config has a position limit (e.g. RoPE models of some transformers versions)
     max_len = getattr(model.config, "max_position_embeddings", None) or 1024
     out = []
     for i, prompt in enumerate(prompts):

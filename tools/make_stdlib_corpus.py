@@ -130,8 +130,10 @@ def _main(argv: list[str] | None) -> int:
         raise UserError(
             f"--output {args.output}: cannot write ({path_problem(e)}); choose a writable path"
         ) from None
-    print(f"wrote {docs} documents ({size / 1e6:.1f} MB) from {args.root or stdlib_root()} "
-          f"to {args.output}")  # fmt: skip
+    print(
+        f"wrote {docs} documents ({size / 1e6:.1f} MB) from {args.root or stdlib_root()} "
+        f"to {args.output}"
+    )
     return 0
 
 

@@ -35,9 +35,10 @@ import logging
 import signal
 import sys
 
+from megalite.data.config import TOKENIZER_TYPES
 from megalite.data.preprocess import preprocess_jsonl
 from megalite.data.sentence_split import PunktSplitter
-from megalite.data.tokenizers import TOKENIZER_TYPES, make_tokenizer
+from megalite.data.tokenizers import make_tokenizer
 from megalite.errors import ArgumentParser, run_main
 
 
@@ -97,7 +98,7 @@ def _main(argv: list[str] | None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so temp files go too
     splitter = None
-    if args.split_sentences:  # issue 18; checked before any output is opened
+    if args.split_sentences:  # checked before any output is opened
         splitter = PunktSplitter(args.lang, args.keep_newlines)
         splitter.check()
     try:

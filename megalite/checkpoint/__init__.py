@@ -10,10 +10,17 @@ The package knows models and core, never the training loop: the caller passes th
 load returns. ``megalite.training.checkpoint_io`` does that for the Trainer; ``megalite.inference``
 and ``megalite.conversion`` read and write checkpoints through ``CheckpointReader`` and ``files``.
 
+The native format, bottom up (each imports only those above it):
+
 - ``files``: paths, crash-safe writes, the tracker file.
 - ``records``: RNG states and the recorded model config.
 - ``resharding``: the layout-independent (logical) form and ``CheckpointReader``.
-- ``saving`` / ``loading``: ``save_checkpoint`` / ``load_checkpoint``.
+- ``experts``: MoE experts by global expert index; ``chunks``: several model chunks per rank.
+- ``saving`` / ``loading``: ``save_checkpoint`` / ``load_checkpoint`` of megalite's own files.
+
+Above them, ``megatron/``: Megatron-LM's ``torch`` and ``torch_dist`` formats, read and written
+through the native modules; and ``formats``, the choice between the formats
+(``save_checkpoint`` / ``load_checkpoint`` here are its).
 """
 
 from __future__ import annotations
@@ -26,11 +33,12 @@ from megalite.checkpoint.files import (
     read_tracker,
     saved_iterations,
 )
-from megalite.checkpoint.loading import LoadedCheckpoint, Progress, load_checkpoint
+from megalite.checkpoint.formats import CKPT_FORMATS, load_checkpoint, save_checkpoint
+from megalite.checkpoint.loading import LoadedCheckpoint, Progress
 from megalite.checkpoint.resharding import CheckpointReader
-from megalite.checkpoint.saving import save_checkpoint
 
 __all__ = [
+    "CKPT_FORMATS",
     "FORMAT_VERSION",
     "RELEASE",
     "TRACKER_FILE",

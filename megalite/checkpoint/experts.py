@@ -29,6 +29,7 @@ from torch import nn
 from megalite.checkpoint.files import CheckpointError, load_file, save_file
 from megalite.checkpoint.resharding import TPSplit, merge_tp, split_tp, stage_of
 from megalite.core.moe.experts import GroupedExperts
+from megalite.core.optimizer.zero1_checkpoint import full_state_buffers
 from megalite.core.parallel_state import ParallelState
 
 EXPERTS_DIR = "experts"
@@ -48,7 +49,7 @@ def _split(kind: str, swiglu: bool) -> TPSplit:
 
 def _expert_params(module: nn.Module) -> list[tuple[str, int, str, nn.Parameter]]:
     """(local name, global layer, kind, stacked parameter) of every expert weight of a stage."""
-    offset = getattr(module, "layer_range", (0, 0))[0]
+    offset = module.layer_range[0]
     out = []
     for name, p in module.named_parameters():
         m = _LOCAL.match(name)
@@ -73,8 +74,6 @@ def gather_expert_optimizer(module: nn.Module, optimizer, ps: ParallelState) -> 
     del ps
     if optimizer is None or not optimizer.is_sharded or not _expert_params(module):
         return None
-    from megalite.core.optimizer.zero1_checkpoint import full_state_buffers
-
     return full_state_buffers(optimizer, expert=True)
 
 
@@ -101,7 +100,7 @@ def save_experts(
             model[key] = p.detach()[i]
             if optim is not None:
                 optim[key] = {k: v[i] for k, v in full_optim[local].items()}
-    swiglu = any(getattr(m, "swiglu", False) for m in module.modules() if hasattr(m, "weight1"))
+    swiglu = any(m.swiglu for m in module.modules() if isinstance(m, GroupedExperts))
     record = {
         "layout": {"ep_size": ps.size("ep"), "etp_size": ps.size("etp"), "swiglu": swiglu},
         "model": model,
@@ -206,6 +205,6 @@ def write_expert_files(
         return
     os.makedirs(os.path.join(iter_dir, EXPERTS_DIR), exist_ok=True)
     for pp, model in per_stage.items():
-        record = {"layout": {"ep_size": 1, "etp_size": 1, "swiglu": swiglu}, "model": model,
-                  "optimizer": None}  # fmt: skip
+        layout = {"ep_size": 1, "etp_size": 1, "swiglu": swiglu}
+        record = {"layout": layout, "model": model, "optimizer": None}
         save_file(record, _file(iter_dir, pp, 0, 0))

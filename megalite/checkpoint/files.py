@@ -212,24 +212,3 @@ def remove_old_checkpoints(save_dir: str, *, keep: int, latest: int) -> list[int
     if doomed:
         logger.info("removed checkpoint(s) %s (--keep-last-n-checkpoints %d)", doomed, keep)
     return doomed
-
-
-def pause_for_test(iteration: int) -> None:
-    """Test hook: with ``MEGALITE_TEST_PAUSE_IN_SAVE=SECONDS`` (or ``SECONDS@ITERATION``) the save
-    sleeps after this rank's files are written, before the tracker is replaced, so that a test
-    can kill a rank in the middle of a save."""
-    value = os.environ.get("MEGALITE_TEST_PAUSE_IN_SAVE")
-    if not value:
-        return
-    seconds, _, at = value.partition("@")
-    if at and int(at) != iteration:
-        return
-    import time
-
-    logger.warning(
-        "MEGALITE_TEST_PAUSE_IN_SAVE: pausing %s s in the save of iteration %d (pid %d)",
-        seconds,
-        iteration,
-        os.getpid(),
-    )
-    time.sleep(float(seconds))

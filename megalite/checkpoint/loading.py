@@ -24,12 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megalite.checkpoint.experts import (  # issue 16
-    ExpertReader,
-    expert_states,
-    has_experts,
-    is_expert_name,
-)
+from megalite.checkpoint.chunks import check_chunks
+from megalite.checkpoint.experts import ExpertReader, expert_states, has_experts, is_expert_name
 from megalite.checkpoint.files import (
     RELEASE,
     TRACKER_FILE,
@@ -40,9 +36,12 @@ from megalite.checkpoint.files import (
     read_tracker,
 )
 from megalite.checkpoint.records import check_model_compatible, restore_rng_state
-from megalite.checkpoint.resharding import CheckpointReader, reshard_model, reshard_optimizer
-from megalite.checkpoint.saving import check_chunks
-from megalite.core.optimizer import full_state_from_shards
+from megalite.checkpoint.resharding import (
+    CheckpointReader,
+    chunk_prefix,
+    reshard_model,
+    reshard_optimizer,
+)
 from megalite.core.parallel_state import ParallelState
 from megalite.core.tensor_parallel.random import model_parallel_seed
 
@@ -82,13 +81,9 @@ class LoadedCheckpoint:
                 rng_tracker.set_states(fresh.get_states())
 
 
-def _full_from_distributed(files: list[dict], header: dict) -> dict:
-    """The ZeRO-1 files of one (TP, PP) shard (every DP rank's range) -> the per-parameter form."""
-    del header
-    return full_state_from_shards(files)
-
-
-def _load_model(module: nn.Module, state: dict, where: str) -> None:
+def load_model_state(module: nn.Module, state: dict, where: str) -> None:
+    """Copy ``state`` (local names) into ``module``; a missing, unexpected or misshapen tensor is
+    a one-line CheckpointError naming ``where`` (the checkpoint)."""
     own = module.state_dict()
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
@@ -108,12 +103,6 @@ def _load_model(module: nn.Module, state: dict, where: str) -> None:
     with torch.no_grad():
         for k, v in own.items():
             v.copy_(state[k])
-
-
-def chunk_prefix(chunks: list[nn.Module], c: int) -> str:
-    """The prefix of chunk ``c``'s parameter names in the optimizer: several chunks of a rank
-    share one optimizer over a ``ModelChunks`` container (``chunks.{c}.``). # issue 14"""
-    return "" if len(chunks) == 1 else f"chunks.{c}."
 
 
 def _load_optimizer(
@@ -147,10 +136,10 @@ def _load_optimizer(
                 tp_rank=ps.tp_rank,
                 padded_vocab_size=module.padded_vocab_size,
             )
-            prefix = chunk_prefix(chunks, c)
+            prefix = chunk_prefix(len(chunks), c)
             state["params"].update({prefix + k: v for k, v in part.pop("params").items()})
             state.update(part)
-    if experts is not None:  # issue 16: this rank's experts, from the expert files
+    if experts is not None:  # this rank's experts, from the expert files
         state = {**state, "params": dict(state["params"])}
         state["params"].update(expert_states(experts, chunks[0], ps, with_optimizer=True)[1])
     try:
@@ -161,7 +150,7 @@ def _load_optimizer(
 
 def _load_scheduler(scheduler, saved: dict | None, iteration: int) -> None:
     current = scheduler.state_dict()
-    steps = saved["num_steps"] if saved else iteration  # issue 18: fractional under a ramp
+    steps = saved["num_steps"] if saved else iteration  # fractional under a batch-size ramp
     if saved:
         changed = [k for k in current if k != "num_steps" and saved.get(k) != current[k]]
         if changed:
@@ -172,44 +161,6 @@ def _load_scheduler(scheduler, saved: dict | None, iteration: int) -> None:
                 steps,
             )
     scheduler.load_state_dict({**current, "num_steps": steps})
-
-
-def _megatron_format(iter_dir: str) -> str | None:
-    from megalite.checkpoint import megatron
-
-    return megatron.detect_format(iter_dir)
-
-
-def _load_if_megatron(
-    iter_dir, iteration, module, optimizer, scheduler, ps, seed, *, load_optim, finetune, load_rng
-) -> LoadedCheckpoint | None:
-    """Issue 18: a checkpoint Megatron-LM wrote (``torch`` or ``torch_dist``) goes through
-    ``megatron.load_megatron_checkpoint``; None for megalite's own files."""
-    from megalite.checkpoint import megatron
-
-    fmt = megatron.detect_format(iter_dir)
-    if fmt is None:
-        return None
-    meta, rng_state, reseed, reader = megatron.load_megatron_checkpoint(
-        iter_dir, fmt, module=module, optimizer=optimizer, scheduler=scheduler, ps=ps,
-        seed=seed, load_optim=load_optim, finetune=finetune or iteration == RELEASE,
-        load_model_state=_load_model, load_rng=load_rng,
-    )  # fmt: skip
-    progress = None
-    if meta is not None:
-        progress = Progress(
-            iteration=int(meta["iteration"]),
-            consumed_train_samples=int(meta["consumed_train_samples"]),
-            consumed_valid_samples=int(meta["consumed_valid_samples"]),
-        )
-    logger.info(
-        "loaded Megatron-LM checkpoint %s (%s format, TP %d x PP %d) into TP %d x PP %d: "
-        "iteration %d, %d samples consumed%s",
-        iter_dir, fmt, reader.tp_size, reader.pp_size, ps.tp_size, ps.pp_size,
-        progress.iteration if progress else 0, progress.consumed_train_samples if progress else 0,
-        " (--finetune: weights only)" if progress is None else "",
-    )  # fmt: skip
-    return LoadedCheckpoint(iter_dir, iteration, progress, rng_state, reseed)
 
 
 def load_checkpoint(
@@ -231,41 +182,32 @@ def load_checkpoint(
 
     ``model_chunks``: this rank's GPT chunk modules, chunk 0 first (not the data-parallel
     wrappers), whose ``config`` is checked against the checkpoint's; any number per rank, from
-    a checkpoint of any chunk layout (issue 14). ``layer_ranges``: the layers of every global
-    stage of this run in stage order (default: the config's split with one chunk; with several
-    and none given, this rank's chunks alone decide whether the layout is unchanged). Sets the
-    model, and unless
+    a checkpoint of any chunk layout. ``layer_ranges``: the layers of every global stage of this
+    run in stage order (default: the config's split with one chunk; with several and none given,
+    this rank's chunks alone decide whether the layout is unchanged). Sets the model, and unless
     ``finetune`` (or a ``release`` checkpoint: weights only) the scheduler and, with
     ``load_optim``, the optimizer; returns the saved counters (``progress``) for the caller to
     continue from and the RNG states to apply once the data loaders are built (``restore_rng``;
     ``load_rng=False`` keeps the generators as they are; ``seed`` + iteration re-seeds them when
-    the layout changed)."""
+    the layout changed). megalite's own files; ``formats.load_checkpoint`` also reads
+    Megatron-LM's."""
     if not load_dir:
         raise CheckpointError("load_checkpoint needs a directory: pass --load DIR")
-    chunks = check_chunks(model_chunks)  # issue 14: several chunks per rank
+    chunks = check_chunks(model_chunks)
     module = chunks[0]
     if iteration is None:
         iteration = read_tracker(load_dir)
     if iteration is None:
         logger.warning(
             "--load %s: no %s there, so no checkpoint is loaded; training from scratch",
-            load_dir, TRACKER_FILE,
-        )  # fmt: skip
+            load_dir,
+            TRACKER_FILE,
+        )
         return None
     started = time.perf_counter()
     iter_dir = iteration_dir(load_dir, iteration)
-    if len(chunks) > 1 and _megatron_format(iter_dir) is not None:
-        raise CheckpointError(
-            f"{iter_dir} is a Megatron-LM checkpoint: it loads into one model chunk per rank; "
-            f"this run holds {len(chunks)} (virtual stages / a V schedule): load it once without "
-            "them, save with --ckpt-format megalite, then resume from that"
-        )
-    megatron = _load_if_megatron(iter_dir, iteration, module, optimizer, scheduler, ps, seed,
-                                 load_optim=load_optim, finetune=finetune,
-                                 load_rng=load_rng)  # fmt: skip  # issue 18
-    if megatron is not None:
-        return megatron
-    reader = CheckpointReader(iter_dir, full_distributed=_full_from_distributed)
+    reader = CheckpointReader(iter_dir)
+    saved_layout = f"TP {reader.tp_size} x PP {reader.pp_size} x DP {reader.dp_size}"
     check_model_compatible(reader.model_config, module.config, where=iter_dir)
     if layer_ranges is None and len(chunks) == 1:
         layer_ranges = module.config.stage_layer_ranges(ps.pp_size)
@@ -277,7 +219,7 @@ def load_checkpoint(
         and (layer_ranges is None or reader.layer_ranges == [tuple(x) for x in layer_ranges])
         and reader.meta["layout"]["padded_vocab_size"] == module.padded_vocab_size
     )
-    experts = None  # issue 16: MoE experts come from their own files, by global expert index
+    experts = None  # MoE experts come from their own files, by global expert index
     if has_experts(module):
         experts = ExpertReader(iter_dir, reader.layer_ranges)
     for c, chunk in enumerate(chunks):
@@ -294,7 +236,7 @@ def load_checkpoint(
             )
         if experts is not None:
             state.update(expert_states(experts, chunk, ps, with_optimizer=False)[0])
-        _load_model(chunk, state, iter_dir)
+        load_model_state(chunk, state, iter_dir)
     header = reader.meta
     finetune = finetune or iteration == RELEASE
     progress, rng_state, reseed = None, None, None
@@ -319,17 +261,20 @@ def load_checkpoint(
             else:
                 reseed = seed + progress.iteration
                 logger.warning(
-                    "RNG states not restored: the checkpoint's layout TP %d x PP %d x DP %d "
-                    "differs from this run's; re-seeded with --seed + iteration = %d",
-                    reader.tp_size, reader.pp_size, reader.dp_size, reseed,
-                )  # fmt: skip
+                    "RNG states not restored: the checkpoint's layout %s differs from this run's; "
+                    "re-seeded with --seed + iteration = %d",
+                    saved_layout,
+                    reseed,
+                )
+    resharded = "" if same_mp else f", resharded to TP {ps.tp_size} x PP {ps.pp_size}"
     logger.info(
-        "loaded checkpoint %s (TP %d x PP %d x DP %d%s) in %.2f s: iteration %d, %d samples "
-        "consumed%s",
-        iter_dir, reader.tp_size, reader.pp_size, reader.dp_size,
-        "" if same_mp else f", resharded to TP {ps.tp_size} x PP {ps.pp_size}",
-        time.perf_counter() - started, progress.iteration if progress else 0,
+        "loaded checkpoint %s (%s%s) in %.2f s: iteration %d, %d samples consumed%s",
+        iter_dir,
+        saved_layout,
+        resharded,
+        time.perf_counter() - started,
+        progress.iteration if progress else 0,
         progress.consumed_train_samples if progress else 0,
         " (--finetune: weights only)" if finetune else "",
-    )  # fmt: skip
+    )
     return LoadedCheckpoint(iter_dir, iteration, progress, rng_state, reseed)

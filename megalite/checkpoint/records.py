@@ -65,7 +65,7 @@ def layout_record(
 ) -> dict:
     """``header["layout"]``: the layout a shard was saved under (``layer_ranges``: the layers of
     every stage, by index in the whole model; ``dp_size``: the ranks of the data-parallel group,
-    ``ps.size("dp", "cp")``). Several chunks per rank (issue 14): ``layer_ranges`` lists every
+    ``ps.size("dp", "cp")``). Several chunks per rank (virtual stages): ``layer_ranges`` lists every
     GLOBAL stage in stage order and ``stage_ranks`` the (pp rank, chunk) holding each."""
     chunks = {}
     if stage_ranks is not None:
@@ -142,11 +142,14 @@ def restore_rng_state(state: dict, tracker, device: torch.device) -> None:
     # CPU one would not fit the CUDA generator, nor back): restored only on the same kind
     saved_on_cuda = state.get("cuda") is not None
     if saved_on_cuda != (device.type == "cuda"):
+        saved_on = "cuda" if saved_on_cuda else "cpu"
         logger.warning(
             "RNG states saved on %s, restored on %s: the %s and tensor-parallel generators keep "
             "their start-up seeding (CPU, Python and numpy states restored)",
-            "cuda" if saved_on_cuda else "cpu", device.type, device.type,
-        )  # fmt: skip
+            saved_on,
+            device.type,
+            device.type,
+        )
     else:
         if saved_on_cuda:
             torch.cuda.set_rng_state(state["cuda"], device)

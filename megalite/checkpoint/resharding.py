@@ -13,7 +13,7 @@ exp_avg_sq) has the same form as its parameter. Any layout is a pure function of
   PP > 1 the last stage's ``output_layer.weight`` is the word embedding (the logical form keeps only
   ``embedding.word_embeddings.weight``).
 - DP: the model and the plain optimizer are replicated; ZeRO-1 ranges are cut by the optimizer.
-- Several model chunks per rank (virtual stages, the V schedules; issue 14): the layout records the
+- Several model chunks per rank (virtual stages, the V schedules): the layout records the
   layers of every GLOBAL stage (stage order) and which (pp rank, chunk) holds it; a shard file then
   holds ``model0``, ``model1``, ... (Megatron's keys), each numbered from 0 locally, and the plain
   optimizer's names carry the container's ``chunks.{c}.`` prefix. A global name is found by its
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +39,7 @@ from megalite.checkpoint.files import (
     load_file,
     shard_dir,
 )
+from megalite.core.optimizer import full_state_from_shards
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
@@ -137,20 +138,22 @@ def stage_of(name: str, layer_ranges: list[tuple[int, int]]) -> int:
     return 0 if name.startswith("embedding.") else len(layer_ranges) - 1
 
 
+def chunk_prefix(num_chunks: int, chunk: int) -> str:
+    """The prefix of chunk ``chunk``'s parameter names in the optimizer: several chunks of a rank
+    share one optimizer over a ``ModelChunks`` container (``chunks.{c}.``); none for one chunk."""
+    return "" if num_chunks == 1 else f"chunks.{chunk}."
+
+
 class CheckpointReader:
     """One saved iteration (``SAVE/iter_0000500``) of any layout, as logical tensors.
 
     ``meta``: the first shard's header (config, layout, iteration, counters, scheduler). Model and
-    optimizer tensors are read lazily from the stage that holds them; ``full_distributed`` turns
-    the ZeRO-1 files of one (tp, pp) shard into the per-parameter form of the plain optimizer.
+    optimizer tensors are read lazily from the stage that holds them; the ZeRO-1 files of one
+    (tp, pp) shard are turned into the per-parameter form of the plain optimizer
+    (``full_state_from_shards``).
     """
 
-    def __init__(
-        self,
-        iter_dir: str,
-        *,
-        full_distributed: Callable[[list[dict], dict], dict] | None = None,
-    ):
+    def __init__(self, iter_dir: str):
         self.iter_dir = iter_dir
         if not os.path.isdir(iter_dir):
             raise CheckpointError(f"checkpoint directory {iter_dir} does not exist")
@@ -162,7 +165,7 @@ class CheckpointReader:
         self.tp_size, self.pp_size = int(lay["tp_size"]), int(lay["pp_size"])
         self.dp_size = int(lay["dp_size"])
         self.layer_ranges = [tuple(r) for r in lay["layer_ranges"]]
-        self.num_chunks = int(lay.get("num_chunks", 1))  # issue 14
+        self.num_chunks = int(lay.get("num_chunks", 1))  # absent in one-chunk layouts
         if lay.get("stage_ranks") is not None:
             self.stage_ranks = [tuple(x) for x in lay["stage_ranks"]]
         self.distributed_optimizer = bool(lay.get("distributed_optimizer", False))
@@ -170,7 +173,6 @@ class CheckpointReader:
         self.vocab_size = int(self.model_config["vocab_size"])
         self.swiglu = bool(self.model_config["swiglu"])
         self.tied = not self.model_config["untie_embeddings_and_output_weights"]
-        self._full_distributed = full_distributed
         self._shards: dict[tuple[int, int], dict] = {(0, 0): self.meta}
         self._optim: dict[tuple[int, int], dict] = {}
         missing = [
@@ -212,7 +214,7 @@ class CheckpointReader:
             for d in range(self.dp_size)
         ]
 
-    # --- chunks (issue 14) ---------------------------------------------------------------------
+    # --- several model chunks per rank ------------------------------------------------------
 
     num_chunks = 1  # model chunks per rank
     stage_ranks: list[tuple[int, int]] | None = None  # (pp rank, chunk) of every global stage
@@ -238,7 +240,7 @@ class CheckpointReader:
     def optimizer_key(self, chunk: int, local: str) -> str:
         """The plain optimizer's name of ``local`` in ``chunk`` (a container's prefix when the
         rank held several chunks)."""
-        return local if self.num_chunks == 1 else f"chunks.{chunk}.{local}"
+        return chunk_prefix(self.num_chunks, chunk) + local
 
     def global_names(self) -> list[str]:
         """Every model tensor's global name, stage order (the tied output copy left out)."""
@@ -288,10 +290,7 @@ class CheckpointReader:
                     "--no-save-optim, or converted); pass --no-load-optim or --finetune"
                 )
             if state.get("distributed"):
-                if self._full_distributed is None:
-                    raise CheckpointError("reading ZeRO-1 optimizer files needs full_distributed")
-                files = self.distributed_optimizer_files(tp_rank, pp_rank)
-                state = self._full_distributed(files, self.shard(tp_rank, pp_rank))
+                state = full_state_from_shards(self.distributed_optimizer_files(tp_rank, pp_rank))
             self._optim[key] = state
         return self._optim[key]
 

@@ -29,18 +29,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.checkpoint.experts import (  # issue 16
-    gather_expert_optimizer,
-    has_experts,
-    save_experts,
-)
+from megalite.checkpoint.chunks import check_chunks, stage_table
+from megalite.checkpoint.experts import gather_expert_optimizer, save_experts
 from megalite.checkpoint.files import (
     MODEL_FILE,
     CheckpointError,
     distrib_optim_file,
     fsync_dir,
     iteration_dir,
-    pause_for_test,
     read_tracker,
     remove_old_checkpoints,
     save_file,
@@ -52,53 +48,6 @@ from megalite.checkpoint.records import capture_rng_state, layout_record, plain_
 from megalite.core.parallel_state import ParallelState
 
 logger = logging.getLogger(__name__)
-
-
-def single_chunk(model_chunks: list[nn.Module]) -> nn.Module:
-    """The one GPT stage of ``model_chunks`` (for the paths that take exactly one)."""
-    if len(model_chunks) != 1:
-        raise CheckpointError(
-            f"{len(model_chunks)} model chunks on this rank: this path holds one chunk per "
-            "pipeline stage (no virtual pipeline stages)"
-        )
-    return model_chunks[0]
-
-
-def check_chunks(model_chunks: list[nn.Module]) -> list[nn.Module]:
-    """This rank's GPT chunks, checked: at least one, holding disjoint layers; several chunks
-    hold no MoE experts (their files are per pipeline rank). One-line CheckpointError."""
-    chunks = list(model_chunks)
-    if not chunks:
-        raise CheckpointError("no model chunk on this rank: pass model_chunks=[gpt, ...]")
-    ranges = sorted(tuple(m.layer_range) for m in chunks)
-    if len(chunks) > 1 and (
-        len({id(m) for m in chunks}) < len(chunks)
-        or any(a[1] > b[0] for a, b in zip(ranges, ranges[1:]))
-    ):
-        raise CheckpointError(
-            f"{len(chunks)} model chunks on this rank hold overlapping layers {ranges}: each "
-            "chunk of a virtual pipeline holds its own layers (pass each chunk once)"
-        )
-    if len(chunks) > 1 and any(has_experts(m) for m in chunks):
-        raise CheckpointError(
-            f"{len(chunks)} model chunks on this rank hold MoE experts: expert checkpoints are "
-            "per pipeline rank; save MoE models with one chunk per rank (no virtual stages, "
-            "--pipeline-schedule 1f1b, gpipe or zb-h1)"
-        )
-    return chunks
-
-
-def stage_table(chunks: list[nn.Module], ps: ParallelState) -> tuple[list, list]:
-    """(layers of every global stage in stage order, (pp rank, chunk) of each): this rank's
-    chunks gathered over ``ps.group("pp")``; stages are ordered by their first layer (every
-    stage holds at least one layer, and stage order is layer order in every layout)."""
-    mine = [(tuple(m.layer_range), ps.pp_rank, c) for c, m in enumerate(chunks)]
-    every = [mine]
-    if ps.pp_size > 1 and dist.is_initialized():
-        every = [None] * ps.pp_size
-        dist.all_gather_object(every, mine, group=ps.group("pp"))
-    stages = sorted(x for rank in every for x in rank)
-    return [r for r, _, _ in stages], [(p, c) for _, p, c in stages]
 
 
 def world_sum(value: float, ps: ParallelState) -> float:
@@ -122,7 +71,7 @@ def gather_over_dp(obj: object, ps: ParallelState) -> list:
 
 def _layout(chunks: list[nn.Module], optimizer, ps: ParallelState, table) -> dict:
     module = chunks[0]
-    several = table is not None  # issue 14: every global stage and its (pp rank, chunk)
+    several = table is not None  # several chunks: every global stage and its (pp rank, chunk)
     layer_ranges, stage_ranks = table if several else (None, None)
     return layout_record(
         tp_size=ps.tp_size,
@@ -206,46 +155,22 @@ def save_checkpoint(
     config_record: dict | None = None,
     save_optim: bool = True,
     keep_last_n: int | None = None,
-    ckpt_format: str = "megalite",
 ) -> str:
     """Write the checkpoint of ``iteration`` under ``save_dir``; returns its directory.
 
     ``model_chunks``: this rank's GPT chunk modules, chunk 0 first (not the data-parallel
     wrappers); several (virtual stages, V schedules) are written as ``model0``, ``model1``, ...
     with the layout of every global stage, and gathered over ``ps.group("pp")``.
-    ``optimizer``: the plain or the ZeRO-1 mixed-precision optimizer; ``scheduler``: anything with
-    ``state_dict()``. ``rng_tracker``: the TP RNG tracker or None. ``config_record``: the run's
+    ``optimizer``: the plain or the sharded mixed-precision optimizer; ``scheduler``: anything
+    with ``state_dict()``. ``rng_tracker``: the TP RNG tracker or None. ``config_record``: the run's
     settings as plain data, recorded as ``header["config"]`` (its ``"model"`` entry defaults to
     the stage's GPTConfig). ``save_optim=False`` (``--no-save-optim``) writes the model, RNG and
     counters only; ``keep_last_n`` (``--keep-last-n-checkpoints``) then deletes older iterations.
-    ``ckpt_format`` (``--ckpt-format``, issue 18): ``"megalite"`` (these files), or Megatron-LM's
-    ``"torch"`` / ``"torch_dist"`` (``megatron_save``). Collective over the world (module
-    docstring)."""
+    megalite's own files; ``formats.save_checkpoint`` also writes Megatron-LM's. Collective over
+    the world (module docstring)."""
     if not save_dir:
         raise CheckpointError("save_checkpoint needs a directory: pass --save DIR")
-    if ckpt_format != "megalite" and len(model_chunks) > 1:  # issue 14
-        raise CheckpointError(
-            f"--ckpt-format {ckpt_format} with {len(model_chunks)} model chunks per rank "
-            "(virtual stages / a V schedule) is not written yet: save with --ckpt-format "
-            "megalite (it reshards into any layout) and convert from a one-chunk-per-rank run"
-        )
-    if ckpt_format != "megalite":  # issue 18: Megatron's formats, converted from a staged save
-        from megalite.checkpoint import megatron_save
-
-        save_checkpoint(
-            megatron_save.staging_dir(save_dir), iteration, model_chunks=model_chunks,
-            optimizer=optimizer, scheduler=scheduler, ps=ps, rng_tracker=rng_tracker,
-            device=device, consumed_train_samples=consumed_train_samples,
-            consumed_valid_samples=consumed_valid_samples, config_record=config_record,
-            save_optim=save_optim,
-        )  # fmt: skip
-        if ps.rank() == 0:
-            megatron_save.finish_megatron_save(save_dir, iteration, ckpt_format)
-            if keep_last_n:
-                remove_old_checkpoints(save_dir, keep=keep_last_n, latest=int(iteration))
-        world_sum(0.0, ps)
-        return iteration_dir(save_dir, iteration)
-    chunks = check_chunks(model_chunks)  # issue 14: several chunks per rank
+    chunks = check_chunks(model_chunks)
     module = chunks[0]
     iteration = int(iteration)
     started = time.perf_counter()
@@ -289,14 +214,14 @@ def save_checkpoint(
             scheduler=scheduler.state_dict() if save_optim else None,
             rng_state=rng,
         )
-        if len(chunks) > 1:  # issue 14: Megatron's keys, each chunk numbered from 0
+        if len(chunks) > 1:  # Megatron's keys, each chunk's layers numbered from 0
             header.update({f"model{c}": m.state_dict() for c, m in enumerate(chunks)})
         try:
             written += save_file(header, os.path.join(folder, MODEL_FILE))
         except CheckpointError as e:
             failure = e
     expert_optim = gather_expert_optimizer(module, optimizer if save_optim else None, ps)
-    if failure is None:  # issue 16: experts by global expert index
+    if failure is None:  # MoE experts in files of their own, by global expert index
         try:
             written += save_experts(
                 iter_dir, module, optimizer if save_optim else None, ps, expert_optim
@@ -309,7 +234,38 @@ def save_checkpoint(
             fsync_dir(iter_dir)
     except OSError as e:
         failure = write_failure(folder, e)
-    pause_for_test(iteration)
+    total = commit_checkpoint(
+        save_dir, iteration, ps=ps, written=written, failure=failure, keep_last_n=keep_last_n
+    )
+    seconds = time.perf_counter() - started
+    megabytes = total / 1e6
+    logger.info(
+        "saved checkpoint at iteration %d to %s in %.2f s (%.1f MB, %.1f MB/s)",
+        iteration,
+        save_dir,
+        seconds,
+        megabytes,
+        megabytes / max(seconds, 1e-9),
+    )
+    return iter_dir
+
+
+def commit_checkpoint(
+    save_dir: str,
+    iteration: int,
+    *,
+    ps: ParallelState,
+    written: int,
+    failure: CheckpointError | None,
+    keep_last_n: int | None = None,
+) -> float:
+    """The second half of ``save_checkpoint``, once this rank's files of ``iteration`` are written
+    and fsynced (``written`` bytes; ``failure``: this rank's error, or None). Collective over
+    ``ps.group()``: every rank learns that every rank's files are complete, then rank 0 replaces
+    the tracker (and deletes the iterations ``keep_last_n`` lets go). Returns the bytes all ranks
+    wrote. A failure on any rank raises a CheckpointError on every rank, the partial iteration
+    removed. Until rank 0 has replaced the tracker, a crash leaves the previous checkpoint the
+    latest (the crash tests stop a save on entry here)."""
     _stop_on_failure(failure, save_dir, iteration, ps)  # the files of every rank, or none
     total = world_sum(written, ps)  # every rank has written and fsynced its files
     if ps.rank() == 0:
@@ -321,9 +277,4 @@ def save_checkpoint(
             remove_old_checkpoints(save_dir, keep=keep_last_n, latest=iteration)
     # the tracker names this checkpoint on return, on every rank
     _stop_on_failure(failure, save_dir, iteration, ps)
-    seconds = time.perf_counter() - started
-    logger.info(
-        "saved checkpoint at iteration %d to %s in %.2f s (%.1f MB, %.1f MB/s)",
-        iteration, save_dir, seconds, total / 1e6, total / 1e6 / max(seconds, 1e-9),
-    )  # fmt: skip
-    return iter_dir
+    return total

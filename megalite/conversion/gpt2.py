@@ -12,9 +12,9 @@ The word embedding is tied to the LM head (HF stores only ``transformer.wte.weig
     pre_mlp_layernorm                             ln_2
     mlp.linear_fc1 / linear_fc2                   mlp.c_fc / mlp.c_proj   (.t())
 
-Issue 18: ``--squared-relu`` is HF's ``activation_function="relu2"``; ``--apply-layernorm-1p``
-norm weights (``w - 1``) are written as ``1 + w`` and read back into such a model minus 1
-(``llama.fold_norm_1p``); GPT-2 has no q/k norms (``--qk-layernorm`` is refused).
+Megatron's math flags: ``--squared-relu`` is HF's ``activation_function="relu2"``;
+``--apply-layernorm-1p`` norm weights (``w - 1``) are written as ``1 + w`` and read back into such
+a model minus 1 (``llama.fold_norm_1p``); GPT-2 has no q/k norms (``--qk-layernorm`` is refused).
 """
 
 from __future__ import annotations
@@ -22,34 +22,41 @@ from __future__ import annotations
 import torch
 
 from megalite.conversion.errors import ConversionError
-from megalite.conversion.llama import fold_norm_1p  # issue 18
+from megalite.conversion.llama import fold_norm_1p
 from megalite.models.config import GPTConfig
 
 ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}  # -> openai_gelu
-SQUARED_RELU = "relu2"  # issue 18: HF's name of relu(x)^2 (--squared-relu)
+SQUARED_RELU = "relu2"  # HF's name of relu(x)^2 (--squared-relu)
 
 
 def check(config: GPTConfig) -> None:
     """One-line ConversionError for a model GPT2LMHeadModel cannot express."""
     needs = (
-        ("learned absolute positions (no RoPE)",
-         config.position_embedding_type == "learned_absolute"),
+        (
+            "learned absolute positions (no RoPE)",
+            config.position_embedding_type == "learned_absolute",
+        ),
         ("--normalization LayerNorm", config.normalization == "LayerNorm"),
         ("no --swiglu", not config.swiglu),
         ("biases (no --disable-bias-linear)", config.add_bias_linear),
-        ("tied embeddings (no --untie-embeddings-and-output-weights)",
-         not config.untie_embeddings_and_output_weights),
+        (
+            "tied embeddings (no --untie-embeddings-and-output-weights)",
+            not config.untie_embeddings_and_output_weights,
+        ),
         ("no --group-query-attention", config.num_query_groups == config.num_attention_heads),
-        ("--kv-channels = hidden / heads", config.kv_channels * config.num_attention_heads
-         == config.hidden_size),
+        (
+            "--kv-channels = hidden / heads",
+            config.kv_channels * config.num_attention_heads == config.hidden_size,
+        ),
         ("no --qk-layernorm (it has no q/k norms)", not config.qk_layernorm),
-    )  # fmt: skip
+    )
     for what, ok in needs:
         if not ok:
             raise ConversionError(f"GPT2LMHeadModel needs {what}; this model differs")
 
 
 def hf_config(config: GPTConfig, *, bos_token_id: int | None, eos_token_id: int | None):
+    """The ``transformers.GPT2Config`` of ``config``'s model."""
     import transformers
 
     check(config)
@@ -78,7 +85,7 @@ def hf_config(config: GPTConfig, *, bos_token_id: int | None, eos_token_id: int 
 def to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """Logical megalite tensors (global names, unpadded vocabulary) -> GPT2LMHeadModel's."""
     check(config)
-    state = fold_norm_1p(state, config, +1)  # issue 18
+    state = fold_norm_1p(state, config, +1)  # --apply-layernorm-1p: real scales
     n, d, h = config.num_attention_heads, config.kv_channels, config.hidden_size
     out = {
         "transformer.wte.weight": state["embedding.word_embeddings.weight"],
@@ -90,7 +97,7 @@ def to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.
         m, t = f"decoder.layers.{i}.", f"transformer.h.{i}."
         qkv_w = state[m + "self_attention.linear_qkv.weight"].reshape(n, 3, d, h)
         qkv_b = state[m + "self_attention.linear_qkv.bias"].reshape(n, 3, d)
-        out.update({
+        out |= {
             t + "ln_1.weight": state[m + "input_layernorm.weight"],
             t + "ln_1.bias": state[m + "input_layernorm.bias"],
             t + "attn.c_attn.weight": qkv_w.transpose(0, 1).reshape(3 * n * d, h).t(),
@@ -103,7 +110,7 @@ def to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.
             t + "mlp.c_fc.bias": state[m + "mlp.linear_fc1.bias"],
             t + "mlp.c_proj.weight": state[m + "mlp.linear_fc2.weight"].t(),
             t + "mlp.c_proj.bias": state[m + "mlp.linear_fc2.bias"],
-        })  # fmt: skip
+        }
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -115,6 +122,7 @@ def config_from_hf(hf) -> GPTConfig:
             f"GPT-2 activation_function {act!r} has no megalite equivalent (use one of "
             f"{', '.join(ACTIVATIONS)})"
         )
+    # getattr with a default: fields an older or newer transformers' GPT2Config may lack
     for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
         if getattr(hf, flag, False):
             raise ConversionError(f"GPT-2 {flag}=True has no megalite equivalent")
@@ -131,7 +139,7 @@ def config_from_hf(hf) -> GPTConfig:
         max_position_embeddings=hf.n_positions,
         ffn_hidden_size=hf.n_inner or 4 * hf.n_embd,
         openai_gelu=ACTIVATIONS.get(act, False),
-        squared_relu=act == SQUARED_RELU,  # issue 18
+        squared_relu=act == SQUARED_RELU,
         norm_epsilon=hf.layer_norm_epsilon,
         init_method_std=hf.initializer_range,
     )
@@ -154,7 +162,7 @@ def from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, t
         _require(s, [t + "attn.c_attn.weight", t + "mlp.c_fc.weight"])
         qkv_w = s[t + "attn.c_attn.weight"].t().reshape(3, n, d, h)  # rows [Q; K; V]
         qkv_b = s[t + "attn.c_attn.bias"].reshape(3, n, d)
-        out.update({
+        out |= {
             m + "input_layernorm.weight": s[t + "ln_1.weight"],
             m + "input_layernorm.bias": s[t + "ln_1.bias"],
             m + "self_attention.linear_qkv.weight": qkv_w.transpose(0, 1).reshape(3 * n * d, h),
@@ -167,8 +175,8 @@ def from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, t
             m + "mlp.linear_fc1.bias": s[t + "mlp.c_fc.bias"],
             m + "mlp.linear_fc2.weight": s[t + "mlp.c_proj.weight"].t(),
             m + "mlp.linear_fc2.bias": s[t + "mlp.c_proj.bias"],
-        })  # fmt: skip
-    out = fold_norm_1p(out, config, -1)  # issue 18
+        }
+    out = fold_norm_1p(out, config, -1)  # --apply-layernorm-1p: stored as w - 1
     return {k: v.contiguous() for k, v in out.items()}
 
 

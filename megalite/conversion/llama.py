@@ -12,10 +12,10 @@ uses the same rotate-half convention and inverse frequencies in both. SwiGLU's f
     self_attention.linear_proj                    self_attn.o_proj
     mlp.linear_fc1 = [gate; up], linear_fc2       mlp.gate_proj, up_proj, down_proj
 
-Issue 18: ``--apply-layernorm-1p`` stores norm weights as ``w - 1``: the export writes ``1 + w``
-and the import into such a model subtracts 1. ``--use-rope-scaling`` is HF's ``rope_type
-"llama3"`` (factor; low / high frequency factors 1 and 4 over 8192 positions, as Megatron fixes
-them). HF Llama rotates every channel in rotate-half pairs and has no q/k norms, so
+Megatron's math flags: ``--apply-layernorm-1p`` stores norm weights as ``w - 1``: the export
+writes ``1 + w`` and the import into such a model subtracts 1. ``--use-rope-scaling`` is HF's
+``rope_type "llama3"`` (factor; low / high frequency factors 1 and 4 over 8192 positions, as
+Megatron fixes them). HF Llama rotates every channel in rotate-half pairs and has no q/k norms, so
 ``--rotary-percent`` < 1, ``--rotary-interleaved`` and ``--qk-layernorm`` are refused.
 """
 
@@ -35,7 +35,7 @@ NORM_KEYS = ("layernorm.weight", "final_layernorm.weight")  # megalite names of 
 
 
 def fold_norm_1p(state: dict[str, torch.Tensor], config: GPTConfig, sign: int) -> dict:
-    """Issue 18: ``--apply-layernorm-1p`` norm weights (``w - 1``) -> real scales (``sign`` +1,
+    """``--apply-layernorm-1p`` norm weights (``w - 1``) -> real scales (``sign`` +1,
     export), or back (``sign`` -1, import); other tensors and other models unchanged."""
     if not config.apply_layernorm_1p:
         return state
@@ -62,18 +62,21 @@ def check(config: GPTConfig) -> None:
         ("--normalization RMSNorm", config.normalization == "RMSNorm"),
         ("--swiglu", config.swiglu),
         ("--disable-bias-linear", not config.add_bias_linear),
-        ("no --add-qkv-bias (that is Qwen2)", not config.add_qkv_bias),  # issue 16
+        ("no --add-qkv-bias (that is Qwen2)", not config.add_qkv_bias),
         ("no --qk-layernorm (it has no q/k norms)", not config.qk_layernorm),
         ("--rotary-percent 1.0 (it rotates every channel)", config.rotary_percent == 1.0),
-        ("no --rotary-interleaved (it pairs channel i with i + d/2)",
-         not config.rotary_interleaved),
-    )  # fmt: skip
+        (
+            "no --rotary-interleaved (it pairs channel i with i + d/2)",
+            not config.rotary_interleaved,
+        ),
+    )
     for what, ok in needs:
         if not ok:
             raise ConversionError(f"LlamaForCausalLM needs {what}; this model differs")
 
 
 def hf_config(config: GPTConfig, *, bos_token_id: int | None, eos_token_id: int | None):
+    """The ``transformers.LlamaConfig`` of ``config``'s model."""
     import transformers
 
     check(config)
@@ -88,7 +91,7 @@ def hf_config(config: GPTConfig, *, bos_token_id: int | None, eos_token_id: int 
         max_position_embeddings=config.max_position_embeddings,
         rms_norm_eps=config.norm_epsilon,
         rope_theta=float(config.rotary_base),
-        rope_scaling=rope_scaling(config),  # issue 18
+        rope_scaling=rope_scaling(config),
         hidden_act="silu",
         attention_bias=False,
         mlp_bias=False,
@@ -104,7 +107,7 @@ def hf_config(config: GPTConfig, *, bos_token_id: int | None, eos_token_id: int 
 def to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """Logical megalite tensors (global names, unpadded vocabulary) -> LlamaForCausalLM's."""
     check(config)
-    state = fold_norm_1p(state, config, +1)  # issue 18
+    state = fold_norm_1p(state, config, +1)  # --apply-layernorm-1p: real scales
     g, k, d, h = (
         config.num_query_groups,
         config.heads_per_group,
@@ -121,7 +124,7 @@ def to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.
         m, t = f"decoder.layers.{i}.", f"model.layers.{i}."
         qkv = state[m + "self_attention.linear_qkv.weight"].reshape(g, k + 2, d, h)
         gate, up = state[m + "mlp.linear_fc1.weight"].chunk(2)
-        out.update({
+        out |= {
             t + "input_layernorm.weight": state[m + "input_layernorm.weight"],
             t + "post_attention_layernorm.weight": state[m + "pre_mlp_layernorm.weight"],
             t + "self_attn.q_proj.weight": qkv[:, :k].reshape(g * k * d, h),
@@ -131,17 +134,19 @@ def to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.
             t + "mlp.gate_proj.weight": gate,
             t + "mlp.up_proj.weight": up,
             t + "mlp.down_proj.weight": state[m + "mlp.linear_fc2.weight"],
-        })  # fmt: skip
+        }
     return {k_: v.contiguous() for k_, v in out.items()}
 
 
 def _rope_params(hf) -> dict:
+    """HF's RoPE settings: ``rope_parameters`` (transformers >= 5) or ``rope_scaling`` (before)."""
     return getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
 
 
 def _rope_scaling_factor(hf) -> float | None:
-    """Issue 18: the factor of a llama3 ``rope_type`` with Megatron's fixed frequency factors and
-    context (None for the default RoPE); ConversionError for any other scaling."""
+    """``--use-rope-scaling``: the factor of a llama3 ``rope_type`` with Megatron's fixed
+    frequency factors and context (None for the default RoPE); ConversionError for any other
+    scaling."""
     params = _rope_params(hf)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in (None, "default"):
@@ -161,7 +166,7 @@ def _rope_scaling_factor(hf) -> float | None:
 
 def _rope_theta(hf) -> float:
     params = _rope_params(hf)
-    theta = params.get("rope_theta", getattr(hf, "rope_theta", None))
+    theta = params.get("rope_theta", getattr(hf, "rope_theta", None))  # where this version has it
     return float(10000.0 if theta is None else theta)
 
 
@@ -169,10 +174,11 @@ def config_from_hf(hf) -> GPTConfig:
     """A ``transformers.LlamaConfig`` -> the GPTConfig of the same model."""
     if hf.hidden_act != "silu":
         raise ConversionError(f"Llama hidden_act {hf.hidden_act!r}: megalite's SwiGLU is silu")
+    # getattr with a default: fields an older or newer transformers' LlamaConfig may lack
     if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False):
         raise ConversionError("Llama attention_bias / mlp_bias: megalite's Llama has no biases")
     theta = _rope_theta(hf)
-    scaling = _rope_scaling_factor(hf)  # issue 18
+    scaling = _rope_scaling_factor(hf)
     if theta != int(theta):
         raise ConversionError(f"Llama rope_theta {theta} is not an integer (--rotary-base)")
     heads = hf.num_attention_heads
@@ -195,7 +201,7 @@ def config_from_hf(hf) -> GPTConfig:
         add_bias_linear=False,
         untie_embeddings_and_output_weights=not getattr(hf, "tie_word_embeddings", False),
         init_method_std=hf.initializer_range,
-        use_rope_scaling=scaling is not None,  # issue 18
+        use_rope_scaling=scaling is not None,
         rope_scaling_factor=8.0 if scaling is None else scaling,
     )
 
@@ -227,7 +233,7 @@ def from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, t
         q = s[t + "self_attn.q_proj.weight"].reshape(g, k, d, h)
         kk = s[t + "self_attn.k_proj.weight"].reshape(g, 1, d, h)
         v = s[t + "self_attn.v_proj.weight"].reshape(g, 1, d, h)
-        out.update({
+        out |= {
             m + "input_layernorm.weight": s[t + "input_layernorm.weight"],
             m + "pre_mlp_layernorm.weight": s[t + "post_attention_layernorm.weight"],
             m + "self_attention.linear_qkv.weight": torch.cat([q, kk, v], 1).reshape(-1, h),
@@ -236,6 +242,6 @@ def from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, t
                 [s[t + "mlp.gate_proj.weight"], s[t + "mlp.up_proj.weight"]]
             ),
             m + "mlp.linear_fc2.weight": s[t + "mlp.down_proj.weight"],
-        })  # fmt: skip
-    out = fold_norm_1p(out, config, -1)  # issue 18
+        }
+    out = fold_norm_1p(out, config, -1)  # --apply-layernorm-1p: stored as w - 1
     return {k_: v_.contiguous() for k_, v_ in out.items()}

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from megalite.checkpoint.experts import is_expert_name, write_expert_files  # issue 16
+from megalite.checkpoint.experts import is_expert_name, write_expert_files
 from megalite.checkpoint.files import (
     MODEL_FILE,
     RELEASE,
@@ -83,19 +83,31 @@ def write_checkpoint(
                     full, split, tp_size=tp_size, tp_rank=t, padded_vocab_size=padded
                 ).clone()
             layout = layout_record(
-                tp_size=tp_size, pp_size=pp_size, dp_size=1, tp_rank=t, pp_rank=p,
-                layer_ranges=ranges, padded_vocab_size=padded, distributed_optimizer=False,
-            )  # fmt: skip
+                tp_size=tp_size,
+                pp_size=pp_size,
+                dp_size=1,
+                tp_rank=t,
+                pp_rank=p,
+                layer_ranges=ranges,
+                padded_vocab_size=padded,
+                distributed_optimizer=False,
+            )
             header = shard_header(
-                iteration=iteration, consumed_train_samples=0, consumed_valid_samples=0,
-                config=record, layout=layout, model=model, optimizer=None, scheduler=None,
+                iteration=iteration,
+                consumed_train_samples=0,
+                consumed_valid_samples=0,
+                config=record,
+                layout=layout,
+                model=model,
+                optimizer=None,
+                scheduler=None,
                 rng_state=None,
-            )  # fmt: skip
+            )
             folder = shard_dir(iter_dir, tp_rank=t, pp_rank=p, pp_size=pp_size)
             os.makedirs(folder, exist_ok=True)
             save_file(header, os.path.join(folder, MODEL_FILE))
             fsync_dir(folder)
-    write_expert_files(state, iter_dir, ranges, config.swiglu)  # issue 16: by global expert
+    write_expert_files(state, iter_dir, ranges, config.swiglu)  # by global expert index
     fsync_dir(iter_dir)
     write_tracker(save_dir, iteration)
     return iter_dir

@@ -15,6 +15,8 @@ stacked weights, and writes them back per expert):
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from megalite.conversion import llama
@@ -71,8 +73,6 @@ def hf_config(config: GPTConfig, *, bos_token_id: int | None, eos_token_id: int 
 
 def _dense_view(config: GPTConfig) -> GPTConfig:
     """The Llama config of the same attention (for the shared parts of the mapping)."""
-    import dataclasses
-
     return dataclasses.replace(config, num_experts=None, moe_aux_loss_coeff=0.0)
 
 
@@ -110,16 +110,15 @@ def experts_to_hf(state: dict, m: str, t: str, names: tuple[str, str, str]) -> d
 def experts_from_hf(s: dict, t: str, num_experts: int, names: tuple[str, str, str]):
     """The inverse of ``experts_to_hf``: (weight1 # [E, 2f, h], weight2 # [E, h, f])."""
     gate_name, up_name, down_name = names
-    w1 = torch.stack([torch.cat([s[f"{t}{e}.{gate_name}.weight"], s[f"{t}{e}.{up_name}.weight"]])
-                      for e in range(num_experts)])  # fmt: skip
+    gates = [s[f"{t}{e}.{gate_name}.weight"] for e in range(num_experts)]
+    ups = [s[f"{t}{e}.{up_name}.weight"] for e in range(num_experts)]
+    w1 = torch.stack([torch.cat([gate, up]) for gate, up in zip(gates, ups)])
     w2 = torch.stack([s[f"{t}{e}.{down_name}.weight"] for e in range(num_experts)])
     return w1, w2
 
 
 def config_from_hf(hf) -> GPTConfig:
     """A ``transformers.MixtralConfig`` -> the GPTConfig of the same model."""
-    import dataclasses
-
     hf.attention_bias, hf.mlp_bias = False, False
     base = llama.config_from_hf(hf)
     return dataclasses.replace(
@@ -127,6 +126,7 @@ def config_from_hf(hf) -> GPTConfig:
         num_experts=hf.num_local_experts,
         moe_ffn_hidden_size=hf.intermediate_size,
         moe_router_topk=hf.num_experts_per_tok,
+        # absent from some transformers versions' MixtralConfig
         moe_aux_loss_coeff=float(getattr(hf, "router_aux_loss_coef", 0.0) or 0.0),
         moe_token_dispatcher_type="alltoall",
     )

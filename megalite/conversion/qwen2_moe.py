@@ -42,29 +42,40 @@ def _needs(model: str, needs) -> None:
 def _llama_view(config: GPTConfig) -> GPTConfig:
     """The Llama config of the same attention and dense MLPs (no qkv bias, no experts)."""
     return dataclasses.replace(
-        config, add_qkv_bias=False, num_experts=None, moe_aux_loss_coeff=0.0,
-        moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False,
-    )  # fmt: skip
+        config,
+        add_qkv_bias=False,
+        num_experts=None,
+        moe_aux_loss_coeff=0.0,
+        moe_shared_expert_intermediate_size=None,
+        moe_shared_expert_gate=False,
+    )
 
 
 def check_dense(config: GPTConfig) -> None:
     """One-line ConversionError for a model Qwen2ForCausalLM cannot express."""
     llama.check(_llama_view(config))
-    _needs("Qwen2ForCausalLM", (("--add-qkv-bias", config.add_qkv_bias),
-                                ("no --num-experts", config.num_experts is None)))  # fmt: skip
+    _needs(
+        "Qwen2ForCausalLM",
+        (("--add-qkv-bias", config.add_qkv_bias), ("no --num-experts", config.num_experts is None)),
+    )
 
 
 def check(config: GPTConfig) -> None:
     """One-line ConversionError for a model Qwen2MoeForCausalLM cannot express."""
     llama.check(_llama_view(config))
-    _needs("Qwen2MoeForCausalLM", (
-        ("--num-experts", config.num_experts is not None),
-        ("--moe-router-score-function softmax", config.moe_router_score_function == "softmax"),
-        ("--moe-shared-expert-intermediate-size",
-         config.moe_shared_expert_intermediate_size is not None),
-        ("--moe-shared-expert-gate", config.moe_shared_expert_gate),
-        ("no --moe-router-enable-expert-bias", not config.moe_router_enable_expert_bias),
-    ))  # fmt: skip
+    _needs(
+        "Qwen2MoeForCausalLM",
+        (
+            ("--num-experts", config.num_experts is not None),
+            ("--moe-router-score-function softmax", config.moe_router_score_function == "softmax"),
+            (
+                "--moe-shared-expert-intermediate-size",
+                config.moe_shared_expert_intermediate_size is not None,
+            ),
+            ("--moe-shared-expert-gate", config.moe_shared_expert_gate),
+            ("no --moe-router-enable-expert-bias", not config.moe_router_enable_expert_bias),
+        ),
+    )
 
 
 def _rope_theta(config: GPTConfig) -> float:
@@ -78,10 +89,22 @@ def hf_config_dense(config: GPTConfig, *, bos_token_id: int | None, eos_token_id
     base = llama.hf_config(
         _llama_view(config), bos_token_id=bos_token_id, eos_token_id=eos_token_id
     )
-    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
-            "rms_norm_eps", "hidden_act", "attention_dropout", "initializer_range",
-            "tie_word_embeddings", "bos_token_id", "eos_token_id")  # fmt: skip
+    keep = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "hidden_act",
+        "attention_dropout",
+        "initializer_range",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    )
     hf = transformers.Qwen2Config(
         **{k: getattr(base, k) for k in keep},
         rope_parameters={"rope_type": "default", "rope_theta": _rope_theta(config)},
@@ -170,6 +193,7 @@ def to_hf_dense(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, 
 
 
 def _check_attention(hf) -> None:
+    # getattr with a default here and below: fields some transformers versions' configs lack
     if getattr(hf, "use_sliding_window", False):
         raise ConversionError(
             "Qwen2 use_sliding_window: megalite's attention is full causal; convert a model "
@@ -293,10 +317,9 @@ def from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, t
         out[m + "router.weight"] = hf_state[t + "gate.weight"]
         out[m + "experts.weight1"] = w1
         out[m + "experts.weight2"] = w2
-        out[m + "shared_experts.linear_fc1.weight"] = torch.cat([
-            hf_state[t + "shared_expert.gate_proj.weight"],
-            hf_state[t + "shared_expert.up_proj.weight"],
-        ])  # fmt: skip
+        gate = hf_state[t + "shared_expert.gate_proj.weight"]
+        up = hf_state[t + "shared_expert.up_proj.weight"]
+        out[m + "shared_experts.linear_fc1.weight"] = torch.cat([gate, up])
         out[m + "shared_experts.linear_fc2.weight"] = hf_state[t + "shared_expert.down_proj.weight"]
         out[m + "shared_experts_gate.weight"] = hf_state[t + "shared_expert_gate.weight"]
     return {k: v.contiguous() for k, v in out.items()}

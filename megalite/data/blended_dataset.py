@@ -39,6 +39,7 @@ class BlendedDataset:
         self.weights = [float(w) / total for w in weights]
         self.datasets = datasets
         self.size = int(size)
+        # any sequences of samples; only the GPT datasets describe themselves (for the cache)
         descriptions = [getattr(d, "description", None) for d in datasets]
         if any(d is None for d in descriptions):
             cache_dir = None

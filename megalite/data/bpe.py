@@ -37,8 +37,11 @@ def byte_to_unicode() -> dict[int, str]:
     the other 68 (controls, space, DEL, NBSP, soft hyphen) take chr(256), chr(257), ... in byte
     order, so a space is 'Ġ' and a newline 'Ċ'.
     """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table = {b: chr(b) for b in printable}
     shifted = 0
     for b in range(256):

@@ -262,8 +262,9 @@ def build_data_loaders(
     from ``consumed_valid_samples``). ``barrier`` (if given) is called exactly once on every rank,
     between the cache builders' and the other ranks' dataset construction.
     ``train_global_batch_size``: the train sampler's batch when it differs from
-    ``global_batch_size``: micro x DP under a batch-size ramp (issue 18), where the iterations take
-    the micro-batches one after another, as Megatron's sampler gives them, whatever the batch.
+    ``global_batch_size``: micro x DP under a batch-size ramp (``--rampup-batch-size``), where the
+    iterations take the micro-batches one after another, as Megatron's sampler gives them,
+    whatever the batch.
     """
     datasets = None
     kwargs = dict(
@@ -282,8 +283,8 @@ def build_data_loaders(
         datasets = build_datasets(cfg, write_cache=False, **kwargs)
     consumed = (consumed_train_samples, consumed_valid_samples, 0)
     wanted = (train_samples, valid_samples, test_samples)
-    batch_sizes = (train_global_batch_size or global_batch_size, global_batch_size,
-                   global_batch_size)  # fmt: skip
+    train_batch = train_global_batch_size or global_batch_size
+    batch_sizes = (train_batch, global_batch_size, global_batch_size)
     loaders = []
     for i, ds in enumerate(datasets):
         if ds is None:
@@ -306,7 +307,7 @@ def build_data_loaders(
                 eod_mask_loss=cfg.eod_mask_loss,
                 num_workers=cfg.num_workers,
                 device=device,
-                reset_position_ids=cfg.reset_position_ids,  # issue 18
+                reset_position_ids=cfg.reset_position_ids,
                 reset_attention_mask=cfg.reset_attention_mask,
             )
         )

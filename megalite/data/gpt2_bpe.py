@@ -20,7 +20,7 @@ import json
 import os
 
 from megalite.data.bpe import GPT2_PATTERN, byte_to_unicode, compile_pattern, merge_symbol_pairs
-from megalite.data.tokenizers import Tokenizer
+from megalite.data.tokenizer_base import Tokenizer
 
 EOD_TOKEN = "<|endoftext|>"
 _CACHE_LIMIT = 200_000  # pieces; the cache is emptied when it reaches this size

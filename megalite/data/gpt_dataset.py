@@ -127,7 +127,7 @@ class GPTDataset:
         return out
 
 
-# --- issue 18: documents inside a sample (--reset-position-ids, --reset-attention-mask) ---------
+# --- documents inside a sample (--reset-position-ids, --reset-attention-mask) -------------------
 # torch tensors in and out; torch is imported inside (``megalite.data`` imports no torch).
 
 

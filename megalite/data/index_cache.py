@@ -196,8 +196,9 @@ def try_load_megatron(cache_dir: str, description: dict) -> dict[str, np.ndarray
             continue
         logger.info(
             "%s split: using Megatron-LM's index files %s-* (Megatron's sample order)",
-            description["split"], base,
-        )  # fmt: skip
+            description["split"],
+            base,
+        )
         return arrays
     return None
 

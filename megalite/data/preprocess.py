@@ -37,7 +37,7 @@ from itertools import chain
 import numpy as np
 
 from megalite.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
-from megalite.data.tokenizers import Tokenizer
+from megalite.data.tokenizer_base import Tokenizer
 from megalite.errors import UserError, check_writable_dir, path_problem, read_error
 
 logger = logging.getLogger(__name__)
@@ -167,9 +167,15 @@ def tokenize_chunk(
             texts[k].append(doc[k])
     if sentence_splitter is not None:
         return _sentences_chunk(
-            tokenizer, texts, numbers, out, splitter=sentence_splitter, append_eod=append_eod,
-            skip_bad_lines=skip_bad_lines, dtype=dtype,
-        )  # fmt: skip
+            tokenizer,
+            texts,
+            numbers,
+            out,
+            splitter=sentence_splitter,
+            append_eod=append_eod,
+            skip_bad_lines=skip_bad_lines,
+            dtype=dtype,
+        )
     ids = {k: _tokenize_all(tokenizer, texts[k], numbers, out) for k in json_keys}
     if out.bad and not skip_bad_lines:
         return out

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from megalite.data.gpt_dataset import document_ids, document_position_ids  # issue 18
+from megalite.data.gpt_dataset import document_ids, document_position_ids
 
 
 class MicroBatchSampler:
@@ -101,8 +101,9 @@ class GPTBatchCollator:
     ):
         self.eod = int(eod)
         self.eod_mask_loss = bool(eod_mask_loss)
-        # issue 18: positions restart after each eod; ``document_ids`` keep attention inside
-        # each document (``gpt_dataset.get_ltor_masks_and_position_ids``, in compact form)
+        # documents inside a sample: positions restart after each eod; ``document_ids`` keep
+        # attention inside each document (``gpt_dataset.get_ltor_masks_and_position_ids``, in
+        # compact form)
         self.reset_position_ids = bool(reset_position_ids)
         self.reset_attention_mask = bool(reset_attention_mask)
 
@@ -118,7 +119,7 @@ class GPTBatchCollator:
         loss_mask = torch.ones((b, s), dtype=torch.float32)
         if self.eod_mask_loss:
             loss_mask[ints[0] == self.eod] = 0.0
-        if self.reset_position_ids:  # issue 18
+        if self.reset_position_ids:
             ints[2] = document_position_ids(ints[0], self.eod)
         batch = {
             "tokens": ints[0],
@@ -126,7 +127,7 @@ class GPTBatchCollator:
             "loss_mask": loss_mask,
             "position_ids": ints[2],
         }
-        if self.reset_attention_mask:  # issue 18
+        if self.reset_attention_mask:
             batch["document_ids"] = document_ids(ints[0], self.eod)
         return batch
 
@@ -152,7 +153,7 @@ def make_loader(
     eod_mask_loss: bool,
     num_workers: int = 0,
     device: torch.device | None = None,
-    reset_position_ids: bool = False,  # issue 18
+    reset_position_ids: bool = False,
     reset_attention_mask: bool = False,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """An iterator over this rank's micro-batch dicts; pinned memory when ``device`` is CUDA."""
@@ -166,7 +167,7 @@ def make_loader(
             eod_mask_loss=eod_mask_loss,
             reset_position_ids=reset_position_ids,
             reset_attention_mask=reset_attention_mask,
-        ),  # fmt: skip
+        ),
         pin_memory=pin,
     )
     return iter(loader)

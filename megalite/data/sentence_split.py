@@ -54,8 +54,10 @@ class PunktSplitter:
                 "(nothing is downloaded here): splitting with an untrained "
                 "PunktSentenceTokenizer(), which knows no abbreviations, so sentences may differ "
                 "from Megatron's; to match them: %s",
-                self.lang, self.lang, INSTALL_MODEL,
-            )  # fmt: skip
+                self.lang,
+                self.lang,
+                INSTALL_MODEL,
+            )
 
 
 def _trained(lang: str) -> bool:

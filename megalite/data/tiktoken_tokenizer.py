@@ -22,7 +22,7 @@ import json
 import os
 
 from megalite.data.bpe import compile_pattern, merge_byte_pairs
-from megalite.data.tokenizers import Tokenizer
+from megalite.data.tokenizer_base import Tokenizer
 
 # Megatron-LM's two pre-tokenisation patterns (--tiktoken-pattern v1 / v2).
 PATTERNS = {

@@ -24,7 +24,11 @@ from torch import nn
 from megalite import checkpoint
 from megalite.checkpoint import LoadedCheckpoint
 from megalite.checkpoint.records import plain_data
+from megalite.core.pipeline_parallel.generators import layout_of
 from megalite.core.pipeline_parallel.model_chunk import ModelChunk
+from megalite.training.config import PretrainConfig
+from megalite.training.model_chunks import grad_wrappers, stage_blocks
+from megalite.training.pipeline_config import effective_schedule, num_model_chunks
 
 
 def gpt_modules(model: list[ModelChunk]) -> list[nn.Module]:
@@ -33,18 +37,18 @@ def gpt_modules(model: list[ModelChunk]) -> list[nn.Module]:
     return [chunk.module for chunk in model]
 
 
-def config_record(cfg) -> dict:
-    """The run's ``PretrainConfig`` (or any dataclass of dataclasses) as plain data, plus the
+def config_record(cfg: PretrainConfig) -> dict:
+    """The run's ``PretrainConfig`` as plain data (each concern's dataclass), plus the
     tokenizer's vocabulary size and special ids under ``"tokenizer"``."""
     out = {}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
             out[f.name] = plain_data(dataclasses.asdict(value))
-    tokenizer = getattr(cfg, "tokenizer", None)
+    tokenizer = cfg.tokenizer
     if tokenizer is not None:
         eod = int(tokenizer.eod)
-        bos = getattr(tokenizer, "bos", None)
+        bos = tokenizer.bos
         out["tokenizer"] = {
             "class": type(tokenizer).__name__,
             "vocab_size": int(tokenizer.vocab_size),
@@ -62,17 +66,16 @@ def save_checkpoint(trainer, iteration: int | None = None, *, save_dir: str | No
     ``optimizer``, ``scheduler``, ``result`` and ``rng_tracker``)."""
     t, r = trainer.cfg.training, trainer.result
     iteration = r.iteration if iteration is None else int(iteration)
-    with gathered_params(trainer.model):  # issue 13: ZeRO-3 params whole while saving
+    with gathered_params(trainer.model):  # ZeRO-3: params whole while saving
         iter_dir = _save(trainer, iteration, save_dir, t, r)
     trainer.last_saved_iteration = iteration
     return iter_dir
 
 
-def gathered_params(model: list[ModelChunk]) -> contextlib.ExitStack:  # issue 13
+def gathered_params(model: list[ModelChunk]) -> contextlib.ExitStack:
     """Every chunk's parameters whole inside (ZeRO-3 gathers its shards and writes loads back);
-    a no-op for the other data-parallel rungs."""
-    from megalite.training.model_chunks import grad_wrappers  # issue 14: views share one
-
+    a no-op for the other data-parallel rungs. Chunks that share one grad wrapper (views of one
+    rank's model) enter it once."""
     stack = contextlib.ExitStack()
     for wrapper in grad_wrappers(model):
         stack.enter_context(wrapper.gathered_params())
@@ -94,7 +97,7 @@ def _save(trainer, iteration: int, save_dir, t, r) -> str:
         config_record=config_record(trainer.cfg),
         save_optim=not t.no_save_optim,
         keep_last_n=t.keep_last_n_checkpoints,
-        ckpt_format=t.ckpt_format,  # issue 18
+        ckpt_format=t.ckpt_format,
     )
     return iter_dir
 
@@ -109,7 +112,7 @@ def load_checkpoint(
     ``trainer.result.iteration`` and the consumed samples (unless ``--finetune``); returns the
     RNG states to apply once the data loaders are built (``restore_rng``). Every rank calls it."""
     t, r = trainer.cfg.training, trainer.result
-    with gathered_params(trainer.model):  # issue 13: ZeRO-3 loads into whole params
+    with gathered_params(trainer.model):  # ZeRO-3: loads into whole params
         loaded = _load(trainer, load_dir, iteration, t)
     if loaded is None:
         return None
@@ -133,20 +136,14 @@ def _load(trainer, load_dir, iteration, t):
         load_optim=not t.no_load_optim,
         load_rng=not t.no_load_rng,
         finetune=t.finetune,
-        layer_ranges=run_layer_ranges(trainer),  # issue 14
+        layer_ranges=run_layer_ranges(trainer),
     )
 
 
-def run_layer_ranges(trainer) -> list[tuple[int, int]] | None:
+def run_layer_ranges(trainer) -> list[tuple[int, int]]:
     """The layers of every global stage of the trainer's run (stage order), for any number of
-    model chunks per rank; None when the run has no parallel config (a test's stand-in)."""
-    from megalite.core.pipeline_parallel.generators import layout_of
-    from megalite.training.model_chunks import stage_blocks
-    from megalite.training.pipeline_config import effective_schedule, num_model_chunks
-
+    model chunks per rank."""
     cfg = trainer.cfg
-    if getattr(cfg, "parallel", None) is None or getattr(cfg, "model", None) is None:
-        return None
     layout = layout_of(
         effective_schedule(cfg), cfg.parallel.pipeline_model_parallel_size, num_model_chunks(cfg)
     )

@@ -46,10 +46,17 @@ def test_explicit_pieces_round_trip(family, tmp_path):
     gpt = trainer.model[0].module
     save_dir = str(tmp_path)
     checkpoint.save_checkpoint(
-        save_dir, 2, model_chunks=[gpt], optimizer=trainer.optimizer,
-        scheduler=trainer.scheduler, ps=SINGLE, rng_tracker=None, device=CPU,
-        consumed_train_samples=16, consumed_valid_samples=3,
-    )  # fmt: skip
+        save_dir,
+        2,
+        model_chunks=[gpt],
+        optimizer=trainer.optimizer,
+        scheduler=trainer.scheduler,
+        ps=SINGLE,
+        rng_tracker=None,
+        device=CPU,
+        consumed_train_samples=16,
+        consumed_valid_samples=3,
+    )
     assert checkpoint.read_tracker(save_dir) == 2
 
     fresh_gpt, fresh_opt, fresh_sched = _pieces(config(*extra, "--seed", "99"))
@@ -57,9 +64,13 @@ def test_explicit_pieces_round_trip(family, tmp_path):
     before = fresh_gpt.state_dict()
     assert any(not torch.equal(before[n], v) for n, v in gpt.state_dict().items())  # not vacuous
     loaded = checkpoint.load_checkpoint(
-        save_dir, model_chunks=[fresh_gpt], optimizer=fresh_opt, scheduler=fresh_sched,
-        ps=SINGLE, seed=5,
-    )  # fmt: skip
+        save_dir,
+        model_chunks=[fresh_gpt],
+        optimizer=fresh_opt,
+        scheduler=fresh_sched,
+        ps=SINGLE,
+        seed=5,
+    )
     assert loaded.progress == checkpoint.Progress(2, 16, 3)
     assert loaded.rng_state is not None and loaded.reseed is None
     for name, value in gpt.state_dict().items():
@@ -73,9 +84,14 @@ def test_explicit_pieces_round_trip(family, tmp_path):
 
     weights_gpt, weights_opt, weights_sched = _pieces(config(*extra, "--seed", "99"))
     loaded = checkpoint.load_checkpoint(
-        save_dir, model_chunks=[weights_gpt], optimizer=weights_opt, scheduler=weights_sched,
-        ps=SINGLE, seed=5, finetune=True,
-    )  # fmt: skip
+        save_dir,
+        model_chunks=[weights_gpt],
+        optimizer=weights_opt,
+        scheduler=weights_sched,
+        ps=SINGLE,
+        seed=5,
+        finetune=True,
+    )
     assert loaded.progress is None and loaded.rng_state is None and loaded.reseed is None
     assert weights_opt.full_state_dict()["step"] == 0
     assert weights_sched.state_dict()["num_steps"] == 0
@@ -87,9 +103,16 @@ def test_several_model_chunks_are_refused(tmp_path):
     gpt, optimizer, scheduler = _pieces(config())
     with pytest.raises(checkpoint.CheckpointError, match="2 model chunks on this rank") as e:
         checkpoint.save_checkpoint(
-            str(tmp_path), 1, model_chunks=[gpt, gpt], optimizer=optimizer, scheduler=scheduler,
-            ps=SINGLE, rng_tracker=None, device=CPU, consumed_train_samples=0,
-        )  # fmt: skip
+            str(tmp_path),
+            1,
+            model_chunks=[gpt, gpt],
+            optimizer=optimizer,
+            scheduler=scheduler,
+            ps=SINGLE,
+            rng_tracker=None,
+            device=CPU,
+            consumed_train_samples=0,
+        )
     assert "\n" not in str(e.value)
     assert not list(tmp_path.iterdir())
 
@@ -106,9 +129,20 @@ def test_checkpoint_conversion_and_inference_do_not_import_training():
     assert out.stdout.strip() == "[]", out.stdout
 
 
-COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "barrier", "broadcast",
-               "broadcast_object_list", "reduce_scatter", "reduce_scatter_tensor",
-               "all_gather_into_tensor", "reduce", "gather", "scatter"}  # fmt: skip
+COLLECTIVES = {
+    "all_reduce",
+    "all_gather",
+    "all_gather_object",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_gather_into_tensor",
+    "reduce",
+    "gather",
+    "scatter",
+}
 
 
 def test_every_collective_in_the_package_names_its_group():

@@ -1,13 +1,13 @@
 """Crash safety: a rank killed with SIGKILL in the middle of a save leaves the previous checkpoint.
 
-``torchrun`` runs 2 ranks (TP 2) for 6 iterations saving every 2. ``MEGALITE_TEST_PAUSE_IN_SAVE``
-makes the save of iteration 4 pause after each rank has written and fsynced its shard, before the
-tracker is replaced; the test kills one rank with SIGKILL there (torchrun then ends the other).
-The tracker must still name iteration 2 although iteration 4's shards lie on disk. A new job
-(one process: TP 1, so the load also reshards) resumes from iteration 2 into the same directory,
-saves iteration 4 afresh (the uncommitted TP-2 shards are removed first), finishes at 6, and its
-losses equal a straight 6-iteration run's last 4 (1e-5 relative: TP 2 and TP 1 differ in the order
-of sums only).
+``torchrun`` runs 2 ranks (TP 2) for 6 iterations saving every 2, through ``pause_in_save.py``:
+``MEGALITE_TEST_PAUSE_IN_SAVE`` makes the save of iteration 4 pause after each rank has written and
+fsynced its shard, before the tracker is replaced; the test kills one rank with SIGKILL there
+(torchrun then ends the other). The tracker must still name iteration 2 although iteration 4's
+shards lie on disk. A new job (one process: TP 1, so the load also reshards) resumes from
+iteration 2 into the same directory, saves iteration 4 afresh (the uncommitted TP-2 shards are
+removed first), finishes at 6, and its losses equal a straight 6-iteration run's last 4 (1e-5
+relative: TP 2 and TP 1 differ in the order of sums only).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), MEGALITE_TEST_PAUSE_IN_SAVE="300@4")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-    cmd = [*launcher, "2", str(ROOT / "pretrain_gpt.py"), *BASE, *flags]
+    script = ROOT / "tests" / "checkpoint" / "pause_in_save.py"
+    cmd = [*launcher, "2", str(script), *BASE, *flags]
     cmd += ["--tensor-model-parallel-size", "2"]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT

@@ -112,13 +112,19 @@ def test_finetune_takes_the_weights_only(saved):
 
 def test_keep_last_n_and_exit_flags_save_before_exiting(tmp_path):
     keep = str(tmp_path / "keep")
-    _train("--train-iters", "4", "--save", keep, "--save-interval", "1",
-           "--keep-last-n-checkpoints", "2")  # fmt: skip
+    _train(
+        "--train-iters",
+        "4",
+        "--save",
+        keep,
+        *"--save-interval 1 --keep-last-n-checkpoints 2".split(),
+    )
     assert saved_iterations(keep) == [3, 4] and read_tracker(keep) == 4
 
     exit_at = str(tmp_path / "exit")
-    result = _train("--train-iters", "5", "--save", exit_at, "--save-interval", "2",
-                    "--exit-interval", "3")  # fmt: skip
+    result = _train(
+        "--train-iters", "5", "--save", exit_at, "--save-interval", "2", "--exit-interval", "3"
+    )
     assert result.iteration == 3 and saved_iterations(exit_at) == [2, 3]
     assert read_tracker(exit_at) == 3
 

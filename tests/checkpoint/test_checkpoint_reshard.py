@@ -104,8 +104,16 @@ def _train_case(root: str, cases: list[tuple[str, list[str]]]) -> dict:
         flags = [*extra, *FOUR_LAYERS, "--save", save, "--save-interval", "2"]
         tp2pp2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
         straight = pretrain(config(*flags, *tp2pp2, world_size=world, rank=rank), env=env)
-        pp4 = [*extra, *FOUR_LAYERS, "--pipeline-model-parallel-size", "4", "--load", save,
-               "--ckpt-step", "2"]  # fmt: skip
+        pp4 = [
+            *extra,
+            *FOUR_LAYERS,
+            "--pipeline-model-parallel-size",
+            "4",
+            "--load",
+            save,
+            "--ckpt-step",
+            "2",
+        ]
         resharded = pretrain(config(*pp4, world_size=world, rank=rank), env=env)
         out[name] = (straight.losses, resharded.losses, resharded.iteration)
     return out
@@ -126,8 +134,14 @@ def test_save_tp2_pp2_dp2_continue_at_tp1_pp4_dp2_and_tp1_pp1_dp1():
             assert len(straight) == 4 and iteration == 4
             assert_close_rel(resharded, unresharded, REL, f"{name} at TP1 x PP4 x DP2")
             plain = [f for f in extra if f != "--use-distributed-optimizer"]  # ZeRO -> plain
-            single_flags = [*plain, *FOUR_LAYERS, "--load", os.path.join(root, name),
-                            "--ckpt-step", "2"]  # fmt: skip
+            single_flags = [
+                *plain,
+                *FOUR_LAYERS,
+                "--load",
+                os.path.join(root, name),
+                "--ckpt-step",
+                "2",
+            ]
             single = pretrain(config(*single_flags), env={}).losses
             assert_close_rel(single, unresharded, REL, f"{name} at TP1 x PP1 x DP1")
         fresh = pretrain(config(*single_flags, "--no-load-optim"), env={}).losses

@@ -51,10 +51,16 @@ def test_resume_single_process_is_bitwise_exact_fp32_bf16_fp16():
     evaluate = ["--eval-interval", "1", "--eval-iters", "1"]  # the validation position too
     # fp16: the scale grows after 2 clean steps (iteration 2) and overflows at iteration 3, after
     # the checkpoint: only a restored loss scaler skips that step again
-    fp16 = ["--fp16", "--initial-loss-scale", "262144", "--hysteresis", "1",
-            "--loss-scale-window", "2"]  # fmt: skip
-    for family, extra in (("gpt2", evaluate), ("llama", []), ("gpt2", ["--bf16"]),
-                          ("llama", ["--bf16"]), ("gpt2", fp16)):  # fmt: skip
+    fp16 = [
+        *"--fp16 --initial-loss-scale 262144 --hysteresis 1 --loss-scale-window 2".split(),
+    ]
+    for family, extra in (
+        ("gpt2", evaluate),
+        ("llama", []),
+        ("gpt2", ["--bf16"]),
+        ("llama", ["--bf16"]),
+        ("gpt2", fp16),
+    ):
         with tempfile.TemporaryDirectory() as save:
             straight, resumed = _runs([*FAMILIES[family], *extra], save)
             assert len(straight.losses) == 2 * N and len(resumed.losses) == N
@@ -66,10 +72,13 @@ def test_resume_single_process_is_bitwise_exact_fp32_bf16_fp16():
                 assert skipped == [False, False, True, False], straight.grad_norms
             assert read_tracker(save) == 2 * N
             assert sorted(os.listdir(save)) == [
-                "iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"
-            ]  # fmt: skip
-            assert os.path.isfile(os.path.join(save, "iter_0000002", "mp_rank_00",
-                                               "model_optim_rng.pt"))  # fmt: skip
+                "iter_0000002",
+                "iter_0000004",
+                "latest_checkpointed_iteration.txt",
+            ]
+            assert os.path.isfile(
+                os.path.join(save, "iter_0000002", "mp_rank_00", "model_optim_rng.pt")
+            )
         if extra == evaluate:
             assert straight.validation, "no validation ran: the data-position check is vacuous"
 
@@ -81,9 +90,15 @@ def test_saving_does_not_perturb_and_rng_state_is_needed():
         straight, resumed = _straight_and_resumed([], save)
         assert plain == straight
         no_rng = config(
-            *DROPOUT, "--train-iters", str(2 * N), "--load", save, "--ckpt-step", str(N),
+            *DROPOUT,
+            "--train-iters",
+            str(2 * N),
+            "--load",
+            save,
+            "--ckpt-step",
+            str(N),
             "--no-load-rng",
-        )  # fmt: skip
+        )
         losses = pretrain(no_rng, env={}).losses
         assert losses != straight[N:], "dropout masks do not depend on the RNG: vacuous test"
 
@@ -98,8 +113,10 @@ def _distributed_case(save_root: str, cases: list[tuple[str, list[str]]]) -> dic
 
 
 def test_resume_tp2_pp2_dp2_zero1_is_bitwise_exact():
-    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-              "--sequence-parallel", "--use-distributed-optimizer"]  # fmt: skip
+    layout = [
+        *"--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2".split(),
+        *"--sequence-parallel --use-distributed-optimizer".split(),
+    ]
     cases = [
         ("gpt2_fp32", [*FAMILIES["gpt2"], *layout]),
         ("llama_bf16", [*FAMILIES["llama"], *layout, "--bf16"]),
@@ -109,12 +126,19 @@ def test_resume_tp2_pp2_dp2_zero1_is_bitwise_exact():
         for name, _ in cases:
             iter_dir = os.path.join(root, name, "iter_0000002")
             shards = sorted(os.listdir(iter_dir))
-            assert shards == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000",
-                              "mp_rank_01_001"], shards  # fmt: skip
+            assert shards == [
+                "mp_rank_00_000",
+                "mp_rank_00_001",
+                "mp_rank_01_000",
+                "mp_rank_01_001",
+            ], shards
             for shard in shards:
                 files = sorted(os.listdir(os.path.join(iter_dir, shard)))
-                assert files == ["distrib_optim_000.pt", "distrib_optim_001.pt",
-                                 "model_optim_rng.pt"], files  # fmt: skip
+                assert files == [
+                    "distrib_optim_000.pt",
+                    "distrib_optim_001.pt",
+                    "model_optim_rng.pt",
+                ], files
     for rank, r in enumerate(results):
         for name, (straight, resumed) in r.items():
             if rank in (4, 5, 6, 7):  # the last pipeline stage logs the losses

@@ -52,8 +52,15 @@ TP2PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
 def _train_case(root: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     for family, flags in FAMILIES.items():
-        cfg = config(*flags, *VOCAB, *TP2PP2, "--save", os.path.join(root, family),
-                     world_size=world, rank=rank)  # fmt: skip
+        cfg = config(
+            *flags,
+            *VOCAB,
+            *TP2PP2,
+            "--save",
+            os.path.join(root, family),
+            world_size=world,
+            rank=rank,
+        )
         pretrain(cfg, env={"RANK": str(rank), "WORLD_SIZE": str(world)})
 
 
@@ -75,8 +82,12 @@ def test_trained_at_tp2_pp2_converts_and_matches_transformers(tmp_path):
 
         hf_dir = os.path.join(root, family + "_hf")
         shards = ["--max-shard-size", "40KB"] if family == "llama" else []
-        assert to_hf_main(["--load", os.path.join(root, family), "--save", hf_dir, "--verify",
-                           *shards]) == 0  # fmt: skip
+        assert (
+            to_hf_main(
+                ["--load", os.path.join(root, family), "--save", hf_dir, "--verify", *shards]
+            )
+            == 0
+        )
         files = sorted(os.listdir(hf_dir))
         assert {"config.json", "generation_config.json"} <= set(files), files
         if family == "llama":
@@ -91,15 +102,28 @@ def test_trained_at_tp2_pp2_converts_and_matches_transformers(tmp_path):
 def _random_hf(family: str, path: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if family == "gpt2":
-        cfg = transformers.GPT2Config(vocab_size=101, n_positions=32, n_embd=32, n_layer=4,
-                                      n_head=4, activation_function="gelu_new")  # fmt: skip
+        cfg = transformers.GPT2Config(
+            vocab_size=101,
+            n_positions=32,
+            n_embd=32,
+            n_layer=4,
+            n_head=4,
+            activation_function="gelu_new",
+        )
         model = transformers.GPT2LMHeadModel(cfg)
     else:
         cfg = transformers.LlamaConfig(
-            vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
-            rope_theta=500000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        )  # fmt: skip
+            vocab_size=101,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=64,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        )
         model = transformers.LlamaForCausalLM(cfg)
     model.eval().save_pretrained(path)
     return model
@@ -109,11 +133,18 @@ def _hf_first_iteration_loss(hf: torch.nn.Module, cfg) -> float:
     """The mean over the first global batch's micro-batches of the HF model's masked mean loss."""
     t = cfg.training
     loader, _, _ = build_data_loaders(
-        cfg.data, seq_length=cfg.model.seq_length, seed=cfg.model.seed,
-        tokenizer=cfg.tokenizer, micro_batch_size=t.micro_batch_size,
-        global_batch_size=t.global_batch_size, dp_rank=0, dp_size=1,
-        train_samples=t.global_batch_size, valid_samples=0, test_samples=0,
-    )  # fmt: skip
+        cfg.data,
+        seq_length=cfg.model.seq_length,
+        seed=cfg.model.seed,
+        tokenizer=cfg.tokenizer,
+        micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size,
+        dp_rank=0,
+        dp_size=1,
+        train_samples=t.global_batch_size,
+        valid_samples=0,
+        test_samples=0,
+    )
     losses = []
     with torch.no_grad():
         for _ in range(t.global_batch_size // t.micro_batch_size):
@@ -130,11 +161,15 @@ def _hf_first_iteration_loss(hf: torch.nn.Module, cfg) -> float:
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_hf_to_megalite_to_hf_is_identical_and_trains_on(family, tmp_path):
     hf = _random_hf(family, str(tmp_path / "hf"))
-    model_config, iter_dir = import_from_hf(str(tmp_path / "hf"), str(tmp_path / "ml"),
-                                            tp_size=2, pp_size=2)  # fmt: skip
+    model_config, iter_dir = import_from_hf(
+        str(tmp_path / "hf"), str(tmp_path / "ml"), tp_size=2, pp_size=2
+    )
     assert sorted(os.listdir(iter_dir)) == [
-        "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"
-    ]  # fmt: skip
+        "mp_rank_00_000",
+        "mp_rank_00_001",
+        "mp_rank_01_000",
+        "mp_rank_01_001",
+    ]
     export_to_hf(str(tmp_path / "ml"), str(tmp_path / "back"))
     before, after = load_hf_weights(str(tmp_path / "hf")), load_hf_weights(str(tmp_path / "back"))
     before = {
@@ -149,9 +184,12 @@ def test_hf_to_megalite_to_hf_is_identical_and_trains_on(family, tmp_path):
     assert all(getattr(a, k) == getattr(b, k) for k in keys)
     assert hf_logit_difference(str(tmp_path / "hf"), load_model(str(tmp_path / "ml"))) < 1e-4
 
-    flags = [*megalite_flags(model_config), "--vocab-size", "100", "--seq-length", "16",
-             "--train-iters", "1", "--load", str(tmp_path / "ml"), "--hidden-dropout", "0",
-             "--attention-dropout", "0"]  # fmt: skip
+    flags = [
+        *megalite_flags(model_config),
+        *"--vocab-size 100 --seq-length 16 --train-iters 1 --load".split(),
+        str(tmp_path / "ml"),
+        *"--hidden-dropout 0 --attention-dropout 0".split(),
+    ]
     cfg = config(*flags)
     result = pretrain(cfg, env={})
     assert result.iteration == 1  # started from 0: a release checkpoint is weights only
@@ -160,8 +198,8 @@ def test_hf_to_megalite_to_hf_is_identical_and_trains_on(family, tmp_path):
 
 
 def test_sentencepiece_tokenizer_is_written_for_transformers(tmp_path):
+    from megalite.data.sentencepiece_tokenizer import SentencePieceTokenizer
     from megalite.data.tokenizer_training import train_sentencepiece
-    from megalite.data.tokenizers import SentencePieceTokenizer
 
     rng = random.Random(0)
     words = "the cat sat on a red mat while big dogs ran fast near the old stone river".split()
@@ -171,8 +209,17 @@ def test_sentencepiece_tokenizer_is_written_for_transformers(tmp_path):
             f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(12))}) + "\n")
     spm = train_sentencepiece([str(corpus)], str(tmp_path / "tok"), vocab_size=300)
     save = str(tmp_path / "ckpt")
-    flags = [*FAMILIES["llama"], "--tokenizer-type", "SentencePieceTokenizer",
-             "--tokenizer-model", spm, "--train-iters", "1", "--save", save]  # fmt: skip
+    flags = [
+        *FAMILIES["llama"],
+        "--tokenizer-type",
+        "SentencePieceTokenizer",
+        "--tokenizer-model",
+        spm,
+        "--train-iters",
+        "1",
+        "--save",
+        save,
+    ]
     pretrain(config(*flags), env={})
     hf_dir = str(tmp_path / "hf")
     out = export_to_hf(save, hf_dir)

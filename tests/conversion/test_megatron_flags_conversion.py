@@ -1,4 +1,4 @@
-"""Issue 18: the HF converters carry Megatron's math flags where HuggingFace has a field.
+"""The HF converters carry Megatron's math flags where HuggingFace has a field.
 
 ``--apply-layernorm-1p`` (norm weights stored as ``w - 1``) exports ``1 + w`` and imports minus 1;
 ``--use-rope-scaling`` is Llama's ``rope_type "llama3"``; ``--squared-relu`` is GPT-2's ``relu2``.
@@ -33,13 +33,24 @@ def _perturbed(config) -> GPTModel:
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_export_folds_1p_and_maps_activation_and_rope_scaling(family):
     if family == "llama":
-        config = make_config("llama", apply_layernorm_1p=True, use_rope_scaling=True,
-                             rope_scaling_factor=8.0, rotary_base=500000, seq_length=16,
-                             make_vocab_size_divisible_by=1)  # fmt: skip
+        config = make_config(
+            "llama",
+            apply_layernorm_1p=True,
+            use_rope_scaling=True,
+            rope_scaling_factor=8.0,
+            rotary_base=500000,
+            seq_length=16,
+            make_vocab_size_divisible_by=1,
+        )
         module, hf_class = llama, transformers.LlamaForCausalLM
     else:
-        config = make_config("gpt2", apply_layernorm_1p=True, squared_relu=True, seq_length=16,
-                             make_vocab_size_divisible_by=1)  # fmt: skip
+        config = make_config(
+            "gpt2",
+            apply_layernorm_1p=True,
+            squared_relu=True,
+            seq_length=16,
+            make_vocab_size_divisible_by=1,
+        )
         module, hf_class = gpt2, transformers.GPT2LMHeadModel
     model = _perturbed(config)
     state = {k: v.detach() for k, v in model.state_dict().items()}
@@ -77,8 +88,10 @@ def test_what_hf_cannot_express_is_refused():
         with pytest.raises(ConversionError, match=words):
             module.check(make_config(family, **kwargs))
     other = transformers.LlamaConfig(
-        hidden_size=64, num_attention_heads=8, max_position_embeddings=64,
+        hidden_size=64,
+        num_attention_heads=8,
+        max_position_embeddings=64,
         rope_scaling={"rope_type": "linear", "factor": 2.0},
-    )  # fmt: skip
+    )
     with pytest.raises(ConversionError, match="linear"):
         llama.config_from_hf(other)

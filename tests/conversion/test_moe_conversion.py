@@ -23,11 +23,19 @@ from tools.convert_checkpoint_to_hf import main as to_hf_main
 def _random_mixtral(path: str) -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = transformers.MixtralConfig(
-        vocab_size=101, hidden_size=64, intermediate_size=48, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
-        num_local_experts=4, num_experts_per_tok=2, rope_theta=1000000.0, rms_norm_eps=1e-5,
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-5,
         tie_word_embeddings=False,
-    )  # fmt: skip
+    )
     model = transformers.MixtralForCausalLM(cfg)
     with torch.no_grad():  # make sure the experts and the router are not trivially zero
         for name, p in model.named_parameters():
@@ -37,7 +45,7 @@ def _random_mixtral(path: str) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.kernels_on  # issue 20: also run with the fused kernels forced on (scripts/test.sh)
+@pytest.mark.kernels_on  # also run with the fused kernels forced on (scripts/test.sh)
 def test_mixtral_round_trip_is_identical_and_logits_match(tmp_path):
     hf_dir, ml, back = str(tmp_path / "hf"), str(tmp_path / "ml"), str(tmp_path / "back")
     _random_mixtral(hf_dir)

@@ -45,13 +45,24 @@ def _round_trip(tmp_path, hf_dir: str, **import_kwargs):
 def test_qwen2_moe_round_trip_is_identical_and_logits_match(tmp_path):
     torch.manual_seed(0)
     cfg = transformers.Qwen2MoeConfig(
-        vocab_size=101, hidden_size=64, intermediate_size=56, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
-        moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=4,
-        num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[2],
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, rms_norm_eps=1e-6,
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=56,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=40,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[2],
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        rms_norm_eps=1e-6,
         tie_word_embeddings=False,
-    )  # fmt: skip
+    )
     hf_dir = str(tmp_path / "hf")
     _save_random(transformers.Qwen2MoeForCausalLM(cfg), hf_dir)
     config, model = _round_trip(tmp_path, hf_dir, tp_size=2, pp_size=2)
@@ -70,12 +81,21 @@ def test_qwen2_moe_normalised_topk_and_sparse_step(tmp_path):
     decoder_sparse_step 2 (layers 1, 3 MoE)."""
     torch.manual_seed(1)
     cfg = transformers.Qwen2MoeConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-        moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4,
-        num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=2,
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=2,
         tie_word_embeddings=True,
-    )  # fmt: skip
+    )
     hf_dir = str(tmp_path / "hf")
     _save_random(transformers.Qwen2MoeForCausalLM(cfg), hf_dir)
     config, _ = _round_trip(tmp_path, hf_dir, tp_size=2)
@@ -85,10 +105,15 @@ def test_qwen2_moe_normalised_topk_and_sparse_step(tmp_path):
 def test_qwen2_dense_round_trip(tmp_path):
     torch.manual_seed(2)
     cfg = transformers.Qwen2Config(
-        vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        vocab_size=101,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
         tie_word_embeddings=False,
-    )  # fmt: skip
+    )
     hf_dir = str(tmp_path / "hf")
     _save_random(transformers.Qwen2ForCausalLM(cfg), hf_dir)
     config, _ = _round_trip(tmp_path, hf_dir, tp_size=2)

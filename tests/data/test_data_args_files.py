@@ -1,4 +1,4 @@
-"""Issue 18: ``--data-args-path`` (a file holding the ``--data-path`` list, whitespace-separated)
+"""``--data-args-path`` (a file holding the ``--data-path`` list, whitespace-separated)
 and ``--per-split-data-args-path`` (JSON ``{"train": ..., "valid": ..., "test": ...}``, each a
 list or one string), Megatron's formats, through ``pretrain_gpt.py``'s flags."""
 

@@ -49,7 +49,7 @@ def slow_num_epochs(tokens, seq_length, num_samples):
 def test_split_ranges_follow_megatron_arithmetic():
     assert compute_split_ranges(1000, (0.969, 0.03, 0.001)) == [(0, 969), (969, 999), (999, 1000)]
     assert compute_split_ranges(10, (0.969, 0.03, 0.001)) == [(0, 10), (10, 10), (10, 10)]
-    third = 1 / 3  # book-ends 0, 1/3, 2/3, 1 of 100 documents: 33.3 -> 33, 66.7 -> 67 (issue 18)
+    third = 1 / 3  # book-ends 0, 1/3, 2/3, 1 of 100 documents: 33.3 -> 33, 66.7 -> 67 (rounded)
     assert compute_split_ranges(100, (third, third, third)) == [(0, 33), (33, 67), (67, 100)]
     assert compute_split_ranges(73, (0.9, 0.05, 0.05)) == [(0, 66), (66, 69), (69, 73)]
 

@@ -11,8 +11,8 @@ import megalite.data.gpt_dataset as gpt_module
 from megalite.data.builders import build_data_loaders, train_valid_test_num_samples
 from megalite.data.config import DataConfig
 from megalite.data.mock_dataset import MockGPTDataset
+from megalite.data.null_tokenizer import NullTokenizer
 from megalite.data.samplers import GPTBatchCollator, MicroBatchSampler
-from megalite.data.tokenizers import NullTokenizer
 from tests.data.helpers import random_docs, write_dataset
 
 
@@ -31,8 +31,14 @@ def test_sampler_matches_megatron_order_for_every_dp_size(dp_size, mbs):
     gbs, total = 8, 61  # the last incomplete global batch is dropped
     per_rank = []
     for r in range(dp_size):
-        s = MicroBatchSampler(total_samples=total, consumed_samples=0, micro_batch_size=mbs,
-                              global_batch_size=gbs, dp_rank=r, dp_size=dp_size)  # fmt: skip
+        s = MicroBatchSampler(
+            total_samples=total,
+            consumed_samples=0,
+            micro_batch_size=mbs,
+            global_batch_size=gbs,
+            dp_rank=r,
+            dp_size=dp_size,
+        )
         got = list(s)
         assert got == reference_micro_batches(total, gbs, mbs, r, dp_size) and len(s) == len(got)
         per_rank.append(got)
@@ -50,8 +56,14 @@ def test_sampler_resume_and_cycle():
     with pytest.raises(ValueError, match=r"consumed samples 6 is not a non-negative multiple .* 4"):
         MicroBatchSampler(total_samples=64, consumed_samples=6, **kw)
     with pytest.raises(ValueError, match=r"--global-batch-size 6 is not a multiple .* = 4"):
-        MicroBatchSampler(total_samples=64, consumed_samples=0, micro_batch_size=2,
-                          global_batch_size=6, dp_rank=0, dp_size=2)  # fmt: skip
+        MicroBatchSampler(
+            total_samples=64,
+            consumed_samples=0,
+            micro_batch_size=2,
+            global_batch_size=6,
+            dp_rank=0,
+            dp_size=2,
+        )
 
 
 def test_collator_builds_the_batch_dict():
@@ -87,9 +99,18 @@ def _dataset(tmp_path):
 
 
 def _loaders(cfg, **kw):
-    args = dict(seq_length=16, seed=1234, tokenizer=NullTokenizer(1000), micro_batch_size=2,
-                global_batch_size=8, dp_rank=0, dp_size=2, train_samples=96, valid_samples=24,
-                test_samples=8)  # fmt: skip
+    args = dict(
+        seq_length=16,
+        seed=1234,
+        tokenizer=NullTokenizer(1000),
+        micro_batch_size=2,
+        global_batch_size=8,
+        dp_rank=0,
+        dp_size=2,
+        train_samples=96,
+        valid_samples=24,
+        test_samples=8,
+    )
     args.update(kw)
     return build_data_loaders(cfg, **args)
 
@@ -114,9 +135,11 @@ def test_resume_from_consumed_samples_yields_the_same_batches(tmp_path, blend):
         assert len(whole) == 96 // 4
         b = whole[0]
         assert {k: (tuple(v.shape), v.dtype) for k, v in b.items()} == {
-            "tokens": ((2, 16), torch.int64), "labels": ((2, 16), torch.int64),
-            "loss_mask": ((2, 16), torch.float32), "position_ids": ((2, 16), torch.int64),
-        }  # fmt: skip
+            "tokens": ((2, 16), torch.int64),
+            "labels": ((2, 16), torch.int64),
+            "loss_mask": ((2, 16), torch.float32),
+            "position_ids": ((2, 16), torch.int64),
+        }
         resumed, _, _ = _loaders(cfg, dp_rank=rank, consumed_train_samples=40)
         assert _same(list(resumed), whole[10:])
         v_all = _take(valid, 9)  # 24 samples = 3 global batches = 6 micro-steps; then again
@@ -150,8 +173,12 @@ def test_mock_loaders_share_the_path(tmp_path):
 
 
 def test_cache_builders_then_barrier_then_readers(tmp_path, monkeypatch):
-    cfg = DataConfig(data_path=[_dataset(tmp_path)], vocab_size=1000, split="8,1,1",
-                     data_cache_path=str(tmp_path / "cache"))  # fmt: skip
+    cfg = DataConfig(
+        data_path=[_dataset(tmp_path)],
+        vocab_size=1000,
+        split="8,1,1",
+        data_cache_path=str(tmp_path / "cache"),
+    )
     events = []
     real = gpt_module.build_gpt_indices
 
@@ -187,9 +214,16 @@ def test_build_data_cache_tool_prepares_every_index(tmp_path, monkeypatch):
 
     prefix = _dataset(tmp_path)
     cache = str(tmp_path / "cache")
-    argv = ["--data-path", "0.4", prefix, "0.6", prefix, "--split", "8,1,1", "--seq-length", "16",
-            "--seed", "9", "--data-cache-path", cache, "--train-iters", "12", "--global-batch-size",
-            "8", "--eval-interval", "6", "--eval-iters", "1", "--lr", "0.1"]  # fmt: skip
+    argv = [
+        "--data-path",
+        "0.4",
+        prefix,
+        "0.6",
+        prefix,
+        *"--split 8,1,1 --seq-length 16 --seed 9 --data-cache-path".split(),
+        cache,
+        *"--train-iters 12 --global-batch-size 8 --eval-interval 6 --eval-iters 1 --lr 0.1".split(),
+    ]
     assert main(argv) == 0
 
     def no_build(*args, **kwargs):
@@ -199,11 +233,16 @@ def test_build_data_cache_tool_prepares_every_index(tmp_path, monkeypatch):
 
     monkeypatch.setattr(gpt_module, "build_gpt_indices", no_build)
     monkeypatch.setattr(blended_module, "build_blending_index", no_build)
-    cfg = DataConfig(data_path=["0.4", prefix, "0.6", prefix], split="8,1,1",
-                     data_cache_path=cache, vocab_size=1000)  # fmt: skip
+    cfg = DataConfig(
+        data_path=["0.4", prefix, "0.6", prefix],
+        split="8,1,1",
+        data_cache_path=cache,
+        vocab_size=1000,
+    )
     train, valid, test = train_valid_test_num_samples(
         train_iters=12, global_batch_size=8, eval_interval=6, eval_iters=1
     )
-    loaders = _loaders(cfg, seed=9, train_samples=train, valid_samples=valid, test_samples=test,
-                       build_cache=False)  # fmt: skip
+    loaders = _loaders(
+        cfg, seed=9, train_samples=train, valid_samples=valid, test_samples=test, build_cache=False
+    )
     assert all(it is not None for it in loaders) and len(list(loaders[0])) == 12 * 8 // 4

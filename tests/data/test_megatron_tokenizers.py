@@ -11,13 +11,13 @@ import pickle
 import pytest
 
 from megalite.data.gpt2_bpe import GPT2BPETokenizer
-from megalite.data.tiktoken_tokenizer import PATTERNS, TikTokenizer
-from megalite.data.tokenizers import (
+from megalite.data.sentencepiece_tokenizer import (
     GPTSentencePieceTokenizer,
     Llama2Tokenizer,
     SentencePieceTokenizer,
-    make_tokenizer,
 )
+from megalite.data.tiktoken_tokenizer import PATTERNS, TikTokenizer
+from megalite.data.tokenizers import make_tokenizer
 from megalite.training.arguments import parse_args, with_tokenizer
 from megalite.training.config import ConfigError
 from tests.data.bpe_files import (
@@ -58,8 +58,13 @@ def test_gpt2_bpe_hand_computed(tmp_path):
 def test_gpt2_bpe_matches_huggingface_byte_level_bpe(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     hf = tokenizers.ByteLevelBPETokenizer()
-    hf.train_from_iterator(CORPUS, vocab_size=420, min_frequency=1,
-                           special_tokens=["<|endoftext|>"], show_progress=False)  # fmt: skip
+    hf.train_from_iterator(
+        CORPUS,
+        vocab_size=420,
+        min_frequency=1,
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+    )
     hf.save_model(str(tmp_path))
     vocab, merges = str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt")
     tok = GPT2BPETokenizer(vocab, merges)
@@ -134,8 +139,11 @@ def test_tiktokenizer_hand_computed(tmp_path):
     assert small.tokenize("hello world") == [262, 115, *(b + 4 for b in b" world")]
     # tiktoken's own text format ("base64 rank" lines) reads the same
     text_file = tmp_path / "tik.tiktoken"
-    text_file.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n"
-                                 for t, r in tiktoken_ranks(HAND_MERGES).items()))  # fmt: skip
+    text_file.write_text(
+        "".join(
+            f"{base64.b64encode(t).decode()} {r}\n" for t, r in tiktoken_ranks(HAND_MERGES).items()
+        )
+    )
     same = TikTokenizer(str(text_file), pattern="v1", vocab_size=265, num_special_tokens=4)
     assert same.tokenize(TEXT) == tok.tokenize(TEXT)
     assert pickle.loads(pickle.dumps(tok)).tokenize(TEXT) == tok.tokenize(TEXT)
@@ -145,12 +153,15 @@ def test_tiktokenizer_hand_computed(tmp_path):
     "kwargs,message",
     [
         ({"pattern": "v3"}, r"needs --tiktoken-pattern v1 or v2, got 'v3'"),
-        ({}, r"has 261 tokens, fewer than --vocab-size 131072 - .* 1000 = 130072; pass "
-             r"--vocab-size 1261"),
+        (
+            {},
+            r"has 261 tokens, fewer than --vocab-size 131072 - .* 1000 = 130072; pass "
+            r"--vocab-size 1261",
+        ),
         ({"vocab_size": 300, "num_special_tokens": 2}, r"need 3 <= --tiktoken-num-special-tokens"),
         ({"vocab_size": 1200}, r"--vocab-size 1200 - .*1000 = 200 leaves no room for the 256"),
     ],
-)  # fmt: skip
+)
 def test_tiktokenizer_refuses_bad_settings(tmp_path, kwargs, message):
     path = write_tiktoken_json(tmp_path / "tik.json", tiktoken_ranks(HAND_MERGES))
     with pytest.raises(ValueError, match=message):
@@ -178,15 +189,24 @@ def test_tiktokenizer_matches_tiktoken(tmp_path, pattern):
 def test_pretrain_flags_build_each_tokenizer(tmp_path, sp_model):
     vocab, merges = write_gpt2_files(tmp_path, HAND_MERGES)
     tik = write_tiktoken_json(tmp_path / "tik.json", tiktoken_ranks(HAND_MERGES))
-    base = ("--num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 8 "
-            "--micro-batch-size 1 --lr 1e-3 --train-iters 1 --mock-data").split()  # fmt: skip
+    base = (
+        "--num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 8 "
+        "--micro-batch-size 1 --lr 1e-3 --train-iters 1 --mock-data"
+    ).split()
     cases = {
         "GPT2BPETokenizer": (["--vocab-file", vocab, "--merge-file", merges], 262, 261),
         "GPTSentencePieceTokenizer": (["--tokenizer-model", sp_model], 320, 2),
         "Llama2Tokenizer": (["--tokenizer-model", sp_model], 320, 2),
-        "TikTokenizer": (["--tokenizer-model", tik, "--tiktoken-pattern", "v2",
-                          "--tiktoken-num-special-tokens", "4", "--vocab-size", "265"], 265, 2),
-    }  # fmt: skip
+        "TikTokenizer": (
+            [
+                "--tokenizer-model",
+                tik,
+                *"--tiktoken-pattern v2 --tiktoken-num-special-tokens 4 --vocab-size 265".split(),
+            ],
+            265,
+            2,
+        ),
+    }
     for kind, (flags, vocab_size, eod) in cases.items():
         cfg = with_tokenizer(parse_args([*base, "--tokenizer-type", kind, *flags], env={}))
         assert type(cfg.tokenizer).__name__ == kind

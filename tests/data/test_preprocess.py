@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 
 from megalite.data.indexed_dataset import IndexedDataset
+from megalite.data.null_tokenizer import NullTokenizer
 from megalite.data.preprocess import PreprocessError, preprocess_jsonl
-from megalite.data.tokenizers import NullTokenizer, SentencePieceTokenizer
+from megalite.data.sentencepiece_tokenizer import SentencePieceTokenizer
+from megalite.data.tokenizers import make_tokenizer
 from tests.data.helpers import REPO, files_in, write_jsonl
 
 
@@ -60,9 +62,14 @@ def test_null_tokenizer_round_trip_keys_gzip_and_workers(tmp_path):
     for workers, path in ((1, src), (2, str(tmp_path / "ids.jsonl.gz"))):
         prefix = str(tmp_path / f"w{workers}" / "ids")
         preprocess_jsonl(
-            path, prefix, tok, json_keys=["text", "title"], append_eod=True, workers=workers,
+            path,
+            prefix,
+            tok,
+            json_keys=["text", "title"],
+            append_eod=True,
+            workers=workers,
             chunk_lines=16,
-        )  # fmt: skip
+        )
         outputs[workers] = prefix
     for key in ("text", "title"):
         want = [[int(x) for x in r[key].split()] + [70000] for r in records]
@@ -79,9 +86,14 @@ def test_cli_flags_and_progress(tmp_path, capsys, caplog):
     from tools.preprocess_data import main
 
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": f"{i} {i + 1}"} for i in range(50)])
-    argv = ["--input", src, "--output-prefix", str(tmp_path / "out" / "p"), "--tokenizer-type",
-            "NullTokenizer", "--vocab-size", "100", "--append-eod", "--workers", "2",
-            "--log-interval", "10", "--json-keys", "text", "--chunk-lines", "5"]  # fmt: skip
+    argv = [
+        "--input",
+        src,
+        "--output-prefix",
+        str(tmp_path / "out" / "p"),
+        *"--tokenizer-type NullTokenizer --vocab-size 100 --append-eod --workers 2".split(),
+        *"--log-interval 10 --json-keys text --chunk-lines 5".split(),
+    ]
     caplog.set_level("INFO")
     assert main(argv) == 0
     assert _read_all(str(tmp_path / "out" / "p_text_document"))[3] == [3, 4, 100]
@@ -109,9 +121,12 @@ def test_bad_line_is_an_error_naming_file_and_line(tmp_path, bad, message, worke
     (tmp_path / "bad.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     with pytest.raises(PreprocessError, match=message + r".*--skip-bad-lines"):
         preprocess_jsonl(
-            str(tmp_path / "bad.jsonl"), str(tmp_path / "o"), NullTokenizer(100), workers=workers,
+            str(tmp_path / "bad.jsonl"),
+            str(tmp_path / "o"),
+            NullTokenizer(100),
+            workers=workers,
             chunk_lines=2,
-        )  # fmt: skip
+        )
     assert files_in(tmp_path) == ["bad.jsonl"]  # nothing written survives, not even temp files
 
 
@@ -120,9 +135,13 @@ def test_skip_bad_lines_counts_them_and_empty_documents(tmp_path):
     lines += ['{"text": "3"}', '{"text": "1 900"}', '{"text": ""}', '{"text": "4 5 6"}']
     src = write_jsonl(tmp_path / "in.jsonl", lines)
     stats = preprocess_jsonl(
-        src, str(tmp_path / "o"), NullTokenizer(100), append_eod=True, skip_bad_lines=True,
+        src,
+        str(tmp_path / "o"),
+        NullTokenizer(100),
+        append_eod=True,
+        skip_bad_lines=True,
         chunk_lines=3,
-    )  # fmt: skip
+    )
     assert _read_all(str(tmp_path / "o_text_document")) == [[1, 2, 100], [3, 100], [4, 5, 6, 100]]
     assert (stats.lines, stats.blank_lines, stats.bad_lines) == (10, 2, 3)
     assert stats.empty_documents["text"] == 2 and stats.documents["text"] == 3
@@ -154,9 +173,15 @@ def test_sigterm_leaves_no_dataset(tmp_path):
     lines = [json.dumps({"text": " ".join(["7"] * 200)})] * 200_000
     src = write_jsonl(tmp_path / "big.jsonl", lines)
     out = tmp_path / "out"
-    cmd = [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", src,
-           "--output-prefix", str(out / "p"), "--tokenizer-type", "NullTokenizer",
-           "--vocab-size", "10", "--workers", "2"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(REPO / "tools" / "preprocess_data.py"),
+        "--input",
+        src,
+        "--output-prefix",
+        str(out / "p"),
+        *"--tokenizer-type NullTokenizer --vocab-size 10 --workers 2".split(),
+    ]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, cwd=str(tmp_path))
     deadline = time.time() + 60
     while time.time() < deadline and not (
@@ -182,7 +207,6 @@ def test_missing_input_and_bad_workers(tmp_path):
 def test_cli_megatron_tokenizer_types(tmp_path, corpus_jsonl, sp_model):
     """GPT2BPETokenizer, Llama2Tokenizer (a bos first) and TikTokenizer through the CLI with 2
     workers (each gets a pickled tokenizer): the documents hold the tokenizer's ids, then eod."""
-    from megalite.data.tokenizers import make_tokenizer
     from tests.data.bpe_files import (
         tiktoken_ranks,
         train_merges,
@@ -198,13 +222,24 @@ def test_cli_megatron_tokenizer_types(tmp_path, corpus_jsonl, sp_model):
     cases = {
         "GPT2BPETokenizer": ["--vocab-file", vocab, "--merge-file", merge_file],
         "Llama2Tokenizer": ["--tokenizer-model", sp_model],
-        "TikTokenizer": ["--tokenizer-model", tik, "--tiktoken-pattern", "v1",
-                         "--tiktoken-num-special-tokens", "8", "--vocab-size", "300"],
-    }  # fmt: skip
+        "TikTokenizer": [
+            "--tokenizer-model",
+            tik,
+            *"--tiktoken-pattern v1 --tiktoken-num-special-tokens 8 --vocab-size 300".split(),
+        ],
+    }
     for kind, flags in cases.items():
         out = str(tmp_path / kind)
-        argv = ["--input", corpus_jsonl, "--output-prefix", out, "--tokenizer-type", kind,
-                *flags, "--append-eod", "--workers", "2", "--chunk-lines", "64"]  # fmt: skip
+        argv = [
+            "--input",
+            corpus_jsonl,
+            "--output-prefix",
+            out,
+            "--tokenizer-type",
+            kind,
+            *flags,
+            *"--append-eod --workers 2 --chunk-lines 64".split(),
+        ]
         assert main(argv) == 0, kind
         keys = {f[2:].replace("-", "_"): v for f, v in zip(flags[::2], flags[1::2])}
         for k in ("vocab_size", "tiktoken_num_special_tokens"):

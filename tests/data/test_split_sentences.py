@@ -1,4 +1,4 @@
-"""Issue 18: ``tools/preprocess_data.py --split-sentences`` (Megatron's: NLTK punkt, one sequence
+"""``tools/preprocess_data.py --split-sentences`` (Megatron's: NLTK punkt, one sequence
 per sentence, ``{prefix}_{key}_sentence`` files). NLTK is optional and nothing is downloaded:
 without NLTK the run stops with one line saying how to install it; without its trained punkt
 model it splits with an untrained ``PunktSentenceTokenizer()`` and says so in one warning line.
@@ -30,9 +30,14 @@ DOCS = [{"text": "1 2 . 3 4 5 . 6"}, {"text": "7 8"}, {"text": " . "}, {"text": 
 
 def _argv(tmp_path, *extra):
     src = write_jsonl(tmp_path / "in.jsonl", DOCS)
-    return ["--input", src, "--output-prefix", str(tmp_path / "out" / "c"),
-            "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--append-eod",
-            "--split-sentences", *extra]  # fmt: skip
+    return [
+        "--input",
+        src,
+        "--output-prefix",
+        str(tmp_path / "out" / "c"),
+        *"--tokenizer-type NullTokenizer --vocab-size 100 --append-eod --split-sentences".split(),
+        *extra,
+    ]
 
 
 @pytest.fixture
@@ -67,8 +72,9 @@ def _stub_nltk(monkeypatch, *, has_model: bool) -> None:
     monkeypatch.setitem(sys.modules, "nltk.tokenize.punkt", nltk.tokenize.punkt)
 
 
-def test_without_nltk_one_line_how_to_install_and_no_output(tmp_path, capsys, monkeypatch,
-                                                             fresh_punkt):  # fmt: skip
+def test_without_nltk_one_line_how_to_install_and_no_output(
+    tmp_path, capsys, monkeypatch, fresh_punkt
+):
     monkeypatch.setitem(sys.modules, "nltk", None)  # import nltk -> ImportError
     assert preprocess_data.main(_argv(tmp_path)) == 1
     err = capsys.readouterr().err.strip().splitlines()
@@ -122,9 +128,19 @@ def test_real_untrained_punkt_end_to_end(tmp_path, monkeypatch, caplog, fresh_pu
     vocab, merges = write_gpt2_files(tmp_path / "bpe", [])
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"text": TEXT}) + "\n", encoding="utf-8")
-    argv = ["--input", str(src), "--output-prefix", str(tmp_path / "out" / "c"),
-            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges,
-            "--split-sentences"]  # fmt: skip
+    argv = [
+        "--input",
+        str(src),
+        "--output-prefix",
+        str(tmp_path / "out" / "c"),
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        vocab,
+        "--merge-file",
+        merges,
+        "--split-sentences",
+    ]
     with caplog.at_level(logging.WARNING):
         assert preprocess_data.main(argv) == 0
     assert sum("untrained PunktSentenceTokenizer()" in r.getMessage() for r in caplog.records) == 1

@@ -8,12 +8,10 @@ import pickle
 import pytest
 
 from megalite.data.config import DataConfig, parse_blend, parse_split
-from megalite.data.tokenizers import (
-    HuggingFaceTokenizer,
-    NullTokenizer,
-    SentencePieceTokenizer,
-    build_tokenizer,
-)
+from megalite.data.hf_tokenizer import HuggingFaceTokenizer
+from megalite.data.null_tokenizer import NullTokenizer
+from megalite.data.sentencepiece_tokenizer import SentencePieceTokenizer
+from megalite.data.tokenizers import build_tokenizer
 from tests.data.helpers import write_dataset
 
 
@@ -126,9 +124,10 @@ def test_keep_whitespace_round_trips_code(tmp_path):
         for i in range(200):
             f.write(json.dumps({"text": code.replace("x", f"v{i % 17}")}) + "\n")
     kept = SentencePieceTokenizer(
-        train_sentencepiece([str(path)], model_prefix=str(tmp_path / "k"), vocab_size=300,
-                            keep_whitespace=True)
-    )  # fmt: skip
+        train_sentencepiece(
+            [str(path)], model_prefix=str(tmp_path / "k"), vocab_size=300, keep_whitespace=True
+        )
+    )
     folded = SentencePieceTokenizer(
         train_sentencepiece([str(path)], model_prefix=str(tmp_path / "f"), vocab_size=300)
     )

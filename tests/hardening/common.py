@@ -63,8 +63,12 @@ def run_script(script: str, argv: list[str], **env) -> subprocess.CompletedProce
         full.pop(key, None)
     return subprocess.run(
         [sys.executable, str(ROOT / script), *map(str, argv)],
-        capture_output=True, text=True, env=full, timeout=60, cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=full,
+        timeout=60,
+        cwd=ROOT,
+    )
 
 
 def files_under(folder: Path) -> list[str]:

@@ -77,8 +77,14 @@ def test_a_failed_save_stops_with_one_line_and_keeps_the_previous_checkpoint(
     monkeypatch.setattr(files, "open", _failing_open(marker, err), raising=False)
     status, out = run_in_process(main, [*RUN, "--save", save], capsys)
     assert status == 1
-    line = one_error_line(out, "iteration 4", str(save), reason, "latest checkpoint stays "
-                          "iteration 2", "training stops")  # fmt: skip
+    line = one_error_line(
+        out,
+        "iteration 4",
+        str(save),
+        reason,
+        "latest checkpoint stays iteration 2",
+        "training stops",
+    )
     if marker.startswith("iter"):
         assert "MB are free" in line and "it needs about" in line
     left = files_under(save)
@@ -109,8 +115,13 @@ def test_non_finite_weights_never_become_the_latest_checkpoint(tmp_path, capsys)
     again = [*RUN, *fp16, "--load", save, "--no-load-optim", "--lr", "1e6"]
     status, out = run_in_process(main, again, capsys)
     assert status == 1
-    one_error_line(out, "iteration 4: refusing to save", str(save), "not finite",
-                   "latest checkpoint stays iteration 2")  # fmt: skip
+    one_error_line(
+        out,
+        "iteration 4: refusing to save",
+        str(save),
+        "not finite",
+        "latest checkpoint stays iteration 2",
+    )
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert not [f for f in files_under(save) if f.startswith("iter_0000004") or ".tmp" in f]
     model = load_model(str(save))
@@ -139,8 +150,9 @@ def test_save_checkpoint_refuses_non_finite_parameters(tmp_path):
         "\n" not in message and name in message and "latest checkpoint stays iteration 1" in message
     )
     assert files_under(tmp_path / "ckpt") == [
-        "iter_0000001/mp_rank_00/model_optim_rng.pt", "latest_checkpointed_iteration.txt"
-    ]  # fmt: skip
+        "iter_0000001/mp_rank_00/model_optim_rng.pt",
+        "latest_checkpointed_iteration.txt",
+    ]
 
 
 def _two_rank_full_disk_case(save: str) -> str:
@@ -156,8 +168,14 @@ def _two_rank_full_disk_case(save: str) -> str:
     if rank == 1:
         files.open = _failing_open("iter_0000004/mp_rank_00/distrib_optim_001.pt", errno.ENOSPC)
     try:
-        cfg = config("--use-distributed-optimizer", "--save", save, "--save-interval", "2",
-                     "--train-iters", "4", world_size=2, rank=rank)  # fmt: skip
+        cfg = config(
+            "--use-distributed-optimizer",
+            "--save",
+            save,
+            *"--save-interval 2 --train-iters 4".split(),
+            world_size=2,
+            rank=rank,
+        )
         pretrain(cfg, env={"RANK": str(rank), "WORLD_SIZE": "2"})
     except files.CheckpointError as e:
         return str(e)

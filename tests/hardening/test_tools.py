@@ -52,8 +52,16 @@ def test_preprocess_data(tmp_path, capsys):
     # a file that is not a SentencePiece model
     bad_model = tmp_path / "bad.model"
     bad_model.write_text("not a model")
-    argv = ["--input", good, "--output-prefix", out / "c", "--tokenizer-type",
-            "SentencePieceTokenizer", "--tokenizer-model", bad_model]  # fmt: skip
+    argv = [
+        "--input",
+        good,
+        "--output-prefix",
+        out / "c",
+        "--tokenizer-type",
+        "SentencePieceTokenizer",
+        "--tokenizer-model",
+        bad_model,
+    ]
     status, err = run_in_process(pre, argv, capsys)
     assert status == 1
     one_error_line(err, f"--tokenizer-model {bad_model}", "not a SentencePiece model")
@@ -155,8 +163,9 @@ def test_conversion_tools(tmp_path, capsys):
     blocker.write_text("x")
     # HF -> megalite: an impossible --save, then a corrupt weights file
     hf = tmp_path / "hf"
-    transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1,
-                            n_head=2).save_pretrained(hf)  # fmt: skip
+    transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2
+    ).save_pretrained(hf)
     (hf / "model.safetensors").write_bytes(b"\x00" * 50)
     to_megalite = convert_hf_to_megalite.main
     status, err = run_in_process(to_megalite, ["--load", hf, "--save", blocker / "x"], capsys)
@@ -183,8 +192,11 @@ def test_dataset_tools(tmp_path, capsys):
     assert status == 1
     one_error_line(err, prefix + ".idx", "truncated index")
     assert not (tmp_path / "m.idx").exists() and not (tmp_path / "m.bin").exists()
-    argv = ["--data-path", prefix, "--seq-length", "8", "--global-batch-size", "4",
-            "--train-iters", "2"]  # fmt: skip
+    argv = [
+        "--data-path",
+        prefix,
+        *"--seq-length 8 --global-batch-size 4 --train-iters 2".split(),
+    ]
     status, err = run_in_process(build_data_cache.main, argv, capsys)
     assert status == 1
     one_error_line(err, prefix + ".idx")
@@ -212,8 +224,13 @@ def test_port_in_use_under_srun_is_one_line(capsys):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+        env = {
+            "SLURM_PROCID": "0",
+            "SLURM_NTASKS": "2",
+            "SLURM_LOCALID": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
         launch = detect_launch(env)
 
         def join(argv):

@@ -1,4 +1,4 @@
-"""Checkpoints across Megatron-LM and megalite, both ways (issue 18).
+"""Checkpoints across Megatron-LM and megalite, both ways.
 
 Fixtures (tests/fixtures/megatron_ckpt/, written by megatron-core's and Megatron-LM's own save
 path, ``tools/make_megatron_fixtures.py``): a 4-layer Llama-style model at TP 2 x PP 2 after two
@@ -34,6 +34,9 @@ import torch
 import torch.distributed as dist
 
 from megalite.checkpoint.files import CheckpointError
+from megalite.checkpoint.megatron import LegacyReader
+from megalite.checkpoint.megatron.distopt import flat_layout, read_distrib_optim
+from megalite.checkpoint.megatron.legacy import load_megatron_file
 from megalite.core.parallel_state import ParallelState, initialize_model_parallel
 from megalite.training import checkpoint_io
 from megalite.training.forward_step import make_forward_step
@@ -81,8 +84,9 @@ def _logits(trainer, tokens: torch.Tensor, ps: ParallelState) -> torch.Tensor | 
 
 
 def _load(fmt_dir: str, ps: ParallelState, *extra: str, world_size: int = 1, rank: int = 0):
-    cfg = config(*MODEL, "--load", os.path.join(FIXTURES, fmt_dir), *extra,
-                 world_size=world_size, rank=rank)  # fmt: skip
+    cfg = config(
+        *MODEL, "--load", os.path.join(FIXTURES, fmt_dir), *extra, world_size=world_size, rank=rank
+    )
     trainer, data = trainer_and_data(cfg, ps)
     loaded = checkpoint_io.load_checkpoint(trainer)
     return trainer, data, loaded
@@ -137,8 +141,10 @@ def test_megatron_checkpoints_load_at_any_layout_and_continue():
 
     tp2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1"]
     pp2 = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
-    dp2 = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
-           "--use-distributed-optimizer"]  # fmt: skip
+    dp2 = [
+        *"--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1".split(),
+        "--use-distributed-optimizer",
+    ]
     for flags, what in ((tp2, "TP2 PP1"), (pp2, "TP1 PP2"), (dp2, "DP2 ZeRO-1")):
         results = run_distributed(_case, 2, flags, timeout=300)
         for fmt in SOURCES:
@@ -153,9 +159,6 @@ def test_distrib_optim_is_megatrons_adam_state_by_name():
     closing right after a norm; the other stage in one bucket) decode to exactly the per-parameter
     Adam state Megatron's plain optimizer saved for the same run; a reader that ignored a bucket
     rule would find other sizes, and is refused in one line, not left to misread."""
-    from megalite.checkpoint.megatron import LegacyReader
-    from megalite.checkpoint.megatron_distopt import flat_layout, read_distrib_optim
-
     plain = LegacyReader(os.path.join(FIXTURES, FORMATS["torch"], "iter_0000002"))
     flat = LegacyReader(os.path.join(FIXTURES, SOURCES["torch+distrib_optim"], "iter_0000002"))
     assert flat.distributed_optimizer and flat.has_optimizer()
@@ -188,14 +191,13 @@ def test_megalite_writes_megatron_formats_that_load_back(tmp_path):
     megalite with the same logits and counters; under --use-distributed-optimizer the torch format
     holds Megatron's distributed-optimizer form (``distrib_optim.pt``), whose Adam state reads
     back equal to the plain form's."""
-    from megalite.checkpoint.megatron import LegacyReader
-
     single = ParallelState.single()
     for what, extra in WRITES.items():
         save = str(tmp_path / what)
         fmt = what.split("+")[0]
-        trainer, _, _ = _load(FORMATS["torch"], single, "--save", save, "--ckpt-format", fmt,
-                              *extra)  # fmt: skip
+        trainer, _, _ = _load(
+            FORMATS["torch"], single, "--save", save, "--ckpt-format", fmt, *extra
+        )
         checkpoint_io.save_checkpoint(trainer)
         back, _, loaded = _load("", single, "--load", save)
         assert loaded.progress.iteration == 2 and loaded.progress.consumed_train_samples == 8
@@ -233,16 +235,36 @@ def test_megalite_files_load_in_megatrons_loader(tmp_path):
         save = str(tmp_path / what)
         fmt = what.split("+")[0]
         # the schedule of the Megatron run that loads it (tools/make_megatron_fixtures.py)
-        trainer, _, _ = _load(FORMATS["torch"], single, "--save", save, "--ckpt-format", fmt,
-                              "--train-iters", "10", *extra)  # fmt: skip
+        trainer, _, _ = _load(
+            FORMATS["torch"],
+            single,
+            "--save",
+            save,
+            "--ckpt-format",
+            fmt,
+            "--train-iters",
+            "10",
+            *extra,
+        )
         checkpoint_io.save_checkpoint(trainer)
         shutil.copy(os.path.join(FIXTURES, "reference.pt"), os.path.join(save, "reference.pt"))
         flags = ["--distributed-optimizer"] if extra else []
         proc = subprocess.run(
-            [sys.executable, "-W", "ignore", tool, "--check-load", save, "--ckpt-format", fmt,
-             *flags],
-            capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-W",
+                "ignore",
+                tool,
+                "--check-load",
+                save,
+                "--ckpt-format",
+                fmt,
+                *flags,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         assert "= megalite's: yes" in proc.stdout, proc.stdout[-2000:]
 
@@ -261,11 +283,23 @@ _ = tempfile
 
 
 # what Megatron's load_checkpoint reads from ``args`` (check_checkpoint_args, the counters)
-LOADER_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings",
-               "make_vocab_size_divisible_by", "padded_vocab_size", "tokenizer_type",
-               "tensor_model_parallel_size", "pipeline_model_parallel_size",
-               "data_parallel_random_init", "global_batch_size", "consumed_train_samples",
-               "consumed_valid_samples", "use_distributed_optimizer", "ckpt_format")  # fmt: skip
+LOADER_ARGS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "max_position_embeddings",
+    "make_vocab_size_divisible_by",
+    "padded_vocab_size",
+    "tokenizer_type",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "data_parallel_random_init",
+    "global_batch_size",
+    "consumed_train_samples",
+    "consumed_valid_samples",
+    "use_distributed_optimizer",
+    "ckpt_format",
+)
 
 
 def test_megalite_files_have_the_structure_of_megatrons(tmp_path):
@@ -279,20 +313,27 @@ def test_megalite_files_have_the_structure_of_megatrons(tmp_path):
 
     import torch.distributed.checkpoint as dcp
 
-    from megalite.checkpoint.megatron_legacy import load_megatron_file
-
     single = ParallelState.single()
     for what, extra in WRITES.items():
-        trainer, _, _ = _load(FORMATS["torch"], single, "--save", str(tmp_path / what),
-                              "--ckpt-format", what.split("+")[0], *extra)  # fmt: skip
+        trainer, _, _ = _load(
+            FORMATS["torch"],
+            single,
+            "--save",
+            str(tmp_path / what),
+            "--ckpt-format",
+            what.split("+")[0],
+            *extra,
+        )
         checkpoint_io.save_checkpoint(trainer)
     layer = re.compile(r"decoder\.layers\.\d+\.")
     for what in ("torch", "torch+distrib_optim"):
         mine_dir = tmp_path / what / "iter_0000002" / "mp_rank_00"
         src = os.path.join(FIXTURES, SOURCES[what], "iter_0000002")
         mine = load_megatron_file(str(mine_dir / "model_optim_rng.pt"))
-        theirs = [load_megatron_file(os.path.join(src, f"mp_rank_00_00{p}", "model_optim_rng.pt"))
-                  for p in (0, 1)]  # fmt: skip
+        theirs = [
+            load_megatron_file(os.path.join(src, f"mp_rank_00_00{p}", "model_optim_rng.pt"))
+            for p in (0, 1)
+        ]
         assert set(mine) == set(theirs[0]), what
         names = {layer.sub("decoder.layers.*.", k) for t in theirs for k in t["model"]}
         assert {layer.sub("decoder.layers.*.", k) for k in mine["model"]} == names, what
@@ -307,8 +348,10 @@ def test_megalite_files_have_the_structure_of_megatrons(tmp_path):
         missing = [a for a in LOADER_ARGS if a not in args]
         assert not missing, (what, missing)
         assert args["use_distributed_optimizer"] == ("distrib" in what)
-    mine = torch.load(tmp_path / "torch+distrib_optim" / "iter_0000002" / "mp_rank_00" /
-                      "distrib_optim.pt", weights_only=True)  # fmt: skip
+    mine = torch.load(
+        tmp_path / "torch+distrib_optim" / "iter_0000002" / "mp_rank_00" / "distrib_optim.pt",
+        weights_only=True,
+    )
     src = os.path.join(FIXTURES, SOURCES["torch+distrib_optim"], "iter_0000002", "mp_rank_00_000")
     theirs = torch.load(os.path.join(src, "distrib_optim.pt"), weights_only=True)
     assert set(mine) == set(theirs) and list(mine[0]) == list(theirs[0])

@@ -122,7 +122,7 @@ def test_rampup_scheduler_position_is_megatrons_samples(monkeypatch):
         reader.meta["megatron_scheduler"] = {**reader.meta["megatron_scheduler"], "num_steps": 6}
         return reader
 
-    monkeypatch.setattr(megatron, "open_reader", as_ramped)
+    monkeypatch.setattr(megatron.loading, "open_reader", as_ramped)
     ramp = "--lr-warmup-samples 8 --train-samples 24 --rampup-batch-size 2 2 8".split()
     flags = [*BASE, *MODEL, "--load", LEGACY, *ramp]
     for flag in ("--train-iters", "--train-iters", "--lr-warmup-iters"):  # sample-based instead

@@ -1,5 +1,5 @@
 """megalite's Megatron-format files of a TP 2 x PP 2 run through megatron-core's own loader at
-TP 2 x PP 2 x DP 2 (issue 18): skipped where megatron-core is not importable (CI); run with
+TP 2 x PP 2 x DP 2: skipped where megatron-core is not importable (CI); run with
 
     PYTHONPATH=$PWD:/tmp/mcore/site:/tmp/mlm016 /tmp/venv-mcore/bin/python -m pytest -q \\
         tests/migration/test_megatron_loader_layouts.py
@@ -35,9 +35,17 @@ def _save_tp2_pp2(root: str) -> None:
     ps = initialize_model_parallel(2, 2)
     layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
     try:
-        trainer, _, _ = _load(SOURCES["torch+distrib_optim"], ps, *layout,
-                              "--use-distributed-optimizer", *BUCKETS, "--train-iters", "10",
-                              world_size=4, rank=dist.get_rank())  # fmt: skip
+        trainer, _, _ = _load(
+            SOURCES["torch+distrib_optim"],
+            ps,
+            *layout,
+            "--use-distributed-optimizer",
+            *BUCKETS,
+            "--train-iters",
+            "10",
+            world_size=4,
+            rank=dist.get_rank(),
+        )
         for fmt in ("torch", "torch_dist"):
             trainer.cfg.training.ckpt_format = fmt
             checkpoint_io.save_checkpoint(trainer, save_dir=os.path.join(root, fmt))
@@ -53,16 +61,35 @@ def test_megalite_tp2_pp2_files_load_in_megatrons_loader_at_dp2(tmp_path):
         shutil.copy(os.path.join(FIXTURES, "reference.pt"), os.path.join(root, fmt))
     # the files of a --use-distributed-optimizer run are Megatron's distributed-optimizer form, read
     # by a Megatron run with it (as Megatron's own); the plain form: test_megatron_checkpoints.py
-    runs = [("torch_dist", ["--distributed-optimizer"], "2"), ("torch", ["--distributed-optimizer"],
-            "2")]  # fmt: skip
+    runs = [
+        ("torch_dist", ["--distributed-optimizer"], "2"),
+        ("torch", ["--distributed-optimizer"], "2"),
+    ]
     for fmt, flags, dp in runs:
         proc = subprocess.run(
-            [sys.executable, "-W", "ignore", TOOL, "--check-load", os.path.join(root, fmt),
-             "--ckpt-format", fmt, *flags, "--layout", "2", "2", dp,
-             "--bucket-flags", " ".join(BUCKETS) if flags else "",
-             "--distopt-ref", os.path.join(root, "torch")],
-            capture_output=True, text=True, timeout=900,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-W",
+                "ignore",
+                TOOL,
+                "--check-load",
+                os.path.join(root, fmt),
+                "--ckpt-format",
+                fmt,
+                *flags,
+                "--layout",
+                "2",
+                "2",
+                dp,
+                "--bucket-flags",
+                " ".join(BUCKETS) if flags else "",
+                "--distopt-ref",
+                os.path.join(root, "torch"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         print(proc.stdout[-3000:])
         assert proc.returncode == 0, (fmt, flags, proc.stdout[-3000:] + proc.stderr[-3000:])
         assert "-> ok" in proc.stdout and "max rel err" in proc.stdout, proc.stdout[-2000:]

@@ -1,4 +1,4 @@
-"""Megatron's RNG states across the two frameworks (issue 18).
+"""Megatron's RNG states across the two frameworks.
 
 1. A megalite run saved in Megatron's formats (``--ckpt-format torch`` / ``torch_dist``) and
    resumed continues bit-identically (``==``) to the uninterrupted run with dropout on: the Python,
@@ -20,8 +20,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.checkpoint.megatron import open_reader
-from megalite.checkpoint.megatron_legacy import load_megatron_file
+from megalite.checkpoint.megatron import LegacyReader, open_reader
+from megalite.checkpoint.megatron.distopt import (
+    bucket_size_from_args,
+    flat_layout,
+    shared_embedding_name,
+)
+from megalite.checkpoint.megatron.legacy import load_megatron_file, parameter_names
 from megalite.core.parallel_state import ParallelState, initialize_model_parallel
 from megalite.core.tensor_parallel.random import TP_RNG, model_parallel_seed
 from megalite.training import checkpoint_io
@@ -39,8 +44,17 @@ DISTOPT = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket
 
 def _resumed(extra: list[str], save: str, *, world: int = 1, rank: int = 0) -> dict:
     env = {"RANK": str(rank), "WORLD_SIZE": str(world)} if world > 1 else {}
-    flags = [*FAMILIES["gpt2"], *extra, *DROPOUT, "--train-iters", str(2 * N), "--save", save,
-             "--save-interval", str(N)]  # fmt: skip
+    flags = [
+        *FAMILIES["gpt2"],
+        *extra,
+        *DROPOUT,
+        "--train-iters",
+        str(2 * N),
+        "--save",
+        save,
+        "--save-interval",
+        str(N),
+    ]
     straight = pretrain(config(*flags, world_size=world, rank=rank), env=env).losses
     resume = [*flags, "--load", save, "--ckpt-step", str(N)]
     resumed = pretrain(config(*resume, world_size=world, rank=rank), env=env).losses
@@ -98,9 +112,18 @@ def _fixture_case(save: str) -> dict:
             out[fmt + ":before"] = _generator_states(trainer)
             checkpoint_io.restore_rng(trainer, loaded)
             out[fmt] = (ps.tp_rank, ps.pp_rank, _generator_states(trainer))
-        trainer, _, _ = _load(SOURCES["torch+distrib_optim"], ps, *layout, *DISTOPT, "--save",
-                              save, "--ckpt-format", "torch", world_size=4,
-                              rank=dist.get_rank())  # fmt: skip
+        trainer, _, _ = _load(
+            SOURCES["torch+distrib_optim"],
+            ps,
+            *layout,
+            *DISTOPT,
+            "--save",
+            save,
+            "--ckpt-format",
+            "torch",
+            world_size=4,
+            rank=dist.get_rank(),
+        )
         checkpoint_io.save_checkpoint(trainer)
     finally:
         ps.destroy()
@@ -111,23 +134,18 @@ def _tp0_replicas(src: str, shard: str, key: str, flat: torch.Tensor) -> torch.T
     """``flat`` with the ranges of the TP-replicated parameters (the norms) taken from TP rank 0's
     file: megalite holds one copy of them, and the fixture's synthetic gradients let Megatron's
     copies drift apart across TP ranks (by ~2e-3); every other element is compared as written."""
-    from megalite.checkpoint.megatron_distopt import (
-        bucket_size_from_args,
-        flat_layout,
-        shared_embedding_name,
-    )
-    from megalite.checkpoint.megatron_legacy import parameter_names
-
     tp0 = "mp_rank_00_" + shard.rsplit("_", 1)[1]
     if shard == tp0:
         return flat
     raw = load_megatron_file(os.path.join(src, shard, "model_optim_rng.pt"))
     pp_rank = int(shard.rsplit("_", 1)[1])
     params = [(n, raw["model"][n].numel()) for n in parameter_names(raw["model"])]
-    bucket = bucket_size_from_args(raw["args"], pp_rank=pp_rank,
-                                   stage_numel=sum(k for _, k in params))  # fmt: skip
-    spans, _ = flat_layout(params, bucket_size=bucket,
-                           shared=shared_embedding_name(raw["args"], pp_rank, 2))  # fmt: skip
+    bucket = bucket_size_from_args(
+        raw["args"], pp_rank=pp_rank, stage_numel=sum(k for _, k in params)
+    )
+    spans, _ = flat_layout(
+        params, bucket_size=bucket, shared=shared_embedding_name(raw["args"], pp_rank, 2)
+    )
     theirs0 = next(iter(load_megatron_file(os.path.join(src, tp0, "distrib_optim.pt"))[0].values()))
     out = flat.clone()
     for name, (start, end) in spans.items():
@@ -151,8 +169,11 @@ def test_megatron_fixtures_at_their_layout_rng_and_distrib_optim(tmp_path):
         assert set(m) == set(t) and int(m["numel_unpadded"]) == int(t["numel_unpadded"]), shard
         for key in ("param", "exp_avg", "exp_avg_sq"):
             assert torch.equal(m[key], _tp0_replicas(src, shard, key, t[key])), (shard, key)
-        args = vars(load_megatron_file(os.path.join(save, "iter_0000002", shard,
-                                                    "model_optim_rng.pt"))["args"])  # fmt: skip
+        args = vars(
+            load_megatron_file(os.path.join(save, "iter_0000002", shard, "model_optim_rng.pt"))[
+                "args"
+            ]
+        )
         assert (args["overlap_grad_reduce"], args["ddp_bucket_size"]) == (True, 540), shard
         assert args["ddp_num_buckets"] is None and args["use_distributed_optimizer"]
     for fmt, name in FORMATS.items():
@@ -193,12 +214,11 @@ def test_ddp_num_buckets_is_recorded_for_megatrons_bucket_layout(tmp_path):
     count is written into ``args`` beside --overlap-grad-reduce (what Megatron's loader rebuilds
     the grad buffer from), and ``distrib_optim.pt`` is laid out in those buckets: it reads back
     (the reader checks its length against that layout) equal to the plain optimizer's state."""
-    from megalite.checkpoint.megatron import LegacyReader
-
     single = ParallelState.single()
     flags = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-num-buckets", "3"]
-    trainer, _, _ = _load(FORMATS["torch"], single, *flags, "--save", str(tmp_path / "n3"),
-                          "--ckpt-format", "torch")  # fmt: skip
+    trainer, _, _ = _load(
+        FORMATS["torch"], single, *flags, "--save", str(tmp_path / "n3"), "--ckpt-format", "torch"
+    )
     module = trainer.model[0].module
     numel = sum(p.numel() for p in module.parameters())
     assert trainer.cfg.parallel.bucket_size(1, stage_numel=numel) == numel // 3

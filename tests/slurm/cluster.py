@@ -173,10 +173,17 @@ class SlurmCluster:
         self.conf.write_text(_slurm_conf(r, socket.gethostname(), ports))
         self._spawn(
             "munged",
-            ["munged", "--foreground", "--force", f"--socket={r}/munge/munge.socket",
-             f"--key-file={key}", f"--pid-file={r}/munge/munged.pid",
-             f"--log-file={r}/munge/munged.log", f"--seed-file={r}/munge/munged.seed"],
-        )  # fmt: skip
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--socket={r}/munge/munge.socket",
+                f"--key-file={key}",
+                f"--pid-file={r}/munge/munged.pid",
+                f"--log-file={r}/munge/munged.log",
+                f"--seed-file={r}/munge/munged.seed",
+            ],
+        )
         self._until(lambda: (r / "munge" / "munge.socket").exists(), timeout, "munged socket")
         self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
         self._until(lambda: self._ok(["scontrol", "ping"], "UP"), timeout, "slurmctld ping")
@@ -222,9 +229,13 @@ class SlurmCluster:
 
     def sbatch(self, *args: str, env: dict | None = None, cwd: str | None = None) -> int:
         proc = subprocess.run(
-            ["sbatch", "--parsable", *args], capture_output=True, text=True, timeout=60,
-            env={**self.env, **(env or {})}, cwd=cwd,
-        )  # fmt: skip
+            ["sbatch", "--parsable", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**self.env, **(env or {})},
+            cwd=cwd,
+        )
         if proc.returncode != 0:
             raise SlurmError(f"sbatch {' '.join(args)} failed: {proc.stderr.strip()}")
         return int(proc.stdout.strip().split(";")[0])

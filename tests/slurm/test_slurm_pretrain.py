@@ -114,8 +114,13 @@ def _until(ok, timeout: float, what: str, cluster: SlurmCluster, log: Path) -> N
 def test_sbatch_two_nodes_preempted_requeued_resumed(cluster, tmp_path):
     job, log = _submit(cluster, tmp_path)
     state = lambda: cluster.job(job).get("JobState")  # noqa: E731
-    _until(lambda: re.search(r" iteration +5/", _read(log)) or state() not in
-           ("PENDING", "RUNNING"), 120, "iteration 5", cluster, log)  # fmt: skip
+    _until(
+        lambda: re.search(r" iteration +5/", _read(log)) or state() not in ("PENDING", "RUNNING"),
+        120,
+        "iteration 5",
+        cluster,
+        log,
+    )
     assert state() == "RUNNING", _context(cluster, log)
     cluster.run(["scancel", "--batch", "--signal=USR1", str(job)])
     _until(lambda: cluster.job(job).get("Restarts", "0") != "0", 60, "requeue", cluster, log)
@@ -145,6 +150,9 @@ def test_sbatch_two_nodes_preempted_requeued_resumed(cluster, tmp_path):
 
     assert len(reference) == ITERS and reference[-1] < reference[0]  # it trains: not vacuous
     logged = {**before, **after}
-    differ = [(i, logged[i], f"{reference[i - 1]:.6E}") for i in sorted(logged)
-              if logged[i] != f"{reference[i - 1]:.6E}"]  # fmt: skip
+    differ = [
+        (i, logged[i], f"{reference[i - 1]:.6E}")
+        for i in sorted(logged)
+        if logged[i] != f"{reference[i - 1]:.6E}"
+    ]
     assert not differ, f"losses differ from the uninterrupted run at {differ[:5]}"

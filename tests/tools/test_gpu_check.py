@@ -23,8 +23,11 @@ needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU
 def test_gpu_check_says_no_cuda_in_one_line_and_exits_0():
     out = subprocess.run(
         ["bash", os.path.join(ROOT, "scripts", "gpu_check.sh")],
-        env=ENV, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpu_check: no CUDA GPU"), out.stdout
@@ -34,8 +37,11 @@ def test_gpu_check_says_no_cuda_in_one_line_and_exits_0():
 def test_bench_mfu_without_cuda_says_so_and_exits_0():
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "tools", "bench", "bench_mfu.py")],
-        env=ENV, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0 and out.stdout.strip().startswith("bench_mfu.py: no CUDA GPU")
 
 
@@ -62,8 +68,11 @@ def test_gpu_check_training_runs_are_valid_megalite_runs(monkeypatch):
 
     out = subprocess.run(
         ["bash", os.path.join(ROOT, "scripts", "gpu_check.sh")],
-        env={**ENV, "GPU_CHECK_LIST_RUNS": "1"}, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        env={**ENV, "GPU_CHECK_LIST_RUNS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     runs = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
     assert {"train_llama_zero2", "train_llama_zero3", "train_llama_moe_ep1"} <= set(runs)

@@ -53,8 +53,10 @@ def test_write_corpus_jsonl_limit_and_errors(library, tmp_path):
     out = tmp_path / "c.jsonl"
     assert write_corpus(str(out), root=str(library)) == (2, 6 + 22)
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert lines == [{"text": FILES["a.py"], "path": "a.py"},
-                     {"text": FILES["pkg/b.py"], "path": "pkg/b.py"}]  # fmt: skip
+    assert lines == [
+        {"text": FILES["a.py"], "path": "a.py"},
+        {"text": FILES["pkg/b.py"], "path": "pkg/b.py"},
+    ]
     assert write_corpus(str(out), root=str(library), max_mb=10e-6) == (1, 6)
     (tmp_path / "none").mkdir()
     with pytest.raises(ValueError, match="no .py files found under"):
@@ -82,15 +84,30 @@ def test_generate_greedy_equals_a_plain_argmax_loop(tmp_path):
     hf = tmp_path / "hf"
     hf.mkdir()
     shutil.copy(model_file, hf / "tokenizer.model")
-    (hf / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>", "add_bos_token": False, "add_eos_token": False, "legacy": True,
-    }))  # fmt: skip
+    (hf / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "LlamaTokenizer",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "add_bos_token": False,
+                "add_eos_token": False,
+                "legacy": True,
+            }
+        )
+    )
     config = transformers.LlamaConfig(
-        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(hf)
 

@@ -94,7 +94,9 @@ def _start(tmp_path: Path, *extra: str, env_extra: dict | None = None):
     log = tmp_path / "log.txt"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     save = ["--save", str(tmp_path / "ckpt")]
-    cmd = [*launcher, "2", str(ROOT / "pretrain_gpt.py"), *FLAGS, *save, *extra]
+    # pretrain_gpt.py through a wrapper that can pause in a save (MEGALITE_TEST_PAUSE_IN_SAVE)
+    entry = ROOT / "tests" / "checkpoint" / "pause_in_save.py"
+    cmd = [*launcher, "2", str(entry), *FLAGS, *save, *extra]
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True

@@ -126,8 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     trainer.step(make_forward_step(torch.device("cpu")), data)  # Adam moments exist
     trainer.result.iteration = 1
-    print(f"GPT-2 small: {n_params / 1e6:.1f}M parameters, {'bf16' if args.bf16 else 'fp32'}, "
-          f"one training step {time.perf_counter() - started:.1f} s")  # fmt: skip
+    print(
+        f"GPT-2 small: {n_params / 1e6:.1f}M parameters, {'bf16' if args.bf16 else 'fp32'}, "
+        f"one training step {time.perf_counter() - started:.1f} s"
+    )
 
     times: dict[str, list[float]] = {}
     sizes: dict[str, int] = {}
@@ -135,12 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     torch_file = os.path.join(args.dir, "torch.pt")
     dcp_dir = os.path.join(args.dir, "dcp")
     hf_dir, back = os.path.join(args.dir, "hf"), os.path.join(args.dir, "from_hf")
+
+    def dcp_save():
+        dcp.save(_torch_state(trainer), checkpoint_id=dcp_dir, no_dist=True)
+
     savers = [
         ("megalite", lambda: save_checkpoint(trainer), megalite_dir),
         ("torch.save", lambda: _torch_save(trainer, torch_file), torch_file),
-        ("dcp", lambda: dcp.save(_torch_state(trainer), checkpoint_id=dcp_dir, no_dist=True),
-         dcp_dir),
-    ]  # fmt: skip
+        ("dcp", dcp_save, dcp_dir),
+    ]
     for k in range(args.rounds):
         trainer.result.iteration = k + 1
         for name, save, path in savers[k % 3 :] + savers[: k % 3]:  # rotated: no order bias

@@ -31,9 +31,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from bench_data_common import write_corpus, write_id_corpus  # noqa: E402
 
+from megalite.data.null_tokenizer import NullTokenizer  # noqa: E402
 from megalite.data.preprocess import preprocess_jsonl  # noqa: E402
+from megalite.data.sentencepiece_tokenizer import SentencePieceTokenizer  # noqa: E402
 from megalite.data.tokenizer_training import train_sentencepiece  # noqa: E402
-from megalite.data.tokenizers import NullTokenizer, SentencePieceTokenizer  # noqa: E402
 
 ROOT = "/tmp/megalite_bench_data"
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -55,8 +56,14 @@ def throughput(name: str, path: str, tokenizer, repeats: int) -> None:
             tokenizer.tokenize_batch(texts[i : i + 512])
 
     def pipeline(workers):
-        preprocess_jsonl(path, f"{ROOT}/out_{name}", tokenizer, append_eod=True, workers=workers,
-                         log_interval=10**12)  # fmt: skip
+        preprocess_jsonl(
+            path,
+            f"{ROOT}/out_{name}",
+            tokenizer,
+            append_eod=True,
+            workers=workers,
+            log_interval=10**12,
+        )
 
     runs = {"base": [], 1: [], 2: []}
     cpu = {"base": [], 1: [], 2: []}  # (main process, workers) CPU seconds: immune to other load
@@ -119,9 +126,9 @@ def _children(pid: int) -> list[int]:
 def peak_rss(path: str, extra: list[str]) -> tuple[float, float, float]:
     """Run the tool and sample RSS every 20 ms: peaks of the main process, the largest worker and
     the sum (the sum counts pages a forked worker shares with the main process twice)."""
-    cmd = [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", path,
-           "--output-prefix", f"{ROOT}/rss", "--workers", "2", "--append-eod",
-           "--log-interval", str(10**12), *extra]  # fmt: skip
+    tool = os.path.join(REPO, "tools", "preprocess_data.py")
+    cmd = [sys.executable, tool, "--input", path, "--output-prefix", f"{ROOT}/rss"]
+    cmd += ["--workers", "2", "--append-eod", "--log-interval", str(10**12), *extra]
     proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
     main_peak = worker_peak = total_peak = 0.0
     while proc.poll() is None:
@@ -166,8 +173,9 @@ def main() -> None:
         path = write_corpus(f"{ROOT}/text_{args.sp_mb:g}mb.jsonl", args.sp_mb)
         model = f"{ROOT}/sp8k.model"
         if not os.path.exists(model):
-            train_sentencepiece([path], model[: -len(".model")], vocab_size=8000,
-                                input_sentence_size=20000)  # fmt: skip
+            train_sentencepiece(
+                [path], model[: -len(".model")], vocab_size=8000, input_sentence_size=20000
+            )
         throughput("SentencePiece", path, SentencePieceTokenizer(model), args.repeats)
     if not args.skip_memory:
         memory(args.mb)

@@ -97,10 +97,14 @@ def bench_sample_index(num_samples: int, repeats: int) -> None:
     loop = (time.perf_counter() - t) / small * total
     assert [tuple(r) for r in vec_index[: small + 1].tolist()] == ref
     print(f"GPT indices, {total:,} samples (one epoch of 5 M documents, seq 1024):")
-    print(f"  full build (document + sample + shuffle index): {med:6.2f} s (runs "
-          f"{', '.join(f'{x:.2f}' for x in runs)})")  # fmt: skip
-    print(f"  sample index alone, vectorised: {vec:6.2f} s; plain Python loop (scaled from "
-          f"{small:,}): {loop:6.1f} s -> speed-up {loop / vec:.1f}x")  # fmt: skip
+    print(
+        f"  full build (document + sample + shuffle index): {med:6.2f} s (runs "
+        f"{', '.join(f'{x:.2f}' for x in runs)})"
+    )
+    print(
+        f"  sample index alone, vectorised: {vec:6.2f} s; plain Python loop (scaled from "
+        f"{small:,}): {loop:6.1f} s -> speed-up {loop / vec:.1f}x"
+    )
     with tempfile.TemporaryDirectory(dir="/tmp") as d:
         desc = {"kind": "Bench", "n": num_samples}
         t = time.perf_counter()
@@ -142,13 +146,19 @@ def bench_read(samples: int, repeats: int) -> None:
     seq, mbs = 2048, 8
     prefix = _make_dataset(100_000_000)
     indexed = IndexedDataset(prefix)
-    gpt = GPTDataset(indexed, (0, len(indexed)), num_samples=samples, seq_length=seq, seed=0,
-                     use_cache=False)  # fmt: skip
+    gpt = GPTDataset(
+        indexed, (0, len(indexed)), num_samples=samples, seq_length=seq, seed=0, use_cache=False
+    )
 
     def loader_pass(workers):
-        sampler = MicroBatchSampler(total_samples=samples, consumed_samples=0,
-                                    micro_batch_size=mbs, global_batch_size=mbs * 4, dp_rank=0,
-                                    dp_size=1)  # fmt: skip
+        sampler = MicroBatchSampler(
+            total_samples=samples,
+            consumed_samples=0,
+            micro_batch_size=mbs,
+            global_batch_size=mbs * 4,
+            dp_rank=0,
+            dp_size=1,
+        )
         for _ in make_loader(gpt, sampler, eod=0, eod_mask_loss=False, num_workers=workers):
             pass
 

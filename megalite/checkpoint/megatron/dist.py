@@ -20,6 +20,7 @@ Reading needs no process group: one key at a time is read in full (``no_dist``).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -30,8 +31,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megalite.checkpoint.files import CheckpointError
-from megalite.checkpoint.megatron import MegatronReader
-from megalite.checkpoint.megatron_legacy import load_megatron_file
+from megalite.checkpoint.megatron.legacy import load_megatron_file, safe_pickle
+from megalite.checkpoint.megatron.readers import MegatronReader
 from megalite.checkpoint.resharding import OPTIMIZER_KEYS, logical_name
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -84,7 +85,7 @@ class DistReader(MegatronReader):
         if any(k.startswith("optimizer.distributed.") for k in self._index):
             self._optim_refusal = (
                 f"{iter_dir}: Megatron's distributed optimizer state saved 'dp_reshardable' (flat "
-                "grad-buffer ranges) is not read (issue 18); pass --no-load-optim, or save it "
+                "grad-buffer ranges) is not read; pass --no-load-optim, or save it "
                 "from Megatron with --dist-ckpt-optim-fully-reshardable"
             )
         else:
@@ -142,8 +143,8 @@ class DistReader(MegatronReader):
         plain = f"rng_state/shard_{pp_rank}.{tp_rank}_{self.pp_size}.{self.tp_size}"
         if plain in self._index:
             return _read_objects(self._storage, [plain])[0]
-        per_dp = [f"rng_state/shard_{pp_rank}.{tp_rank}.{d}_{self.pp_size}.{self.tp_size}."
-                  f"{self.dp_size}" for d in range(self.dp_size)]  # fmt: skip
+        sizes = f"{self.pp_size}.{self.tp_size}.{self.dp_size}"
+        per_dp = [f"rng_state/shard_{pp_rank}.{tp_rank}.{d}_{sizes}" for d in range(self.dp_size)]
         if not all(k in self._index for k in per_dp):
             return None
         return [entry for obj in _read_objects(self._storage, per_dp) for entry in obj]
@@ -160,10 +161,6 @@ class DistReader(MegatronReader):
 def _read_objects(storage, keys: list[str]) -> list:
     """The sharded objects ``keys`` (bytes items, each ``torch.save`` of a one-element list, as
     megatron-core writes them), unpickled safely."""
-    import io
-
-    from megalite.checkpoint.megatron_legacy import safe_pickle
-
     raw: dict[str, bytes] = {}
 
     class _Bytes(dcp.DefaultLoadPlanner):
@@ -172,8 +169,8 @@ def _read_objects(storage, keys: list[str]) -> list:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load({k: io.BytesIO() for k in keys}, storage_reader=storage, planner=_Bytes(),
-                 no_dist=True)  # fmt: skip
+        buffers = {k: io.BytesIO() for k in keys}
+        dcp.load(buffers, storage_reader=storage, planner=_Bytes(), no_dist=True)
     out = []
     for key in keys:
         obj = torch.load(io.BytesIO(raw[key]), weights_only=False, pickle_module=safe_pickle)
@@ -181,10 +178,15 @@ def _read_objects(storage, keys: list[str]) -> list:
     return out
 
 
+# the metadata.json Megatron writes beside a torch_dist checkpoint (``detect_format`` reads it)
+METADATA = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
+
+
 def write_metadata_json(iter_dir: str) -> None:
     with open(os.path.join(iter_dir, "metadata.json"), "w", encoding="utf-8") as f:
-        json.dump(
-            {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-             "common_backend": "torch", "common_backend_version": 1},
-            f,
-        )  # fmt: skip
+        json.dump(METADATA, f)

@@ -1,24 +1,15 @@
-"""Write Megatron-LM's ``torch`` / ``torch_dist`` format from a megalite checkpoint (--ckpt-format).
-
-    convert_to_megatron(src_iter_dir, dst_iter_dir, fmt)   # offline, one process
-    save_checkpoint(..., ckpt_format="torch_dist")          # in training (saving.py's hook)
-
-In training the ranks first write megalite's own files into ``SAVE/.megalite_staging`` (the
-usual collective save), then rank 0 converts that iteration into ``SAVE/iter_N`` in Megatron's
-format through the logical form (``resharding.CheckpointReader``), replaces the tracker and
-deletes the staging copy. The conversion reads the whole model on rank 0: simple and exact, not
-a parallel write; megalite's own format (the default) remains the fast path.
+"""megalite's logical form -> Megatron-LM's ``torch`` and ``torch_dist`` files.
 
 What Megatron's ``load_checkpoint`` then finds (without ``--finetune``): ``args`` (a Namespace of
 the run's settings under Megatron's names, counters included), ``checkpoint_version`` 3.0, the
 model (with the ``_extra_state`` entries of Megatron's linear layers), the Adam state in the form
 of Megatron's plain optimizer (``FP32Optimizer``; ``Float16Optimizer``'s with
 ``fp32_from_fp16_params`` for a bf16/fp16 model), the scheduler in samples, and RNG states under
-Megatron's names (``megatron_rng``; read back by ``megatron.rng_state_from_megatron``). A
-``--use-distributed-optimizer`` run is written in the form of Megatron's distributed optimizer:
-``distrib_optim.pt`` (``megatron_distopt.flat_layout``, from the bucket flags recorded in
-``args``) in the ``torch`` format, the ``fully_reshardable`` form (``optimizer.state.param.*``
-beside the moments, the step in the param groups of ``common.pt``) in ``torch_dist``.
+Megatron's names (``states``). A ``--use-distributed-optimizer`` run is written in the form of
+Megatron's distributed optimizer: ``distrib_optim.pt`` (``distopt.flat_layout``, from the bucket
+flags recorded in ``args``) in the ``torch`` format, the ``fully_reshardable`` form
+(``optimizer.state.param.*`` beside the moments, the step in the param groups of ``common.pt``) in
+``torch_dist``.
 """
 
 from __future__ import annotations
@@ -27,37 +18,72 @@ import argparse
 import io
 import os
 import re
-import shutil
+import warnings
 
-import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from megalite.checkpoint.files import (
-    MODEL_FILE,
-    RELEASE,
-    TRACKER_FILE,
-    CheckpointError,
-    fsync_dir,
-    save_file,
-    shard_dir,
+from megalite.checkpoint.files import MODEL_FILE, fsync_dir, save_file, shard_dir
+from megalite.checkpoint.megatron.dist import (
+    DISTOPT_MASTER_PREFIX,
+    MASTER_PREFIX,
+    OPTIM_PREFIX,
+    sharded_key,
+    write_metadata_json,
 )
-from megalite.checkpoint.megatron import scheduler_samples_from_steps
-from megalite.checkpoint.megatron_legacy import (
+from megalite.checkpoint.megatron.distopt import (
+    DISTRIB_OPTIM_FILE,
+    FLAT_KEYS,
+    bucket_size_from_args,
+    flat_layout,
+    shared_embedding_name,
+)
+from megalite.checkpoint.megatron.legacy import (
     CHECKPOINT_VERSION,
     adam_state_dict,
     no_weight_decay,
+    param_group,
 )
-from megalite.checkpoint.resharding import CheckpointReader, global_name
+from megalite.checkpoint.megatron.states import rng_state_to_megatron, scheduler_to_megatron
+from megalite.checkpoint.resharding import (
+    OUTPUT_LAYER,
+    CheckpointReader,
+    global_name,
+    split_tp,
+    tp_split,
+)
 
-STAGING = ".megalite_staging"
-DISTRIB_OPTIM_FILE = "distrib_optim.pt"
 _LINEAR = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-_LAYER_ORDER = ("input_layernorm", "self_attention.linear_proj", "self_attention.linear_qkv",
-                "self_attention.q_layernorm", "self_attention.k_layernorm",
-                "pre_mlp_layernorm", "mlp.linear_fc1", "mlp.linear_fc2")  # fmt: skip
+# a layer's modules in Megatron's order (its parameters' and its optimizer's order)
+_LAYER_ORDER = (
+    "input_layernorm",
+    "self_attention.linear_proj",
+    "self_attention.linear_qkv",
+    "self_attention.q_layernorm",
+    "self_attention.k_layernorm",
+    "pre_mlp_layernorm",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+)
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# the Transformer Engine layers whose (empty) _extra_state torch_dist holds per layer
+DIST_EXTRA_STATES = (
+    "self_attention.linear_proj",
+    "self_attention.linear_qkv",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+)
+# the settings torch's Adam records in each param group beside lr, betas and eps
+TORCH_ADAM_DEFAULTS = {
+    "amsgrad": False,
+    "maximize": False,
+    "foreach": None,
+    "capturable": False,
+    "differentiable": False,
+    "fused": None,
+    "decoupled_weight_decay": True,
+}
 
 
 def megatron_order(name: str) -> tuple:
@@ -115,56 +141,9 @@ def megatron_args(
     return argparse.Namespace(**values)
 
 
-def megatron_scheduler(meta: dict) -> dict | None:
-    """megalite's scheduler (iterations) -> Megatron's OptimizerParamScheduler state (samples)."""
-    s = meta.get("scheduler")
-    if s is None:
-        return None
-    config = meta.get("config", {})
-    gbs = int(config.get("training", {}).get("global_batch_size", 1))
-    train_iters = int(config.get("training", {}).get("train_iters", s["decay_iters"]))
-    wd = float(config.get("optimizer", {}).get("weight_decay", 0.0))
-    return {
-        "max_lr": s["max_lr"],
-        "lr_warmup_steps": s["warmup_iters"] * gbs,
-        "num_steps": scheduler_samples_from_steps(s["num_steps"], gbs),
-        "lr_decay_style": s["decay_style"],
-        "lr_decay_steps": s["decay_iters"] * gbs,
-        "min_lr": s["min_lr"],
-        "start_wd": wd,
-        "end_wd": wd,
-        "wd_incr_style": "constant",
-        "wd_incr_steps": train_iters * gbs,
-    }
-
-
-def megatron_rng(state: dict) -> dict:
-    """One rank's megalite RNG states -> Megatron's ``rng_state`` entry."""
-    py = state["python"]
-    n = state["numpy"]
-    cpu = state["torch_cpu"]
-    tracker = state.get("tracker") or {}
-    tp_state = next(iter(tracker.values()), cpu) if tracker else cpu
-    return {
-        "random_rng_state": (py[0], tuple(py[1]), py[2]),
-        "np_rng_state": (
-            n["kind"],
-            n["keys"].numpy().astype(np.uint32),
-            int(n["pos"]),
-            int(n["has_gauss"]),
-            float(n["cached_gaussian"]),
-        ),  # fmt: skip
-        "torch_rng_state": cpu,
-        "cuda_rng_state": state.get("cuda") if state.get("cuda") is not None else cpu,
-        "rng_tracker_states": {
-            "model-parallel-rng": tp_state,
-            "data-parallel-rng": state.get("cuda") if state.get("cuda") is not None else cpu,
-            "expert-parallel-rng": tp_state,
-        },
-    }
-
-
 def _optimizer_groups(meta: dict) -> dict:
+    """The learning rate, weight decay and Adam settings of Megatron's param groups, from the
+    recorded config and scheduler."""
     opt = meta.get("config", {}).get("optimizer", {})
     sched = meta.get("scheduler") or {}
     return {
@@ -175,10 +154,19 @@ def _optimizer_groups(meta: dict) -> dict:
             "min_lr": float(opt.get("min_lr", 0.0)),
             "betas": (float(opt.get("adam_beta1", 0.9)), float(opt.get("adam_beta2", 0.999))),
             "eps": float(opt.get("adam_eps", 1e-8)),
-            "amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
-            "differentiable": False, "fused": None, "decoupled_weight_decay": True,
+            **TORCH_ADAM_DEFAULTS,
         },
-    }  # fmt: skip
+    }
+
+
+def _param_groups(meta: dict) -> list[dict]:
+    """Megatron's two default param groups (with weight decay, without) with this run's
+    settings, as its distributed optimizer saves them (no parameter indices)."""
+    g = _optimizer_groups(meta)
+    return [
+        {**param_group(lr=g["lr"], weight_decay=g["weight_decay"], wd_mult=wd_mult), **g["extra"]}
+        for wd_mult in (1.0, 0.0)
+    ]
 
 
 def _legacy_optimizer(full: dict, names: list[str], model: dict, meta: dict) -> dict:
@@ -195,6 +183,7 @@ def _legacy_optimizer(full: dict, names: list[str], model: dict, meta: dict) -> 
 
 
 def _config_value(meta: dict, key: str, default=None):
+    """``key`` of the first section of the recorded config that has it, else ``default``."""
     for section in meta.get("config", {}).values():
         if isinstance(section, dict) and key in section:
             return section[key]
@@ -205,7 +194,8 @@ def writes_distrib_optim(meta: dict, reader: CheckpointReader) -> bool:
     """``--ckpt-format torch`` of a ``--use-distributed-optimizer`` run: Megatron's form of that
     run, ``distrib_optim.pt`` beside each ``model_optim_rng.pt`` (what Megatron's loader reads when
     the resuming run has ``--use-distributed-optimizer``)."""
-    return bool(_config_value(meta, "use_distributed_optimizer", False)) and reader.has_optimizer()
+    distributed = bool(_config_value(meta, "use_distributed_optimizer", False))
+    return distributed and reader.has_optimizer()
 
 
 def _distributed_optimizer(
@@ -213,20 +203,8 @@ def _distributed_optimizer(
 ) -> tuple[dict, dict]:
     """One (TP, PP) rank's Adam state in Megatron's distributed-optimizer form: the ``optimizer``
     entry of ``model_optim_rng.pt`` (param groups with the step, no per-parameter state) and the
-    ``distrib_optim.pt`` dict (the flat, bucketed ranges of ``megatron_distopt.flat_layout``)."""
-    from megalite.checkpoint.megatron_distopt import (
-        bucket_size_from_args,
-        flat_layout,
-        shared_embedding_name,
-    )
-
-    g = _optimizer_groups(meta)
-    groups = []
-    for wd_mult in (1.0, 0.0):
-        groups.append({"wd_mult": wd_mult, "lr_mult": 1.0, "is_expert_parallel": False,
-                       "is_decoupled_lr": False, "default_config": True, "lr": g["lr"],
-                       "weight_decay": g["weight_decay"] * wd_mult, **g["extra"],
-                       "step": int(full["step"])})  # fmt: skip
+    ``distrib_optim.pt`` dict (the flat, bucketed ranges of ``distopt.flat_layout``)."""
+    groups = [{**group, "step": int(full["step"])} for group in _param_groups(meta)]
     optimizer = {"optimizer": {"param_groups": groups}}
     if full.get("scaler") is not None:
         optimizer["grad_scaler"] = full["scaler"]
@@ -234,13 +212,11 @@ def _distributed_optimizer(
     bucket = bucket_size_from_args(args, pp_rank=pp_rank, stage_numel=sum(k for _, k in params))
     shared = shared_embedding_name(args, pp_rank, int(args.pipeline_model_parallel_size))
     spans, total = flat_layout(params, bucket_size=bucket, shared=shared)
-    flat = {k: torch.zeros(total, dtype=torch.float32) for k in ("param", "exp_avg", "exp_avg_sq")}
+    flat = {src: torch.zeros(total, dtype=torch.float32) for src in FLAT_KEYS.values()}
     for name in names:
         start, end = spans[name]
-        p = full["params"][name]
-        flat["param"][start:end] = p["master"].reshape(-1)
-        flat["exp_avg"][start:end] = p["exp_avg"].reshape(-1)
-        flat["exp_avg_sq"][start:end] = p["exp_avg_sq"].reshape(-1)
+        for key, src in FLAT_KEYS.items():
+            flat[src][start:end] = full["params"][name][key].reshape(-1)
     param_dtype = model[names[0]].dtype if names else torch.float32
     bf16_grads = bool(_config_value(meta, "grad_reduce_in_bf16", False))
     grad_dtype = param_dtype if bf16_grads else torch.float32
@@ -260,11 +236,12 @@ def _with_extra_states(model: dict, post_process: bool) -> dict:
     return out
 
 
-def _write_legacy(reader: CheckpointReader, dst: str) -> None:
+def write_legacy(reader: CheckpointReader, dst: str) -> None:
+    """Megatron's ``torch`` format in ``dst``: one ``model_optim_rng.pt`` per (TP, PP) rank."""
     meta = reader.meta
     distopt = writes_distrib_optim(meta, reader)
     args = megatron_args(meta, reader, use_dist_ckpt=False, distributed_optimizer=distopt)
-    scheduler = megatron_scheduler(meta)
+    scheduler = scheduler_to_megatron(meta)
     for t in range(reader.tp_size):
         for p in range(reader.pp_size):
             shard = reader.shard(t, p)
@@ -288,7 +265,7 @@ def _write_legacy(reader: CheckpointReader, dst: str) -> None:
                     state["optimizer"] = _legacy_optimizer(full, names, model, meta)
                 state["opt_param_scheduler"] = scheduler
             if shard.get("rng_state"):
-                state["rng_state"] = [megatron_rng(r) for r in shard["rng_state"]]
+                state["rng_state"] = [rng_state_to_megatron(r) for r in shard["rng_state"]]
             folder = shard_dir(dst, tp_rank=t, pp_rank=p, pp_size=reader.pp_size)
             os.makedirs(folder, exist_ok=True)
             if distrib_optim is not None:
@@ -314,16 +291,9 @@ class _RawBytesPlanner(dcp.DefaultSavePlanner):
         return super().transform_object(write_item, object)
 
 
-def _write_dist(reader: CheckpointReader, dst: str) -> None:
-    from megalite.checkpoint.megatron_dist import (
-        DISTOPT_MASTER_PREFIX,
-        MASTER_PREFIX,
-        OPTIM_PREFIX,
-        sharded_key,
-        write_metadata_json,
-    )
-    from megalite.checkpoint.resharding import OUTPUT_LAYER, split_tp, tp_split
-
+def write_dist(reader: CheckpointReader, dst: str) -> None:
+    """Megatron's ``torch_dist`` format in ``dst``: the global tensors under their sharded keys
+    (``dist``), ``common.pt`` and ``metadata.json``."""
     meta = reader.meta
     padded = int(meta["layout"]["padded_vocab_size"])
     names = []
@@ -338,7 +308,6 @@ def _write_dist(reader: CheckpointReader, dst: str) -> None:
     # optimizer (the fp32 masters as optimizer.state.param.<key> beside the moments, the param
     # groups with the step in common.pt), which its loader reads at any DP size
     distopt = has_optim and bool(_config_value(meta, "use_distributed_optimizer", False))
-    half = False
     out: dict = {}
     layers: dict[str, list] = {}
 
@@ -354,7 +323,6 @@ def _write_dist(reader: CheckpointReader, dst: str) -> None:
 
     for name in names:
         weight = reader.model_tensor(name)
-        half = half or weight.dtype != torch.float32
         put("", name, weight)
         if has_optim:
             o = reader.optimizer_tensors(name)
@@ -367,8 +335,7 @@ def _write_dist(reader: CheckpointReader, dst: str) -> None:
     num_layers = int(meta["config"]["model"]["num_layers"])
     for key, by_layer in layers.items():
         out[key] = torch.stack([by_layer[i] for i in range(num_layers)]).contiguous()
-    for module in ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
-                   "mlp.linear_fc2"):  # fmt: skip
+    for module in DIST_EXTRA_STATES:
         for i in range(num_layers):
             out[f"decoder.layers.{module}._extra_state/shard_{i}_{num_layers}"] = _object(None)
     for t in range(reader.tp_size):
@@ -376,14 +343,12 @@ def _write_dist(reader: CheckpointReader, dst: str) -> None:
             rng = reader.shard(t, p).get("rng_state")
             if rng:
                 key = f"rng_state/shard_{p}.{t}_{reader.pp_size}.{reader.tp_size}"
-                out[key] = _object([megatron_rng(r) for r in rng])
+                out[key] = _object([rng_state_to_megatron(r) for r in rng])
     os.makedirs(dst, exist_ok=True)
-    import warnings
-
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # "assuming ... a single process": so it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save(out, storage_writer=dcp.FileSystemWriter(dst), planner=_RawBytesPlanner(),
-                 no_dist=True)  # fmt: skip
+        writer = dcp.FileSystemWriter(dst)
+        dcp.save(out, storage_writer=writer, planner=_RawBytesPlanner(), no_dist=True)
     common = {
         "args": megatron_args(meta, reader, use_dist_ckpt=True, distributed_optimizer=distopt),
         "checkpoint_version": CHECKPOINT_VERSION,
@@ -392,63 +357,22 @@ def _write_dist(reader: CheckpointReader, dst: str) -> None:
         "content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True},
     }
     if has_optim:
-        g = _optimizer_groups(meta)
-        groups = []
-        for wd_mult in (1.0, 0.0):
-            groups.append({"wd_mult": wd_mult, "lr_mult": 1.0, "is_expert_parallel": False,
-                           "is_decoupled_lr": False, "default_config": True, "lr": g["lr"],
-                           "weight_decay": g["weight_decay"] * wd_mult, **g["extra"]})  # fmt: skip
+        groups = _param_groups(meta)
         step = reader.optimizer_header()["step"]
-        common["optimizer"] = {"state": {"common_step": torch.tensor(float(step))},
-                               "param_groups": groups}  # fmt: skip
+        common_step = torch.tensor(float(step))
+        common["optimizer"] = {"state": {"common_step": common_step}, "param_groups": groups}
         if distopt:
             for group in groups:
                 group["step"] = int(step)
-            common["optimizer"] = {"optimizer": {"param_groups": groups},
-                                   "param_state_sharding_type": "fully_reshardable"}  # fmt: skip
+            common["optimizer"] = {
+                "optimizer": {"param_groups": groups},
+                "param_state_sharding_type": "fully_reshardable",
+            }
             common["content_metadata"].update(
                 distrib_optim_sharding_type="fully_reshardable",
                 distrib_optim_fully_reshardable_mem_efficient=False,
             )
-        common["opt_param_scheduler"] = megatron_scheduler(meta)
-    del half
+        common["opt_param_scheduler"] = scheduler_to_megatron(meta)
     save_file(common, os.path.join(dst, "common.pt"))
     write_metadata_json(dst)
     fsync_dir(dst)
-
-
-def convert_to_megatron(src_iter_dir: str, dst_iter_dir: str, fmt: str) -> None:
-    """One megalite iteration directory -> the same checkpoint in Megatron's ``fmt``."""
-    from megalite.checkpoint.loading import _full_from_distributed
-
-    if fmt not in ("torch", "torch_dist"):
-        raise CheckpointError(f"--ckpt-format {fmt!r}: choose megalite, torch or torch_dist")
-    reader = CheckpointReader(src_iter_dir, full_distributed=_full_from_distributed)
-    if os.path.isdir(dst_iter_dir):
-        shutil.rmtree(dst_iter_dir)
-    os.makedirs(dst_iter_dir)
-    if fmt == "torch":
-        _write_legacy(reader, dst_iter_dir)
-    else:
-        _write_dist(reader, dst_iter_dir)
-
-
-def staging_dir(save_dir: str) -> str:
-    return os.path.join(save_dir, STAGING)
-
-
-def finish_megatron_save(save_dir: str, iteration: int | str, fmt: str) -> str:
-    """Rank 0, after the collective save into ``staging_dir(save_dir)``: convert, replace the
-    tracker, delete the staging copy. Returns the Megatron iteration directory."""
-    from megalite.checkpoint.files import iteration_dir, write_tracker
-
-    staged = iteration_dir(staging_dir(save_dir), iteration)
-    dst = iteration_dir(save_dir, iteration)
-    convert_to_megatron(staged, dst, fmt)
-    fsync_dir(save_dir)
-    write_tracker(save_dir, RELEASE if iteration == RELEASE else int(iteration))
-    shutil.rmtree(staging_dir(save_dir), ignore_errors=True)
-    return dst
-
-
-_ = TRACKER_FILE

@@ -21,7 +21,6 @@ placeholder in for any other class, so that reading a checkpoint never imports o
 
 from __future__ import annotations
 
-import argparse
 import os
 import pickle
 import types
@@ -62,6 +61,7 @@ class _Unpickler(pickle.Unpickler):
             or (module == "torch._utils" and name.startswith("_rebuild"))
             or (module == "torch._tensor" and name == "_rebuild_from_type_v2")
             or (module == "torch" and name in ("Size", "device", "Tensor"))
+            # a dtype by name (torch.float32, ...); the name comes from the file, so may be anything
             or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
             or (module == "_codecs" and name == "encode")
             or (
@@ -139,8 +139,10 @@ def adam_state_by_name(optimizer: dict, model_state: dict, *, where: str) -> dic
     fp32_from_fp16 = optimizer.get("fp32_from_fp16_params")
     names = parameter_names(model_state)
     groups = inner["param_groups"]
-    by_group = [[n for n in names if no_weight_decay(n, model_state[n].shape) == _is_no_wd_group(g)]
-                for g in groups]  # fmt: skip
+    by_group = [
+        [n for n in names if no_weight_decay(n, model_state[n].shape) == _is_no_wd_group(g)]
+        for g in groups
+    ]
     params, step = {}, 0
     for gi, (group, group_names) in enumerate(zip(groups, by_group)):
         if len(group["params"]) != len(group_names):
@@ -200,13 +202,20 @@ def adam_state_dict(full: dict, names: list[str], *, lr: float, weight_decay: fl
             }
             ids.append(index)
             index += 1
-        groups.append(
-            {"wd_mult": wd_mult, "lr_mult": 1.0, "is_expert_parallel": False,
-             "is_decoupled_lr": False, "default_config": True, "lr": lr,
-             "weight_decay": weight_decay * wd_mult, "params": ids}
-        )  # fmt: skip
+        group = param_group(lr=lr, weight_decay=weight_decay, wd_mult=wd_mult)
+        groups.append({**group, "params": ids})
     return {"state": state, "param_groups": groups}
 
 
-def namespace_args(values: dict) -> argparse.Namespace:
-    return argparse.Namespace(**values)
+def param_group(*, lr: float, weight_decay: float, wd_mult: float) -> dict:
+    """The settings of one of Megatron's two default param groups (``wd_mult`` 1: with weight
+    decay; 0: biases and norms), as its optimizer saves them."""
+    return {
+        "wd_mult": wd_mult,
+        "lr_mult": 1.0,
+        "is_expert_parallel": False,
+        "is_decoupled_lr": False,
+        "default_config": True,
+        "lr": lr,
+        "weight_decay": weight_decay * wd_mult,
+    }

@@ -31,16 +31,15 @@ The format Megatron wrote before February 2024 (uncoalesced buckets) is refused 
 from __future__ import annotations
 
 from megalite.checkpoint.files import CheckpointError
-from megalite.checkpoint.megatron_legacy import Opaque, load_megatron_file, parameter_names
+from megalite.checkpoint.megatron.args import arg
+from megalite.checkpoint.megatron.legacy import Opaque, load_megatron_file, parameter_names
 
+DISTRIB_OPTIM_FILE = "distrib_optim.pt"
 PARAM_ALIGN = 64  # elements: Megatron pads each parameter's start in its bucket to this
 DEFAULT_BUCKET = 40_000_000
 SHARED_EMBEDDINGS = {0: "embedding.word_embeddings.weight", -1: "output_layer.weight"}
-
-
-def _arg(args, name: str, default=None):
-    value = getattr(args, name, default)
-    return default if value is None else value
+# megalite's optimizer-state key -> the flat tensor of distrib_optim.pt that holds it
+FLAT_KEYS = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
 
 def _pad(n: int, divisor: int) -> int:
@@ -49,15 +48,15 @@ def _pad(n: int, divisor: int) -> int:
 
 def bucket_size_from_args(args, *, pp_rank: int, stage_numel: int) -> int | None:
     """The grad-buffer bucket size Megatron used on this pipeline stage (module doc)."""
-    if not _arg(args, "overlap_grad_reduce", False) or pp_rank > 0:
+    if not arg(args, "overlap_grad_reduce", False) or pp_rank > 0:
         return None
-    if _arg(args, "overlap_param_gather_with_optimizer_step", False):
+    if arg(args, "overlap_param_gather_with_optimizer_step", False):
         return None
-    if _arg(args, "ddp_num_buckets"):
+    if arg(args, "ddp_num_buckets"):
         return stage_numel // int(args.ddp_num_buckets)
-    if _arg(args, "ddp_bucket_size"):
+    if arg(args, "ddp_bucket_size"):
         return int(args.ddp_bucket_size)
-    dp = int(_arg(args, "data_parallel_size", 1)) * int(_arg(args, "context_parallel_size", 1))
+    dp = int(arg(args, "data_parallel_size", 1)) * int(arg(args, "context_parallel_size", 1))
     return max(DEFAULT_BUCKET, 1_000_000 * dp)
 
 
@@ -81,7 +80,7 @@ def flat_layout(
 
 
 def shared_embedding_name(args, pp_rank: int, pp_size: int) -> str | None:
-    if pp_size == 1 or _arg(args, "untie_embeddings_and_output_weights", False):
+    if pp_size == 1 or arg(args, "untie_embeddings_and_output_weights", False):
         return None
     if pp_rank == 0:
         return SHARED_EMBEDDINGS[0]
@@ -102,7 +101,7 @@ def read_distrib_optim(path: str, raw: dict, *, tp_rank: int, pp_rank: int) -> d
     megalite's per-parameter form ``{"params": {name: {"master", "exp_avg", "exp_avg_sq"}},
     "step", "scaler"}``."""
     args = raw["args"]
-    pp_size = int(_arg(args, "pipeline_model_parallel_size", 1))
+    pp_size = int(arg(args, "pipeline_model_parallel_size", 1))
     state = load_megatron_file(path)
     if not state.get("buckets_coalesced"):
         raise CheckpointError(
@@ -138,9 +137,8 @@ def read_distrib_optim(path: str, raw: dict, *, tp_rank: int, pp_rank: int) -> d
         shape = model[name].shape
         out[name] = {
             key: flat[src][start:end].reshape(shape).float().clone()
-            for key, src in (("master", "param"), ("exp_avg", "exp_avg"),
-                             ("exp_avg_sq", "exp_avg_sq"))
-        }  # fmt: skip
+            for key, src in FLAT_KEYS.items()
+        }
     scaler = (raw.get("optimizer") or {}).get("grad_scaler")
     if isinstance(scaler, dict) and "scale" in scaler:
         scaler = {k: v for k, v in scaler.items() if not isinstance(v, Opaque)}
