@@ -29,7 +29,7 @@ from torch import nn
 from megalite.checkpoint.files import CheckpointError, load_file, save_file
 from megalite.checkpoint.resharding import TPSplit, merge_tp, split_tp, stage_of
 from megalite.core.moe.experts import GroupedExperts
-from megalite.core.optimizer.zero1_checkpoint import full_state_buffers
+from megalite.core.optimizer.sharded_state_format import full_state_buffers
 from megalite.core.parallel_state import ParallelState
 
 EXPERTS_DIR = "experts"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from megalite.checkpoint.megatron import CKPT_FORMATS
+from megalite.checkpoint.formats import CKPT_FORMATS
 from megalite.core.context_parallel import CP_COMM_TYPES
 from megalite.core.distributed import STRATEGIES
 from megalite.core.moe.config import (
