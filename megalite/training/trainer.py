@@ -41,6 +41,7 @@ from megalite.training.pipeline_config import effective_schedule
 from megalite.training.progress import Progress
 from megalite.training.signals import ExitSignalHandler, any_rank_signalled
 from megalite.training.step_stats import DeviceStats, IntervalSnapshot
+from megalite.training.tensorboard import TensorBoardLogger
 from megalite.training.train_step import StepResult, train_step
 
 logger = logging.getLogger(__name__)
@@ -144,8 +145,17 @@ class Trainer:
         self.result = TrainResult()
         self.exit_signal: ExitSignalHandler | None = None  # --exit-signal-handler, set by pretrain
         self.progress = Progress(cfg, ps, device)  # the log lines and TensorBoard scalars
-        self.is_log_rank, self.tensorboard = self.progress.is_log_rank, self.progress.tensorboard
         self.stats = DeviceStats(device)
+
+    @property
+    def is_log_rank(self) -> bool:
+        """This rank prints the progress lines (the last rank: the last pipeline stage)."""
+        return self.progress.is_log_rank
+
+    @property
+    def tensorboard(self) -> TensorBoardLogger:
+        """The run's TensorBoard writer (inactive without ``tensorboard_dir``)."""
+        return self.progress.tensorboard
 
     def _schedule_kwargs(self) -> dict:
         return {

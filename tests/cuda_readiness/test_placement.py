@@ -22,7 +22,7 @@ from megalite.core.pipeline_parallel.actions import StageLayout
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.core.tensor_parallel.random import RNGStatesTracker
 from megalite.data import samplers
-from megalite.training import trainer
+from megalite.training import progress
 
 
 def test_rng_states_restored_only_on_the_device_kind_that_saved_them(monkeypatch, caplog):
@@ -209,9 +209,9 @@ def test_peak_memory_is_the_cuda_allocators_on_cuda(monkeypatch):
     monkeypatch.setattr(
         torch.cuda, "max_memory_allocated", lambda d=None: asked.append(d) or 3 * 2**20
     )
-    assert trainer.peak_memory_mib(torch.device("cuda", 1)) == 3.0
+    assert progress.peak_memory_mib(torch.device("cuda", 1)) == 3.0
     assert asked == [torch.device("cuda", 1)]
-    assert trainer.peak_memory_mib(torch.device("cpu")) > 0  # the resident set on CPU
+    assert progress.peak_memory_mib(torch.device("cpu")) > 0  # the resident set on CPU
     assert len(asked) == 1
 
 

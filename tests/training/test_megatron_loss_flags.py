@@ -168,7 +168,7 @@ def test_num_zeros_in_log_line_and_tensorboard():
         def scalars(self, values, step):
             written.update({k: v for k, v in values.items() if v is not None})
 
-    trainer.tensorboard = Board()
+    trainer.progress.tensorboard = Board()
     with LogCapture() as logs:
         trainer.train(make_forward_step(CPU), data)
     lines = [m for m in logs.lines if m.startswith(" iteration")]
