@@ -4,7 +4,7 @@
 #                                            # (default gpu_check_results.md)
 #   GPU_CHECK_LIST_RUNS=1 bash scripts/gpu_check.sh   # print each training run's flags, run nothing
 # Steps: the fused kernels compiled (no interpreter) against float64; the CUDA-only checks of
-# tests/cuda_readiness (SDPA flash/efficient kernels in bf16, CP block attention's efficient
+# tests/test_cuda_only.py (SDPA flash/efficient kernels in bf16, CP block attention's efficient
 # kernel, the offloaded step); one-GPU training with nccl on mock data (TP1/PP1; ZeRO-1, -2 and -3
 # and ZeRO-1 with half the optimizer offloaded to the host, each with a world of 1; MoE at EP1
 # with the all-to-all dispatcher; unfused kernels); tools/bench/bench_kernels.py;
@@ -76,7 +76,7 @@ step() {  # step NAME COMMAND...: run, log to $LOGS/NAME.log, record a row
 step kernels_compiled "$PY" -m pytest -q -p no:cacheprovider --noconftest \
   tests/kernels/test_cuda_compiled.py
 step cuda_paths "$PY" -m pytest -q -p no:cacheprovider --noconftest \
-  tests/cuda_readiness/test_cuda_only.py
+  tests/test_cuda_only.py
 for name in "${RUN_NAMES[@]}"; do
   read -r -a flags <<<"$(run_flags "$name")"
   step "$name" "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \

@@ -40,7 +40,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 if [[ $# -eq 0 ]]; then
   echo "== pytest, fused kernels on (TRITON_INTERPRET=1)"
   TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider -m kernels_on \
-    tests/core/test_sequence_parallel.py tests/models tests/conversion \
+    tests/core/tensor_parallel/test_sequence_parallel.py tests/models tests/conversion \
     tests/planning/test_memory_prediction.py
 fi
 

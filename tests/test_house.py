@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tests.paths import ROOT
 from tools import check_history, import_graph
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_megalite_has_no_import_circle():

@@ -4,9 +4,8 @@ the listed ones, so a missing entry breaks `pip install .` while the editable in
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import ROOT
 
 
 def test_every_package_is_listed_in_pyproject():

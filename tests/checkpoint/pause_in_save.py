@@ -17,11 +17,10 @@ import os
 import runpy
 import sys
 import time
-from pathlib import Path
 
 from megalite.checkpoint import saving
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 ENV = "MEGALITE_TEST_PAUSE_IN_SAVE"
 
 

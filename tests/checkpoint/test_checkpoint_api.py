@@ -15,7 +15,6 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,9 +23,9 @@ from megalite import checkpoint
 from megalite.core.parallel_state import ParallelState
 from megalite.training.components import setup_model_and_optimizer
 from megalite.training.forward_step import make_forward_step
+from tests.paths import ROOT
 from tests.training.common import FAMILIES, config, trainer_and_data
 
-ROOT = Path(__file__).resolve().parents[2]
 SINGLE = ParallelState.single()
 CPU = torch.device("cpu")
 

@@ -20,15 +20,14 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from megalite.checkpoint.files import read_tracker
 from megalite.training.pretrain import pretrain
+from tests.paths import ROOT
 from tests.training.common import BASE, assert_close_rel, config
 
-ROOT = Path(__file__).resolve().parents[2]
 PAUSE = re.compile(r"MEGALITE_TEST_PAUSE_IN_SAVE: pausing .* iteration 4 \(pid (\d+)\)")
 
 

@@ -27,11 +27,12 @@ import torch.distributed as dist
 
 from megalite.checkpoint.resharding import merge_tp, split_tp, tp_split
 from megalite.checkpoint.saving import optimizer_full_state
-from megalite.core.parallel_state import ParallelState, initialize_model_parallel
+from megalite.core.parallel_state import ParallelState
 from megalite.models import GPTModel
 from megalite.training.forward_step import make_forward_step
 from megalite.training.pretrain import pretrain
 from tests.harness import run_distributed
+from tests.mesh import mesh
 from tests.models.helpers import make_config, shard_of_full
 from tests.training.common import FAMILIES, assert_close_rel, config, trainer_and_data
 
@@ -74,7 +75,7 @@ def test_saved_optimizer_views_equal_the_optimizers_full_state():
 
 def _attributes_case() -> list[str]:
     """At TP 2 (on 2 ranks), every parameter's attributes against ``tp_split``."""
-    ps = initialize_model_parallel(2, 1)
+    ps = mesh(2, 1)
     bad = []
     try:
         for family in ("gpt2", "llama"):

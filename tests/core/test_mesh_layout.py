@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from math import prod
 
 import pytest
 
 from megalite.core.mesh_layout import dense_or_expert, mesh_sizes, rank_coords, rank_groups
 from megalite.core.parallel_state import all_group_ranks
+from tests import paths
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "megatron_rank_groups.json")
+FIXTURE = str(paths.FIXTURES / "megatron_rank_groups.json")
 AXES = ("tp", "cp", "ep", "dp", "pp")
 ORDERS = ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp")
 TOKENS = ("tp", "cp", "ep", "dp", "pp", "tp-cp", "dp-cp", "tp-pp", "tp-dp-cp", "tp-ep", "tp-ep-pp")

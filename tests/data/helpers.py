@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.paths import ROOT as REPO
 
 
 def shared_fixture(name: str) -> Path:

@@ -16,9 +16,10 @@ from __future__ import annotations
 import torch
 
 from megalite.core.context_parallel import cp_token_indices, split_for_cp
-from megalite.core.parallel_state import ParallelState, initialize_model_parallel
+from megalite.core.parallel_state import ParallelState
 from megalite.models import GPTModel
 from tests.harness import run_distributed
+from tests.mesh import mesh
 from tests.models.helpers import make_config
 
 S = 64
@@ -57,7 +58,7 @@ def _bytes(family: str, ps: ParallelState, comm_type: str) -> int:
 def _case() -> dict:
     out = {}
     for cp in (2, 4):
-        ps = initialize_model_parallel(1, 1, context_parallel_size=cp)
+        ps = mesh(1, 1, cp=cp)
         for family in ("gpt2", "llama"):
             for comm_type in ("p2p", "a2a", "all_gather"):
                 out[(cp, family, comm_type)] = _bytes(family, ps, comm_type)

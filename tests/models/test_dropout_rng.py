@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import torch
 
-from megalite.core.parallel_state import initialize_model_parallel
 from megalite.core.tensor_parallel.random import RNGStatesTracker, model_parallel_seed
 from megalite.models import GPTModel
 from tests.harness import run_distributed
+from tests.mesh import mesh
 from tests.models.helpers import make_batch, make_config
 
 
 def _masks_case(sp: bool) -> dict[str, list[torch.Tensor]]:
-    ps = initialize_model_parallel(2)  # world 4: ranks (tp, dp) = 0:(0,0) 1:(1,0) 2:(0,1) 3:(1,1)
+    ps = mesh(2)  # world 4: ranks (tp, dp) = 0:(0,0) 1:(1,0) 2:(0,1) 3:(1,1)
     tracker = model_parallel_seed(1234, tp_rank=ps.tp_rank, pp_rank=ps.pp_rank)
     config = make_config(
         "gpt2",

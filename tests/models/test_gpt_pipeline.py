@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.core.parallel_state import ParallelState, initialize_model_parallel
+from megalite.core.parallel_state import ParallelState
 from megalite.core.pipeline_parallel.forward_backward import (
     forward_backward_no_pipelining,
     forward_backward_pipelining_1f1b,
@@ -25,6 +25,7 @@ from megalite.core.pipeline_parallel.model_chunk import ModelChunk
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.models import GPTModel
 from tests.harness import run_distributed
+from tests.mesh import mesh
 from tests.models.helpers import make_batch, make_config, weighted_lm_step
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -54,7 +55,7 @@ def _global_name(name: str, offset: int) -> str:
 
 
 def _stage_case(pp, cases):
-    ps = initialize_model_parallel(1, pp)
+    ps = mesh(1, pp)
     for family, tied, m, schedule, first_last in cases:
         first, last = first_last or (None, None)
         config = make_config(

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from megalite.core.distributed.sp_grads import all_reduce_sequence_parallel_grads
 from megalite.core.norms import LayerNorm, RMSNorm
-from megalite.core.parallel_state import ParallelState, initialize_model_parallel
+from megalite.core.parallel_state import ParallelState
 from megalite.data.gpt_dataset import (
     document_attention_mask,
     document_ids,
@@ -36,6 +36,7 @@ from megalite.models.mlp import MLP
 from megalite.models.rotary import apply_rotary, rotary_cos_sin, rotary_inv_freq
 from tests.harness import run_distributed
 from tests.kernels.interpreter import use_triton_interpreter
+from tests.mesh import mesh
 from tests.models.helpers import make_config, rel_err, shard_of_full
 
 TOL = 1e-5
@@ -332,7 +333,7 @@ def _err(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-3) -> float:
 
 
 def _tp_case():
-    ps = initialize_model_parallel(2)
+    ps = mesh(2)
     out = []
     tokens = torch.tensor([[1, 2, EOD, 3, 4, 5, 6, 8], [9, 10, 11, 12, EOD, 13, EOD, 14]])
     labels = torch.roll(tokens, -1, 1)

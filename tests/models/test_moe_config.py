@@ -8,7 +8,7 @@ import pytest
 from megalite.models.config import GPTConfig
 from megalite.models.moe_config import moe_layer_pattern
 from megalite.training.arguments import parse_args
-from tests.slurm.test_scripts import _dry_run, _parameters
+from tests.scripts.test_pretrain_scripts import _dry_run, _parameters
 
 
 def _config(**moe) -> GPTConfig:

@@ -11,14 +11,15 @@ from __future__ import annotations
 import torch
 
 from megalite.core.distributed.sp_grads import all_reduce_sequence_parallel_grads
-from megalite.core.parallel_state import ParallelState, initialize_model_parallel
+from megalite.core.parallel_state import ParallelState
 from megalite.models import GPTModel
 from tests.harness import run_distributed
+from tests.mesh import mesh
 from tests.models.helpers import make_batch, make_config, rel_err, shard_of_full
 
 
 def _compare() -> dict[str, float]:
-    ps = initialize_model_parallel(2)
+    ps = mesh(2)
     config = make_config(
         "llama",
         add_qkv_bias=True,

@@ -17,10 +17,11 @@ import torch
 
 import megalite.models.transformer as transformer_module
 from megalite.core.distributed.sp_grads import all_reduce_sequence_parallel_grads
-from megalite.core.parallel_state import ParallelState, initialize_model_parallel
+from megalite.core.parallel_state import ParallelState
 from megalite.core.tensor_parallel.random import checkpoint, model_parallel_seed
 from megalite.models import GPTModel
 from tests.harness import run_distributed
+from tests.mesh import mesh
 from tests.models.helpers import make_batch, make_config, rel_err
 
 SETTINGS = {
@@ -128,7 +129,7 @@ def test_recompute_matches_none_with_dropout(family, backend):
 
 
 def _tp2_sp_case():
-    ps = initialize_model_parallel(2)
+    ps = mesh(2)
     return {
         f"{family}/{backend}": _compare_recompute(ps, family, backend, sp=True)
         for family in ("gpt2", "llama")

@@ -21,9 +21,10 @@ import pytest
 import torch
 
 from megalite.core.distributed.sp_grads import all_reduce_sequence_parallel_grads
-from megalite.core.parallel_state import ParallelState, initialize_model_parallel
+from megalite.core.parallel_state import ParallelState
 from megalite.models import GPTModel
 from tests.harness import run_distributed
+from tests.mesh import mesh
 from tests.models.helpers import make_batch, make_config, rel_err, shard_of_full
 
 TOL = 1e-5
@@ -44,7 +45,7 @@ def _run(model: GPTModel, config) -> torch.Tensor:
 
 def _compare_case(tp_size: int, cases) -> list[tuple[str, dict[str, float]]]:
     """On every rank: errors of the TP model against the oracle, per case and tensor."""
-    ps = initialize_model_parallel(tp_size)
+    ps = mesh(tp_size)
     out = []
     for family, sp, backend in cases:
         # make_vocab_size_divisible_by=8: padded vocab 104 (oracle), 112 (TP2), 128 (TP4)

@@ -8,7 +8,6 @@ import importlib.util
 import logging
 import os
 import re
-from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -16,9 +15,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from megalite.measure import first_step
 from megalite.measure.first_step import FirstStepComparison, uncovered_features
 from megalite.training.pretrain import pretrain
+from tests.paths import ROOT
 from tests.training.common import BASE, config
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -7,16 +7,14 @@ import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from megalite.training.arguments import parse_args
 from megalite.training.config import ConfigError
+from tests.paths import ROOT
 from tests.training.common import BASE, FAMILIES, LogCapture
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _entry():

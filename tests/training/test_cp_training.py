@@ -19,11 +19,12 @@ import tempfile
 import pytest
 import torch.distributed as dist
 
-from megalite.core.parallel_state import ParallelState, initialize_model_parallel
+from megalite.core.parallel_state import ParallelState
 from megalite.training.arguments import parse_args
 from megalite.training.config import ConfigError
 from megalite.training.pretrain import pretrain
 from tests.harness import run_distributed
+from tests.mesh import mesh
 from tests.training.common import (
     BASE,
     FAMILIES,
@@ -61,10 +62,10 @@ def _layouts_case(layouts, save: str) -> dict:
             continue
         cfg = config(*FAMILIES[family], *flags, world_size=world, rank=rank)
         par = cfg.parallel
-        ps = initialize_model_parallel(
+        ps = mesh(
             par.tensor_model_parallel_size,
             par.pipeline_model_parallel_size,
-            context_parallel_size=par.context_parallel_size,
+            cp=par.context_parallel_size,
         )
         try:
             result = train_losses(cfg, ps)

@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megalite.core.parallel_state import ParallelState, initialize_model_parallel
+from megalite.core.parallel_state import ParallelState
 from tests.harness import run_distributed
+from tests.mesh import mesh
 from tests.training.common import FAMILIES, assert_close_rel, config, train_losses
 
 REL = 1e-5
@@ -46,7 +47,7 @@ def _layouts_case(layouts: list[tuple[str, int, bool]]) -> dict:
         if sp:
             extra.append("--sequence-parallel")
         cfg = config(*extra, world_size=world, rank=rank)
-        ps = initialize_model_parallel(tp, 1)
+        ps = mesh(tp, 1)
         try:
             result = train_losses(cfg, ps)
             runs[(family, tp, sp)] = (ps.dp_size, (result.losses, result.grad_norms))
@@ -78,7 +79,7 @@ def test_tp1_dp1_in_process_equals_oracle():
         init_single_process()
     try:
         for family in FAMILIES:
-            ps = initialize_model_parallel(1, 1)
+            ps = mesh(1, 1)
             try:
                 result = train_losses(config(*FAMILIES[family], *BUCKETS), ps)
             finally:
@@ -120,7 +121,7 @@ def _recompute_case(dropout: float) -> dict[str, list[float]]:
             extra = [*FAMILIES[family], "--tensor-model-parallel-size", "2", "--sequence-parallel"]
             extra += ["--hidden-dropout", str(dropout), "--attention-dropout", str(dropout)]
             cfg = config(*extra, *flags, *RECOMPUTE_ITERS, world_size=world, rank=rank)
-            ps = initialize_model_parallel(2, 1)
+            ps = mesh(2, 1)
             try:
                 out[f"{family}/{name}"] = train_losses(cfg, ps, dropout_seeded=True).losses
             finally:

@@ -56,9 +56,9 @@ def test_no_host_read_outside_the_log_interval(flags, per_step):
 
 
 def _pipeline_case():
-    from megalite.core.parallel_state import initialize_model_parallel
+    from tests.mesh import mesh
 
-    ps = initialize_model_parallel(1, 2)
+    ps = mesh(1, 2)
     try:
         counts, where = _reads_per_iteration(
             ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"], ps

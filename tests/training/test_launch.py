@@ -7,14 +7,12 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from megalite.training.launch import LaunchInfo, detect_launch, expand_nodelist, first_slurm_host
+from tests.paths import ROOT
 from tests.training.common import BASE
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_torchrun_environment():

@@ -16,13 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.core.parallel_state import ParallelState, initialize_model_parallel
+from megalite.core.parallel_state import ParallelState
 from megalite.data.samplers import GPTBatchCollator
 from megalite.models import GPTModel
 from megalite.training.config import ConfigError
 from megalite.training.forward_step import make_forward_step
 from megalite.training.logging import IntervalStats, format_iteration_line
 from tests.harness import run_distributed
+from tests.mesh import mesh
 from tests.training.common import FAMILIES, LogCapture, config, trainer_and_data
 
 TOL = 1e-5
@@ -76,7 +77,7 @@ def _per_token_case(family: str, layout: str):
     cp = ["--context-parallel-size", "2"] if layout == "cp2" else []
     flags = [*FAMILIES[family], *cp, "--calculate-per-token-loss", "--clip-grad", "0"]
     cfg = config(*flags, world_size=2, rank=rank)
-    ps = initialize_model_parallel(1, context_parallel_size=2 if cp else 1)
+    ps = mesh(1, cp=2 if cp else 1)
     trainer, _ = trainer_and_data(cfg, ps)
     module = trainer.model[0].module
     oracle = GPTModel(cfg.model, ParallelState.single())
@@ -104,7 +105,7 @@ def _pp2_documents_case(family: str):
     for name, pp in (("pp2", 2), ("single", 1)):
         if pp == 2:
             cfg = config(*flags, "--pipeline-model-parallel-size", "2", world_size=2, rank=rank)
-            ps = initialize_model_parallel(1, 2)
+            ps = mesh(1, 2)
         else:
             cfg, ps = config(*flags), ParallelState.single()
         trainer, _ = trainer_and_data(cfg, ps)

@@ -19,11 +19,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.core.parallel_state import ParallelState, initialize_model_parallel
+from megalite.core.parallel_state import ParallelState
 from megalite.training.config import ConfigError
 from megalite.training.forward_step import make_forward_step
 from megalite.training.pretrain import build_run
 from tests.harness import run_distributed
+from tests.mesh import mesh
 from tests.training.common import FAMILIES, assert_close_rel, config, train_losses
 
 REL = 1e-6
@@ -43,9 +44,7 @@ LAYOUTS = [
 
 def _mesh(cfg):
     par = cfg.parallel
-    return initialize_model_parallel(
-        par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-    )
+    return mesh(par.tensor_model_parallel_size, par.pipeline_model_parallel_size)
 
 
 def ladder_case(cases) -> dict:

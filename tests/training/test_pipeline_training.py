@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from megalite.core.parallel_state import ParallelState, initialize_model_parallel
+from megalite.core.parallel_state import ParallelState
 from tests.harness import run_distributed
+from tests.mesh import mesh
 from tests.training.common import FAMILIES, assert_close_rel, config, train_losses
 
 REL = 1e-5
@@ -33,7 +34,7 @@ def _run(layouts: list[tuple[str, tuple[str, ...], tuple[str, ...]]]) -> dict:
             oracle = (result.losses, result.grad_norms)
         cfg = config(*extra, *layout_flags, world_size=world, rank=rank)
         par = cfg.parallel
-        ps = initialize_model_parallel(
+        ps = mesh(
             par.tensor_model_parallel_size, par.pipeline_model_parallel_size, order=par.rank_order
         )
         if par.use_tp_pp_dp_mapping:  # tp-pp-dp: with TP 1 a pipeline is consecutive ranks

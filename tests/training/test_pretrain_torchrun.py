@@ -10,14 +10,13 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from megalite.training.pretrain import pretrain
+from tests.paths import ROOT
 from tests.training.common import BASE, FAMILIES, config
 
-ROOT = Path(__file__).resolve().parents[2]
 FLAGS = [
     *BASE,
     *FAMILIES["llama"],

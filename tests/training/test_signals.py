@@ -29,9 +29,9 @@ import torch.distributed as dist
 from megalite.training.config import ConfigError
 from megalite.training.signals import ExitSignalHandler, any_rank_signalled, parse_signal
 from tests.harness import run_distributed
+from tests.paths import ROOT
 from tests.training.common import BASE, config
 
-ROOT = Path(__file__).resolve().parents[2]
 TRACKER = "latest_checkpointed_iteration.txt"
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.core.parallel_state import ParallelState, initialize_model_parallel
+from megalite.core.parallel_state import ParallelState
 from megalite.core.pipeline_parallel.forward_backward import (
     forward_backward_no_pipelining,
     forward_backward_pipelining,
@@ -36,6 +36,7 @@ from megalite.errors import ConfigError
 from megalite.models import GPTModel
 from megalite.training.model_chunks import build_gpt_chunks, stage_blocks, tied_params
 from tests.harness import run_distributed
+from tests.mesh import mesh
 from tests.models.helpers import make_batch, make_config, weighted_lm_step
 from tests.training.common import config
 
@@ -113,7 +114,7 @@ def _oracles(pp, layers) -> dict:
 
 
 def _world(pp):
-    ps = initialize_model_parallel(1, pp)
+    ps = mesh(1, pp)
     layers = 2 * pp  # v 2: one layer per chunk (the largest v the cases use)
     oracles = _oracles(pp, layers)
     failures, count = [], 0
