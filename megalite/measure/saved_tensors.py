@@ -10,7 +10,8 @@ total seen, which is what the planner's activation term predicts for a training 
 Under the zero-bubble schedules (zb-h1, zbv, dualpipev) a linear layer's saved input is released
 at I, like every saved tensor of that backward; the weight-grad queue then holds it (and the
 output grad) until W, outside autograd: neither counted here nor in the planner's term. The hooks
-leave the step's numbers bit-identical (tests/core/pipeline_parallel/test_saved_tensor_hooks_wgrad.py).
+leave the step's numbers bit-identical
+(tests/core/pipeline_parallel/test_saved_tensor_hooks_wgrad.py).
 """
 
 from __future__ import annotations
