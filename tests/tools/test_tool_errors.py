@@ -30,6 +30,7 @@ from tools import (
     make_stdlib_corpus,
     merge_datasets,
     pipeline_timeline,
+    plan,
     preprocess_data,
     train_tokenizer,
 )
@@ -215,6 +216,37 @@ def test_dataset_tools(tmp_path, capsys):
     )
     assert status == 1
     one_error_line(err, str(tmp_path / "none.json"))
+
+
+def test_plan_refuses_an_unwritable_calibration_file_before_calibrating(
+    tmp_path, capsys, monkeypatch
+):
+    from tools.planner import calibrate
+
+    def no_calibration():
+        raise AssertionError("calibrated before checking --calibration-out")
+
+    monkeypatch.setattr(calibrate, "calibrate", no_calibration)
+    blocker = tmp_path / "f"
+    blocker.write_text("x")
+    folder = tmp_path / "ro"
+    (tmp_path / "taken").mkdir()
+    cases = [
+        (blocker / "c.json", "cannot create its folder"),  # a file where its folder should be
+        (tmp_path / "taken", "is a folder; give a file path for the calibration"),
+    ]
+    with read_only(folder) as ok:
+        if ok:
+            cases.append((folder / "c.json", "cannot write it ("))
+        for out, needle in cases:
+            argv = ["--calibrate", "--calibration-out", out]
+            status, err = run_in_process(plan.main, argv, capsys)
+            assert status == 1
+            one_error_line(err, "--calibration-out", str(out), needle, "give a")
+    # a real process: the same line, no traceback
+    proc = run_script("tools/plan.py", ["--calibrate", "--calibration-out", blocker / "c.json"])
+    assert proc.returncode == 1, proc.stderr
+    one_error_line(proc.stderr, f"--calibration-out {blocker / 'c.json'}", "cannot create")
 
 
 def test_port_in_use_under_srun_is_one_line(capsys):
