@@ -172,15 +172,35 @@ def test_conversion_tools(tmp_path, capsys):
     status, err = run_in_process(to_megalite, ["--load", hf, "--save", blocker / "x"], capsys)
     assert status == 1
     one_error_line(err, f"--save {blocker / 'x'}", "cannot create the folder")
-    status, err = run_in_process(to_megalite, ["--load", hf, "--save", tmp_path / "m"], capsys)
+    status, err = run_in_process(
+        to_megalite, ["--load", hf, "--save", tmp_path / "m" / "c"], capsys
+    )
     assert status == 1
     one_error_line(err, f"--load {hf}", "cannot read model.safetensors")
-    assert files_under(tmp_path / "m") == []
     # megalite -> HF: an impossible --save is found before the checkpoint is read
     to_hf = convert_checkpoint_to_hf.main
     status, err = run_in_process(to_hf, ["--load", tmp_path / "m", "--save", blocker / "y"], capsys)
     assert status == 1
     one_error_line(err, f"--save {blocker / 'y'}")
+    # a checkpoint that is not there: refused, and no --save folder (nor its parents) made
+    status, err = run_in_process(
+        to_hf, ["--load", tmp_path / "m", "--save", tmp_path / "h"], capsys
+    )
+    assert status == 1
+    one_error_line(err, str(tmp_path / "m"))
+    # a failed conversion leaves nothing that looks like output: no folder, no partial sibling
+    assert sorted(os.listdir(tmp_path)) == ["f", "hf"]
+    # a folder the user had is kept as it was
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    status, err = run_in_process(to_megalite, ["--load", hf, "--save", mine], capsys)
+    assert status == 1
+    assert files_under(mine) == ["notes.txt"] and sorted(os.listdir(tmp_path)) == [
+        "f",
+        "hf",
+        "mine",
+    ]
 
 
 def test_dataset_tools(tmp_path, capsys):
