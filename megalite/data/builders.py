@@ -141,7 +141,7 @@ def _build_split(
     if len(parts) == 1:
         return parts[0]
     beside = default_blend_cache_dir(prefixes[0])
-    cache = cache_dirs.resolve(cfg.data_cache_path, beside=beside, warn=write_cache)
+    cache = cache_dirs.resolve(cfg.data_cache_path, beside=beside, writer=write_cache)
     return BlendedDataset(parts, weights, num_samples, cache=cache, write_cache=write_cache)
 
 

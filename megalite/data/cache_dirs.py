@@ -47,43 +47,53 @@ def user_cache_dir(beside: str) -> str:
     return os.path.join(user_cache_root(), f"{name}-{digest}", os.path.basename(beside))
 
 
-def can_write(folder: str) -> bool:
-    """Whether this process can create ``folder`` (if missing) and files in it: a probe file is
-    created and removed in ``folder`` or, when it does not exist yet, in its nearest existing
-    parent. A real write, not the permission bits: read-only mounts and immutable folders refuse
-    it even for root."""
-    probe_dir = os.path.abspath(folder)
-    while not os.path.isdir(probe_dir):
-        if os.path.exists(probe_dir):  # a file where a folder should be
-            return False
-        parent = os.path.dirname(probe_dir)
-        if parent == probe_dir:
-            return False
-        probe_dir = parent
-    probe = os.path.join(probe_dir, f".megalite-write-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+def _nearest_folder(folder: str) -> str | None:
+    """``folder`` or its nearest existing parent; None when a file stands in the way."""
+    folder = os.path.abspath(folder)
+    while not os.path.isdir(folder):
+        parent = os.path.dirname(folder)
+        if os.path.exists(folder) or parent == folder:  # a file where a folder should be
+            return None
+        folder = parent
+    return folder
+
+
+def can_write(folder: str, *, probe: bool = True) -> bool:
+    """Whether this process can create ``folder`` (if missing) and files in it. ``probe``: by a
+    real write (a file created and removed in ``folder``, or its nearest existing parent), which
+    read-only mounts and immutable folders refuse even for root; else by ``os.access`` alone, for
+    the ranks that only read (no file created by every rank of a job)."""
+    existing = _nearest_folder(folder)
+    if existing is None:
+        return False
+    if not probe:
+        return os.access(existing, os.W_OK | os.X_OK)
+    path = os.path.join(existing, f".megalite-write-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        with open(probe, "wb"):
+        with open(path, "wb"):
             pass
     except OSError:
         return False
     try:
-        os.remove(probe)
+        os.remove(path)
     except OSError:
         pass
     return True
 
 
-def resolve(cache_dir: str | None, *, beside: str, warn: bool = True) -> CacheDirs:
+def resolve(cache_dir: str | None, *, beside: str, writer: bool = True) -> CacheDirs:
     """The folders for a cache: ``cache_dir`` (``--data-cache-path``) when given, else ``beside``
-    the data when writable, else the per-user folder (module docstring; ``warn``: say so, once per
-    data folder per process: on the ranks that write)."""
+    the data when writable, else the per-user folder (module docstring). ``writer``: this rank
+    writes the caches: it probes by writing and says (once per data folder and process) that it
+    uses the per-user folder; the other ranks only ask ``os.access``, and read both folders (the
+    writer's probe may have found what ``os.access`` did not)."""
     if cache_dir:
-        return CacheDirs((cache_dir,), cache_dir if can_write(cache_dir) else None)
-    if can_write(beside):
-        return CacheDirs((beside,), beside)
+        return CacheDirs((cache_dir,), cache_dir if can_write(cache_dir, probe=writer) else None)
     fallback = user_cache_dir(beside)
-    writable = can_write(fallback)
-    if warn:
+    if can_write(beside, probe=writer):
+        return CacheDirs((beside,) if writer else (beside, fallback), beside)
+    writable = can_write(fallback, probe=writer)
+    if writer:
         _warn_read_only(
             os.path.dirname(os.path.dirname(os.path.abspath(beside))), fallback, writable
         )

@@ -95,7 +95,7 @@ class GPTDataset:
         dirs = None
         if use_cache:
             beside = default_cache_dir(indexed.prefix)
-            dirs = cache_dirs.resolve(cache_dir, beside=beside, warn=write_cache)
+            dirs = cache_dirs.resolve(cache_dir, beside=beside, writer=write_cache)
         arrays = index_cache.load_or_build(
             dirs,
             self.description,

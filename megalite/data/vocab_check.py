@@ -64,7 +64,7 @@ def token_range(
         return {"range": np.asarray(values, dtype=np.float64)}
 
     description = {"kind": "TokenRange", "data": dataset_fingerprint(indexed)}
-    dirs = cache_dirs.resolve(cache_dir, beside=default_cache_dir(indexed.prefix), warn=scan)
+    dirs = cache_dirs.resolve(cache_dir, beside=default_cache_dir(indexed.prefix), writer=scan)
     if scan or dirs.write is None:
         arrays = index_cache.load_or_build(dirs, description, ["range"], build=build, write=scan)
     else:

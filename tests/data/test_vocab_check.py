@@ -15,7 +15,7 @@ from megalite.training.arguments import parse_args
 from megalite.training.config import with_tokenizer
 from megalite.training.launch import LaunchInfo
 from megalite.training.startup_checks import check_startup
-from tests.user_errors import TINY, dataset, good_docs
+from tests.user_errors import TINY, dataset, files_under, good_docs, read_only
 
 LOCAL_RANKS = 3  # one node
 
@@ -47,19 +47,16 @@ def _rank(local_rank: int, argv: list[str], looked, results) -> None:
     results.put((local_rank, scanned, outcome))
 
 
-@pytest.mark.parametrize("bad", [False, True], ids=["ids fit", "id 200 beyond the vocabulary"])
-def test_a_cold_cache_is_read_by_local_rank_0_alone(tmp_path, bad):
-    # a blend of two datasets: two .bin files, neither cached yet
-    first = dataset(tmp_path, "a")
-    second = dataset(tmp_path, "b", good_docs(seed=1) + ([[5, 200, 7]] if bad else []))
-    argv = [*TINY, "--data-path", first, second, "--distributed-timeout-minutes", "2"]
+def _start_ranks(argv: list[str]) -> dict[int, tuple[list[str], str]]:
+    """Local ranks 0..2 of one node through the start-up checks: {local rank: (the .bin files it
+    scanned, its outcome)}. The waiting ranks start first and look for the cache before local
+    rank 0 exists (a cold cache)."""
     ctx = mp.get_context("fork")
     looked = [ctx.Event() for _ in range(LOCAL_RANKS)]
     results = ctx.Queue()
     procs = {
         r: ctx.Process(target=_rank, args=(r, argv, looked, results)) for r in range(LOCAL_RANKS)
     }
-    # the waiting ranks start first and look for the cache before local rank 0 exists (cold)
     for r in (1, 2):
         procs[r].start()
     for r in (1, 2):
@@ -72,6 +69,25 @@ def test_a_cold_cache_is_read_by_local_rank_0_alone(tmp_path, bad):
     for p in procs.values():
         p.join(30)
         assert p.exitcode == 0
+    return got
+
+
+@pytest.mark.parametrize(
+    "case", ["ids fit", "id 200 beyond the vocabulary", "read-only data folder"]
+)
+def test_a_cold_cache_is_read_by_local_rank_0_alone(tmp_path, monkeypatch, case):
+    # a blend of two datasets: two .bin files, neither cached yet
+    data = tmp_path / "data"
+    data.mkdir()
+    bad = case == "id 200 beyond the vocabulary"
+    first = dataset(data, "a")
+    second = dataset(data, "b", good_docs(seed=1) + ([[5, 200, 7]] if bad else []))
+    argv = [*TINY, "--data-path", first, second, "--distributed-timeout-minutes", "2"]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    with read_only(data if case == "read-only data folder" else tmp_path / "unused") as ok:
+        if case == "read-only data folder" and not ok:
+            pytest.skip("cannot make a folder read-only here (no chattr for root)")
+        got = _start_ranks(argv)
     # local rank 0 read each .bin once; the others read none, and reached the same verdict
     assert got[0][0] == [first, second]
     assert got[1][0] == [] and got[2][0] == []
@@ -82,6 +98,9 @@ def test_a_cold_cache_is_read_by_local_rank_0_alone(tmp_path, bad):
         assert outcome.startswith(f"--data-path {second}.bin: largest token id 200"), outcome
     else:
         assert outcome == "ok"
+    # the ranges are cached beside the data, or per user when the data folder is read-only
+    cached = files_under(tmp_path / "xdg") if case == "read-only data folder" else files_under(data)
+    assert sum(f.endswith("TokenRange-description.json") for f in cached) == 2
 
 
 def test_a_waiting_rank_gives_up_in_one_line(tmp_path):
@@ -102,6 +121,6 @@ def test_a_waiting_rank_gives_up_in_one_line(tmp_path):
 
 def test_a_waiting_rank_scans_when_no_folder_is_writable(tmp_path, monkeypatch):
     # nobody could write the entry, so waiting would only time out: each rank reads on its own
-    monkeypatch.setattr(cache_dirs, "can_write", lambda folder: False)
+    monkeypatch.setattr(cache_dirs, "can_write", lambda folder, probe=True: False)
     ds = IndexedDataset(dataset(tmp_path, "d", good_docs() + [[3, 99]]))
     assert vocab_check.token_range(ds, scan=False, wait_s=0.0) == (0, 126)
