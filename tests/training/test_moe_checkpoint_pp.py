@@ -26,8 +26,7 @@ import torch.distributed as dist
 
 from megalite.training.pretrain import pretrain
 from tests.harness import run_distributed
-from tests.training.common import FAMILIES, assert_close_rel, config
-from tests.training.test_moe_training import MOE
+from tests.training.common import FAMILIES, MOE, assert_close_rel, config
 
 REL = 1e-5
 ITERS = ("--train-iters", "4")

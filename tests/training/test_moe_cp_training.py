@@ -33,8 +33,14 @@ from megalite.core.parallel_state import ParallelState
 from megalite.training.forward_step import make_forward_step
 from megalite.training.pretrain import FirstStepHook, Trainer, mesh_for
 from tests.harness import run_distributed
-from tests.training.common import FAMILIES, assert_close_rel, config, trainer_and_data
-from tests.training.test_moe_training import MOE, STRONG_AUX
+from tests.training.common import (
+    FAMILIES,
+    MOE,
+    STRONG_AUX,
+    assert_close_rel,
+    config,
+    trainer_and_data,
+)
 
 REL = 1e-5
 CPU = torch.device("cpu")
