@@ -141,6 +141,7 @@ class PretrainConfig:
         the model refuses to be built without it)."""
         par, m, t = self.parallel, self.model, self.training
         par.validate()
+        par.resolve_grad_dtype(bf16=m.precision_name == "bf16")
         tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
         try:  # the first/last stage counts apply to a training run even on one stage
             stage_layer_ranges(

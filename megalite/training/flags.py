@@ -181,10 +181,9 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
         "--accumulate-allreduce-grads-in-fp32",
     ):
         par.switch(flag)
-    par.plain(
+    par.switch(
         "--grad-reduce-in-bf16",
-        action="store_true",
-        help="with --bf16: grads accumulated and reduced over DP in bf16 (the default)",
+        help="with --bf16: grads accumulated and reduced over DP in bf16 (default: fp32)",
     )
     par.switch(
         "--use-tp-pp-dp-mapping",

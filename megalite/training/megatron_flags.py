@@ -13,9 +13,8 @@ data paths from files (``data.config``); ``--step-batch-size-schedule`` sets the
 and it or ``--rampup-batch-size`` count the iterations of ``--train-samples``
 (``training.microbatches``); ``--lr-warmup-samples`` / ``--lr-decay-samples`` become (fractional)
 iterations (with ``--train-samples`` and no decay length the decay spans the samples, not whole
-iterations, as Megatron's); ``--grad-reduce-in-bf16`` is checked against
-``--accumulate-allreduce-grads-in-fp32`` (bf16 grad buffers are megalite's bf16 default); and
-``--use-rotary-position-embeddings`` is Megatron's old alias of ``--position-embedding-type rope``.
+iterations, as Megatron's); and ``--use-rotary-position-embeddings`` is Megatron's old alias of
+``--position-embedding-type rope``.
 """
 
 from __future__ import annotations
@@ -281,20 +280,9 @@ def apply_batch_size_calculator(cfg, a: argparse.Namespace) -> None:
             raise ConfigError(f"--train-samples {a.train_samples} holds no iteration")
 
 
-def grad_reduce_dtype(a: argparse.Namespace) -> None:
-    """``--grad-reduce-in-bf16``: bf16 grad buffers (with --bf16 the grads are accumulated and
-    reduced over DP in bf16; megalite's default, where Megatron's bf16 default is fp32)."""
-    if a.grad_reduce_in_bf16 and a.accumulate_allreduce_grads_in_fp32:
-        raise ConfigError(
-            "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict each "
-            "other; keep one"
-        )
-
-
 def prepare(a: argparse.Namespace) -> None:
     """The Megatron flags that rewrite others before the config is built (module docstring)."""
     apply_data_args(a)
     step_schedule_batch(a)
-    grad_reduce_dtype(a)
     if a.decoupled_min_lr is not None and a.decoupled_lr is None:
         raise ConfigError("--decoupled-min-lr needs --decoupled-lr (the rate it decays from)")

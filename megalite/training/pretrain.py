@@ -219,6 +219,7 @@ def pretrain(
             num_microbatches,
             cfg.training.micro_batch_size,
         )
+        logger.info(cfg.parallel.grad_dtype_line(cfg.model.precision_name))
         run = build_run(
             cfg,
             ps,
