@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from megalite.core.mesh_layout import MeshSizes, check_shared_pipelines
 from megalite.core.pipeline_parallel.stages import stage_layer_ranges
 from megalite.data.config import DataConfig
 from megalite.data.tokenizers import Tokenizer, build_tokenizer
@@ -198,6 +199,20 @@ class PretrainConfig:
                 f"{etp} x expert_model_parallel_size {ep} x pipeline_model_parallel_size "
                 f"{par.pipeline_model_parallel_size} = {view}; change the expert sizes"
             )
+        if par.world_size is not None:  # the views' pipeline groups in the run's rank order
+            sizes = MeshSizes(
+                par.world_size,
+                tp=par.tensor_model_parallel_size,
+                cp=par.context_parallel_size,
+                pp=par.pipeline_model_parallel_size,
+                ep=ep,
+                etp=etp,
+                order=par.rank_order,
+            )
+            try:
+                check_shared_pipelines(sizes)
+            except ValueError as e:
+                raise ConfigError(f"use_tp_pp_dp_mapping: {e}") from None
 
     def check_world(self, world_size: int, dp_size: int) -> int:
         """Refuse a config parsed for another world; return the micro-batches per DP rank per

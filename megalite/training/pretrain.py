@@ -166,7 +166,8 @@ def _exit_signal_handler(cfg: PretrainConfig) -> ExitSignalHandler | None:
 
 def mesh_for(par, **kwargs) -> ParallelState:
     """The process groups of a run's parallel config (``cfg.parallel``): tp, pp, cp and the expert
-    view; ``kwargs`` (order, device, timeout) pass to ``initialize_model_parallel``."""
+    view, in its rank order; ``kwargs`` (device, timeout) pass to ``initialize_model_parallel``."""
+    kwargs.setdefault("order", par.rank_order)
     return initialize_model_parallel(
         par.tensor_model_parallel_size,
         par.pipeline_model_parallel_size,
@@ -195,7 +196,6 @@ def pretrain(
     init_distributed(launch, device, timeout_minutes=cfg.parallel.distributed_timeout_minutes)
     ps = mesh_for(
         cfg.parallel,
-        order=cfg.parallel.rank_order,
         device=device,
         timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
     )
