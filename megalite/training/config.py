@@ -56,6 +56,11 @@ class TrainingConfig:
     exit_signal_handler: bool = False  # --exit-signal-handler: save and exit 0 on the signal
     exit_signal: str = "SIGTERM"  # --exit-signal
     ckpt_format: str = "megalite"  # megalite (own) | torch | torch_dist (Megatron's)
+    # the LR schedule's settings (rates, warmup, decay length and style) from the checkpoint
+    # loaded instead of from the flags, as Megatron's --use-checkpoint-opt_param-scheduler
+    use_checkpoint_opt_param_scheduler: bool = False
+    # torch's deterministic algorithms and the environment of bit-exact GPU runs (determinism)
+    deterministic_mode: bool = False
     # loss = token sum / unmasked tokens of the global batch (train_step)
     calculate_per_token_loss: bool = False
     # batch-size schedules (megalite.training.microbatches) and the sample budget

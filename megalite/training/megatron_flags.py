@@ -13,8 +13,11 @@ data paths from files (``data.config``); ``--step-batch-size-schedule`` sets the
 and it or ``--rampup-batch-size`` count the iterations of ``--train-samples``
 (``training.microbatches``); ``--lr-warmup-samples`` / ``--lr-decay-samples`` become (fractional)
 iterations (with ``--train-samples`` and no decay length the decay spans the samples, not whole
-iterations, as Megatron's); and ``--use-rotary-position-embeddings`` is Megatron's old alias of
-``--position-embedding-type rope``.
+iterations, as Megatron's); ``--use-rotary-position-embeddings`` is Megatron's old alias of
+``--position-embedding-type rope``; ``--account-for-embedding/loss-in-pipeline-split`` become the
+first / last stage's layer counts; ``--moe-router-dtype fp32`` is megalite's router (fp64 is
+refused); ``--override-opt_param-scheduler`` beside ``--use-checkpoint-opt_param-scheduler`` is
+refused.
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ _PROFILE = (
     "the numbers do not change"
 )
 _CKPT_ARGS = "megalite checks the model flags against the checkpoint's and stops on any difference"
+_SCHEDULE = (
+    "megalite's default: the LR schedule comes from the flags (a warning names the "
+    "checkpoint's settings that differ); --use-checkpoint-opt_param-scheduler takes the "
+    "checkpoint's"
+)
 
 # flag -> why nothing changes in megalite. Values: flags in VALUED_FLAGS take one value.
 IGNORED_FLAGS: dict[str, str] = {
@@ -55,6 +63,9 @@ IGNORED_FLAGS: dict[str, str] = {
     "--use-flashinfer-fused-rope": _FUSION,
     "--no-async-tensor-model-parallel-allreduce": _PERF,
     "--tp-comm-overlap": _PERF,
+    "--tp-comm-overlap-cfg": _PERF,
+    "--overlap-param-gather-with-optimizer-step": _PERF,
+    "--disable-gloo-process-groups": "megalite creates no gloo process groups beside NCCL's",
     "--overlap-p2p-communication-warmup-flush": _PERF,
     "--defer-embedding-wgrad-compute": _PERF,
     "--wgrad-deferral-limit": _PERF,
@@ -70,8 +81,6 @@ IGNORED_FLAGS: dict[str, str] = {
     "--attention-softmax-in-fp32": "megalite's softmax statistics are always fp32",
     "--apply-query-key-layer-scaling": "an fp16 overflow guard that scales and unscales by the "
     "layer number: the same function",
-    "--deterministic-mode": "megalite's CPU path is deterministic; on GPU it selects "
-    "deterministic algorithms only through torch's own settings",
     "--no-create-attention-mask-in-dataloader": "megalite's attention is causal without a "
     "dataloader mask",
     "--no-mmap-bin-files": "how .bin files are read: the same tokens",
@@ -88,9 +97,9 @@ IGNORED_FLAGS: dict[str, str] = {
     "--auto-detect-ckpt-format": "megalite always detects the format it loads",
     "--use-checkpoint-args": _CKPT_ARGS,
     "--no-use-tokenizer-model-from-checkpoint-args": "the tokenizer always comes from the flags",
-    "--use-checkpoint-opt_param-scheduler": "megalite resumes the schedule from the saved "
-    "iteration; the LR settings come from the flags, with a warning where the checkpoint's "
-    "differ",
+    "--override-opt_param-scheduler": _SCHEDULE,
+    "--override-opt-param-scheduler": _SCHEDULE,
+    "--async-ckpt-use-cpu-shm": _CKPT_IO,
     "--save-retain-interval": "which old checkpoints Megatron deletes (megalite: "
     "--keep-last-n-checkpoints)",
     "--check-weight-hash-across-dp-replicas-interval": "a Megatron consistency check",
@@ -117,6 +126,7 @@ IGNORED_FLAGS: dict[str, str] = {
     "--profile-step-end": _PROFILE,
 }
 VALUED_FLAGS = {
+    "--tp-comm-overlap-cfg",
     "--transformer-impl",
     "--cross-entropy-fusion-impl",
     "--wgrad-deferral-limit",
@@ -141,7 +151,13 @@ VALUED_FLAGS = {
 }
 
 _FP8 = "FP8 training needs Transformer Engine"
-_ATTENTION = "an attention variant: multi-latent or gated attention"
+_ATTENTION = "an attention variant: multi-latent, gated, linear or sparse attention"
+_FSDP = (
+    "Megatron's or PyTorch's FSDP: megalite's fully sharded rung is --zero-stage 3 "
+    "(--data-parallel-sharding-strategy optim_grads_params)"
+)
+_FIM = "fill-in-the-middle data: megalite's GPT dataset has no FIM transform"
+_DISTILL = "ModelOpt export and knowledge distillation"
 # Megatron flags that change the math and that megalite does not implement: flag -> why.
 REFUSED_FLAGS: dict[str, str] = {
     "--rotary-scaling-factor": "YaRN rotary scaling, used with multi-latent attention",
@@ -157,6 +173,38 @@ REFUSED_FLAGS: dict[str, str] = {
     "--v-head-dim": _ATTENTION,
     "--experimental-attention-variant": _ATTENTION,
     "--attention-output-gate": _ATTENTION,
+    "--fp8-amax-history-len": _FP8,
+    "--fp8-amax-compute-algo": _FP8,
+    "--linear-attention-freq": _ATTENTION,
+    "--linear-conv-kernel-dim": _ATTENTION,
+    "--linear-key-head-dim": _ATTENTION,
+    "--linear-value-head-dim": _ATTENTION,
+    "--linear-num-key-heads": _ATTENTION,
+    "--linear-num-value-heads": _ATTENTION,
+    "--dsa-indexer-n-heads": _ATTENTION,
+    "--dsa-indexer-head-dim": _ATTENTION,
+    "--dsa-indexer-topk": _ATTENTION,
+    "--dsa-indexer-loss-coeff": _ATTENTION,
+    "--use-torch-fsdp2": _FSDP,
+    "--use-megatron-fsdp": _FSDP,
+    "--megatron-fsdp-main-params-dtype": _FSDP,
+    "--megatron-fsdp-main-grads-dtype": _FSDP,
+    "--megatron-fsdp-grad-comm-dtype": _FSDP,
+    "--fim-data": _FIM,
+    "--fim-rate": _FIM,
+    "--fim-spm-rate": _FIM,
+    "--export-te-mcore-model": _DISTILL,
+    "--export-kd-teacher-load": _DISTILL,
+    "--export-kd-cfg": _DISTILL,
+    "--use-mup": "maximal-update parametrization (muP) scales init and learning rates",
+    "--mup-base-hidden-size": "maximal-update parametrization (muP) scales init and learning rates",
+    "--error-injection-rate": "Megatron's fault injection into its re-run machine",
+    "--error-injection-type": "Megatron's fault injection into its re-run machine",
+    "--eval-global-batch-size": "evaluation runs at --global-batch-size",
+    "--hierarchical-context-parallel-sizes": "context parallelism is one cp group (a2a+p2p "
+    "hierarchies are not built)",
+    "--apply-wd-to-qk-layernorm": "weight decay on the q/k layer norms: megalite never "
+    "decays a norm or a bias",
 }
 
 
@@ -280,9 +328,74 @@ def apply_batch_size_calculator(cfg, a: argparse.Namespace) -> None:
             raise ConfigError(f"--train-samples {a.train_samples} holds no iteration")
 
 
+def scheduler_source(a: argparse.Namespace) -> None:
+    """``--override-opt_param-scheduler`` (the flags' schedule, megalite's default) and
+    ``--use-checkpoint-opt_param-scheduler`` (the checkpoint's) contradict, as in Megatron."""
+    override = any(
+        getattr(a, _ignored_dest(f))
+        for f in ("--override-opt_param-scheduler", "--override-opt-param-scheduler")
+    )
+    if override and a.use_checkpoint_opt_param_scheduler:
+        raise ConfigError(
+            "--override-opt_param-scheduler (the flags' LR schedule) and "
+            "--use-checkpoint-opt_param-scheduler (the checkpoint's) contradict each other; "
+            "keep one"
+        )
+
+
+def router_dtype(a: argparse.Namespace) -> None:
+    """``--moe-router-dtype``: megalite's router math is fp32 always (what fp32 asks for)."""
+    if a.moe_router_dtype not in (None, "fp32"):
+        raise ConfigError(
+            f"--moe-router-dtype {a.moe_router_dtype} is not implemented: megalite's router "
+            "computes in fp32 (--moe-router-dtype fp32, or leave it out)"
+        )
+
+
+def pipeline_split_accounting(a: argparse.Namespace) -> None:
+    """``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``:
+    the embedding (first stage) and the loss (last stage) count as one layer each, so
+    num_layers + their count is split evenly over the PP stages and those stages hold one layer
+    fewer; megalite's uneven split (``--decoder-first/last-pipeline-num-layers``) says so."""
+    extra = {"first": a.account_for_embedding_in_pipeline_split}
+    extra["last"] = a.account_for_loss_in_pipeline_split
+    pp = a.pipeline_model_parallel_size
+    if not any(extra.values()) or pp == 1:
+        return
+    flags = " / ".join(
+        f"--account-for-{w}-in-pipeline-split"
+        for w, on in (("embedding", extra["first"]), ("loss", extra["last"]))
+        if on
+    )
+    if a.decoder_first_pipeline_num_layers is not None or (
+        a.decoder_last_pipeline_num_layers is not None
+    ):
+        raise ConfigError(
+            f"{flags} and --decoder-first/last-pipeline-num-layers both set the split; keep one"
+        )
+    if a.num_layers_per_virtual_pipeline_stage or a.num_virtual_stages_per_pipeline_rank:
+        raise ConfigError(
+            f"{flags} with virtual pipeline stages is not implemented; drop one of them"
+        )
+    total = a.num_layers + sum(extra.values())
+    if total % pp:
+        raise ConfigError(
+            f"{flags}: --num-layers {a.num_layers} + {sum(extra.values())} = {total} is not "
+            f"divisible by --pipeline-model-parallel-size {pp}"
+        )
+    per_stage = total // pp
+    if extra["first"]:
+        a.decoder_first_pipeline_num_layers = per_stage - 1
+    if extra["last"]:
+        a.decoder_last_pipeline_num_layers = per_stage - 1
+
+
 def prepare(a: argparse.Namespace) -> None:
     """The Megatron flags that rewrite others before the config is built (module docstring)."""
     apply_data_args(a)
     step_schedule_batch(a)
+    scheduler_source(a)
+    router_dtype(a)
+    pipeline_split_accounting(a)
     if a.decoupled_min_lr is not None and a.decoupled_lr is None:
         raise ConfigError("--decoupled-min-lr needs --decoupled-lr (the rate it decays from)")
