@@ -3,25 +3,37 @@ of a step with 8 micro-batches per DP rank are the fp32 sum of the micro-batches
 every data-parallel rung (DDP, ZeRO-1/2/3) at DP 2; ``--grad-reduce-in-bf16`` sums them in bf16.
 
 Each rank returns the fp32 grads its optimizer steps its masters with (``master.grad``: the whole
-parameter under DDP, this rank's pieces under ZeRO); the oracle runs the same bf16 model in one
-process, takes each micro-batch's bf16 grad (the loss divided by the 8 micro-batches, as the
-schedules do) and sums them in float64, divides by DP and sums the two ranks. The fp32 buffers
-match it to fp32 rounding (relative 1e-5, the house's fp32 bar: 16 summands of rounding 6e-8);
-bf16 buffers lose more than 1e-3 (each of the 8 + 1 adds rounds to 8 bits of mantissa).
+parameter under DDP, this rank's pieces under ZeRO) and the step's grad norm; the oracle runs the
+same bf16 model in one process, takes each micro-batch's bf16 grad (the loss divided by the 8
+micro-batches, as the schedules do) and sums them in float64, divides by DP and sums the two ranks.
+The fp32 buffers match it to fp32 rounding (relative 1e-5, the house's fp32 bar: 16 summands of
+rounding 6e-8); bf16 buffers lose more than 1e-3 (each of the 8 + 1 adds rounds to 8 bits of
+mantissa). The norm is the oracle's to 1e-5.
+
+The run itself: ``pretrain --bf16`` logs which dtype its grads use in one start-up line, and its
+``--ckpt-format torch`` distributed-optimizer files key their buffer by (bf16, fp32) as Megatron's
+of the same run, (bf16, bf16) under ``--grad-reduce-in-bf16``.
 """
 
 from __future__ import annotations
+
+import os
+import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from megalite.checkpoint.megatron.distopt import DISTRIB_OPTIM_FILE
+from megalite.checkpoint.megatron.legacy import load_megatron_file
 from megalite.core.distributed import STRATEGIES
 from megalite.training.arguments import parse_args
 from megalite.training.components import wrap_and_build_optimizer
+from megalite.training.pretrain import pretrain
 from tests.core import zero_cases as zc
 from tests.harness import run_distributed
 from tests.mesh import mesh
+from tests.training.common import LogCapture, config
 
 DP, MICRO = 2, 8  # DP ranks, micro-batches per DP rank
 ROWS = 2  # rows per micro-batch
@@ -41,8 +53,9 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(zip(tokens.chunk(DP * MICRO), targets.chunk(DP * MICRO)))
 
 
-def _grads_case(strategy: str, fp32_grads: bool) -> dict[str, list[tuple[int, torch.Tensor]]]:
-    """This rank's master grads after one step: name -> [(first element, fp32 values)]."""
+def _grads_case(strategy: str, fp32_grads: bool) -> tuple[dict, float]:
+    """This rank's master grads after one step, name -> [(first element, fp32 values)], and the
+    step's grad norm."""
     ps = mesh()
     module = zc.tiny(torch.bfloat16)
     units = [module.emb, module.fc1, module.norm, module.fc2]
@@ -63,7 +76,7 @@ def _grads_case(strategy: str, fp32_grads: bool) -> dict[str, list[tuple[int, to
     opt.zero_grad()
     zc.backward_micro_batches(model, opt, _batches()[rank * MICRO : (rank + 1) * MICRO])
     model.finish_grad_sync()
-    opt.step()
+    _, norm, _ = opt.step()
     names = {p: n for n, p in module.named_parameters()}
     out: dict[str, list[tuple[int, torch.Tensor]]] = {}
     if opt.is_sharded:
@@ -72,7 +85,7 @@ def _grads_case(strategy: str, fp32_grads: bool) -> dict[str, list[tuple[int, to
     else:
         for p, master in zip(opt.model_params, opt.master_params):
             out[names[p]] = [(0, master.grad.reshape(-1).clone())]
-    return out
+    return out, float(norm)
 
 
 def _oracle() -> dict[str, torch.Tensor]:
@@ -105,6 +118,32 @@ def _relative_error(results, oracle, *, copies: int) -> float:
     return worst
 
 
+def _saved_buffer_key(save: str) -> tuple:
+    path = os.path.join(save, "iter_0000001", "mp_rank_00", DISTRIB_OPTIM_FILE)
+    keys = [k for k in load_megatron_file(path)[0]]
+    assert len(keys) == 1
+    return keys[0]
+
+
+@pytest.mark.parametrize(
+    "flags,line,key",
+    [
+        ((), "bf16 params: gradients accumulated and reduced over DP in fp32", torch.float32),
+        (
+            ("--grad-reduce-in-bf16",),
+            "bf16 params: gradients accumulated and reduced over DP in bf16",
+            torch.bfloat16,
+        ),
+    ],
+)
+def test_the_run_says_which_and_its_megatron_files_record_it(flags, line, key):
+    with tempfile.TemporaryDirectory() as save, LogCapture() as logs:
+        extra = "--train-iters 1 --use-distributed-optimizer --ckpt-format torch".split()
+        pretrain(config("--bf16", *flags, *extra, "--save", save, "--save-interval", "1"))
+        assert _saved_buffer_key(save) == (torch.bfloat16, key)
+    assert sum(x.startswith(line) for x in logs.lines) == 1, logs.lines
+
+
 def _fp32_grads(*flags: str) -> bool:
     cfg = parse_args([*BASE, "--bf16", *flags], env=ENV)
     return cfg.parallel.accumulate_allreduce_grads_in_fp32
@@ -124,5 +163,8 @@ def test_bf16_grads_of_8_micro_batches_equal_the_fp32_oracle(strategy):
     fp32 = run_distributed(_grads_case, DP, strategy, _fp32_grads())
     bf16 = run_distributed(_grads_case, DP, strategy, _fp32_grads("--grad-reduce-in-bf16"))
     copies = DP if strategy == "no_shard" else 1
-    assert _relative_error(fp32, oracle, copies=copies) < 1e-5
-    assert _relative_error(bf16, oracle, copies=copies) > 1e-3
+    assert _relative_error([g for g, _ in fp32], oracle, copies=copies) < 1e-5
+    assert _relative_error([g for g, _ in bf16], oracle, copies=copies) > 1e-3
+    # the grad norm (over DP under ZeRO) is the oracle's, on every rank
+    norm = torch.cat(list(oracle.values())).norm().item()
+    assert all(abs(n - norm) <= 1e-5 * norm for _, n in fp32), ([n for _, n in fp32], norm)
