@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # What only a CUDA GPU can check, in time boxes that fit a short window on one GPU, offline.
-#   bash scripts/gpu_check.sh [quick|full] [OUT] [--allow-no-gpu]
-#     quick (default)  the steps below, boxes summing to 6 min on one H100
+#   bash scripts/gpu_check.sh [quick|full] [OUT] [--allow-no-gpu] [--only STEP,...]
+#     quick (default)  the steps below, at most 6 min on one H100 (the boxes)
 #     full             quick, then the benchmarks that take longer (each box <= 9 min)
 #     OUT              folder (default out/gpu_check): gpu_check.md (the table, ready for
 #                      docs/PERFORMANCE.md), gpu_check.json (every figure), logs/ (each step's log)
 #     --allow-no-gpu   without CUDA, report every step "skipped (no GPU)" and exit 0 (CI's smoke
 #                      test); without the flag, no CUDA is exit 2
+#     --only S1,S2     only these steps of the mode (one command per step fits a 10-minute limit)
 # Nothing comes from a network: it runs the python that has torch (PYTHON, default python3) with
 # this checkout on PYTHONPATH, and never calls pip. A step passes only if it ran at least one test
 # and none failed (pytest's JUnit XML is read, a benchmark's rows are its tests); a step still
@@ -23,9 +24,9 @@
 #          training         110  tests/test_cuda_training.py: pretrain() on one GPU with nccl, GPT-2
 #                                and Llama at each ZeRO rung, ZeRO-1 offload, MoE (all-to-all and
 #                                allgather), unfused kernels, each against CPU fp32
-#          mfu              120  tools/bench/bench_mfu.py: GPT-2 1.3B and Llama 1B, megalite (bf16,
+#          mfu              110  tools/bench/bench_mfu.py: GPT-2 1.3B and Llama 1B, megalite (bf16,
 #                                fp32 grads and masters) vs PyTorch AMP, micro-batch from the planner
-#                          = 360 s (6 min)
+#                          = 350 s, and ~10 s to import torch first: at most 6 min
 #   full   bench_kernels    300  tools/bench/bench_kernels.py: fused vs eager vs torch.compile
 #          mfu_compile      540  bench_mfu.py with torch.compile of the plain models as well
 # Multi-GPU layouts (TP, PP schedules, CP, EP > 1) need more GPUs and are not run here.
@@ -35,14 +36,17 @@ PY=${PYTHON:-python3}
 MODE=quick
 OUT=out/gpu_check
 ALLOW_NO_GPU=0
+ONLY=""
 positional=()
-for arg in "$@"; do
-  case $arg in
+while [[ $# -gt 0 ]]; do
+  case $1 in
     --allow-no-gpu) ALLOW_NO_GPU=1 ;;
-    -h | --help) sed -n '2,12p' "$0"; exit 0 ;;
-    -*) echo "gpu_check: unknown option $arg" >&2; exit 2 ;;
-    *) positional+=("$arg") ;;
+    --only) ONLY=${2:-}; shift ;;
+    -h | --help) sed -n '2,13p' "$0"; exit 0 ;;
+    -*) echo "gpu_check: unknown option $1" >&2; exit 2 ;;
+    *) positional+=("$1") ;;
   esac
+  shift
 done
 [[ ${#positional[@]} -gt 0 ]] && MODE=${positional[0]}
 [[ ${#positional[@]} -gt 1 ]] && OUT=${positional[1]}
@@ -52,8 +56,19 @@ if [[ $MODE != quick && $MODE != full ]]; then
 fi
 
 # name, box seconds: quick's, then full's
-STEPS=(kernels_compiled:90 cuda_paths:40 training:110 mfu:120)
+STEPS=(kernels_compiled:90 cuda_paths:40 training:110 mfu:110)
 [[ $MODE == full ]] && STEPS+=(bench_kernels:300 mfu_compile:540)
+if [[ -n $ONLY ]]; then
+  chosen=()
+  for entry in "${STEPS[@]}"; do
+    [[ ",$ONLY," == *",${entry%%:*},"* ]] && chosen+=("$entry")
+  done
+  if [[ ${#chosen[@]} -ne $(tr ',' '\n' <<<"$ONLY" | grep -c .) ]]; then
+    echo "gpu_check: --only $ONLY: the $MODE steps are ${STEPS[*]%%:*}" >&2
+    exit 2
+  fi
+  STEPS=("${chosen[@]}")
+fi
 
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET  # the kernels run compiled

@@ -104,6 +104,26 @@ def test_allow_no_gpu_reports_every_step_skipped_offline(tmp_path):
     assert "| ok |" not in table
 
 
+def test_only_runs_the_steps_named(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [
+        "bash",
+        GPU_CHECK,
+        "full",
+        str(tmp_path),
+        "--allow-no-gpu",
+        "--only",
+        "mfu_compile,cuda_paths",
+    ]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [s["name"] for s in report["steps"]] == ["cuda_paths", "mfu_compile"]
+    cmd[2:] = ["quick", str(tmp_path), "--only", "mfu_compile"]  # not a quick step
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "the quick steps are" in out.stderr
+
+
 def test_unknown_mode_is_refused():
     out = subprocess.run(["bash", GPU_CHECK, "fast"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "quick or full" in out.stderr
