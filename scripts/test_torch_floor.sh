@@ -3,6 +3,7 @@
 # has): a representative subset of the suite under torch 2.11.0 in a venv of its own.
 #   bash scripts/test_torch_floor.sh                 # build the venv (or reuse it), run the subset
 #   bash scripts/test_torch_floor.sh tests/core/moe  # pytest arguments replace the subset
+#   bash scripts/test_torch_floor.sh --venv-only     # build (or check) the venv, run nothing
 #   MEGALITE_TORCH_FLOOR_VENV=DIR bash scripts/test_torch_floor.sh   # another venv path
 # The venv lives at a stable path and is reused while it still has torch 2.11.0 and the test
 # dependencies; anything else there is replaced. The registry serves torch 2.11.0 only as its
@@ -59,6 +60,7 @@ else
   ready || { echo "torch floor: $VENV does not import torch $TORCH and the test deps" >&2; exit 1; }
 fi
 echo "== torch floor: venv ready in $((SECONDS - t0)) s"
+[[ ${1:-} == --venv-only ]] && exit 0
 
 SUBSET=(
   tests/core/tensor_parallel/test_layers.py                 # TP layers vs torch
