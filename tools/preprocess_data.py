@@ -96,11 +96,11 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so temp files go too
     splitter = None
     if args.split_sentences:  # checked before any output is opened
         splitter = PunktSplitter(args.lang, args.keep_newlines)
         splitter.check()
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so temp files go too
     try:
         tokenizer = make_tokenizer(
             args.tokenizer_type,

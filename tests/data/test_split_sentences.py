@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
 import types
 
@@ -148,3 +149,21 @@ def test_real_untrained_punkt_end_to_end(tmp_path, monkeypatch, caplog, fresh_pu
     ds = IndexedDataset(str(tmp_path / "out" / "c_text_sentence"))
     assert [tok.detokenize(ds[i].tolist()) for i in range(len(ds))] == UNTRAINED
     assert ds.document_indices.tolist() == [0, len(UNTRAINED)]
+
+
+def test_a_refused_split_leaves_the_callers_sigterm_handler(tmp_path, monkeypatch):
+    """preprocess_data.main refuses --split-sentences without NLTK before installing its own
+    SIGTERM handler, so an in-process caller's handler is the one left in place."""
+
+    def no_nltk(lang, keep_newlines):
+        raise sentence_split.SentenceSplitError(
+            "--split-sentences needs NLTK (planted for the test)"
+        )
+
+    monkeypatch.setattr(sentence_split, "_punkt", no_nltk)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": TEXT}])
+    before = signal.getsignal(signal.SIGTERM)
+    argv = ["--input", str(src), "--output-prefix", str(tmp_path / "c")]
+    argv += "--tokenizer-type NullTokenizer --vocab-size 100 --split-sentences".split()
+    assert preprocess_data.main(argv) == 1
+    assert signal.getsignal(signal.SIGTERM) is before
