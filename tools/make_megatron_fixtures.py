@@ -7,7 +7,8 @@
         --check-load DIR --ckpt-format torch_dist      # megalite's files through Megatron's loader
         [--distributed-optimizer]                       # (torch: its distrib_optim.pt)
 
-Neither is a dependency of megalite: the tests read only the committed files. On 4 CPU processes
+Neither is a dependency of megalite; megatron-core is a test dependency (the test extra) for
+``test_megatron_core_reads_bf16``, the other tests read only the committed files. On 4 CPU processes
 (gloo) a tiny Llama-style GPTModel (local layer spec: RoPE, RMSNorm, SwiGLU, GQA, untied output)
 is built at TP 2 x PP 2, its Adam state made non-trivial by two optimizer steps on seeded random
 gradients, and ``megatron.training.checkpointing.save_checkpoint`` writes iteration 2 twice:
