@@ -10,11 +10,14 @@ Megatron-LM are not dependencies of megalite: they are imported inside the funct
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import random
+import struct
 import sys
 import types
+from collections.abc import Callable
 
 import torch
 import torch.multiprocessing as mp
@@ -36,25 +39,76 @@ FLAGS = (
 ITERATION = 2
 CONSUMED = ITERATION * 4
 TOKENS_SEED = 7
+SEQ = 16
 VOCAB = 128  # a multiple of 16 x TP: no padding rows at TP 1, 2, 4 (Megatron pads per TP)
 
 
-def cpu_patches() -> None:
-    """Megatron asks CUDA for a device and RNG state; on this CPU-only build answer for the CPU."""
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    torch.cuda.set_rng_state = lambda *a, **k: None
-    torch.cuda.manual_seed = lambda *a, **k: None
-    torch.cuda.synchronize = lambda *a, **k: None
+def _patch(obj, name: str, value, undo: list) -> None:
+    undo.append((obj, name, getattr(obj, name)))
+    setattr(obj, name, value)
+
+
+def _undoer(undo: list) -> Callable[[], None]:
+    def undo_all() -> None:
+        for obj, name, value in reversed(undo):
+            setattr(obj, name, value)
+        undo.clear()
+
+    return undo_all
+
+
+class PhiloxCudaRng:
+    """The CUDA generator's state as torch saves it, kept on a machine without CUDA: 16 bytes, the
+    seed then the Philox offset, both 64-bit little-endian (``CUDAGeneratorImpl::get_state``).
+    Megatron seeds it (``manual_seed``), reads and sets it (``get_rng_state``/``set_rng_state``,
+    its tracker's ``add`` and ``fork``) and saves it as on a GPU; nothing on the CPU draws from
+    it, so the offset stays at 0 after a seeding, as on a GPU run without dropout."""
+
+    def __init__(self, seed: int = 67280421310721):  # torch's default CUDA seed
+        self.seed, self.offset = seed, 0
+
+    def manual_seed(self, seed, *_, **__) -> None:
+        self.seed, self.offset = int(seed) % 2**64, 0
+
+    def get_state(self, *_, **__) -> torch.Tensor:
+        raw = struct.pack("<Qq", self.seed, self.offset)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone()
+
+    def set_state(self, state: torch.Tensor, *_, **__) -> None:
+        self.seed, self.offset = struct.unpack("<Qq", bytes(state.to(torch.uint8).tolist()))
+
+
+def cpu_patches(*, cuda_rng: PhiloxCudaRng | None = None) -> Callable[[], None]:
+    """Megatron asks CUDA for a device and RNG state; on this CPU-only build answer for the CPU:
+    the CPU generator's state stands in for the CUDA one, or ``cuda_rng`` keeps a CUDA-format
+    state (``PhiloxCudaRng``). Returns the function that undoes the patches."""
+    undo: list = []
+    _patch(torch.cuda, "current_device", lambda: "cpu", undo)
+    if cuda_rng is None:
+        _patch(torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state(), undo)
+        _patch(torch.cuda, "set_rng_state", lambda *a, **k: None, undo)
+        _patch(torch.cuda, "manual_seed", lambda *a, **k: None, undo)
+    else:
+        _patch(torch.cuda, "get_rng_state", cuda_rng.get_state, undo)
+        _patch(torch.cuda, "set_rng_state", cuda_rng.set_state, undo)
+        _patch(torch.cuda, "manual_seed", cuda_rng.manual_seed, undo)
+    _patch(torch.cuda, "synchronize", lambda *a, **k: None, undo)
+    # megatron-core's own accessors of the CUDA generator, as answered above
+    import megatron.core.tensor_parallel.random as mrandom
+
+    _patch(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.cuda.get_rng_state(), undo)
+    _patch(mrandom, "_set_cuda_rng_state", lambda s, *a, **k: torch.cuda.set_rng_state(s), undo)
     for name in ("tensor", "zeros", "empty", "ones", "full", "arange"):
-        setattr(torch, name, _on_cpu(getattr(torch, name)))
+        _patch(torch, name, _on_cpu(getattr(torch, name)), undo)
+    return _undoer(undo)
 
 
-def cuda_named_types() -> None:
-    """Megatron's distributed optimizer accepts parameters whose ``type()`` names a CUDA tensor
-    only (``torch.cuda.FloatTensor``, ...): a CPU tensor answers with its CUDA name. Nothing else
-    changes: the optimizer's own code shards, steps, gathers (gloo) and saves ``distrib_optim.pt``
-    as on a GPU; only the device of the tensors differs."""
+def cuda_named_types() -> Callable[[], None]:
+    """Megatron's optimizers accept parameters whose ``type()`` names a CUDA tensor only
+    (``torch.cuda.FloatTensor``, ``torch.cuda.BFloat16Tensor``, ...): a CPU tensor answers with
+    its CUDA name. Nothing else changes: the optimizers' own code copies the fp32 masters, shards,
+    steps, gathers (gloo) and saves as on a GPU; only the device of the tensors differs. Returns
+    the function that undoes it."""
     plain_type = torch.Tensor.type
 
     def cuda_named_type(self, *args, **kwargs):
@@ -63,7 +117,9 @@ def cuda_named_types() -> None:
             return name
         return name.replace("torch.", "torch.cuda.", 1)
 
-    torch.Tensor.type = cuda_named_type
+    undo: list = []
+    _patch(torch.Tensor, "type", cuda_named_type, undo)
+    return _undoer(undo)
 
 
 class _InlineProcess:
@@ -135,41 +191,21 @@ def megatron_args(extra: list[str]):
 
 
 def build(args, tp: int, pp: int):
-    """The model chunk (in Megatron's DDP), its optimizer and scheduler on this rank (the
-    distributed optimizer and its grad-buffer buckets when ``args`` ask for them)."""
-    import megatron.core.tensor_parallel.random as mrandom
-    from megatron.core import parallel_state as mpu
-    from megatron.core import tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    """The model chunk (in Megatron's DDP), its optimizer and scheduler on this rank from
+    Megatron-LM's ``args`` (the distributed optimizer and its grad-buffer buckets when they ask
+    for them), configured as Megatron-LM's ``get_model`` and ``setup_model_and_optimizer`` do."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
     from megatron.training.arguments import core_transformer_config_from_args
     from megatron.training.training import get_optimizer_param_scheduler
 
-    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
-    mrandom._set_cuda_rng_state = lambda *a, **k: None
-    mpu.initialize_model_parallel(tp, pp)
-    torch.manual_seed(args.seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    config = core_transformer_config_from_args(args)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=mpu.is_pipeline_first_stage(),
-        post_process=mpu.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
-    )
     distopt = bool(args.use_distributed_optimizer)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=distopt,
         overlap_grad_reduce=bool(args.overlap_grad_reduce),
         bucket_size=args.ddp_bucket_size,
+        grad_reduce_in_fp32=bool(args.accumulate_allreduce_grads_in_fp32),
     )
-    ddp = DistributedDataParallel(config, ddp_config, model)
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=args.lr,
@@ -180,10 +216,103 @@ def build(args, tp: int, pp: int):
         adam_beta2=0.999,
         adam_eps=1e-8,
         use_distributed_optimizer=distopt,
+        bf16=bool(args.bf16),
+        params_dtype=args.params_dtype,
     )
-    optimizer = get_megatron_optimizer(opt_config, [ddp])
-    scheduler = get_optimizer_param_scheduler(optimizer)
-    return ddp, optimizer, scheduler
+    config = core_transformer_config_from_args(args)
+    ddp, optimizer = build_core(config, ddp_config, opt_config, tp=tp, pp=pp, seed=args.seed)
+    return ddp, optimizer, get_optimizer_param_scheduler(optimizer)
+
+
+def core_configs(tp: int, pp: int, *, bf16: bool, distributed_optimizer: bool = False):
+    """The fixtures' model (``FLAGS``) as megatron-core's own configs, without Megatron-LM: the
+    TransformerConfig, DDP config and optimizer config Megatron-LM derives from those flags
+    (``--bf16``: bf16 parameters, fp32 grads as Megatron's default)."""
+    import torch.nn.functional as F
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnBackend
+
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    config = TransformerConfig(
+        num_layers=4,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=48,
+        kv_channels=8,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        bf16=bf16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=True,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        attention_backend=AttnBackend.unfused,
+        attention_softmax_in_fp32=False,  # Megatron-LM's default, not megatron-core's
+        transformer_impl="local",
+        cp_comm_type="p2p",
+        deallocate_pipeline_outputs=True,
+    )
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=distributed_optimizer, grad_reduce_in_fp32=True
+    )
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=1e-3,
+        min_lr=1e-4,
+        weight_decay=0.1,
+        clip_grad=0.0,
+        use_distributed_optimizer=distributed_optimizer,
+        bf16=bf16,
+        params_dtype=dtype,
+    )
+    return config, ddp_config, opt_config
+
+
+def build_core(config, ddp_config, opt_config, *, tp: int, pp: int, seed: int):
+    """megatron-core only: the model parallel groups (TP x PP, DP what is left), the seeded RNG
+    tracker, the fixtures' GPTModel (local layer spec, RoPE, untied output) in a Float16Module
+    under bf16 (as Megatron-LM's ``get_model``), Megatron's DDP and optimizer. Returns
+    ``(ddp, optimizer)``."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    mpu.initialize_model_parallel(tp, pp)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        pre_process=mpu.is_pipeline_first_stage(),
+        post_process=mpu.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+    )
+    if config.bf16:  # as Megatron-LM's get_model: bf16 parameters, fp32 logits
+        model = Float16Module(config, model)
+    ddp = DistributedDataParallel(config, ddp_config, model)
+    return ddp, get_megatron_optimizer(opt_config, [ddp])
 
 
 def inner_optimizer(optimizer):
@@ -192,32 +321,72 @@ def inner_optimizer(optimizer):
     return getattr(optimizer, "chained_optimizers", [optimizer])[0]
 
 
-def adam_state(ddp, optimizer, distributed: bool) -> dict:
-    """The Adam state Megatron's optimizer holds after a load, by parameter name (one process:
-    a distributed optimizer's shard is the whole parameter)."""
-    out = {}
+def gpt_model(ddp):
+    """The GPTModel inside Megatron's DDP (and its Float16Module under --bf16): the names of
+    its parameters are the checkpoint's."""
+    from megatron.core.transformer.module import Float16Module
+
+    module = ddp.module
+    return module.module if isinstance(module, Float16Module) else module
+
+
+def adam_shards(ddp, optimizer) -> dict:
+    """What megatron-core's optimizer holds on this rank, by the GPTModel's parameter names:
+    ``{name: {"range": (start, end), "master", "exp_avg", "exp_avg_sq" (fp32, flat over that
+    range of the parameter's elements), "step"}}``. The range is the whole parameter except under
+    the distributed optimizer (this DP rank's range; parameters with none are left out). The
+    master is the fp32 parameter the optimizer steps: the model parameter itself
+    (FP32Optimizer), its fp32 copy (Float16OptimizerWithFloat16Params: ``fp32_from_float16_
+    groups``) or the distributed optimizer's main shard."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
     optimizer = inner_optimizer(optimizer)
-    for name, param in ddp.module.named_parameters():
+    distributed = isinstance(optimizer, DistributedOptimizer)
+    main_of = {}  # FP32Optimizer has no fp32 copies (nor these attributes)
+    for model_group, main_group in zip(
+        getattr(optimizer, "float16_groups", []), getattr(optimizer, "fp32_from_float16_groups", [])
+    ):
+        main_of.update({id(p): m for p, m in zip(model_group, main_group)})
+    out = {}
+    for name, param in gpt_model(ddp).named_parameters():
         if distributed:
-            t = optimizer._get_main_param_and_optimizer_states(param)
-            master, state = t["param"], t
+            if param not in optimizer.model_param_group_index_map:
+                continue
+            state = optimizer._get_main_param_and_optimizer_states(param)
+            master = state["param"]
+            span = optimizer._get_model_param_range_map(param)["param"]
+            start, end = span.start, span.end
         else:
-            state = optimizer.optimizer.state[param]
-            master = param
+            master = main_of.get(id(param), param)
+            state = optimizer.optimizer.state[master]
+            start, end = 0, param.numel()
         out[name] = {
-            "master": master.detach().reshape(param.shape).float().clone(),
-            "exp_avg": state["exp_avg"].reshape(param.shape).float().clone(),
-            "exp_avg_sq": state["exp_avg_sq"].reshape(param.shape).float().clone(),
+            "range": (start, end),
+            "master": master.detach().reshape(-1).float().clone(),
+            "exp_avg": state["exp_avg"].reshape(-1).float().clone(),
+            "exp_avg_sq": state["exp_avg_sq"].reshape(-1).float().clone(),
+            "step": int(state["step"]),
         }
     return out
 
 
-def keep_adam_step() -> None:
+def adam_state(ddp, optimizer) -> dict:
+    """The Adam state Megatron's optimizer holds after a load, by parameter name, in the
+    parameters' shapes (one process: every range is the whole parameter)."""
+    shapes = {n: p.shape for n, p in gpt_model(ddp).named_parameters()}
+    return {
+        name: {k: shard[k].reshape(shapes[name]) for k in ("master", "exp_avg", "exp_avg_sq")}
+        for name, shard in adam_shards(ddp, optimizer).items()
+    }
+
+
+def keep_adam_step() -> Callable[[], None]:
     """megatron-core 0.16 without Transformer Engine or Apex falls back to torch's Adam, whose
     per-parameter state holds a ``step``; ``DistributedOptimizer._set_main_param_and_optimizer_
     states`` then copies every key of that state from the ``distrib_optim.pt`` ranges, which hold
     none (KeyError 'step', for Megatron's own files as well). The step is already set from the
-    param groups by ``load_state_dict``: keep it, copy the rest as Megatron does."""
+    param groups by ``load_state_dict``: keep it, copy the rest as Megatron does. Returns the
+    function that undoes it."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     plain = DistributedOptimizer._set_main_param_and_optimizer_states
@@ -230,7 +399,25 @@ def keep_adam_step() -> None:
             tensors = {**tensors, "step": state["step"].clone()}
         return plain(self, model_param, tensors)
 
-    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+    undo: list = []
+    _patch(DistributedOptimizer, "_set_main_param_and_optimizer_states", set_states, undo)
+    return _undoer(undo)
+
+
+@contextlib.contextmanager
+def megatron_core_on_cpu():
+    """``cpu_patches``, ``cuda_named_types`` and ``keep_adam_step`` while megatron-core runs in a
+    process that then goes on to other work (a test's worker): undone on exit, with
+    megatron-core's model-parallel groups destroyed."""
+    undo = [cpu_patches(), cuda_named_types(), keep_adam_step()]
+    try:
+        yield
+    finally:
+        from megatron.core import parallel_state as mpu
+
+        mpu.destroy_model_parallel()
+        for undo_one in reversed(undo):
+            undo_one()
 
 
 def spawn(target, world: int, *args) -> None:

@@ -150,10 +150,22 @@ class DistReader(MegatronReader):
         return [entry for obj in _read_objects(self._storage, per_dp) for entry in obj]
 
     def optimizer_header(self) -> dict:
+        """Adam's step from ``common.pt``: ``state.common_step`` of torch's state dict, which
+        Megatron's FP32 optimizer saves as it is and its fp16/bf16 optimizer nests under
+        ``optimizer``; the distributed optimizer's ``fully_reshardable`` form keeps the step in
+        its param groups instead."""
         optim = self.common.get("optimizer") or {}
-        step = optim.get("state", {}).get("common_step")
-        if step is None:  # the distributed optimizer's form: the step in its param groups
-            groups = (optim.get("optimizer") or {}).get("param_groups") or [{}]
+        inner = optim.get("optimizer") or {}
+        step = next(
+            (
+                level["state"]["common_step"]
+                for level in (optim, inner)
+                if "common_step" in (level.get("state") or {})
+            ),
+            None,
+        )
+        if step is None:
+            groups = inner.get("param_groups") or [{}]
             step = max(int(g.get("step") or 0) for g in groups)
         return {"step": int(step), "scaler": None}
 

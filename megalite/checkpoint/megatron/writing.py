@@ -179,7 +179,10 @@ def _legacy_optimizer(full: dict, names: list[str], model: dict, meta: dict) -> 
     decayed = [n for n in names if not no_weight_decay(n, model[n].shape)]
     plain = [n for n in names if no_weight_decay(n, model[n].shape)]
     masters = [[full["params"][n]["master"] for n in group] for group in (decayed, plain) if group]
-    return {"optimizer": sd, "fp32_from_fp16_params": masters, "grad_scaler": full.get("scaler")}
+    out = {"optimizer": sd, "fp32_from_fp16_params": masters}
+    if full.get("scaler") is not None:  # fp16's loss scaler; Megatron's bf16 run has none
+        out["grad_scaler"] = full["scaler"]
+    return out
 
 
 def _config_value(meta: dict, key: str, default=None):
@@ -359,9 +362,16 @@ def write_dist(reader: CheckpointReader, dst: str) -> None:
     }
     if has_optim:
         groups = _param_groups(meta)
-        step = reader.optimizer_header()["step"]
-        common_step = torch.tensor(float(step))
-        common["optimizer"] = {"state": {"common_step": common_step}, "param_groups": groups}
+        header = reader.optimizer_header()
+        step = header["step"]
+        torch_state = {"state": {"common_step": torch.tensor(float(step))}, "param_groups": groups}
+        # Megatron's FP32Optimizer saves torch's state dict as it is; its fp16/bf16 optimizer nests
+        # it under "optimizer" (its fp32_from_fp16_params are the fp32_param tensors above)
+        common["optimizer"] = torch_state
+        if _config_value(meta, "params_dtype", "torch.float32") != "torch.float32":
+            common["optimizer"] = {"optimizer": torch_state}
+            if header["scaler"] is not None:
+                common["optimizer"]["grad_scaler"] = header["scaler"]
         if distopt:
             for group in groups:
                 group["step"] = int(step)

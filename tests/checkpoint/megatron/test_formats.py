@@ -71,7 +71,8 @@ def _logits(trainer, tokens: torch.Tensor, ps: ParallelState) -> torch.Tensor | 
     with torch.no_grad():
         hidden = None
         if not module.pre_process:
-            hidden = torch.empty(tokens.shape[1], tokens.shape[0], module.config.hidden_size)
+            shape = (tokens.shape[1], tokens.shape[0], module.config.hidden_size)
+            hidden = torch.empty(shape, dtype=module.config.params_dtype)
             dist.recv(hidden, src=ps.ranks("pp")[ps.pp_rank - 1])
             module.set_input_tensor(hidden)
         out = module(tokens, positions)

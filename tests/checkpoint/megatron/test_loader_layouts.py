@@ -1,5 +1,6 @@
 """megalite's Megatron-format files of a TP 2 x PP 2 run through megatron-core's own loader at
-TP 2 x PP 2 x DP 2: skipped where megatron-core is not importable (CI); run with
+TP 2 x PP 2 x DP 2: skipped where Megatron-LM is not importable (CI: it is not a package;
+megatron-core alone reads megalite's bf16 files in ``test_megatron_core_reads_bf16``); run with
 
     PYTHONPATH=$PWD:/tmp/mcore/site:/tmp/mlm016 /tmp/venv-mcore/bin/python -m pytest -q \\
         tests/checkpoint/megatron/test_loader_layouts.py
