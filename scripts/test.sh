@@ -18,7 +18,7 @@ import importlib, os, megalite.kernels
 # megalite must be installed from THIS checkout (an editable install of another clone would serve
 # megalite.kernels from there)
 assert os.path.samefile(os.path.dirname(megalite.kernels.__file__), "megalite/kernels")
-for m in ("numpy", "sentencepiece", "tensorboard", "pytest", "ruff", "transformers", "safetensors", "triton"):
+for m in ("numpy", "sentencepiece", "tensorboard", "pytest", "ruff", "transformers", "safetensors", "triton", "megatron.core"):
     importlib.import_module(m)
 PY
   "$PY" -m pip install -q -e ".[test,triton]"
