@@ -1,6 +1,7 @@
 """What one multi-rank test case costs in the harness, before and after pooling.
 
     python tools/bench/bench_harness.py [--world 2 4] [--cases 10]
+    python tools/bench/bench_harness.py --tiny     # seconds: world 2, 3 cases
 
 "before": every case spawns ``world`` processes, imports torch, joins a gloo world, runs, tears down
 (what ``torch.multiprocessing.spawn`` per test costs). "after": ``tests/harness.run_distributed``,
@@ -62,7 +63,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--cases", type=int, default=10)
+    parser.add_argument("--tiny", action="store_true", help="a smoke run: world 2, 3 cases")
     args = parser.parse_args()
+    if args.tiny:
+        args.world, args.cases = [2], 3
     for world in args.world:
         before = statistics.median(spawn_per_case(world) for _ in range(max(3, args.cases // 3)))
         run_distributed(small_case, world)  # start the pool once (its cost is paid once per suite)
