@@ -40,7 +40,7 @@ def spawn_per_case(world: int) -> float:
     ctx = mp.get_context("spawn")
     t0 = time.perf_counter()
     pool = WorkerPool.__new__(WorkerPool)  # one throwaway pool = spawn + init + one case + teardown
-    pool.world_size = world
+    pool.world_size, pool.threads = world, 0
     pool._tmp = tempfile.mkdtemp()
     pool._results = ctx.Queue()
     pool._tasks = [ctx.Queue() for _ in range(world)]
@@ -49,6 +49,7 @@ def spawn_per_case(world: int) -> float:
         ctx.Process(
             target=_worker,
             args=(r, world, init_file, pool._tasks[r], pool._results, 120, dict(os.environ)),
+            daemon=True,  # as the pool's: a failure here must not leave the exit waiting on them
         )
         for r in range(world)
     ]
