@@ -258,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny models (smoke test of the code)")
     parser.add_argument("--out", help="also write the table (markdown) to this file")
     args = parser.parse_args(argv)
+    if args.tiny:  # sequence 128, one micro-batch size, two steps; on CPU no torch.compile
+        args.seq, args.micro_batches, args.steps = 128, [2], 2
+        if args.device == "cpu":
+            args.kinds = [k for k in args.kinds if k != "compile"]
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_mfu.py: no CUDA GPU (torch.cuda.is_available() is False), nothing measured")
         return 0
