@@ -206,10 +206,10 @@ def test_predicted_step_is_the_counted_work_priced(counted):
     assert not misses, "; ".join(misses)
 
 
-def test_the_counts_see_the_work():
+def test_the_counts_see_the_work(counted):
     """The counter is not vacuous: a step's backward counts twice its forward FLOPs (none
     recomputed), and each rank counts one pass per layer and micro-batch."""
-    (seconds, flops, passes, comms), *_ = run_distributed(_case, 2, CASES[:1], timeout=300)[0]
+    seconds, flops, passes, comms = counted[0][0]  # rank 0, DP 2 with m 2
     assert flops["backward"] == 2 * flops["forward"] > 0, flops
     assert passes == {"layer": 2 * 2, "chunk": 2}, passes  # 2 layers x m 2
     assert any(op == "all_reduce" for op, _, _ in comms) and seconds > 0
