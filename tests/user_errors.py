@@ -53,7 +53,8 @@ def run_in_process(main, argv: list[str], capsys) -> tuple[int, str]:
     status = main([str(a) for a in argv])
     # a hang guard, not a timing: a check that waited for a collective timeout (10 minutes by
     # default) instead of failing at once would miss it; a real check takes well under a second
-    assert time.perf_counter() - started < 120, "a start-up check took more than 120 s"
+    # of CPU, so half the timeout leaves room for any load on the machine
+    assert time.perf_counter() - started < 300, "a start-up check took more than 300 s"
     return status, capsys.readouterr().err
 
 
