@@ -64,12 +64,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--cases", type=int, default=10)
-    parser.add_argument("--tiny", action="store_true", help="a smoke run: world 2, 3 cases")
+    parser.add_argument(
+        "--tiny", action="store_true", help="a smoke run: world 2, 3 cases, 1 spawn"
+    )
     args = parser.parse_args()
+    spawns = max(3, args.cases // 3)  # each starts a world: the costly side
     if args.tiny:
-        args.world, args.cases = [2], 3
+        args.world, args.cases, spawns = [2], 3, 1
     for world in args.world:
-        before = statistics.median(spawn_per_case(world) for _ in range(max(3, args.cases // 3)))
+        before = statistics.median(spawn_per_case(world) for _ in range(spawns))
         run_distributed(small_case, world)  # start the pool once (its cost is paid once per suite)
         samples = []
         for _ in range(args.cases):
