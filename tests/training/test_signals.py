@@ -10,7 +10,9 @@ iteration boundary: exit 0, one "exiting program at iteration k" line, the track
 folder of k holds both stages' shards (so both ranks saved at the same k), and no iteration after
 k was logged. A rank SIGKILLed in the middle of a save (the checkpoint files of iteration 4
 written, the tracker not yet replaced; ``MEGALITE_TEST_PAUSE_IN_SAVE``) ends the job promptly with
-a non-zero status, and the tracker still names the previous checkpoint (2).
+a non-zero status, and the tracker still names the previous checkpoint (2). "Promptly" without a
+clock: the collective timeout is 30 minutes, so a job that ends at all within the test's hang
+guard (``HANG_GUARD``, minutes below it) ended by the signal or by torchrun, not by a timeout.
 """
 
 from __future__ import annotations
@@ -83,8 +85,11 @@ def test_any_rank_signalled_agrees_across_ranks():
 FLAGS = [
     *BASE,
     *"--pipeline-model-parallel-size 2 --train-iters 100000 --log-interval 1".split(),
-    *"--exit-signal-handler --distributed-timeout-minutes 1".split(),
+    *"--exit-signal-handler --distributed-timeout-minutes 30".split(),
 ]
+# A run that ends within this hang guard ended by the signal (or by torchrun on a rank's death),
+# not by the 30-minute collective timeout a rank that missed it would wait for.
+HANG_GUARD = 240
 ITERATION = re.compile(r" iteration +(\d+)/ *100000 \|")
 
 
@@ -104,7 +109,9 @@ def _start(tmp_path: Path, *extra: str, env_extra: dict | None = None):
     return proc, log
 
 
-def _wait_for(proc: subprocess.Popen, log: Path, pattern: str, timeout: float = 90.0) -> re.Match:
+def _wait_for(
+    proc: subprocess.Popen, log: Path, pattern: str, timeout: float = HANG_GUARD
+) -> re.Match:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         m = re.search(pattern, log.read_text(errors="replace"))
@@ -149,13 +156,11 @@ def test_sigterm_to_one_rank_stops_every_rank_at_one_iteration_saved(tmp_path):
         pids = _worker_pids(proc.pid)
         assert sorted(pids) == [0, 1], pids
         os.kill(pids[0], signal.SIGTERM)  # rank 0 only: rank 1 logs and must follow
-        signalled = time.monotonic()
-        rc = _finish(proc, timeout=60)
+        rc = _finish(proc, timeout=HANG_GUARD)
     finally:
         _finish(proc, timeout=0)
     out = log.read_text()
-    assert rc == 0, out[-3000:]
-    assert time.monotonic() - signalled < 30, "took too long to stop"
+    assert rc == 0, out[-3000:]  # -999: still running after the hang guard
     (k,) = map(int, re.findall(r"exiting program at iteration (\d+): SIGTERM received", out))
     logged = sorted(int(i) for i in ITERATION.findall(out))
     assert logged[-1] == k and logged == list(range(1, k + 1)), (k, logged[-5:])
@@ -171,22 +176,20 @@ def test_sigterm_to_one_rank_stops_every_rank_at_one_iteration_saved(tmp_path):
 @pytest.mark.slow
 def test_rank_killed_in_a_save_ends_the_job_and_keeps_the_previous_checkpoint(tmp_path):
     proc, log = _start(
-        tmp_path, "--save-interval", "2", env_extra={"MEGALITE_TEST_PAUSE_IN_SAVE": "3@4"}
+        tmp_path, "--save-interval", "2", env_extra={"MEGALITE_TEST_PAUSE_IN_SAVE": "3600@4"}
     )
     try:
-        # both ranks have written their files of iteration 4 and sleep before the tracker
-        _wait_for(proc, log, r"pausing 3 s in the save of iteration 4\b")
+        # a rank has written its files of iteration 4 and sleeps before the tracker, for longer
+        # than the test lasts: the kill lands in the pause however slow the machine
+        _wait_for(proc, log, r"pausing 3600 s in the save of iteration 4\b")
         assert (tmp_path / "ckpt" / TRACKER).read_text().strip() == "2"
         pids = _worker_pids(proc.pid)
         os.kill(pids[1], signal.SIGKILL)  # rank 1 dies; rank 0 (writes the tracker) lives on
-        killed = time.monotonic()
-        rc = _finish(proc, timeout=60)
-        ended = time.monotonic() - killed
+        rc = _finish(proc, timeout=HANG_GUARD)
     finally:
         _finish(proc, timeout=0)
     out = log.read_text()
-    assert rc not in (0, -999), out[-3000:]
-    assert ended < 20, f"the job took {ended:.0f} s to end after a rank died"
+    assert rc not in (0, -999), out[-3000:]  # -999: the job outlived the hang guard
     assert (tmp_path / "ckpt" / TRACKER).read_text().strip() == "2"
     assert (tmp_path / "ckpt" / "iter_0000004").is_dir()  # written, but never named latest
     assert "saved checkpoint at iteration 4" not in out

@@ -2,6 +2,7 @@
 
     python tools/bench/bench_checkpoint.py [--rounds 3] [--bf16] [--dir /tmp/megalite-bench-ckpt]
                                            [--drop-caches]
+    python tools/bench/bench_checkpoint.py --tiny --dir DIR   # seconds: 2 layers of h 64, 1 round
 
 The model is GPT-2 small (12 layers, h 768, 12 heads, vocabulary 50257, 1024 positions: 124.4M
 parameters) built by megalite's Trainer in one process, after one training step so that AdamW's
@@ -52,6 +53,7 @@ GPT2_SMALL = (
     "--train-iters 1 --mock-data --tokenizer-type NullTokenizer --vocab-size 50256 "
     "--hidden-dropout 0 --attention-dropout 0 --eval-iters 0 --log-interval 1000"
 ).split()
+TINY = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --vocab-size 512".split()
 
 
 def _dir_bytes(path: str) -> int:
@@ -113,13 +115,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--dir", default="/tmp/megalite-bench-ckpt")
     p.add_argument("--drop-caches", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="a smoke run: 2 layers of h 64, 1 round")
     args = p.parse_args(argv)
+    if args.tiny:
+        args.rounds = 1
     import torch.distributed.checkpoint as dcp
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
-    flags = [*GPT2_SMALL, *(["--bf16"] if args.bf16 else [])]
+    flags = [*GPT2_SMALL, *(TINY if args.tiny else []), *(["--bf16"] if args.bf16 else [])]
     cfg = parse_args([*flags, "--save", os.path.join(args.dir, "megalite")], env={})
     trainer, data = trainer_and_data(cfg, ParallelState.single())
     n_params = sum(p.numel() for chunk in trainer.model for p in chunk.module.parameters())
@@ -127,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     trainer.step(make_forward_step(torch.device("cpu")), data)  # Adam moments exist
     trainer.result.iteration = 1
     print(
-        f"GPT-2 small: {n_params / 1e6:.1f}M parameters, {'bf16' if args.bf16 else 'fp32'}, "
+        f"GPT-2 {'(tiny)' if args.tiny else 'small'}: {n_params / 1e6:.1f}M parameters, "
+        f"{'bf16' if args.bf16 else 'fp32'}, "
         f"one training step {time.perf_counter() - started:.1f} s"
     )
 

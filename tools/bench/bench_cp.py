@@ -102,10 +102,21 @@ def saved_bytes(model, *inputs) -> int:
     return sum(seen.values())
 
 
-def _worker(rank, world, init_file, args, comm_type, queue) -> None:
+def _worker(rank, world, init_file, args, comm_types, queue) -> None:
+    """Every comm type of ``comm_types`` in turn, in this one world; rank 0 puts their figures."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     ps = initialize_model_parallel(1, 1, context_parallel_size=world)
+    results = {c: measure(ps, c, args) for c in comm_types}
+    if rank == 0:
+        queue.put(results)
+    ps.destroy()
+    dist.destroy_process_group()
+
+
+def measure(ps, comm_type: str, args) -> dict:
+    """Step time, waits, attention compute, bytes sent and saved activations of ``comm_type``."""
+    world, rank = ps.size("cp"), ps.rank("cp")
     s = args.seq_length
     model = GPTModel(model_config(s, comm_type), ps)
     stats = CommStats()
@@ -139,27 +150,23 @@ def _worker(rank, world, init_file, args, comm_type, queue) -> None:
             waits.append(stats.wait_s)
             computes.append(stats.compute_s)
             sent.append(stats.bytes_sent)
-    if rank == 0:
-        queue.put(
-            {
-                "step_s": statistics.median(times),
-                "wait_s": statistics.median(waits),
-                "compute_s": statistics.median(computes),
-                "bytes_sent": sent[-1],
-                "activations": activations,
-            }
-        )
-    ps.destroy()
-    dist.destroy_process_group()
+    return {
+        "step_s": statistics.median(times),
+        "wait_s": statistics.median(waits),
+        "compute_s": statistics.median(computes),
+        "bytes_sent": sent[-1],
+        "activations": activations,
+    }
 
 
-def run(cp: int, comm_type: str, args) -> dict:
+def run(cp: int, comm_types: list[str], args) -> dict:
+    """``{comm type: figures}`` from one fresh world of ``cp`` ranks."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         mp.start_processes(
-            _worker, args=(cp, init_file, args, comm_type, queue), nprocs=cp, start_method="spawn"
+            _worker, args=(cp, init_file, args, comm_types, queue), nprocs=cp, start_method="spawn"
         )
     return queue.get()
 
@@ -178,8 +185,10 @@ def main(argv=None) -> None:
     rows = []
     base = None
     for cp in args.cp:
-        for comm in ["-"] if cp == 1 else args.comm:
-            r = run(cp, "p2p" if comm == "-" else comm, args)
+        comms = ["-"] if cp == 1 else args.comm
+        figures = run(cp, ["p2p" if comm == "-" else comm for comm in comms], args)
+        for comm in comms:
+            r = figures["p2p" if comm == "-" else comm]
             want = expected_bytes(comm, cp, args.seq_length)
             if r["bytes_sent"] != want:
                 raise SystemExit(f"CP{cp} {comm}: sent {r['bytes_sent']} bytes, formula {want}")

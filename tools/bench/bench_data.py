@@ -1,6 +1,7 @@
 """Preprocessing throughput (documents/s, MB/s) with 1 and 2 workers, and its peak memory.
 
     python tools/bench/bench_data.py [--mb 100] [--sp-mb 25] [--repeats 3] [--tokenizers null sp]
+    python tools/bench/bench_data.py --tiny     # seconds: 0.5 MB, NullTokenizer only, 1 repeat
 
 Inputs are generated under /tmp/megalite_bench_data (reused between runs, never committed):
 integer-id documents (--mb MB) for the NullTokenizer and pseudo-word text (--sp-mb MB) for a
@@ -163,7 +164,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tokenizers", nargs="+", default=["null", "sp"], choices=["null", "sp"])
     p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="a smoke run: 0.5 MB, NullTokenizer only")
     args = p.parse_args()
+    if args.tiny:
+        args.mb, args.repeats, args.tokenizers = 0.5, 1, ["null"]
     os.makedirs(ROOT, exist_ok=True)
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
     if "null" in args.tokenizers:

@@ -1,6 +1,7 @@
 """Index build times and dataset read rate, each against a baseline measured in the same run.
 
     python tools/bench/bench_data_index.py [--samples 10000000] [--repeats 3]
+    python tools/bench/bench_data_index.py --tiny   # seconds: 20 k documents, 1 M tokens, 1 repeat
 
 1. GPT sample/shuffle index for --samples samples (seq 1024, 5 M documents of 1..4095 tokens):
    the vectorised numpy build vs a plain Python loop walking documents (timed on 200 k samples
@@ -78,9 +79,11 @@ def largest_deficit(weights, size):
     return out
 
 
-def bench_sample_index(num_samples: int, repeats: int) -> None:
+def bench_sample_index(
+    num_samples: int, repeats: int, documents: int = 5_000_000, small: int = 200_000
+) -> None:
     rng = np.random.default_rng(0)
-    sizes = rng.integers(1, 4096, size=5_000_000).astype(np.int32)
+    sizes = rng.integers(1, 4096, size=documents).astype(np.int32)
     docs = np.arange(sizes.size)
     med, runs, arrays = _median_time(
         lambda: build_gpt_indices(sizes, docs, seq_length=1024, seed=1, num_samples=num_samples),
@@ -91,12 +94,11 @@ def bench_sample_index(num_samples: int, repeats: int) -> None:
     vec, _, vec_index = _median_time(
         lambda: build_sample_index(sizes, doc_index, seq_length=1024, num_samples=total), repeats
     )
-    small = 200_000
     t = time.perf_counter()
     ref = plain_sample_index(sizes, doc_index, 1024, small)
     loop = (time.perf_counter() - t) / small * total
     assert [tuple(r) for r in vec_index[: small + 1].tolist()] == ref
-    print(f"GPT indices, {total:,} samples (one epoch of 5 M documents, seq 1024):")
+    print(f"GPT indices, {total:,} samples (one epoch of {documents:,} documents, seq 1024):")
     print(
         f"  full build (document + sample + shuffle index): {med:6.2f} s (runs "
         f"{', '.join(f'{x:.2f}' for x in runs)})"
@@ -114,8 +116,7 @@ def bench_sample_index(num_samples: int, repeats: int) -> None:
     print(f"  cache save {saved:.2f} s, load with checksums {med_load:.2f} s")
 
 
-def bench_blending(repeats: int) -> None:
-    size = 1_000_000
+def bench_blending(repeats: int, size: int = 1_000_000) -> None:
     print(f"blending index, {size:,} samples:")
     for weights in ([0.3, 0.7], [1.0] * 10):
         med, _, _ = _median_time(lambda w=weights: build_blending_index(w, size), repeats)
@@ -142,9 +143,9 @@ def _make_dataset(tokens: int) -> str:
     return prefix
 
 
-def bench_read(samples: int, repeats: int) -> None:
+def bench_read(samples: int, repeats: int, tokens: int = 100_000_000) -> None:
     seq, mbs = 2048, 8
-    prefix = _make_dataset(100_000_000)
+    prefix = _make_dataset(tokens)
     indexed = IndexedDataset(prefix)
     gpt = GPTDataset(
         indexed, (0, len(indexed)), num_samples=samples, seq_length=seq, seed=0, use_cache=False
@@ -189,8 +190,14 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=10_000_000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--read-samples", type=int, default=8192)
+    p.add_argument("--tiny", action="store_true", help="a smoke run: small sizes, 1 repeat")
     args = p.parse_args()
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
+    if args.tiny:
+        bench_sample_index(20_000, 1, documents=20_000, small=2_000)
+        bench_blending(1, size=10_000)
+        bench_read(64, 1, tokens=1_000_000)
+        return
     bench_sample_index(args.samples, args.repeats)
     bench_blending(args.repeats)
     bench_read(args.read_samples, args.repeats)

@@ -1,6 +1,7 @@
 """One GPT training step at TP1/DP1: megalite's GPTModel vs the same architecture in plain PyTorch.
 
     python tools/bench/bench_gpt_step.py [--rounds 7] [--steps 3] [--dropout 0.1]
+    python tools/bench/bench_gpt_step.py --tiny     # seconds: 2 layers of h 64, one round
 
 Both models are GPT-2 (learned positions, pre-LayerNorm, exact GELU MLP of 4h, biases, tied
 embeddings) of the same size, and a step is zero_grad + forward + mean token loss + backward +
@@ -51,6 +52,7 @@ from megalite.training.forward_step import make_forward_step  # noqa: E402
 from megalite.training.pretrain import build_run  # noqa: E402
 
 SIZE = dict(num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=8192, seq_length=256)
+TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512, seq_length=32)
 BATCH = 4
 MIB = 2**20
 
@@ -229,10 +231,10 @@ def load_lazy_modules() -> None:
     opt.step()
 
 
-def memory_child(kind: str, dropout: float, steps: int) -> None:
+def memory_child(kind: str, dropout: float, steps: int, size: dict) -> None:
     """Run in a fresh process: print peak RSS growth over the baseline (after torch's lazy
     modules are loaded, before the model is built) and the saved activation bytes, in bytes."""
-    config = bench_config(dropout)
+    config = bench_config(dropout, **size)
     load_lazy_modules()
     base = rss_bytes()
     model, opt = build(kind, config)
@@ -246,9 +248,11 @@ def memory_child(kind: str, dropout: float, steps: int) -> None:
     print(json.dumps({"peak_delta": peak - base, "saved": saved.nbytes}))
 
 
-def memory(kind: str, dropout: float, steps: int, runs: int, threads: int) -> dict[str, float]:
+def memory(
+    kind: str, dropout: float, steps: int, runs: int, threads: int, tiny: bool
+) -> dict[str, float]:
     cmd = [sys.executable, __file__, "--memory-child", kind, "--dropout", str(dropout)]
-    cmd += ["--steps", str(steps), "--threads", str(threads)]
+    cmd += ["--steps", str(steps), "--threads", str(threads), *(["--tiny"] if tiny else [])]
     out = [
         json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
         for _ in range(runs)
@@ -264,16 +268,23 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--mem-runs", type=int, default=3)
     parser.add_argument("--memory-child", choices=["megalite", "plain"])
+    parser.add_argument("--tiny", action="store_true", help="a smoke run: 2 layers of h 64")
     args = parser.parse_args()
+    size = TINY if args.tiny else {}
+    if args.tiny and not args.memory_child:
+        args.rounds, args.steps, args.mem_runs = 1, 1, 1
     torch.set_num_threads(args.threads)
     if args.memory_child:
-        memory_child(args.memory_child, args.dropout, args.steps)
+        memory_child(args.memory_child, args.dropout, args.steps, size)
         return
-    config = bench_config(args.dropout)
-    print(f"GPT-2 {SIZE} batch {BATCH}, dropout {args.dropout}, fp32, {args.threads} thread(s)")
+    config = bench_config(args.dropout, **size)
+    print(
+        f"GPT-2 { ({**SIZE, **size}) } batch {BATCH}, dropout {args.dropout}, fp32, "
+        f"{args.threads} thread(s)"
+    )
     times = time_both(config, args.rounds, args.steps)
     mem = {
-        k: memory(k, args.dropout, args.steps, args.mem_runs, args.threads)
+        k: memory(k, args.dropout, args.steps, args.mem_runs, args.threads, args.tiny)
         for k in ("megalite", "plain")
     }
     for k in ("plain", "megalite"):

@@ -2,6 +2,7 @@
 model of bench_gpt_step.py parallelised with ``torch.distributed.tensor.parallel``.
 
     python tools/bench/bench_gpt_tp.py [--rounds 7] [--steps 3] [--dropout 0.1]
+    python tools/bench/bench_gpt_tp.py --tiny       # seconds: 2 layers of h 64, one round
 
 The DTensor peer uses PyTorch's documented recipe on a ``DeviceMesh("cpu", [0, 1])``: per block
 ``qkv`` and ``fc1`` ``ColwiseParallel``, ``proj`` and ``fc2`` ``RowwiseParallel``; the token
@@ -31,7 +32,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from bench_gpt_step import BATCH, PlainGPT, bench_config  # noqa: E402
+from bench_gpt_step import BATCH, TINY, PlainGPT, bench_config  # noqa: E402
 
 from megalite.core.parallel_state import initialize_model_parallel  # noqa: E402
 from megalite.core.tensor_parallel.random import model_parallel_seed  # noqa: E402
@@ -95,7 +96,8 @@ def make_step(kind: str, model, config):
 def worker(rank: int, init_file: str, args, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=TP)
-    config = bench_config(args.dropout, untie_embeddings_and_output_weights=True)
+    size = TINY if args.tiny else {}
+    config = bench_config(args.dropout, untie_embeddings_and_output_weights=True, **size)
     ps = initialize_model_parallel(TP)
     tracker = model_parallel_seed(config.seed, tp_rank=ps.tp_rank, pp_rank=ps.pp_rank)
     steps = {
@@ -122,7 +124,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--tiny", action="store_true", help="a smoke run: 2 layers of h 64")
     args = parser.parse_args()
+    if args.tiny:
+        args.rounds, args.steps = 1, 1
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:

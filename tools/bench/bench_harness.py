@@ -1,6 +1,7 @@
 """What one multi-rank test case costs in the harness, before and after pooling.
 
     python tools/bench/bench_harness.py [--world 2 4] [--cases 10]
+    python tools/bench/bench_harness.py --tiny     # seconds: world 2, 3 cases
 
 "before": every case spawns ``world`` processes, imports torch, joins a gloo world, runs, tears down
 (what ``torch.multiprocessing.spawn`` per test costs). "after": ``tests/harness.run_distributed``,
@@ -39,7 +40,7 @@ def spawn_per_case(world: int) -> float:
     ctx = mp.get_context("spawn")
     t0 = time.perf_counter()
     pool = WorkerPool.__new__(WorkerPool)  # one throwaway pool = spawn + init + one case + teardown
-    pool.world_size = world
+    pool.world_size, pool.threads = world, 0
     pool._tmp = tempfile.mkdtemp()
     pool._results = ctx.Queue()
     pool._tasks = [ctx.Queue() for _ in range(world)]
@@ -48,6 +49,7 @@ def spawn_per_case(world: int) -> float:
         ctx.Process(
             target=_worker,
             args=(r, world, init_file, pool._tasks[r], pool._results, 120, dict(os.environ)),
+            daemon=True,  # as the pool's: a failure here must not leave the exit waiting on them
         )
         for r in range(world)
     ]
@@ -62,9 +64,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--cases", type=int, default=10)
+    parser.add_argument(
+        "--tiny", action="store_true", help="a smoke run: world 2, 3 cases, 1 spawn"
+    )
     args = parser.parse_args()
+    spawns = max(3, args.cases // 3)  # each starts a world: the costly side
+    if args.tiny:
+        args.world, args.cases, spawns = [2], 3, 1
     for world in args.world:
-        before = statistics.median(spawn_per_case(world) for _ in range(max(3, args.cases // 3)))
+        before = statistics.median(spawn_per_case(world) for _ in range(spawns))
         run_distributed(small_case, world)  # start the pool once (its cost is paid once per suite)
         samples = []
         for _ in range(args.cases):

@@ -1,6 +1,8 @@
 """Fused Triton kernels vs PyTorch eager vs torch.compile, on one CUDA GPU.
 
     python tools/bench/bench_kernels.py [--repeats 7] [--no-compile] [--markdown]
+    python tools/bench/bench_kernels.py --tiny    # seconds: one size per case, no torch.compile;
+                                                  # without CUDA it says so and exits 0
 
 For LayerNorm, RMSNorm (hidden 4096 and 8192, 16384 tokens) and scale-mask-softmax (causal and
 boolean-mask, sk 2048 and 4096), all bf16, forward and backward separately, it prints the median
@@ -179,7 +181,13 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     parser.add_argument("--only", choices=["norms", "softmax"], help="run one family only")
+    parser.add_argument("--tiny", action="store_true", help="a smoke run: one small size per case")
     args = parser.parse_args()
+    if args.tiny:
+        args.repeats, args.no_compile = 2, True
+        if not torch.cuda.is_available():
+            print("bench_kernels.py --tiny: no CUDA GPU on this machine, nothing to time")
+            return
     if not torch.cuda.is_available():
         sys.exit(
             "bench_kernels.py needs a CUDA GPU: torch.cuda.is_available() is False on this machine "
@@ -193,13 +201,13 @@ def main() -> None:
     cases = []
     if args.only in (None, "norms"):
         for kind in ("layernorm", "rmsnorm"):
-            for hidden in (4096, 8192):
+            for hidden in (1024,) if args.tiny else (4096, 8192):
                 cases.append(
                     (f"{kind} [{TOKENS}, {hidden}]", lambda k=kind, h=hidden: norm_case(k, h))
                 )
     if args.only in (None, "softmax"):
         for variant in ("causal", "mask"):
-            for sk in (2048, 4096):
+            for sk in (256,) if args.tiny else (2048, 4096):
                 cases.append(
                     (f"softmax-{variant} sk={sk}", lambda v=variant, s=sk: softmax_case(v, s))
                 )

@@ -3,6 +3,7 @@ and vs megalite's own 1F1B, and the simulator's prediction vs the measurement.
 
     python tools/bench/bench_pipeline.py --all [--pp 4] [--m 8] [--steps 5] [--timeline-dir DIR]
     python tools/bench/bench_pipeline.py [--steps 7] [--timeline-dir DIR]   # 1F1B / GPipe only
+    python tools/bench/bench_pipeline.py [--all] --tiny      # seconds: PP 2, m 2 and 4, one step
 
 ``--all``: every schedule (1f1b, gpipe, interleaved-1f1b v2, zb-h1, zbv, dualpipev) at PP ``--pp``
 and ``--m`` micro-batches on a stack of 8 MLP blocks (megalite's column/row-parallel linears, so
@@ -219,7 +220,10 @@ def main() -> None:
         action="store_true",
         help="with --all: exit 1 unless every predicted / measured step lies within 15%%",
     )
+    parser.add_argument("--tiny", action="store_true", help="a smoke run: PP 2, m 2 and 4, 1 step")
     args = parser.parse_args()
+    if args.tiny:
+        args.pp, args.m, args.steps, args.microbatches = args.pp or 2, 4, 1, [2, 4]
     if args.all:
         ratios = run_all(
             pp=args.pp or 4, m=args.m, steps=args.steps, timeline_dir=args.timeline_dir

@@ -21,12 +21,13 @@ v 2, zb-h1, zb-h1 v 2, zbv, dualpipev), at ``--m`` micro-batches. Per schedule:
    of its speed while more ranks than cores are runnable -- without it the simulator, which
    assumes one device per rank, predicts about half the measured step at PP 4 on 2 cores.
 
-Prints predicted / measured per schedule (``--check``: exit 1 unless all lie within 15%), the
+Prints predicted / measured per schedule, median and [min, max] over the runs (``--check``: exit 1
+unless all medians lie within 15%), the
 "/1f1b" column (each run's ratio over the same run's 1F1B ratio, median: the load drifting between
 the profiling and the step moves every schedule of a run alike, and this takes it out), the
 "nominal" ratio (the machine's core count, no executor time: what the effective cores and the
 executor's own time add), the measured bubble (receive waits and idle head / tail, as a share of
-``pp x step``) beside the simulated one and
+``pp x step``; median and [min, max] over the runs) beside the simulated one and
 the textbook formula (``simulator.theory``, at F = I = W: real costs differ, so this only ranks the
 schedules), and with ``--timeline-dir`` writes ``pipeline_sim_<schedule>.svg``: the predicted
 timeline above the measured one (of the run whose ratio is the median), one row per rank.
@@ -310,7 +311,7 @@ def compare(results: dict, m: int, cores: int | str | None) -> dict:
             "per_action": statistics.median(per_action),
             "overhead": _overhead(case["runs"], lists),
             "stretch": _stretch(case["runs"], case["stages"], layout),
-            "bubble_measured": statistics.median(measured_bubble(r) for r in case["runs"]),
+            "bubbles_measured": [measured_bubble(r) for r in case["runs"]],
             "bubble_simulated": sim.bubble,
             "bubble_theory": formula["bubble"],
             "predicted_spans": sim.spans,
@@ -318,8 +319,14 @@ def compare(results: dict, m: int, cores: int | str | None) -> dict:
         }
     base = next(iter(rows.values()))["ratios"]  # the first case's (1f1b) per-run ratios
     for row in rows.values():  # the machine's drift moves every case of a run alike: taken out
+        row["bubble_measured"] = statistics.median(row["bubbles_measured"])
         row["relative"] = statistics.median(a / b for a, b in zip(row["ratios"], base))
     return rows
+
+
+def _spread(values: list[float]) -> str:
+    """The noise over runs: ``[min, max]``."""
+    return f"[{min(values):.3f}, {max(values):.3f}]"
 
 
 def _worker(rank, pp, init_file, args, q):
@@ -408,17 +415,17 @@ def main() -> None:
             f"{results['latency'] * 1e6:.0f} us; medians of {args.runs} runs"
         )
         print(
-            f"  {'schedule':22s} {'predicted':>10s} {'measured':>10s} {'ratio':>6s} {'nominal':>7s}"
-            f" {'/1f1b':>6s}   bubble: "
-            f"{'measured':>8s} {'simulated':>9s} {'formula':>7s}"
+            f"  {'schedule':22s} {'predicted':>10s} {'measured':>10s} {'ratio [min, max]':>20s}"
+            f" {'nominal':>7s} {'/1f1b':>6s}   bubble: "
+            f"{'measured [min, max]':>22s} {'simulated':>9s} {'formula':>7s}"
         )
         for (schedule, v), row in rows.items():
             name = schedule + (f" v{v}" if v > 1 and schedule not in V_SHAPED else "")
             print(
                 f"  {name:22s} {row['predicted'] * 1e3:8.1f}ms {row['measured'] * 1e3:8.1f}ms "
-                f"{row['ratio']:6.3f} {nominal[(schedule, v)]['ratio']:7.3f} "
-                f"{row['relative']:6.3f}           "
-                f"{row['bubble_measured']:8.3f} "
+                f"{row['ratio']:6.3f} {_spread(row['ratios']):>13s} "
+                f"{nominal[(schedule, v)]['ratio']:7.3f} {row['relative']:6.3f}           "
+                f"{row['bubble_measured']:8.3f} {_spread(row['bubbles_measured']):>13s} "
                 f"{row['bubble_simulated']:9.3f} {row['bubble_theory']:7.3f}   overhead/action "
                 f"{row['overhead'] * 1e6:5.0f} us, spans / profiled {row['stretch']:.2f}"
             )

@@ -2,6 +2,7 @@ r"""The planner's step time against measurement on this CPU, per layout, and the
 
     cpu-run-all python tools/bench/bench_planner.py              # 2 ranks, every feature
     cpu-run-all python tools/bench/bench_planner.py --world 4 --steps 5
+    cpu-run-all python tools/bench/bench_planner.py --small --repeats 3   # the suite's old bars
     python tools/bench/bench_planner.py --tiny                   # seconds: a smoke run
 
 Spawns a gloo world of ``--world`` ranks which calibrates itself
@@ -11,6 +12,13 @@ rate and fixed costs with every rank busy, the all-reduce), then predicts and ru
 without SP, PP with each schedule, recompute, CP, EP. Prints predicted vs measured (medians of
 ``--steps`` steps, the slowest rank's) and whether the layout the planner ranks first is within 10%
 of the measured best (the planner's ranking bar).
+
+``--repeats N`` measures every layout N times (each time calibrated afresh) and prints, per layout,
+the median error and its [min, max] over the repetitions: the noise of this machine beside the
+model's error. The bars the test suite once asserted on these timings are reported here: every
+layout's median error within 20% ("outside 20%" names the others) and, per repetition, the
+predicted best within 10% of the measured best. The suite itself checks the planner against the
+counted work of real steps (``tests/planning/test_step_time.py``), which no machine's load moves.
 """
 
 from __future__ import annotations
@@ -67,18 +75,22 @@ def _worker(rank: int, world: int, init: str, args, queue) -> None:
         model += ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "32"]
         items = items[:2]
     reference = [*model, "--vocab-size", str(VOCAB)]
-    calib, rows = step_time_accuracy(
-        model,
-        items,
-        vocab_size=VOCAB,
-        global_batch_size=8,
-        steps=args.steps,
-        reference=reference,
-        recalibrate=args.recalibrate,
-    )
+    tables = []
+    for _ in range(args.repeats):
+        calib, rows = step_time_accuracy(
+            model,
+            items,
+            vocab_size=VOCAB,
+            global_batch_size=8,
+            steps=args.steps,
+            reference=reference,
+            recalibrate=args.recalibrate,
+        )
+        tables.append(
+            [(r.layout.name(), r.predicted, r.measured, r.raw_error, r.error) for r in rows]
+        )
     if rank == 0:
-        table = [(r.layout.name(), r.predicted, r.measured, r.raw_error, r.error) for r in rows]
-        queue.put((calib, table))
+        queue.put((calib, tables))
     dist.destroy_process_group()
 
 
@@ -88,10 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--small", action="store_true", help="the suite's model (4 layers, h 128)")
     p.add_argument("--recalibrate", action="store_true", help="calibrate before each layout")
+    p.add_argument("--repeats", type=int, default=3, help="measure every layout N times")
     p.add_argument("--tiny", action="store_true", help="smoke run: 2 layouts, 1 step")
     args = p.parse_args(argv)
     if args.tiny:
-        args.steps = 1
+        args.steps, args.repeats = 1, 1
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -104,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             proc.start()
         while True:  # a rank that dies leaves nothing in the queue: stop instead of waiting
             try:
-                calib, rows = queue.get(timeout=5)
+                calib, tables = queue.get(timeout=5)
                 break
             except Exception:
                 if any(proc.exitcode not in (None, 0) for proc in procs):
@@ -122,18 +135,34 @@ def main(argv: list[str] | None = None) -> int:
         f"{calib.get('chunk_overhead_s', 0) * 1e6:.0f} us, step overhead "
         f"{calib['step_overhead_s'] * 1e3:.1f} ms; between busy ranks: {collectives}"
     )
-    print(f"{'layout':<40} {'predicted s':>12} {'measured s':>11} {'raw':>8} {'error':>8}")
-    errors = []
-    for name, pred, meas, raw, err in rows:
-        errors.append(abs(err))
-        print(f"{name:<40} {pred:>12.4f} {meas:>11.4f} {raw:>+8.1%} {err:>+8.1%}")
-    best = min(range(len(rows)), key=lambda i: rows[i][1])
-    ratio = rows[best][2] / min(r[2] for r in rows)
     print(
-        f"median |error| {statistics.median(errors):.1%}, max {max(errors):.1%}; predicted best "
-        f"{rows[best][0]} runs {ratio:.3f}x the measured best "
-        f"({'within' if ratio <= 1.10 else 'NOT within'} 10%)"
+        f"{'layout':<40} {'predicted s':>12} {'measured s':>11} {'raw':>8} {'error':>8}"
+        f"  [min, max] of {len(tables)}"
     )
+    errors, outside = [], []
+    for i, (name, pred, *_) in enumerate(tables[0]):
+        meas = statistics.median(t[i][2] for t in tables)
+        raw = statistics.median(t[i][3] for t in tables)
+        errs = [t[i][4] for t in tables]
+        err = statistics.median(errs)
+        errors.append(abs(err))
+        if abs(err) > 0.20:
+            outside.append(name)
+        print(
+            f"{name:<40} {pred:>12.4f} {meas:>11.4f} {raw:>+8.1%} {err:>+8.1%}"
+            f"  [{min(errs):+.1%}, {max(errs):+.1%}]"
+        )
+    print(
+        f"median |error| {statistics.median(errors):.1%}, max {max(errors):.1%}; outside 20%: "
+        f"{', '.join(outside) or 'none'}"
+    )
+    for k, rows in enumerate(tables):
+        best = min(range(len(rows)), key=lambda i: rows[i][1])
+        ratio = rows[best][2] / min(r[2] for r in rows)
+        print(
+            f"repetition {k + 1}: predicted best {rows[best][0]} runs {ratio:.3f}x the measured "
+            f"best ({'within' if ratio <= 1.10 else 'NOT within'} 10%)"
+        )
     return 0
 
 

@@ -1,6 +1,7 @@
 """Tensor-parallel layer benchmarks (CPU).
 
     python tools/bench/bench_tp_layers.py [--repeats 7]
+    python tools/bench/bench_tp_layers.py --tiny    # seconds: h 128, one repeat, TP 2 bytes only
 
 1. Column + row parallel linear at TP=1, forward + backward, against two ``nn.Linear`` (the ratio is
    megalite / torch; target <= 1.05).
@@ -42,9 +43,9 @@ def _time(fn, repeats: int, inner: int) -> float:
     return statistics.median(samples)
 
 
-def bench_tp1(repeats: int) -> None:
+def bench_tp1(repeats: int, size: tuple[int, int, int] = (512, 4, 1024)) -> None:
     torch.manual_seed(0)
-    s, b, h = 512, 4, 1024
+    s, b, h = size
     x = torch.randn(s, b, h, requires_grad=True)
     col = ColumnParallelLinear(h, 4 * h, tp_group=None)
     row = RowParallelLinear(4 * h, h, tp_group=None)
@@ -119,9 +120,9 @@ def _count_bytes(rank: int, world: int, init_file: str, results) -> None:
     dist.destroy_process_group()
 
 
-def bench_bytes() -> None:
+def bench_bytes(worlds: tuple[int, ...] = (2, 4)) -> None:
     ctx = mp.get_context("spawn")
-    for world in (2, 4):
+    for world in worlds:
         q = ctx.Queue()
         init_file = os.path.join(tempfile.mkdtemp(), "rdzv")
         procs = [
@@ -147,8 +148,13 @@ def bench_bytes() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--tiny", action="store_true", help="a smoke run: small sizes, TP 2")
     args = parser.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
+    if args.tiny:
+        bench_tp1(1, size=(64, 2, 128))
+        bench_bytes((2,))
+        return
     bench_tp1(args.repeats)
     bench_bytes()
 

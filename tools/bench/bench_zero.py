@@ -2,6 +2,7 @@
 
     python tools/bench/bench_zero.py [--rounds 5] [--steps 3] [--layers 10] [--hidden 512]
     python tools/bench/bench_zero.py --collectives      # why the gloo collectives are p2p/broadcast
+    python tools/bench/bench_zero.py [--collectives] --tiny   # seconds: 2 layers of h 64, 1 round
 
 (The whole ladder, ZeRO-2/3 and offload beside DeepSpeed and FSDP2, and ZeRO-3's communication
 volume: ``tools/bench/bench_zero_ladder.py``.)
@@ -219,7 +220,11 @@ def main() -> None:
     p.add_argument("--bucket", type=int, default=10_000_000, help="grad bucket (elements)")
     p.add_argument("--collectives", action="store_true")
     p.add_argument("--coll-numel", type=int, default=20_000_000)
+    p.add_argument("--tiny", action="store_true", help="a smoke run: 2 layers of h 64, 1 round")
     args = p.parse_args()
+    if args.tiny:
+        args.rounds, args.steps, args.layers, args.hidden = 1, 1, 2, 64
+        args.seq, args.vocab, args.coll_numel = 16, 128, 20_000
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(os.path.join(tmp, "rendezvous"), args), nprocs=DP)
 

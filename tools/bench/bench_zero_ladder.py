@@ -25,6 +25,8 @@ all-reduce as a ring's 2 (d-1)/d of its buffer), for megalite DDP and ZeRO-3: th
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import os
 import resource
 import statistics
@@ -152,22 +154,22 @@ def timed(step) -> float:
     return float(t.item())
 
 
-def run_kind(kind: str, args, out) -> None:
+def run_kind(kind: str, args) -> tuple:
+    """``(kind, median step s, peak RSS growth, model-state bytes or None)`` on this rank."""
     cfg = config(args)
     base = _rss()
     step, state_bytes = build(kind, cfg, args)
     step()  # warm-up: lazy optimizer state, allocator, gloo buffers
     times = [timed(step) for _ in range(args.steps)]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    if dist.get_rank() == 0:
-        s = state_bytes() if state_bytes else None
-        out.put((kind, statistics.median(times), peak, None if s is None else s.total + s.host))
+    s = state_bytes() if state_bytes else None
+    return kind, statistics.median(times), peak, None if s is None else s.total + s.host
 
 
 # --- communication volume -------------------------------------------------------------------------
 
 
-def run_volume(kind: str, args, out) -> None:
+def run_volume(kind: str, args) -> tuple:
     sent = [0]
     real_batch, real_all_reduce = dist.batch_isend_irecv, dist.all_reduce
 
@@ -188,28 +190,43 @@ def run_volume(kind: str, args, out) -> None:
     step()
     sent[0] = 0
     step()
-    if dist.get_rank() == 0:
-        out.put((kind, sent[0]))
+    dist.batch_isend_irecv, dist.all_reduce = real_batch, real_all_reduce
+    return kind, sent[0]
 
 
-def worker(rank: int, init_file: str, fn, kind: str, args, out) -> None:
+def worker(rank: int, init_file: str, fn, kinds: list[str], args, out_file: str) -> None:
+    """Run ``fn(kind, args)`` for each of ``kinds`` in this world; rank 0 writes the results.
+
+    The results go to a file, not a ``multiprocessing`` queue: a queue's feeder is a daemon
+    thread, and a thread that holds tensors or the GIL when the interpreter shuts down aborts the
+    process (``terminate called without an active exception``). Each set-up's model, optimizer
+    and their references to the group die inside ``fn``; the barrier holds both ranks until every
+    collective is done, so the group is destroyed with nothing in flight and no thread left.
+    """
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getppid() % 1000))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(DP), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=DP)
     try:
-        fn(kind, args, out)
+        results = [fn(kind, args) for kind in kinds]
+        gc.collect()  # the set-ups' reference cycles (hooks) go now, not at interpreter exit
+        dist.barrier()
+        if rank == 0:
+            with open(out_file, "w") as f:
+                json.dump(results, f)
     finally:
         dist.destroy_process_group()
 
 
-def spawn(fn, kind: str, args):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+def spawn(fn, kinds: list[str], args) -> list:
+    """``fn``'s results for ``kinds``, run one after the other in one fresh 2-process world."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(os.path.join(tmp, "rdv"), fn, kind, args, out), nprocs=DP)
-    return out.get()
+        out_file = os.path.join(tmp, "results.json")
+        argv = (os.path.join(tmp, "rdv"), fn, kinds, args, out_file)
+        mp.spawn(worker, args=argv, nprocs=DP)
+        with open(out_file) as f:
+            return [tuple(r) for r in json.load(f)]
 
 
 def main() -> None:
@@ -236,7 +253,7 @@ def main() -> None:
             1,
         )
     if args.volume:
-        vol = dict(spawn(run_volume, k, args) for k in ("ddp", "zero3"))
+        vol = dict(spawn(run_volume, ["ddp", "zero3"], args))
         print(
             f"bytes sent per rank per step: DDP {vol['ddp'] / 2**20:.2f} MiB, ZeRO-3 "
             f"{vol['zero3'] / 2**20:.2f} MiB, ratio {vol['zero3'] / vol['ddp']:.3f} "
@@ -253,8 +270,12 @@ def main() -> None:
         kinds = [k for k in kinds if k in args.kinds.split(",")]
     results = {k: [] for k in kinds}
     for _ in range(args.rounds):
+        if args.tiny:  # a smoke run: every set-up in one world (its RSS column is not its own)
+            for r in spawn(run_kind, kinds, args):
+                results[r[0]].append(r)
+            continue
         for k in kinds:
-            results[k].append(spawn(run_kind, k, args))
+            results[k].append(spawn(run_kind, [k], args)[0])
     shape = f"GPT {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, seq {args.seq}"
     print(f"{shape}, micro-batch {args.micro_batch}; DP={DP} gloo; medians of {args.rounds} rounds")
     med = {k: statistics.median(r[1] for r in v) for k, v in results.items()}

@@ -1,6 +1,7 @@
 r"""The planner on published training configurations: does its memory fit, is its MFU in range?
 
     python tools/bench/planner_published.py            # prints the table of docs/PLANNER.md
+    python tools/bench/planner_published.py --tiny     # seconds: the first two rows
 
 Each row is a published run (model, GPUs, layout, batch, and the MFU its authors report, cited in
 docs/PLANNER.md), mapped onto the same layout in megalite (interleaving, CP, EP, ZeRO-3 for
@@ -10,6 +11,7 @@ no calibration on those GPUs.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from dataclasses import replace
@@ -110,11 +112,16 @@ ROWS = [
 ]  # fmt: skip
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="a smoke run: the first two rows")
+    args = p.parse_args(argv)
     columns = "run | GPUs | megalite layout | peak GiB / usable | fits | predicted MFU"
     print(f"| {columns} | published MFU | in range | note |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for name, model, gpu, gpus, layout, gbs, extra, (lo, hi), note in ROWS:
+    for name, model, gpu, gpus, layout, gbs, extra, (lo, hi), note in (
+        ROWS[:2] if args.tiny else ROWS
+    ):
         cluster = preset(gpu, gpus)
         p = MODEL_PRESETS[model]
         argv = [*p["argv"], "--bf16", *(x for x in extra if x != PICK)]

@@ -8,9 +8,10 @@ Calibrates the world first (``calibrate.calibrate_in_world``: the cores the rank
 compute rate and fixed costs with every rank busy, the all-reduce), then for each layout predicts
 the step (``search.evaluate`` on a ``Cluster`` of this machine) and runs it: ``steps`` timed steps
 after one untimed (the first allocates the optimizer states); a step's time is the slowest rank's,
-the figure the median over steps. ``tests/planning/test_step_time.py`` and
-``tools/bench/bench_planner.py`` use it. The collectives of the harness itself (barriers, the
-slowest rank's time) go over the world group, named (``calibrate_comm.world_group``).
+the figure the median over steps. ``tools/bench/bench_planner.py`` uses it (and
+``tests/planning/test_step_time.py`` its ``build_world_run``). The collectives of the harness
+itself (barriers, the slowest rank's time) go over the world group, named
+(``calibrate_comm.world_group``).
 """
 
 from __future__ import annotations

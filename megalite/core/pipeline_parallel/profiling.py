@@ -43,10 +43,12 @@ def profile_chunk(
     warmup: int = 1,
     dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[float, float, float]:
     """Median seconds of (F, I, W) of ``chunk`` run alone; ``data_iterator`` yields at least
     ``repeats`` micro-batches (``first``: the chunk holds stage 0, ``loss``: the last stage).
-    ``chunk`` is the stage module (``ModelChunk.module``: it takes ``set_input_tensor``)."""
+    ``chunk`` is the stage module (``ModelChunk.module``: it takes ``set_input_tensor``).
+    ``clock``: the time source read around each part (a test passes a virtual one)."""
     if repeats <= warmup or warmup < 0:
         raise ValueError(f"profile_chunk: repeats ({repeats}) must exceed warmup ({warmup})")
     store = WeightGradStore()
@@ -57,20 +59,20 @@ def profile_chunk(
             x = None
             if not first:
                 x = torch.randn(input_shape, dtype=dtype, device=device).requires_grad_()
-            t0 = time.perf_counter()
+            t0 = clock()
             chunk.set_input_tensor(x)
             output, loss_func = forward_step_func(data_iterator, chunk)
             if loss:
                 output = loss_func(output)[0] / num_microbatches
-            t1 = time.perf_counter()
+            t1 = clock()
             with store.defer(k):
                 if loss:
                     output.backward()
                 else:
                     output.backward(torch.randn_like(output))
-            t2 = time.perf_counter()
+            t2 = clock()
             store.flush(k)
-            t3 = time.perf_counter()
+            t3 = clock()
             chunk.set_input_tensor(None)
             times.append((t1 - t0, t2 - t1, t3 - t2))
     finally:
