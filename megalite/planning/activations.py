@@ -15,7 +15,8 @@ activation dtype's bytes, ``n, g`` heads and query groups per TP rank, ``d`` the
     attention (sdpa)          q, k, v (3 [T, n d] e; RoPE with k = v heads: +2 [T, n d] e for
                               the rotated q, k besides the fused qkv) + logsumexp [n T] fp32 +
                               output [T, n d] e
-    attention (unfused)       fp32 scores, exp [b n s s] + probs in e + the context [T, n d] e
+    attention (unfused)       fp32 scores, exp [b n s s] + probs in e + the context [T, n d] e;
+                              the fused softmax kernel: its output [b n s s] e alone
     attention (sdpa, dropout) on CPU the math path: scaled q, k^T, v + 3 [b n s s] e + context
     MLP (GELU)                fc1 output [T, f] e + GELU output [T, f] e
     MLP (SwiGLU)              fc1 output [T, 2f] e + silu(gate) [T, f] e + product [T, f] e
@@ -75,27 +76,36 @@ class StageActivations:
         return max(held, held - self.per_microbatch + self.backward_peak)
 
 
+@dataclass(frozen=True)
+class FusedKernels:
+    """Which of megalite's fused Triton kernels run in the layers the planner predicts
+    (``fused_kernels``): the norms (every LayerNorm and RMSNorm) and the attention softmax (the
+    unfused backend's scale-mask-softmax). Each saves other tensors than its PyTorch reference."""
+
+    norms: bool = False
+    softmax: bool = False
+
+
+def fused_kernels(c: GPTConfig, device: str) -> FusedKernels:
+    """The kernels that run on ``device`` for a model built from ``c``: none unless the model
+    asks for them (``use_fused_kernels``) and they serve there (``fusions.kernels_serve``: a GPU,
+    or a CPU under ``TRITON_INTERPRET=1`` with triton importable); then the norms, and the
+    softmax where the attention backend computes one (``unfused``)."""
+    if not (c.use_fused_kernels and fusions.kernels_serve(device)):
+        return FusedKernels()
+    return FusedKernels(norms=True, softmax=c.attention_backend == "unfused")
+
+
 def _norm_bytes(c: GPTConfig, tn: int, e: int, fused: bool = False) -> int:
     """Saved by a norm over [tn, h] (its output, saved by the next linear, is counted there).
-    ``fused``: megalite's Triton kernels run the norms (``fused_norms``); the fused RMSNorm saves
-    its input and rstd alone, where the reference path keeps an fp32 copy and the normalised y."""
+    ``fused``: the Triton norm kernel runs; the fused RMSNorm saves its input and rstd alone,
+    where the reference path keeps an fp32 copy and the normalised y (LayerNorm: the same)."""
     h = c.hidden_size
     if c.normalization == "LayerNorm":
         return tn * h * e + 2 * tn * 4
     if fused:
         return tn * h * e + tn * 4
     return tn * h * 4 + tn * 4 + tn * h * e
-
-
-def fused_norms(c: GPTConfig, device: str) -> bool:
-    """Whether megalite's fused Triton norm kernels run (``core.fusions``): with
-    ``use_fused_kernels`` on a GPU (a GPU install has triton: the planner plans for the cluster,
-    not this machine), or on a CPU under ``TRITON_INTERPRET=1`` with triton importable."""
-    if not c.use_fused_kernels:
-        return False
-    if device != "cpu":
-        return True
-    return fusions.fused_kernels_on_cpu()
 
 
 def layer_bytes(
@@ -110,10 +120,11 @@ def layer_bytes(
     cpu: bool = False,
     cp: int = 1,
     moe: MoEShape | None = None,
-    fused: bool = False,
+    fused: FusedKernels = FusedKernels(),
 ) -> int:
     """Saved bytes of one transformer layer on one TP rank for ``tokens = s b`` tokens (this CP
-    rank's ``s``); ``moe``: the layer's MLP is a mixture of experts; ``fused``: fused norms."""
+    rank's ``s``); ``moe``: the layer's MLP is a mixture of experts; ``fused``: the kernels that
+    run."""
     sp = c.sequence_parallel and tp > 1
     tn = tokens // tp if sp else tokens
     h, d = c.hidden_size, c.kv_channels
@@ -122,7 +133,7 @@ def layer_bytes(
     k = c.heads_per_group
     s = tokens // b
     linear_in = tn * h * e  # the norm output (under SP the shard: backward gathers it again)
-    total = 2 * (_norm_bytes(c, tn, e, fused) + linear_in)
+    total = 2 * (_norm_bytes(c, tn, e, fused.norms) + linear_in)
     qkv = tokens * n * d * e
     rope = c.position_embedding_type == "rope"
     scores = b * n * s * s
@@ -146,9 +157,13 @@ def layer_bytes(
         total += qkv + (0 if selective else n * tokens * 4)  # output (+ logsumexp)
     else:
         total += 3 * qkv + (2 * qkv if rope and k == 1 else 0)
-        if not selective:  # fp32 masked scores, exp, probs in e; the mask, row statistics
+        dropout = c.attention_dropout > 0
+        if not selective and fused.softmax:  # the kernel saves its output alone; dropout its
+            total += scores * e * (2 if dropout else 1)  # noise and the dropped probs
+            total += scores * mask_bytes if dropout else 0
+        elif not selective:  # fp32 masked scores, exp, probs in e; the mask, row statistics
             total += scores * (4 + 4 + e) + s * s + b * n * s * 13
-            total += scores * mask_bytes if c.attention_dropout > 0 else 0
+            total += scores * mask_bytes if dropout else 0
         total += qkv  # the context, re-laid out for the output projection
     if moe is None:
         total += (4 if c.swiglu else 2) * tokens * f * e
@@ -213,7 +228,7 @@ def stage_extras(
     last: bool,
     mask_bytes: int = 1,
     cp: int = 1,
-    fused: bool = False,
+    fused: FusedKernels = FusedKernels(),
 ) -> int:
     sp = c.sequence_parallel and tp > 1
     tn = tokens // tp if sp else tokens
@@ -231,7 +246,7 @@ def stage_extras(
             out += tn * h * mask_bytes
     if last:
         vocab = c.padded_vocab_size(tp) // tp
-        out += _norm_bytes(c, tn, e, fused) + tn * h * e  # final norm, output layer input
+        out += _norm_bytes(c, tn, e, fused.norms) + tn * h * e  # final norm, output layer input
         out += tokens * vocab * 4 + tokens * (8 + 1) + vocab + tokens * 4 + 4  # loss
     return out
 
@@ -249,7 +264,7 @@ def _chunk_activations(
     cpu: bool,
     cp: int = 1,
     moe: MoEShape | None = None,
-    fused: bool = False,
+    fused: FusedKernels = FusedKernels(),
 ) -> tuple[int, int, int, int]:
     """(layers, per_layer, extras, backward_peak) of one model chunk for one micro-batch."""
     b, s = micro_batch_size, c.seq_length // cp
@@ -347,7 +362,7 @@ def stage_activations(
     blocks = stage_blocks(c, layout)
     etp = etp or tp
     moe = MoEShape(ep=ep, etp=etp, group=ep * etp) if c.num_experts else None
-    fused = fused_norms(c, device)
+    fused = fused_kernels(c, device)
     parts = []
     for chunk in range(layout.num_chunks):
         s = layout.stage(pp_rank, chunk)
