@@ -88,7 +88,7 @@ def routed_rows(c: GPTConfig, m: MoEShape, tokens: int, routing: Routing) -> tup
     sources = m.etp * m.ep  # ranks whose tokens reach this rank's experts
     if routing.worst:
         per_expert = tokens if cap is None else min(tokens, cap)
-        local = min(tokens * min(k, el), el * per_expert)
+        local = min(tokens * k, el * per_expert)  # each expert at most once per token
         pairs = min(tokens * k, E * per_expert)
     else:
         shares = routing.shares if routing.shares is not None else (k / E,) * E
