@@ -148,10 +148,9 @@ def bench_experts(
             step()
             peak = torch.cuda.max_memory_allocated(device) - base
         out[name] = (_median_time(step, repeats), meter.peak, peak)
-    if device.type == "cuda":
-        w = torch.empty(experts, 2 * f, h, device=device, dtype=dtype)
-        v = torch.empty(experts, h, f, device=device, dtype=dtype)
-        out["grouped is torch._grouped_mm"] = grouped_mm_serves(x, w, v)
+    w = torch.empty(experts, 2 * f, h, device=device, dtype=dtype)
+    v = torch.empty(experts, h, f, device=device, dtype=dtype)
+    out["grouped is torch._grouped_mm"] = grouped_mm_serves(x, w, v)
     return out
 
 
@@ -173,8 +172,8 @@ def print_experts(h: int, f: int, experts: int, tokens: int, repeats: int, devic
                 f"{label:18s} {name:11s} {secs * 1e3:9.2f} {secs / loop:7.2f} {saved / MIB:10.2f}"
             )
             print(line + (f" {peak / MIB:9.2f}" if peak is not None else ""))
-        if "grouped is torch._grouped_mm" in r:
-            print(f"  grouped = torch._grouped_mm: {r['grouped is torch._grouped_mm']}")
+    serves = r["grouped is torch._grouped_mm"]
+    print(f"grouped = {'torch._grouped_mm' if serves else 'the loop (grouped_mm_serves: no)'}")
 
 
 # --- 2. dispatchers on 4 ranks -----------------------------------------------------------------
