@@ -113,7 +113,7 @@ class FirstStepComparison(FirstStepHook):
             measured_act, peak = meter.peak, None
         try:
             state = model_state_bytes(wrapper, trainer.optimizer, dp_size=trainer.ps.dp_size)
-            routing = observed_routing(trainer.routers, trainer.cfg.model.moe_router_topk or 1)
+            routing = observed_routing(trainer.routers, trainer.cfg.model.moe_router_topk)
             routed = None if routing is None else predicted_for_rank(trainer, routing)
             _report(trainer, predicted, routed, state.total, measured_act, peak)
         except Exception as e:  # noqa: BLE001 - the report must never stop a run

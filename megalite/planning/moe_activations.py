@@ -63,14 +63,16 @@ class Routing:
 
     def describe(self, c: GPTConfig) -> str:
         """The assumption in words, for a log line."""
-        if c.moe_token_dispatcher_type == "alltoall" and c.moe_pad_expert_input_to_capacity:
-            return "padded to capacity: the experts' rows do not depend on the routing"
+        if self.worst and c.moe_expert_capacity_factor is None:
+            return "any routing (dropless: all tokens to the fewest experts top-k allows)"
         if self.worst:
-            if c.moe_expert_capacity_factor is None:
-                return "any routing (dropless: all tokens to the fewest experts top-k allows)"
-            return "any routing (each expert full to capacity)"
+            padded = (
+                c.moe_token_dispatcher_type == "alltoall" and c.moe_pad_expert_input_to_capacity
+            )
+            return f"any routing (each expert full to capacity{', padded' if padded else ''})"
         if self.shares is None:
-            return f"balanced routing (each expert {c.moe_router_topk}/{c.num_experts} of tokens)"
+            k, e = c.moe_router_topk, c.num_experts
+            return f"balanced routing (each expert {k}/{e} of the tokens)"
         return f"this routing (busiest expert {max(self.shares):.0%} of the tokens)"
 
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megalite.core.moe.router import routers_of
 from megalite.measure.first_step import FirstStepComparison
 from megalite.measure.saved_tensors import measure_step
-from megalite.planning.moe_activations import BALANCED, Routing
+from megalite.planning.moe_activations import BALANCED, WORST, MoEShape, Routing, routed_rows
 from megalite.planning.predict import predict_for_config
 from megalite.training.forward_step import make_forward_step
 from megalite.training.pretrain import build_run, mesh_for
@@ -168,3 +168,46 @@ def test_first_step_comparison_says_which_figure_applies():
                 assert verdict in line, (rank, line)
             if name == "skewed" and rank in (0, 2):
                 assert "busiest expert 70% of the tokens" in line, line
+
+
+def _random_shares(g: torch.Generator, experts: int, topk: int) -> tuple[float, ...]:
+    """Shares a router could produce: ``topk`` distinct experts per token, each at most 1."""
+    tokens = 1000
+    choice = torch.rand(tokens, experts, generator=g) ** 4  # uneven, different every draw
+    picked = torch.zeros(tokens, experts).scatter_(1, choice.topk(topk, dim=1).indices, 1.0)
+    return tuple((picked.double().sum(0) / tokens).tolist())
+
+
+def test_the_bound_holds_for_any_routing_the_capacity_settings_allow():
+    """Pure arithmetic: the worst routing's (pairs, rows) bound every routing's, dropless, with a
+    capacity factor and padded to it, at EP 1, 2, 4; with capacity 1 the experts' rows are at most
+    the balanced ones, padded they are the same whatever the routing."""
+    tokens = 144
+    capacity = ("--moe-expert-capacity-factor", "1.0")
+    settings = {
+        "dropless": (),
+        "capacity": capacity,
+        "padded": (*capacity, "--moe-token-dispatcher-type", "alltoall",
+                   "--moe-pad-expert-input-to-capacity"),
+    }  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    draws = [_random_shares(g, 4, 2) for _ in range(20)] + list(ROUTINGS.values())
+    for name, flags in settings.items():
+        c = config(*SHAPE, *flags).model
+        for ep in EPS:
+            for ep_rank in range(ep):
+                m = MoEShape(ep=ep, group=ep, ep_rank=ep_rank)
+                worst_pairs, worst_rows = routed_rows(c, m, tokens, WORST)
+                _, balanced_rows = routed_rows(c, m, tokens, BALANCED)
+                for shares in draws:
+                    pairs, rows = routed_rows(c, m, tokens, Routing(shares))
+                    what = (name, ep, ep_rank, shares)
+                    assert pairs <= worst_pairs * (1 + 1e-9) and rows <= worst_rows * (1 + 1e-9), (
+                        what
+                    )
+                    if name == "padded":
+                        assert rows == balanced_rows, what
+                if name == "dropless":  # all tokens to the rank's experts, min(topk, E_local) each
+                    assert worst_rows == ep * tokens * min(2, 4 // ep)
+                else:  # capacity 1: each expert full at its balanced share
+                    assert worst_rows == balanced_rows == ep * (4 // ep) * 72
