@@ -11,13 +11,13 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
-# the package itself (editable, so megalite.kernels maps onto kernels/) and the test extras,
+# the package itself (editable) and the test extras,
 # installed only when something is missing so a warm machine starts the suite at once.
 if ! "$PY" - <<'PY' 2>/dev/null; then
 import importlib, os, megalite.kernels
 # megalite must be installed from THIS checkout (an editable install of another clone would serve
 # megalite.kernels from there)
-assert os.path.samefile(os.path.dirname(megalite.kernels.__file__), "kernels")
+assert os.path.samefile(os.path.dirname(megalite.kernels.__file__), "megalite/kernels")
 for m in ("numpy", "sentencepiece", "tensorboard", "pytest", "ruff", "transformers", "safetensors", "triton"):
     importlib.import_module(m)
 PY

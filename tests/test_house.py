@@ -30,25 +30,27 @@ def test_no_issue_numbers_in_the_code():
 
 
 def _tiny_tree(tmp_path: Path) -> Path:
-    """A package with megalite's shape: core, models, training, planning, one module each."""
+    """A package with megalite's shape: kernels, core, models, training, planning, one module each
+    (core's fusions the one way into the kernels)."""
     pkg = tmp_path / "megalite"
-    for part in ("core", "models", "training", "planning"):
+    for part in ("kernels", "core", "models", "training", "planning"):
         (pkg / part).mkdir(parents=True)
         (pkg / part / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
     (pkg / "errors.py").write_text("class ConfigError(ValueError):\n    pass\n")
+    (pkg / "kernels" / "softmax.py").write_text("def softmax_forward(x):\n    return x\n")
     (pkg / "core" / "mesh.py").write_text("from megalite.errors import ConfigError\n")
+    (pkg / "core" / "fusions.py").write_text("from megalite.kernels import softmax\n")
     (pkg / "models" / "gpt.py").write_text("from megalite.core import mesh\n")
     (pkg / "training" / "loop.py").write_text("from megalite.models.gpt import *\n")
     (pkg / "planning" / "plan.py").write_text("import megalite.training.loop\n")
-    (tmp_path / "kernels").mkdir()
     return tmp_path
 
 
 def test_the_checks_pass_on_a_clean_tree(tmp_path):
     root = _tiny_tree(tmp_path)
     edges = import_graph.imports(root)
-    assert len(edges) == 4
+    assert len(edges) == 5
     assert import_graph.cycles(edges) == [] and import_graph.upward(edges) == []
 
 
@@ -70,10 +72,18 @@ def test_a_planted_upward_import_is_found(tmp_path):
         f.write("def first_step():\n    from megalite.planning import plan\n")
     with open(root / "megalite" / "core" / "mesh.py", "a") as f:
         f.write("from ..models import gpt\n")  # relative imports resolve too
+    with open(root / "megalite" / "models" / "gpt.py", "a") as f:
+        f.write(
+            "from megalite.kernels.softmax import softmax_forward\n"
+        )  # only core reaches kernels
+    with open(root / "megalite" / "kernels" / "softmax.py", "a") as f:
+        f.write("from megalite.core import mesh\n")
     bad = {(e.source, e.target) for e in import_graph.upward(import_graph.imports(root))}
     assert bad == {
         ("megalite.training.loop", "megalite.planning.plan"),
         ("megalite.core.mesh", "megalite.models.gpt"),
+        ("megalite.models.gpt", "megalite.kernels.softmax"),
+        ("megalite.kernels.softmax", "megalite.core.mesh"),
     }
 
 

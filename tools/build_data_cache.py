@@ -19,7 +19,6 @@ import sys
 
 from megalite.data.builders import build_datasets, check_data, train_valid_test_num_samples
 from megalite.data.config import DataConfig, parse_blend
-from megalite.data.gpt_dataset import default_cache_dir
 from megalite.data.indexed_dataset import IndexedDataset
 from megalite.data.vocab_check import token_range
 from megalite.errors import ArgumentParser, UsageError, check_writable_dir, run_main
@@ -92,9 +91,7 @@ def _main(argv: list[str] | None) -> int:
     for name, ds in zip(("train", "valid", "test"), datasets):
         logging.info("%s: %s", name, "none" if ds is None else f"{len(ds)} samples cached")
     for prefix in _prefixes(cfg):  # the start-up vocabulary check then only reads them
-        found = token_range(
-            IndexedDataset(prefix), cache_dir=args.data_cache_path or default_cache_dir(prefix)
-        )
+        found = token_range(IndexedDataset(prefix), cache_dir=args.data_cache_path)
         logging.info("%s: token ids %s cached", prefix, "none" if found is None else list(found))
     return 0
 

@@ -3,9 +3,9 @@
     python tools/check_history.py          # exit 1 and one line per reference found, else exit 0
     python tools/check_history.py --root DIR
 
-The code says what a thing is and why; which issue brought it lives in git. Checked: the package
-(megalite/, kernels/), tools/, scripts/, pretrain_gpt.py and the README's headings. ``scripts/
-test.sh`` runs this before the tests.
+The code says what a thing is and why; which issue brought it lives in git. Checked: megalite/,
+tools/, scripts/, pretrain_gpt.py and the README's headings. ``scripts/test.sh`` runs this before
+the tests.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import re
 import sys
 from pathlib import Path
 
-PATHS = ("megalite", "kernels", "tools", "scripts", "pretrain_gpt.py")
+PATHS = ("megalite", "tools", "scripts", "pretrain_gpt.py")
 SUFFIXES = {".py", ".sh", ".sbatch", ".md", ".toml", ".txt", ".cfg"}
 # "issue 13", "Issue 18's", "issues 15 and 16", "ISSUE_18", "issue #7"
 REFERENCE = re.compile(r"\b[Ii]ssues? #?\d+|\bISSUE_\d+")

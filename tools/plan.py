@@ -19,21 +19,27 @@ docs/PLANNER.md explains the model and its measured accuracy.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 # run as a script: the repository root on the path, for the calibration harness in tools/planner
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megalite.errors import (  # noqa: E402
+    ArgumentParser,
+    UsageError,
+    UserError,
+    path_problem,
+    run_main,
+)
 from megalite.planning.cluster import calibrated, load_calibration, preset  # noqa: E402
 from megalite.planning.presets import MODEL_PRESETS, REFUSED_PRESETS  # noqa: E402
 from megalite.planning.report import breakdown, ranking_table  # noqa: E402
 from megalite.planning.search import explain, search  # noqa: E402
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tools/plan.py", description=__doc__.splitlines()[0])
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="tools/plan.py", description=__doc__.splitlines()[0])
     p.add_argument("--model", help=f"preset: {', '.join([*MODEL_PRESETS, *REFUSED_PRESETS])}")
     p.add_argument("--vocab-size", type=int, help="with model flags (presets know theirs)")
     p.add_argument("--gpu", default="H100", help="H100, H200 or A100 (figures below override)")
@@ -95,17 +101,44 @@ def model_argv(args, rest: list[str]) -> tuple[list[str], int]:
     return argv, vocab
 
 
-def main(argv: list[str] | None = None, out=None) -> int:
-    out = out or sys.stdout
-    args, rest = build_parser().parse_known_args(argv)
+def check_writable_file(path: str, *, flag: str, what: str) -> None:
+    """Refuse (``UserError``, naming ``flag`` and ``path``) a file this process could not write:
+    its folder is created as the write would need, the file opened for appending (and removed
+    again when it did not exist)."""
+    if os.path.isdir(path):
+        raise UserError(f"{flag} {path}: is a folder; give a file path for the {what}")
+    folder = os.path.dirname(os.path.abspath(path))
+    existed = os.path.exists(path)
     try:
-        if args.calibrate:
-            # the harness builds real runs (the training loop, data): imported only to calibrate,
-            # so a search (and each of its worker processes) starts without them
-            from tools.planner.calibrate import calibrate_and_save
+        os.makedirs(folder, exist_ok=True)
+        with open(path, "ab"):  # not truncated: an existing file keeps its contents
+            pass
+    except OSError as e:
+        where = "cannot create its folder" if not os.path.isdir(folder) else "cannot write it"
+        raise UserError(
+            f"{flag} {path}: {where} ({path_problem(e)}); give a writable path for the {what}"
+        ) from None
+    if not existed:
+        os.remove(path)
 
-            calibrate_and_save(args.calibration_out, out=out)
-            return 0
+
+def main(argv: list[str] | None = None, out=None) -> int:
+    """The command line; a user error prints one ``error:`` line: status 1 (2: bad usage)."""
+    return run_main(lambda a: _main(a, out or sys.stdout), argv)
+
+
+def _main(argv: list[str] | None, out) -> int:
+    args, rest = build_parser().parse_known_args(argv)
+    if args.calibrate:
+        # the outputs first: a calibration takes minutes, then has nowhere to go
+        check_writable_file(args.calibration_out, flag="--calibration-out", what="calibration")
+        # the harness builds real runs (the training loop, data): imported only to calibrate,
+        # so a search (and each of its worker processes) starts without them
+        from tools.planner.calibrate import calibrate_and_save
+
+        calibrate_and_save(args.calibration_out, out=out)
+        return 0
+    try:
         margv, vocab = model_argv(args, rest)
         cluster = preset(
             args.gpu,
@@ -123,9 +156,8 @@ def main(argv: list[str] | None = None, out=None) -> int:
         if args.jobs < 1:
             raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
         result = search(margv, cluster, vocab_size=vocab, global_batch_size=gbs, jobs=args.jobs)
-    except ValueError as e:
-        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
+    except ValueError as e:  # the flags' values, each named in the message
+        raise UsageError(str(e).splitlines()[0]) from None
     print(
         f"{args.model or 'model'} on {cluster.gpus} x {cluster.name} "
         f"({cluster.gpu_memory_gib:g} GiB, {cluster.peak_tflops:g} TFLOP/s peak, efficiency "

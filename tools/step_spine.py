@@ -46,7 +46,7 @@ def _rank(rank: int, world: int, init_file: str, flags: list[str], out: dict) ->
     ps = mesh_for(cfg.parallel, order=cfg.parallel.rank_order, device=torch.device("cpu"))
     run = build_run(cfg, ps, torch.device("cpu"), resume=False)
     forward_step = make_forward_step(torch.device("cpu"))
-    package = (str(ROOT / "megalite"), str(ROOT / "kernels"))
+    package = str(ROOT / "megalite")
     seen: dict[str, set[str]] = {}
 
     def profile(frame, event, arg):

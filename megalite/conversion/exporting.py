@@ -2,12 +2,12 @@
 
 The model goes through ``megalite.load_model`` (any layout -> one CPU model in fp32), its logical
 tensors through the family's ``to_hf``; weights as safetensors, ``config.json``,
-``generation_config.json`` and the run's tokenizer when it is known.
+``generation_config.json`` and the run's tokenizer when it is known, written into a hidden sibling
+of the folder and moved into place when all is written (``staging``): a failed export leaves no
+folder behind.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -18,10 +18,12 @@ from megalite.conversion.hf_files import (
     save_safetensors,
     save_tokenizer_files,
 )
-from megalite.errors import check_writable_dir, path_problem
+from megalite.conversion.staging import staged_folder
+from megalite.errors import path_problem
 from megalite.inference import load_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+LAST = ("config.json",)  # moved into an existing --save folder last: it makes the folder loadable
 
 
 def export_to_hf(
@@ -35,41 +37,38 @@ def export_to_hf(
     """Write the model of a megalite checkpoint (any layout) as a HuggingFace folder: weights,
     ``config.json``, ``generation_config.json`` and the run's tokenizer when it is known. Returns
     ``{"family", "files", "tokenizer_files", "model"}`` (``model``: the ``load_model`` result)."""
-    check_writable_dir(hf_dir, flag="--save", what="HuggingFace model")
-    model = load_model(load_dir, iteration)
-    config = model.config
-    family = family_of(config)
-    record = model.checkpoint_info["config"]
-    tokenizer = record.get("tokenizer", {})
-    eos = tokenizer.get("eod")
-    bos = tokenizer.get("bos", eos)
-    if dtype == "auto":
-        target = getattr(torch, str(record["model"]["params_dtype"]).removeprefix("torch."))
-    elif dtype in DTYPES:
-        target = DTYPES[dtype]
-    else:
-        raise ConversionError(f"--dtype {dtype!r}: use auto, fp32, bf16 or fp16")
-    module = FAMILIES[family]
-    state = {k: v.detach() for k, v in model.state_dict().items()}
-    hf_state = {k: v.to(target) for k, v in module.to_hf(state, config).items()}
-    try:  # the weights first, config.json after: a failed write leaves no loadable folder
-        files = save_safetensors(hf_state, hf_dir, max_shard_bytes=max_shard_size)
-        hf_config = module.hf_config(config, bos_token_id=bos, eos_token_id=eos)
-        # transformers >= 4.56 names the weights' dtype ``dtype``, older ones ``torch_dtype``
-        setattr(hf_config, "dtype" if hasattr(hf_config, "dtype") else "torch_dtype", target)
-        hf_config.save_pretrained(hf_dir)
-        save_generation_config(hf_dir, bos_token_id=bos, eos_token_id=eos)
-        tokenizer_files = save_tokenizer_files(
-            record.get("data", {}), hf_dir, max_length=config.seq_length, eos_token_id=eos
-        )
-    except OSError as e:
-        for name in ("config.json", "generation_config.json"):
-            if os.path.exists(os.path.join(hf_dir, name)):
-                os.remove(os.path.join(hf_dir, name))
-        raise ConversionError(
-            f"--save {hf_dir}: cannot write the HuggingFace model ({path_problem(e)}); free space "
-            "or choose another folder"
-        ) from None
+    with staged_folder(hf_dir, flag="--save", what="HuggingFace model", last=LAST) as work:
+        model = load_model(load_dir, iteration)
+        config = model.config
+        family = family_of(config)
+        record = model.checkpoint_info["config"]
+        tokenizer = record.get("tokenizer", {})
+        eos = tokenizer.get("eod")
+        bos = tokenizer.get("bos", eos)
+        if dtype == "auto":
+            target = getattr(torch, str(record["model"]["params_dtype"]).removeprefix("torch."))
+        elif dtype in DTYPES:
+            target = DTYPES[dtype]
+        else:
+            raise ConversionError(f"--dtype {dtype!r}: use auto, fp32, bf16 or fp16")
+        module = FAMILIES[family]
+        state = {k: v.detach() for k, v in model.state_dict().items()}
+        hf_state = {k: v.to(target) for k, v in module.to_hf(state, config).items()}
+        try:
+            files = save_safetensors(hf_state, work, max_shard_bytes=max_shard_size)
+            hf_config = module.hf_config(config, bos_token_id=bos, eos_token_id=eos)
+            # transformers >= 4.56 names the weights' dtype ``dtype``, older ones ``torch_dtype``
+            setattr(hf_config, "dtype" if hasattr(hf_config, "dtype") else "torch_dtype", target)
+            hf_config.save_pretrained(work)
+            save_generation_config(work, bos_token_id=bos, eos_token_id=eos)
+            tokenizer_files = save_tokenizer_files(
+                record.get("data", {}), work, max_length=config.seq_length, eos_token_id=eos
+            )
+        except OSError as e:
+            raise ConversionError(
+                f"--save {hf_dir}: cannot write the HuggingFace model ({path_problem(e)}); free "
+                "space or choose another folder"
+            ) from None
     return {"family": family, "files": files, "tokenizer_files": tokenizer_files, "model": model}
 
 

@@ -11,7 +11,13 @@ crosses nodes. Another ``order`` (e.g. ``tp-cp-ep-pp-dp``) permutes the digits.
 One world, two views ("parallel folding", as Megatron-core): the **dense view** has sizes
 ``tp, cp, dp, pp`` (ep = 1) and serves attention and dense layers; the **expert view** has sizes
 ``etp, ep, edp, pp`` (cp = 1; etp in the tp digit, edp in the dp digit) and serves MoE experts.
-Both use the same order string, so they share exactly the pipeline groups.
+Both use the same order string, and they must share the pipeline groups: a pipeline group is the
+ranks ``k * S`` apart, ``S`` the product of the sizes of the axes before ``pp`` in ``order``, so the
+views share them exactly when PP = 1 or ``S`` is the same in both. In the default order (pp last)
+``S`` = world / PP in both; in ``tp-cp-ep-pp-dp`` it is ``tp x cp`` against ``etp x ep``, and a
+layout where they differ (world 4, PP 2, EP 2: dense pipelines [[0, 1], [2, 3]], expert
+[[0, 2], [1, 3]]) would put one expert group across two stages: ``mesh_sizes`` refuses it, as
+Megatron-core asserts.
 
 ``rank_groups`` builds the same groups, in the same order, as Megatron-core's ``RankGenerator``
 for the same sizes and order, so NCCL topology assumptions of Megatron scripts carry over.
@@ -176,7 +182,42 @@ def mesh_sizes(
     sizes = MeshSizes(world_size, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=order)
     check_order_sizes(order, sizes.dense())
     check_order_sizes(order, sizes.expert())
+    check_shared_pipelines(sizes)
     return sizes
+
+
+def pipeline_stride(sizes: Mapping[str, int], order: str) -> int:
+    """Ranks between two stages of one pipeline: the product of the sizes before ``pp``."""
+    names = parse_order(order)
+    return prod(sizes.get(a, 1) for a in names[: names.index("pp")])
+
+
+def check_shared_pipelines(sizes: MeshSizes) -> None:
+    """The dense and the expert view have the same pipeline groups (module docstring), else a
+    one-line ValueError naming the sizes."""
+    dense = pipeline_stride(sizes.dense(), sizes.order)
+    expert = pipeline_stride(sizes.expert(), sizes.order)
+    if sizes.pp == 1 or dense == expert:
+        return
+    names = parse_order(sizes.order)
+    below = names[: names.index("pp")]
+    dense_axes = [a for a in below if a in ("tp", "cp", "dp")]
+    expert_axes = [a for a in below if a in ("tp", "ep", "dp")]
+    params = {
+        "tp": ("tensor_model_parallel_size", "expert_tensor_parallel_size"),
+        "cp": ("context_parallel_size", None),
+        "ep": (None, "expert_model_parallel_size"),
+        "dp": ("the data-parallel size", "the expert data-parallel size"),
+    }
+    d_view, e_view = sizes.dense(), sizes.expert()
+    d_text = " x ".join(f"{params[a][0]} {d_view[a]}" for a in dense_axes)
+    e_text = " x ".join(f"{params[a][1]} {e_view[a]}" for a in expert_axes)
+    raise ValueError(
+        f"rank order {sizes.order} with pipeline_model_parallel_size {sizes.pp} splits pipeline "
+        f"stages: they are {d_text} = {dense} ranks apart in the dense view but {e_text} = "
+        f"{expert} in the expert view, so an expert group would span two stages; make the two "
+        f"products equal or put pp last (order {DEFAULT_ORDER})"
+    )
 
 
 def dense_or_expert(axes: Sequence[str]) -> tuple[str, list[str]]:

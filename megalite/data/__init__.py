@@ -4,7 +4,8 @@ Entry points: ``config.DataConfig`` (the data flags), ``tokenizers.build_tokeniz
 ``builders.build_data_loaders``. Files: ``tokenizer_base`` (the interface) and one module per
 tokenizer (``null_tokenizer``, ``sentencepiece_tokenizer``, ``hf_tokenizer``, ``gpt2_bpe``,
 ``tiktoken_tokenizer``; ``bpe`` the merges they share), ``indexed_dataset`` (.bin/.idx),
-``gpt_dataset`` (+ ``index_builders``, ``index_cache``), ``blended_dataset``, ``mock_dataset``,
-``samplers``; ``preprocess`` and ``tokenizer_training`` do the work of tools/preprocess_data.py and
-tools/train_tokenizer.py.
+``gpt_dataset`` (+ ``index_builders``, ``index_cache``, ``cache_dirs``: where caches live),
+``vocab_check`` (token ids fit the vocabulary), ``blended_dataset``, ``mock_dataset``,
+``samplers``; ``preprocess`` and ``tokenizer_training`` do the work of tools/preprocess_data.py
+and tools/train_tokenizer.py.
 """

@@ -13,6 +13,7 @@ import os
 import numpy as np
 
 from megalite.data import index_cache
+from megalite.data.cache_dirs import CacheDirs
 from megalite.data.index_builders import build_blending_index
 
 
@@ -21,7 +22,7 @@ class BlendedDataset:
 
     Each dataset must hold at least its share: ``ceil(w * size) + 1`` samples is always enough.
     ``datasets`` should carry a ``description`` dict (GPTDataset does) for the cache key; without
-    one the index is built in memory.
+    one the index is built in memory, as it is when ``cache`` is None.
     """
 
     def __init__(
@@ -30,7 +31,7 @@ class BlendedDataset:
         weights: list[float],
         size: int,
         *,
-        cache_dir: str | None = None,
+        cache: CacheDirs | None = None,
         write_cache: bool = True,
     ):
         if len(datasets) != len(weights) or not datasets:
@@ -42,7 +43,7 @@ class BlendedDataset:
         # any sequences of samples; only the GPT datasets describe themselves (for the cache)
         descriptions = [getattr(d, "description", None) for d in datasets]
         if any(d is None for d in descriptions):
-            cache_dir = None
+            cache = None
         self.description = {
             "kind": "BlendedDataset",
             "weights": self.weights,
@@ -50,7 +51,7 @@ class BlendedDataset:
             "datasets": descriptions,
         }
         arrays = index_cache.load_or_build(
-            cache_dir,
+            cache,
             self.description,
             ["dataset_index", "dataset_sample_index"],
             build=lambda: dict(

@@ -6,7 +6,8 @@ gives a BlendedDataset per split over each prefix's split; ``--train-data-path``
 datasets for one split each. Caching: ranks with ``build_cache`` build (or verify) every index
 cache first, then all ranks meet at ``barrier``, then the other ranks load. Pass build_cache=True on
 one rank per node when ``--data-cache-path`` is node-local (or not given and the data folder is
-node-local), on global rank 0 alone when it is shared.
+node-local), on global rank 0 alone when it is shared. Without ``--data-cache-path`` the caches
+live beside the data, or in a per-user folder when the data folder is read-only (``cache_dirs``).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
+from megalite.data import cache_dirs
 from megalite.data.blended_dataset import BlendedDataset, default_blend_cache_dir
 from megalite.data.config import DataConfig, parse_blend, parse_split
-from megalite.data.gpt_dataset import SPLIT_NAMES, GPTDataset, default_cache_dir
+from megalite.data.gpt_dataset import SPLIT_NAMES, GPTDataset
 from megalite.data.index_builders import compute_split_ranges
 from megalite.data.indexed_dataset import IndexedDataset
 from megalite.data.mock_dataset import MockGPTDataset
@@ -138,8 +140,9 @@ def _build_split(
         )
     if len(parts) == 1:
         return parts[0]
-    cache_dir = cfg.data_cache_path or default_blend_cache_dir(prefixes[0])
-    return BlendedDataset(parts, weights, num_samples, cache_dir=cache_dir, write_cache=write_cache)
+    beside = default_blend_cache_dir(prefixes[0])
+    cache = cache_dirs.resolve(cfg.data_cache_path, beside=beside, writer=write_cache)
+    return BlendedDataset(parts, weights, num_samples, cache=cache, write_cache=write_cache)
 
 
 def _split_problem(
@@ -181,13 +184,16 @@ def check_data(
     test_samples: int,
     vocab_size: int | None = None,
     padded_vocab_size: int | None = None,
-    write_cache: bool = True,
+    scan: bool = True,
+    wait_s: float = 600.0,
 ) -> None:
     """The start-up checks of what ``build_datasets`` will read, from the flags and the files only
     (no process group): every index opens (headers, sizes: ``IndexedDatasetError``), every split
     the run reads has tokens (``DataError``; an empty valid/test split of one dataset warns), and
-    with ``vocab_size`` every token id fits it (``vocab_check``; the id range is cached beside
-    the index caches, written when ``write_cache``)."""
+    with ``vocab_size`` every token id fits it (``vocab_check``; the id range is cached with the
+    index caches). ``scan``: this rank reads each ``.bin`` whose range is not cached yet and
+    caches it; pass it on local rank 0 alone, the node's other ranks wait up to ``wait_s`` seconds
+    for those entries (``vocab_check.token_range``)."""
     if cfg.mock_data:
         return
     wanted = (train_samples, valid_samples, test_samples)
@@ -223,14 +229,15 @@ def check_data(
             _split_problem(ds, lo, hi, split_index=i, split=split_text, blend=len(prefixes))
     if vocab_size is None:
         return
-    for p, (flag, ds) in opened.items():
+    for flag, ds in opened.values():
         check_token_ids(
             ds,
             vocab_size=vocab_size,
             padded_vocab_size=padded_vocab_size or vocab_size,
             flag=flag,
-            cache_dir=cfg.data_cache_path or default_cache_dir(p),
-            write=write_cache,
+            cache_dir=cfg.data_cache_path,
+            scan=scan,
+            wait_s=wait_s,
         )
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megalite.data import index_cache
+from megalite.data import cache_dirs, index_cache
 from megalite.data.index_builders import build_gpt_indices
 from megalite.data.indexed_dataset import IndexedDataset
 
@@ -48,8 +48,9 @@ class GPTDataset:
     """Samples of ``seq_length + 1`` tokens from documents ``[lo, hi)`` of ``indexed``.
 
     ``len(ds)`` is every sample of the epochs built (at least ``num_samples``; one epoch when
-    None). ``cache_dir`` None means :func:`default_cache_dir`; ``write_cache`` False means this rank
-    only reads the cache (building in memory if it is missing or invalid).
+    None). ``cache_dir`` None means :func:`default_cache_dir` (or the per-user folder when that
+    cannot be written: ``cache_dirs``); ``write_cache`` False means this rank only reads the cache
+    (building in memory if it is missing or invalid).
     """
 
     def __init__(
@@ -91,10 +92,12 @@ class GPTDataset:
                 np.asarray(sizes), docs, seq_length=seq_length, seed=seed, num_samples=num_samples
             )
 
-        if cache_dir is None and use_cache:
-            cache_dir = default_cache_dir(indexed.prefix)
+        dirs = None
+        if use_cache:
+            beside = default_cache_dir(indexed.prefix)
+            dirs = cache_dirs.resolve(cache_dir, beside=beside, writer=write_cache)
         arrays = index_cache.load_or_build(
-            cache_dir if use_cache else None,
+            dirs,
             self.description,
             ["document_index", "sample_index", "shuffle_index"],
             build=build,

@@ -32,6 +32,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from megalite.data.cache_dirs import CacheDirs
+
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -204,35 +206,38 @@ def try_load_megatron(cache_dir: str, description: dict) -> dict[str, np.ndarray
 
 
 def load_or_build(
-    cache_dir: str | None,
+    dirs: CacheDirs | None,
     description: dict,
     names: list[str],
     *,
     build: Callable[[], dict[str, np.ndarray]],
     write: bool,
 ) -> dict[str, np.ndarray]:
-    """The arrays from a valid cache entry, or ``build()`` them (and save them when ``write``).
+    """The arrays from a valid entry in one of ``dirs.read``, or ``build()`` them (and save them
+    in ``dirs.write`` when ``write``); ``dirs`` None: build in memory.
 
     Ranks that do not write (``write=False``: they waited for a builder at a barrier) still build
     in memory when no valid entry is there, with a warning, rather than trust a bad one.
     """
     description = dict(description, cache_format=FORMAT_VERSION)
-    if cache_dir is not None and description.get("kind") == "GPTDataset":
-        arrays = try_load_megatron(cache_dir, description)
-        if arrays is not None:
-            return arrays
-    if cache_dir is not None:
+    read = dirs.read if dirs is not None else ()
+    if description.get("kind") == "GPTDataset":
+        for cache_dir in read:
+            arrays = try_load_megatron(cache_dir, description)
+            if arrays is not None:
+                return arrays
+    for cache_dir in read:
         arrays = try_load(cache_dir, description, names)
         if arrays is not None:
             logger.info("loaded %s indices from the cache in %s", description["kind"], cache_dir)
             return arrays
-        if not write:
-            logger.warning(
-                "no valid %s index cache in %s after the barrier; building it in memory on this "
-                "rank (build the cache on one rank per node, or share --data-cache-path)",
-                description["kind"],
-                cache_dir,
-            )
+    if not write and dirs is not None and dirs.write is not None:
+        logger.warning(
+            "no valid %s index cache in %s after the barrier; building it in memory on this "
+            "rank (build the cache on one rank per node, or share --data-cache-path)",
+            description["kind"],
+            dirs.write,
+        )
     start = time.perf_counter()
     arrays = build()
     logger.info(
@@ -241,6 +246,6 @@ def load_or_build(
         ", ".join(f"{k} {tuple(v.shape)}" for k, v in arrays.items()),
         time.perf_counter() - start,
     )
-    if write and cache_dir is not None:
-        save(cache_dir, description, arrays)
+    if write and dirs is not None and dirs.write is not None:
+        save(dirs.write, description, arrays)
     return arrays

@@ -63,10 +63,16 @@ class StageActivations:
     backward_peak: int  # the most one micro-batch holds during its backward (recompute)
     in_flight: int  # (micro-batch, chunk) pairs held at the peak (the schedule's)
     replayed: int | None = None  # the peak from the schedule's action list (pipeline ranks)
+    loss_transient: int = 0  # freed within the loss's forward (``loss_transient``); last stage
     # MoE layers (planning.moe_activations): the routing ``peak`` assumes, in words, and the peak
     # for any routing the capacity settings allow (None without MoE layers)
     routing: str = ""
     bound: int | None = None
+
+    @property
+    def device_peak(self) -> int:
+        """The saved-tensor peak plus the loss's transient buffers: what the device must hold."""
+        return self.peak + self.loss_transient
 
     @property
     def per_microbatch(self) -> int:
@@ -220,6 +226,15 @@ def stage_extras(
     return out
 
 
+def loss_transient(c: GPTConfig, *, tokens: int, tp: int, e: int) -> int:
+    """Bytes the cross entropy's forward holds beside what it saves (its fp32 softmax, counted
+    in ``stage_extras``): the output layer's logits ``[T, V/tp] e`` and, below fp32, their fp32
+    copy. For a large vocabulary this is the rank's peak: Llama 3's 128k vocabulary at 16k tokens
+    a micro-batch holds 11.8 GiB here in bf16."""
+    vocab = c.padded_vocab_size(tp) // tp
+    return tokens * vocab * (e + (4 if e != 4 else 0))
+
+
 def _chunk_activations(
     c: GPTConfig,
     *,
@@ -366,6 +381,10 @@ def stage_activations(
             for s in (layout.stage(pp_rank, chunk) for chunk in range(layout.num_chunks))
         ]
 
+    last = any(layout.stage(pp_rank, k) == layout.num_stages - 1 for k in range(layout.num_chunks))
+    tokens = micro_batch_size * c.seq_length // cp
+    transient_loss = loss_transient(c, tokens=tokens, tp=tp, e=e) if last else 0
+
     def assemble(parts: list[tuple[int, int, int, int]]) -> StageActivations:
         layers = sum(p[0] for p in parts)
         extras = sum(p[2] for p in parts)
@@ -373,11 +392,21 @@ def stage_activations(
         held = [p[0] + p[2] for p in parts]
         transient = [p[3] if p[3] else p[0] + p[2] for p in parts]
         if pp == 1 and layout.num_chunks == 1:
-            return StageActivations(layers, per_layer, extras, parts[0][3], 1)
+            return StageActivations(
+                layers, per_layer, extras, parts[0][3], 1, loss_transient=transient_loss
+            )
         lists = schedule_lists(schedule, pp, num_microbatches, vp, microbatch_group_size)
         peak, most = replay_peak(lists[pp_rank], held, transient)
         backward_peak = max(p[3] for p in parts)
-        return StageActivations(layers, per_layer, extras, backward_peak, most, replayed=peak)
+        return StageActivations(
+            layers,
+            per_layer,
+            extras,
+            backward_peak,
+            most,
+            replayed=peak,
+            loss_transient=transient_loss,
+        )
 
     out = assemble(chunk_parts(routing))
     if c.num_experts:

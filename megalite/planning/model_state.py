@@ -7,9 +7,11 @@ The parameters of a rank are listed in registration order (``param_numels``, mir
 figures compare field by field.
 
 A rung is a row of ``ZERO_RUNGS``: which of params, grads and fp32 master + Adam states are
-sharded over DP. Bytes per parameter follow from the row: with bf16 params and grads (fp32
-masters), ``4 + 12/N`` for ZeRO-1 (Megatron's ``optim``), ``2 + 14/N`` for ZeRO-2
-(``optim_grads``), ``16/N`` for ZeRO-3 (``optim_grads_params``); CPU offload
+sharded over DP. Bytes per parameter follow from the row: with bf16 params, fp32 masters and
+fp32 grads (Megatron's default under bf16), ``18`` for DDP, ``6 + 12/N`` for ZeRO-1 (Megatron's
+``optim``), ``2 + 16/N`` for ZeRO-2 (``optim_grads``), ``18/N`` for ZeRO-3
+(``optim_grads_params``); with bf16 grads (``--grad-reduce-in-bf16``) 16, ``4 + 12/N``,
+``2 + 14/N`` and ``16/N``; CPU offload
 (``offload_fraction``) moves that share of the sharded master + Adam state to host memory.
 """
 
@@ -199,7 +201,7 @@ def model_state_bytes(
     rung: str = "no_shard",
     precision: str = "fp32",
     bucket_size: int | None,
-    grads_in_fp32: bool = False,
+    grads_in_fp32: bool | None = None,
     schedule: str = "1f1b",
     vp: int = 1,
     ep: int = 1,
@@ -213,6 +215,8 @@ def model_state_bytes(
     tensor or piece counted as the optimizer will allocate them). ``dp``: the dense DP group
     (dp x cp); ``edp`` / ``edp_rank``: the expert DP group of MoE experts (default ``dp``).
     ``bucket_size``: elements per grad bucket (``ParallelConfig.bucket_size``).
+    ``grads_in_fp32``: the grad buffers' dtype (``accumulate_allreduce_grads_in_fp32``); None:
+    Megatron's default for ``precision`` (fp32 grads for bf16 params, else the params' dtype).
     ``offload_fraction``: the share of each optimizer shard held on the host (``host``)."""
     r = ZERO_RUNGS[rung]
     if not r.available:
@@ -221,6 +225,8 @@ def model_state_bytes(
         cfg, tp=tp, pp=pp, pp_rank=pp_rank, schedule=schedule, vp=vp, ep=ep, etp=etp
     )
     p_bytes = DTYPE_BYTES[precision]
+    if grads_in_fp32 is None:
+        grads_in_fp32 = precision == "bf16"
     g_bytes = 4 if grads_in_fp32 else p_bytes
     master_bytes = 0 if p_bytes == 4 else 4
     out = ModelStateBytes(0, 0, 0, 0, 0, 0, stage=list(ZERO_RUNGS).index(r.name))

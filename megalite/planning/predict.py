@@ -131,7 +131,7 @@ class RankMemory:
 
     @property
     def total(self) -> int:
-        return self.state.total + self.activations.peak
+        return self.state.total + self.activations.device_peak
 
 
 def predict_memory(

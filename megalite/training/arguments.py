@@ -29,7 +29,7 @@ import torch
 from megalite.data.config import DataConfig
 from megalite.errors import ConfigError
 from megalite.models.config import PARAMS_DTYPES, VOCAB_FROM_TOKENIZER, GPTConfig
-from megalite.training import megatron_flags
+from megalite.training import megatron_flags, megatron_rewrites
 from megalite.training.config import (
     LoggingConfig,
     PretrainConfig,
@@ -201,9 +201,9 @@ def build_config(a: argparse.Namespace, *, world_size: int, rank: int = 0) -> Pr
     """Map parsed flags onto a ``PretrainConfig`` for a ``world_size``-rank launch and validate it
     (warnings are logged on ``rank`` 0 only, once per job). Errors name fields (``parse_args``
     rewrites them into flags)."""
-    megatron_flags.position_embedding_alias(a)
+    megatron_rewrites.position_embedding_alias(a)
     megatron_flags.warn_ignored(a, rank=rank)
-    megatron_flags.prepare(a)  # data-args files, the step batch schedule, the grad dtype
+    megatron_rewrites.prepare(a)  # data-args files, the step batch schedule, ...
     parallel = ParallelConfig(**_fields(ParallelConfig, a, world_size=world_size))
     if a.distributed_backend is not None:
         wanted = "cuda" if a.distributed_backend == "nccl" else "cpu"
@@ -245,8 +245,8 @@ def build_config(a: argparse.Namespace, *, world_size: int, rank: int = 0) -> Pr
         logging=LoggingConfig(**_fields(LoggingConfig, a)),
     )
     try:  # Megatron's sample-based LR schedule and batch-size schedules
-        megatron_flags.apply_sample_schedule(cfg, a, train_samples=a.train_samples)
-        megatron_flags.apply_batch_size_calculator(cfg, a)  # --rampup-batch-size: train_iters
+        megatron_rewrites.apply_sample_schedule(cfg, a, train_samples=a.train_samples)
+        megatron_rewrites.apply_batch_size_calculator(cfg, a)  # --rampup-batch-size: train_iters
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if rank == 0 and not a.fp16 and a.loss_scale is not None:

@@ -6,15 +6,17 @@
     restore_rng(trainer, loaded)        # last, so that building the loaders draws nothing after
 
 The flags (``--save``, ``--load``, ``--ckpt-step``, ``--no-save-optim``, ``--no-load-optim``,
-``--no-load-rng``, ``--finetune``, ``--keep-last-n-checkpoints``, ``--seed``) are read here and
-passed to the package as arguments; the run's ``PretrainConfig`` is recorded in every checkpoint
-(``config_record``). Also ``exit_duration_reached`` (``--exit-duration-in-mins``).
+``--no-load-rng``, ``--finetune``, ``--keep-last-n-checkpoints``, ``--seed``,
+``--use-checkpoint-opt_param-scheduler``) are read here and passed to the package as arguments;
+the run's ``PretrainConfig`` is recorded in every checkpoint (``config_record``). Also
+``exit_duration_reached`` (``--exit-duration-in-mins``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 
 import torch
@@ -22,13 +24,19 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite import checkpoint
-from megalite.checkpoint import LoadedCheckpoint
+from megalite.checkpoint import CheckpointError, LoadedCheckpoint
+from megalite.checkpoint.files import iteration_dir
+from megalite.checkpoint.megatron import scheduler_steps_from_samples
+from megalite.checkpoint.megatron.loading import detect_format, open_reader
 from megalite.checkpoint.records import plain_data
 from megalite.core.pipeline_parallel.generators import layout_of
 from megalite.core.pipeline_parallel.model_chunk import ModelChunk
 from megalite.training.config import PretrainConfig
+from megalite.training.lr_scheduler import DECAY_STYLES
 from megalite.training.model_chunks import grad_wrappers, stage_blocks
 from megalite.training.pipeline_config import effective_schedule, num_model_chunks
+
+logger = logging.getLogger(__name__)
 
 
 def gpt_modules(model: list[ModelChunk]) -> list[nn.Module]:
@@ -112,6 +120,10 @@ def load_checkpoint(
     ``trainer.result.iteration`` and the consumed samples (unless ``--finetune``); returns the
     RNG states to apply once the data loaders are built (``restore_rng``). Every rank calls it."""
     t, r = trainer.cfg.training, trainer.result
+    if t.use_checkpoint_opt_param_scheduler and not t.finetune:
+        schedule_from_checkpoint(
+            trainer.scheduler, load_dir or t.load, t.ckpt_step if iteration is None else iteration
+        )
     with gathered_params(trainer.model):  # ZeRO-3: loads into whole params
         loaded = _load(trainer, load_dir, iteration, t)
     if loaded is None:
@@ -122,6 +134,64 @@ def load_checkpoint(
         r.consumed_valid_samples = loaded.progress.consumed_valid_samples
     trainer.last_saved_iteration = r.iteration
     return loaded
+
+
+def saved_schedule(load_dir: str, iteration, samples_per_step: int) -> dict | None:
+    """The LR schedule's settings (``LRScheduler.state_dict`` keys, position excluded) of the
+    checkpoint at ``iteration`` (default: the tracker's) in any format; None when there is no
+    checkpoint, or it holds no schedule. Megatron's (``OptimizerParamScheduler``, its older key
+    names included) count warmup and decay in samples: divided by ``samples_per_step``."""
+    if iteration is None:
+        iteration = checkpoint.read_tracker(load_dir)
+    if iteration is None or iteration == checkpoint.RELEASE:
+        return None
+    iter_dir = iteration_dir(load_dir, iteration)
+    fmt = detect_format(iter_dir)
+    if fmt is None:
+        saved = checkpoint.CheckpointReader(iter_dir).meta.get("scheduler")
+        return None if saved is None else {k: v for k, v in saved.items() if k != "num_steps"}
+    saved = open_reader(iter_dir, fmt).meta.get("megatron_scheduler")
+    if not saved:
+        return None
+
+    def first(*keys):
+        return next(saved[k] for k in keys if k in saved)
+
+    return {
+        "max_lr": float(first("max_lr", "start_lr")),
+        "min_lr": float(saved["min_lr"]),
+        "warmup_iters": scheduler_steps_from_samples(
+            first("lr_warmup_steps", "warmup_steps", "warmup_iter"), samples_per_step
+        ),
+        "decay_iters": scheduler_steps_from_samples(
+            first("lr_decay_steps", "decay_steps", "end_iter"), samples_per_step
+        ),
+        "decay_style": first("lr_decay_style", "decay_style"),
+    }
+
+
+def schedule_from_checkpoint(scheduler, load_dir: str, iteration) -> None:
+    """``--use-checkpoint-opt_param-scheduler``: ``scheduler`` takes the checkpoint's settings
+    (rates, warmup and decay lengths, decay style) before the load sets its position, as Megatron
+    takes them and ignores the flags'. One line logs them."""
+    saved = saved_schedule(load_dir, iteration, scheduler.samples_per_step)
+    if saved is None:
+        return
+    if saved["decay_style"] not in DECAY_STYLES:
+        raise CheckpointError(
+            f"--use-checkpoint-opt_param-scheduler: the checkpoint's --lr-decay-style "
+            f"{saved['decay_style']} is not one megalite implements ({', '.join(DECAY_STYLES)})"
+        )
+    scheduler.load_state_dict({**scheduler.state_dict(), **saved})
+    logger.info(
+        "--use-checkpoint-opt_param-scheduler: the LR schedule of the checkpoint: --lr %g, "
+        "--min-lr %g, warmup %g and decay %g iterations, %s",
+        saved["max_lr"],
+        saved["min_lr"],
+        saved["warmup_iters"],
+        saved["decay_iters"],
+        saved["decay_style"],
+    )
 
 
 def _load(trainer, load_dir, iteration, t):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from megalite.core.mesh_layout import MeshSizes, check_shared_pipelines
 from megalite.core.pipeline_parallel.stages import stage_layer_ranges
 from megalite.data.config import DataConfig
 from megalite.data.tokenizers import Tokenizer, build_tokenizer
@@ -55,6 +56,11 @@ class TrainingConfig:
     exit_signal_handler: bool = False  # --exit-signal-handler: save and exit 0 on the signal
     exit_signal: str = "SIGTERM"  # --exit-signal
     ckpt_format: str = "megalite"  # megalite (own) | torch | torch_dist (Megatron's)
+    # the LR schedule's settings (rates, warmup, decay length and style) from the checkpoint
+    # loaded instead of from the flags, as Megatron's --use-checkpoint-opt_param-scheduler
+    use_checkpoint_opt_param_scheduler: bool = False
+    # torch's deterministic algorithms and the environment of bit-exact GPU runs (determinism)
+    deterministic_mode: bool = False
     # loss = token sum / unmasked tokens of the global batch (train_step)
     calculate_per_token_loss: bool = False
     # batch-size schedules (megalite.training.microbatches) and the sample budget
@@ -141,6 +147,7 @@ class PretrainConfig:
         the model refuses to be built without it)."""
         par, m, t = self.parallel, self.model, self.training
         par.validate()
+        par.resolve_grad_dtype(bf16=m.precision_name == "bf16")
         tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
         try:  # the first/last stage counts apply to a training run even on one stage
             stage_layer_ranges(
@@ -197,6 +204,20 @@ class PretrainConfig:
                 f"{etp} x expert_model_parallel_size {ep} x pipeline_model_parallel_size "
                 f"{par.pipeline_model_parallel_size} = {view}; change the expert sizes"
             )
+        if par.world_size is not None:  # the views' pipeline groups in the run's rank order
+            sizes = MeshSizes(
+                par.world_size,
+                tp=par.tensor_model_parallel_size,
+                cp=par.context_parallel_size,
+                pp=par.pipeline_model_parallel_size,
+                ep=ep,
+                etp=etp,
+                order=par.rank_order,
+            )
+            try:
+                check_shared_pipelines(sizes)
+            except ValueError as e:
+                raise ConfigError(f"use_tp_pp_dp_mapping: {e}") from None
 
     def check_world(self, world_size: int, dp_size: int) -> int:
         """Refuse a config parsed for another world; return the micro-batches per DP rank per

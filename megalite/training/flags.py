@@ -89,12 +89,12 @@ class _Group:
             kwargs.setdefault("default", _default(self.sources, name))
         self.group.add_argument(flag, **kwargs)
 
-    def switch(self, flag: str, **kwargs) -> None:
-        """An on/off flag for a field whose default is False."""
+    def switch(self, flag: str, *aliases: str, **kwargs) -> None:
+        """An on/off flag for a field whose default is False (``aliases``: other spellings)."""
         name = kwargs.get("dest", flag[2:].replace("-", "_"))
         if _default(self.sources, name) is not False:
             raise TypeError(f"{flag}: the field {name} must default to False")
-        self.group.add_argument(flag, action="store_true", **kwargs)
+        self.group.add_argument(flag, *aliases, action="store_true", **kwargs)
 
     def plain(self, *args, **kwargs) -> None:
         """A flag with no field of its own (mapped or checked in ``arguments``)."""
@@ -158,6 +158,12 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
         m.plain(flag, dest="no_fused_kernels", action="store_true", help=kernels)
     m.add("--decoder-first-pipeline-num-layers", type=int)
     m.add("--decoder-last-pipeline-num-layers", type=int)
+    for what, stage in (("embedding", "first"), ("loss", "last")):
+        m.plain(
+            f"--account-for-{what}-in-pipeline-split",
+            action="store_true",
+            help=f"the {what} counts as a layer: the {stage} stage holds one layer fewer",
+        )
     # Megatron's options of the math
     m.switch("--apply-layernorm-1p", help="norm weights stored as w - 1, applied as 1 + w")
     m.switch("--qk-layernorm", help="a norm over each head's query and key")
@@ -181,10 +187,9 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
         "--accumulate-allreduce-grads-in-fp32",
     ):
         par.switch(flag)
-    par.plain(
+    par.switch(
         "--grad-reduce-in-bf16",
-        action="store_true",
-        help="with --bf16: grads accumulated and reduced over DP in bf16 (the default)",
+        help="with --bf16: grads accumulated and reduced over DP in bf16 (default: fp32)",
     )
     par.switch(
         "--use-tp-pp-dp-mapping",
@@ -316,6 +321,16 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
     for flag in ("--no-save-optim", "--no-load-optim", "--no-load-rng"):
         t.switch(flag)
     t.switch("--finetune", help="load the weights only; iteration and data start at 0")
+    t.switch(
+        "--use-checkpoint-opt_param-scheduler",
+        "--use-checkpoint-opt-param-scheduler",
+        dest="use_checkpoint_opt_param_scheduler",
+        help="the LR schedule (rates, warmup, decay length and style) from the checkpoint",
+    )
+    t.switch(
+        "--deterministic-mode",
+        help="torch's deterministic algorithms, NCCL_ALGO=Ring, CUBLAS_WORKSPACE_CONFIG=:4096:8",
+    )
     t.add("--exit-duration-in-mins", type=float)
     t.add(
         "--keep-last-n-checkpoints",
@@ -354,6 +369,12 @@ def _moe_flags(p: argparse.ArgumentParser) -> None:
     ):
         moe.switch(flag)
     moe.switch("--add-qkv-bias", help="a bias on the QKV projection only (Qwen2, Qwen2-MoE)")
+    moe.plain(
+        "--moe-router-dtype",
+        choices=("fp32", "fp64"),
+        default=None,
+        help="fp32: megalite's router math, always (fp64 is refused)",
+    )
     ep = _Group(p, "expert parallelism", ParallelConfig)
     ep.add("--expert-model-parallel-size", type=int)
     ep.add("--expert-tensor-parallel-size", type=int)

@@ -1,31 +1,17 @@
-"""Megatron-LM flags that change nothing in megalite, the flags it refuses, and the Megatron flags
-that rewrite others before the config is built.
+"""Megatron-LM flags that change nothing in megalite, and the flags it refuses.
 
 A Megatron user's script runs unchanged (DESIGN §6): a flag that only switches an implementation,
 a fusion, an I/O strategy or a log Megatron writes elsewhere (``IGNORED_FLAGS``) is accepted, and
 one warning line lists those a run passed and why nothing changes; a flag that would change the
 math and that megalite does not implement is refused (``REFUSED_FLAGS``), one line naming the flag
-and why. None is silently ignored.
-
-Before the config is built (``prepare``), and on it (``apply_sample_schedule``,
-``apply_batch_size_calculator``): ``--data-args-path`` / ``--per-split-data-args-path`` fill the
-data paths from files (``data.config``); ``--step-batch-size-schedule`` sets the global batch size,
-and it or ``--rampup-batch-size`` count the iterations of ``--train-samples``
-(``training.microbatches``); ``--lr-warmup-samples`` / ``--lr-decay-samples`` become (fractional)
-iterations (with ``--train-samples`` and no decay length the decay spans the samples, not whole
-iterations, as Megatron's); ``--grad-reduce-in-bf16`` is checked against
-``--accumulate-allreduce-grads-in-fp32`` (bf16 grad buffers are megalite's bf16 default); and
-``--use-rotary-position-embeddings`` is Megatron's old alias of ``--position-embedding-type rope``.
+and why. None is silently ignored. The Megatron flags that rewrite others are
+``megatron_rewrites``'.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-
-from megalite.data.config import read_data_args, read_per_split_data_args
-from megalite.errors import ConfigError
-from megalite.training.microbatches import batch_size_calculator, parse_step_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +25,11 @@ _PROFILE = (
     "the numbers do not change"
 )
 _CKPT_ARGS = "megalite checks the model flags against the checkpoint's and stops on any difference"
+_SCHEDULE = (
+    "megalite's default: the LR schedule comes from the flags (a warning names the "
+    "checkpoint's settings that differ); --use-checkpoint-opt_param-scheduler takes the "
+    "checkpoint's"
+)
 
 # flag -> why nothing changes in megalite. Values: flags in VALUED_FLAGS take one value.
 IGNORED_FLAGS: dict[str, str] = {
@@ -56,6 +47,9 @@ IGNORED_FLAGS: dict[str, str] = {
     "--use-flashinfer-fused-rope": _FUSION,
     "--no-async-tensor-model-parallel-allreduce": _PERF,
     "--tp-comm-overlap": _PERF,
+    "--tp-comm-overlap-cfg": _PERF,
+    "--overlap-param-gather-with-optimizer-step": _PERF,
+    "--disable-gloo-process-groups": "megalite creates no gloo process groups beside NCCL's",
     "--overlap-p2p-communication-warmup-flush": _PERF,
     "--defer-embedding-wgrad-compute": _PERF,
     "--wgrad-deferral-limit": _PERF,
@@ -71,8 +65,6 @@ IGNORED_FLAGS: dict[str, str] = {
     "--attention-softmax-in-fp32": "megalite's softmax statistics are always fp32",
     "--apply-query-key-layer-scaling": "an fp16 overflow guard that scales and unscales by the "
     "layer number: the same function",
-    "--deterministic-mode": "megalite's CPU path is deterministic; on GPU it selects "
-    "deterministic algorithms only through torch's own settings",
     "--no-create-attention-mask-in-dataloader": "megalite's attention is causal without a "
     "dataloader mask",
     "--no-mmap-bin-files": "how .bin files are read: the same tokens",
@@ -89,9 +81,9 @@ IGNORED_FLAGS: dict[str, str] = {
     "--auto-detect-ckpt-format": "megalite always detects the format it loads",
     "--use-checkpoint-args": _CKPT_ARGS,
     "--no-use-tokenizer-model-from-checkpoint-args": "the tokenizer always comes from the flags",
-    "--use-checkpoint-opt_param-scheduler": "megalite resumes the schedule from the saved "
-    "iteration; the LR settings come from the flags, with a warning where the checkpoint's "
-    "differ",
+    "--override-opt_param-scheduler": _SCHEDULE,
+    "--override-opt-param-scheduler": _SCHEDULE,
+    "--async-ckpt-use-cpu-shm": _CKPT_IO,
     "--save-retain-interval": "which old checkpoints Megatron deletes (megalite: "
     "--keep-last-n-checkpoints)",
     "--check-weight-hash-across-dp-replicas-interval": "a Megatron consistency check",
@@ -118,6 +110,7 @@ IGNORED_FLAGS: dict[str, str] = {
     "--profile-step-end": _PROFILE,
 }
 VALUED_FLAGS = {
+    "--tp-comm-overlap-cfg",
     "--transformer-impl",
     "--cross-entropy-fusion-impl",
     "--wgrad-deferral-limit",
@@ -142,7 +135,15 @@ VALUED_FLAGS = {
 }
 
 _FP8 = "FP8 training needs Transformer Engine"
-_ATTENTION = "an attention variant: multi-latent or gated attention"
+_ATTENTION = "an attention variant: multi-latent, gated, linear or sparse attention"
+_FSDP = (
+    "Megatron's or PyTorch's FSDP: megalite's fully sharded rung is --zero-stage 3 "
+    "(--data-parallel-sharding-strategy optim_grads_params)"
+)
+_FIM = "fill-in-the-middle data: megalite's GPT dataset has no FIM transform"
+_DISTILL = "ModelOpt export and knowledge distillation"
+_MUP = "maximal-update parametrization (muP) scales init and learning rates"
+_INJECT = "Megatron's fault injection into its re-run machine"
 # Megatron flags that change the math and that megalite does not implement: flag -> why.
 REFUSED_FLAGS: dict[str, str] = {
     "--rotary-scaling-factor": "YaRN rotary scaling, used with multi-latent attention",
@@ -158,6 +159,38 @@ REFUSED_FLAGS: dict[str, str] = {
     "--v-head-dim": _ATTENTION,
     "--experimental-attention-variant": _ATTENTION,
     "--attention-output-gate": _ATTENTION,
+    "--fp8-amax-history-len": _FP8,
+    "--fp8-amax-compute-algo": _FP8,
+    "--linear-attention-freq": _ATTENTION,
+    "--linear-conv-kernel-dim": _ATTENTION,
+    "--linear-key-head-dim": _ATTENTION,
+    "--linear-value-head-dim": _ATTENTION,
+    "--linear-num-key-heads": _ATTENTION,
+    "--linear-num-value-heads": _ATTENTION,
+    "--dsa-indexer-n-heads": _ATTENTION,
+    "--dsa-indexer-head-dim": _ATTENTION,
+    "--dsa-indexer-topk": _ATTENTION,
+    "--dsa-indexer-loss-coeff": _ATTENTION,
+    "--use-torch-fsdp2": _FSDP,
+    "--use-megatron-fsdp": _FSDP,
+    "--megatron-fsdp-main-params-dtype": _FSDP,
+    "--megatron-fsdp-main-grads-dtype": _FSDP,
+    "--megatron-fsdp-grad-comm-dtype": _FSDP,
+    "--fim-data": _FIM,
+    "--fim-rate": _FIM,
+    "--fim-spm-rate": _FIM,
+    "--export-te-mcore-model": _DISTILL,
+    "--export-kd-teacher-load": _DISTILL,
+    "--export-kd-cfg": _DISTILL,
+    "--use-mup": _MUP,
+    "--mup-base-hidden-size": _MUP,
+    "--error-injection-rate": _INJECT,
+    "--error-injection-type": _INJECT,
+    "--eval-global-batch-size": "evaluation runs at --global-batch-size",
+    "--hierarchical-context-parallel-sizes": "context parallelism is one cp group (a2a+p2p "
+    "hierarchies are not built)",
+    "--apply-wd-to-qk-layernorm": "weight decay on the q/k layer norms: megalite never "
+    "decays a norm or a bias",
 }
 
 
@@ -193,108 +226,3 @@ def warn_ignored(a: argparse.Namespace, *, rank: int) -> None:
             len(given),
             "; ".join(f"{' '.join(fs)} ({why})" for why, fs in reasons.items()),
         )
-
-
-def position_embedding_alias(a: argparse.Namespace) -> None:
-    """``--use-rotary-position-embeddings``: Megatron's old spelling of RoPE."""
-    if a.use_rotary_position_embeddings:
-        a.position_embedding_type = "rope"
-
-
-def apply_sample_schedule(cfg, a: argparse.Namespace, *, train_samples: int | None) -> None:
-    """Megatron's sample-based LR schedule, in megalite's (fractional) iterations: warmup and
-    decay lengths are ``samples / global_batch_size``; with ``--train-samples`` and no decay
-    length the decay spans exactly the training samples."""
-    gbs = cfg.training.global_batch_size
-    opt = cfg.optimizer
-    decay_samples = a.lr_decay_samples
-    if decay_samples is None and train_samples is not None and a.lr_decay_iters is None:
-        decay_samples = train_samples
-    if decay_samples is not None:
-        if a.lr_decay_iters is not None:
-            raise ValueError("give one of --lr-decay-iters and --lr-decay-samples")
-        opt.lr_decay_iters = decay_samples / gbs
-    if a.lr_warmup_samples is not None:
-        if a.lr_warmup_iters or a.lr_warmup_fraction is not None:
-            raise ValueError(
-                "give one of --lr-warmup-samples, --lr-warmup-iters and --lr-warmup-fraction"
-            )
-        opt.lr_warmup_iters = a.lr_warmup_samples / gbs
-
-
-def apply_data_args(a: argparse.Namespace) -> None:
-    """``--data-args-path`` / ``--per-split-data-args-path``: the blend lists read from files
-    (``data.config.read_data_args``) into ``--data-path`` / ``--{train,valid,test}-data-path``."""
-    try:
-        if a.data_args_path is not None:
-            if a.data_path:
-                raise ConfigError("--data-args-path and --data-path are mutually exclusive")
-            a.data_path = read_data_args(a.data_args_path)
-        if a.per_split_data_args_path is not None:
-            if a.train_data_path or a.valid_data_path or a.test_data_path:
-                raise ConfigError(
-                    "--per-split-data-args-path and --train/valid/test-data-path are mutually "
-                    "exclusive"
-                )
-            a.train_data_path, a.valid_data_path, a.test_data_path = read_per_split_data_args(
-                a.per_split_data_args_path
-            )
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def step_schedule_batch(a: argparse.Namespace) -> None:
-    """``--step-batch-size-schedule``: its last batch is the global batch size. Megatron refuses
-    ``--global-batch-size`` beside it (its own GPT-3 example passes both, equal): megalite
-    accepts the same value and refuses another."""
-    if a.step_batch_size_schedule is None:
-        return
-    steps = parse_step_schedule(a.step_batch_size_schedule, seq_length=a.seq_length)
-    final = steps[-1][1]
-    if a.global_batch_size is not None and a.global_batch_size != final:
-        raise ConfigError(
-            f"--global-batch-size {a.global_batch_size} differs from the last batch size {final} "
-            f"of --step-batch-size-schedule; drop --global-batch-size (the schedule sets it)"
-        )
-    a.global_batch_size = final
-
-
-def apply_batch_size_calculator(cfg, a: argparse.Namespace) -> None:
-    """A batch-size ramp or step schedule: every batch size checked against micro x DP;
-    ``train_iters`` counted as Megatron counts them from ``--train-samples``. A ramp needs
-    sample-based training (as Megatron); a step schedule may run ``--train-iters`` (its LR
-    schedule then spans ``--lr-decay-iters`` x the final batch in samples, as Megatron's)."""
-    t = cfg.training
-    if t.rampup_batch_size is None and t.step_batch_size_schedule is None:
-        return
-    if t.rampup_batch_size is not None and a.train_samples is None:
-        raise ConfigError(
-            "--rampup-batch-size needs sample-based training: give --train-samples N instead of "
-            "--train-iters (and --lr-decay-samples / --lr-warmup-samples for the schedule)"
-        )
-    schedule = batch_size_calculator(
-        t, cfg.parallel.data_parallel_size, seq_length=cfg.model.seq_length
-    )
-    if a.train_samples is not None:
-        t.train_iters = schedule.train_iters(a.train_samples)
-        if t.train_iters < 1:
-            raise ConfigError(f"--train-samples {a.train_samples} holds no iteration")
-
-
-def grad_reduce_dtype(a: argparse.Namespace) -> None:
-    """``--grad-reduce-in-bf16``: bf16 grad buffers (with --bf16 the grads are accumulated and
-    reduced over DP in bf16; megalite's default, where Megatron's bf16 default is fp32)."""
-    if a.grad_reduce_in_bf16 and a.accumulate_allreduce_grads_in_fp32:
-        raise ConfigError(
-            "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict each "
-            "other; keep one"
-        )
-
-
-def prepare(a: argparse.Namespace) -> None:
-    """The Megatron flags that rewrite others before the config is built (module docstring)."""
-    apply_data_args(a)
-    step_schedule_batch(a)
-    grad_reduce_dtype(a)
-    if a.decoupled_min_lr is not None and a.decoupled_lr is None:
-        raise ConfigError("--decoupled-min-lr needs --decoupled-lr (the rate it decays from)")

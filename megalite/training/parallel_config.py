@@ -28,7 +28,10 @@ class ParallelConfig:
     use_distributed_optimizer: bool = False
     ddp_bucket_size: int | None = None  # elements; None: max(40M, 1M x dp)
     ddp_num_buckets: int | None = None  # Megatron's: bucket size = the rank's parameters // N
+    # the grad buffers' dtype: fp32 under bf16 unless grad_reduce_in_bf16 (Megatron's rule,
+    # applied by PretrainConfig.validate); fp16 and fp32 params keep their dtype unless set
     accumulate_allreduce_grads_in_fp32: bool = False
+    grad_reduce_in_bf16: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False  # ZeRO-1: all-gather a bucket before its first use
     distributed_timeout_minutes: float = 10.0
@@ -65,6 +68,30 @@ class ParallelConfig:
         if self.world_size is None:
             return None
         return self.world_size // (self.model_parallel_size * self.context_parallel_size)
+
+    def resolve_grad_dtype(self, *, bf16: bool) -> None:
+        """Megatron's rule for the grad buffers: with bf16 params grads are accumulated and
+        reduced over DP in fp32 (sets ``accumulate_allreduce_grads_in_fp32``) unless
+        ``grad_reduce_in_bf16`` opts into bf16. Idempotent."""
+        if self.grad_reduce_in_bf16 and self.accumulate_allreduce_grads_in_fp32:
+            raise ConfigError(
+                "grad_reduce_in_bf16 and accumulate_allreduce_grads_in_fp32 contradict each "
+                "other; keep one"
+            )
+        if bf16 and not self.grad_reduce_in_bf16:
+            self.accumulate_allreduce_grads_in_fp32 = True
+
+    def grad_dtype_line(self, precision: str) -> str:
+        """The start-up line saying in which dtype grads are accumulated and reduced over DP
+        (``precision``: the params' bf16, fp16 or fp32)."""
+        if self.accumulate_allreduce_grads_in_fp32 and precision == "bf16":
+            return (
+                "bf16 params: gradients accumulated and reduced over DP in fp32 "
+                "(--grad-reduce-in-bf16 for bf16)"
+            )
+        if self.accumulate_allreduce_grads_in_fp32:
+            return f"{precision} params: gradients accumulated and reduced over DP in fp32"
+        return f"{precision} params: gradients accumulated and reduced over DP in {precision}"
 
     def sharding_strategy(self) -> str:
         """The data-parallel rung: ``no_shard`` (DDP), ``optim`` (ZeRO-1), ``optim_grads``

@@ -17,6 +17,7 @@ memory report measured after the first update is training's own (``log=True``);
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -32,8 +33,14 @@ from megalite.core.tensor_parallel.random import model_parallel_seed
 from megalite.data.builders import build_data_loaders, train_valid_test_num_samples
 from megalite.training import checkpoint_io
 from megalite.training.config import PretrainConfig, with_tokenizer
+from megalite.training.determinism import deterministic_mode
 from megalite.training.forward_step import make_forward_step
-from megalite.training.launch import detect_launch, init_distributed, select_device
+from megalite.training.launch import (
+    LaunchInfo,
+    detect_launch,
+    init_distributed,
+    select_device,
+)
 from megalite.training.logging import configure_logging
 from megalite.training.model_chunks import grad_wrappers
 from megalite.training.signals import ExitSignalHandler, parse_signal
@@ -166,7 +173,8 @@ def _exit_signal_handler(cfg: PretrainConfig) -> ExitSignalHandler | None:
 
 def mesh_for(par, **kwargs) -> ParallelState:
     """The process groups of a run's parallel config (``cfg.parallel``): tp, pp, cp and the expert
-    view; ``kwargs`` (order, device, timeout) pass to ``initialize_model_parallel``."""
+    view, in its rank order; ``kwargs`` (device, timeout) pass to ``initialize_model_parallel``."""
+    kwargs.setdefault("order", par.rank_order)
     return initialize_model_parallel(
         par.tensor_model_parallel_size,
         par.pipeline_model_parallel_size,
@@ -190,12 +198,22 @@ def pretrain(
     cfg = with_tokenizer(cfg)  # validates; builds the tokenizer unless set
     launch = detect_launch(env)
     check_startup(cfg, launch)  # flags and files, before any process group
+    # before the first process group and cuBLAS handle, which read the environment it sets
+    with deterministic_mode(cfg.training.deterministic_mode):
+        return _pretrain(cfg, launch, forward_step_func, first_step_hooks)
+
+
+def _pretrain(
+    cfg: PretrainConfig,
+    launch: LaunchInfo,
+    forward_step_func: Callable | None,
+    first_step_hooks: Sequence[FirstStepHook],
+) -> TrainResult:
     device = select_device(cfg.parallel.device, launch.local_rank)
     owns_world = not dist.is_initialized()
     init_distributed(launch, device, timeout_minutes=cfg.parallel.distributed_timeout_minutes)
     ps = mesh_for(
         cfg.parallel,
-        order=cfg.parallel.rank_order,
         device=device,
         timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
     )
@@ -219,6 +237,14 @@ def pretrain(
             num_microbatches,
             cfg.training.micro_batch_size,
         )
+        logger.info(cfg.parallel.grad_dtype_line(cfg.model.precision_name))
+        if cfg.training.deterministic_mode:
+            logger.info(
+                "--deterministic-mode: torch deterministic algorithms, NCCL_ALGO=%s, "
+                "CUBLAS_WORKSPACE_CONFIG=%s",
+                os.environ["NCCL_ALGO"],
+                os.environ["CUBLAS_WORKSPACE_CONFIG"],
+            )
         run = build_run(
             cfg,
             ps,

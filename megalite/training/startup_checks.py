@@ -11,7 +11,8 @@ line, not after the model is built or at the first save):
   build the index caches (local rank 0);
 - inputs: every dataset the run reads opens (index header, sizes), every split it reads has tokens,
   and every token id fits the tokenizer's vocabulary (``megalite.data.builders.check_data``; the id
-  range of each ``.bin`` is computed once and cached beside the index caches).
+  range of each ``.bin`` is computed once, by local rank 0, and cached with the index caches; the
+  node's other ranks wait for it).
 
 Each failure is a ``UserError`` (one line naming the flag or file) for ``megalite.errors.run_main``.
 """
@@ -45,8 +46,10 @@ def check_outputs(cfg: PretrainConfig, launch: LaunchInfo) -> None:
         check_writable_dir(cfg.data.data_cache_path, flag="--data-cache-path", what="index caches")
 
 
-def check_inputs(cfg: PretrainConfig) -> None:
-    """Datasets open, splits the run reads have tokens, token ids fit the vocabulary."""
+def check_inputs(cfg: PretrainConfig, launch: LaunchInfo) -> None:
+    """Datasets open, splits the run reads have tokens, token ids fit the vocabulary: local rank 0
+    reads each uncached ``.bin``, the node's other ranks wait (as long as a collective would) for
+    the range it caches."""
     t = cfg.training
     train, valid, test = train_valid_test_num_samples(
         train_iters=t.train_iters,
@@ -61,7 +64,8 @@ def check_inputs(cfg: PretrainConfig) -> None:
         test_samples=test,
         vocab_size=cfg.tokenizer.vocab_size,
         padded_vocab_size=cfg.model.padded_vocab_size(cfg.parallel.tensor_model_parallel_size),
-        write_cache=True,  # atomic, identical entries: safe from every rank
+        scan=launch.local_rank == 0,
+        wait_s=cfg.parallel.distributed_timeout_minutes * 60.0,
     )
 
 
@@ -69,4 +73,4 @@ def check_startup(cfg: PretrainConfig, launch: LaunchInfo) -> None:
     """All of the above for this rank; ``cfg`` carries its tokenizer (``with_tokenizer``)."""
     check_device(cfg)
     check_outputs(cfg, launch)
-    check_inputs(cfg)
+    check_inputs(cfg, launch)

@@ -28,7 +28,9 @@ from megalite.training.pretrain import pretrain
 from tests.paths import ROOT
 from tests.training.common import BASE, assert_close_rel, config
 
-PAUSE = re.compile(r"MEGALITE_TEST_PAUSE_IN_SAVE: pausing .* iteration 4 \(pid (\d+)\)")
+PAUSE = re.compile(
+    r"MEGALITE_TEST_PAUSE_IN_SAVE: pausing \S+ s in the save of iteration 4 \(pid (\d+)\)"
+)
 
 
 def _reader(stream, lines: queue.Queue) -> None:
@@ -63,9 +65,8 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
             if line is None:
                 break
             seen.append(line)
-            m = PAUSE.search(line)
-            if m:
-                pids.append(int(m.group(1)))
+            # two ranks print at once: their lines can share one line of the pipe
+            pids += [int(m.group(1)) for m in PAUSE.finditer(line)]
         assert len(pids) == 2, "the ranks never paused in the save:\n" + "".join(seen[-40:])
         assert read_tracker(str(save)) == 2  # iteration 4 is being saved, not yet committed
         os.kill(pids[1], signal.SIGKILL)

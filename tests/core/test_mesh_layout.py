@@ -1,19 +1,36 @@
 """The rank layout (pure): hand-written tables, the rank-order equation on every layout of at most
-64 ranks in two orders, Megatron-core's RankGenerator (a committed fixture), bad sizes."""
+64 ranks in two orders, Megatron-core's RankGenerator (committed fixtures, dense and expert view),
+the layouts whose views would not share the pipeline groups refused, bad sizes."""
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from math import prod
 
 import pytest
 
-from megalite.core.mesh_layout import dense_or_expert, mesh_sizes, rank_coords, rank_groups
+from megalite.core.mesh_layout import (
+    MeshSizes,
+    dense_or_expert,
+    mesh_sizes,
+    rank_coords,
+    rank_groups,
+)
 from megalite.core.parallel_state import all_group_ranks
 from tests import paths
 
 FIXTURE = str(paths.FIXTURES / "megatron_rank_groups.json")
+EXPERT_FIXTURE = str(paths.FIXTURES / "megatron_expert_rank_groups.json")
+# Megatron's expert generator tokens -> megalite's expert axes
+EXPERT_TOKENS = {
+    "tp": ("etp",),
+    "ep": ("ep",),
+    "dp": ("edp",),
+    "tp-ep": ("etp", "ep"),
+    "tp-ep-pp": ("etp", "ep", "pp"),
+}
 AXES = ("tp", "cp", "ep", "dp", "pp")
 ORDERS = ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp")
 TOKENS = ("tp", "cp", "ep", "dp", "pp", "tp-cp", "dp-cp", "tp-pp", "tp-dp-cp", "tp-ep", "tp-ep-pp")
@@ -147,6 +164,93 @@ def test_rank_groups_are_what_megatron_core_builds():
         ours = {t: rank_groups(world, sizes, order, t.split("-")) for t in TOKENS}
         text = json.dumps(ours, sort_keys=True).encode()
         assert hashlib.sha256(text).hexdigest()[:16] == digest, key
+
+
+def _expert_layouts(world: int):
+    """(tp, cp, dp, pp, ep, etp) of ``world``, EP and ETP in {1, 2, 4}, the expert view factoring
+    the world (written apart from the fixture tool's enumeration; the counts must agree)."""
+    for tp, cp, dp in itertools.product(range(1, world + 1), repeat=3):
+        if world % (tp * cp * dp):
+            continue
+        pp = world // (tp * cp * dp)
+        for ep, etp in itertools.product((1, 2, 4), repeat=2):
+            if world % (etp * ep * pp) == 0:
+                yield tp, cp, dp, pp, ep, etp
+
+
+def _expert_records(world: int, order: str) -> dict[str, list]:
+    """Per layout: [whether mesh_sizes accepts it, the expert groups megalite builds]."""
+    records = {}
+    for tp, cp, dp, pp, ep, etp in _expert_layouts(world):
+        try:
+            mesh_sizes(
+                world,
+                tensor_model_parallel_size=tp,
+                context_parallel_size=cp,
+                pipeline_model_parallel_size=pp,
+                expert_model_parallel_size=ep,
+                expert_tensor_parallel_size=etp,
+                order=order,
+            )
+            accepted = True
+        except ValueError as e:
+            assert "splits pipeline stages" in str(e) and "\n" not in str(e), str(e)
+            accepted = False
+        sizes = MeshSizes(world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=order)
+        groups = {}  # the expert combinations as all_group_ranks builds them
+        for token, axes in EXPERT_TOKENS.items():
+            view, digits = dense_or_expert(axes)
+            assert view == "expert"
+            groups[token] = rank_groups(world, sizes.expert(), order, digits)
+        groups["pp"] = rank_groups(world, sizes.expert(), order, ["pp"])
+        dense_pp = rank_groups(world, sizes.dense(), order, ["pp"])
+        # refused exactly when the views' pipeline groups differ
+        assert accepted == (groups["pp"] == dense_pp), (order, tp, cp, dp, pp, ep, etp)
+        records[",".join(map(str, (tp, cp, dp, pp, ep, etp)))] = [accepted, groups]
+    return records
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_expert_view_is_megatron_cores_and_never_splits_pipeline_stages(order):
+    """Every layout up to 64 ranks, EP and ETP in {1, 2, 4}: megalite refuses exactly the
+    layouts Megatron-core's initialize_model_parallel asserts against (dense and expert pipeline
+    groups differ), and its expert groups are RankGenerator(tp=etp, ep, dp=edp, pp)'s (digests
+    per world written by tools/megatron_rank_groups.py from megatron-core 0.16.1)."""
+    with open(EXPERT_FIXTURE) as f:
+        expected = json.load(f)
+    refused = 0
+    for world in range(1, 65):
+        records = _expert_records(world, order)
+        want = expected[f"{order}|{world}"]
+        text = json.dumps(records, sort_keys=True).encode()
+        got_refused = sum(1 for accepted, _ in records.values() if not accepted)
+        assert (len(records), got_refused) == (want["layouts"], want["refused"]), (order, world)
+        assert hashlib.sha256(text).hexdigest()[:16] == want["digest"], (order, world)
+        refused += got_refused
+    # pp last: the views always share the pipelines; tp-cp-ep-pp-dp refuses thousands
+    assert (refused == 0) == (order == "tp-cp-ep-dp-pp"), refused
+
+
+def test_world4_pp2_ep2_in_tp_pp_dp_order_is_refused_in_one_line():
+    with pytest.raises(ValueError) as e:
+        mesh_sizes(4, pipeline_model_parallel_size=2, expert_model_parallel_size=2, order=ORDERS[1])
+    assert str(e.value) == (
+        "rank order tp-cp-ep-pp-dp with pipeline_model_parallel_size 2 splits pipeline stages: "
+        "they are tensor_model_parallel_size 1 x context_parallel_size 1 = 1 ranks apart in the "
+        "dense view but expert_tensor_parallel_size 1 x expert_model_parallel_size 2 = 2 in the "
+        "expert view, so an expert group would span two stages; make the two products equal or "
+        "put pp last (order tp-cp-ep-dp-pp)"
+    )
+    # CP 2 restores the stride: both views' pipelines are [[0, 2], [1, 3]]
+    sizes = mesh_sizes(
+        4,
+        context_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        expert_model_parallel_size=2,
+        order=ORDERS[1],
+    )
+    assert rank_groups(4, sizes.expert(), sizes.order, ["pp"]) == [[0, 2], [1, 3]]
+    assert all_group_ranks(sizes)[frozenset({"pp"})] == [[0, 2], [1, 3]]
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,7 @@ from tools import (
     make_stdlib_corpus,
     merge_datasets,
     pipeline_timeline,
+    plan,
     preprocess_data,
     train_tokenizer,
 )
@@ -171,15 +172,35 @@ def test_conversion_tools(tmp_path, capsys):
     status, err = run_in_process(to_megalite, ["--load", hf, "--save", blocker / "x"], capsys)
     assert status == 1
     one_error_line(err, f"--save {blocker / 'x'}", "cannot create the folder")
-    status, err = run_in_process(to_megalite, ["--load", hf, "--save", tmp_path / "m"], capsys)
+    status, err = run_in_process(
+        to_megalite, ["--load", hf, "--save", tmp_path / "m" / "c"], capsys
+    )
     assert status == 1
     one_error_line(err, f"--load {hf}", "cannot read model.safetensors")
-    assert files_under(tmp_path / "m") == []
     # megalite -> HF: an impossible --save is found before the checkpoint is read
     to_hf = convert_checkpoint_to_hf.main
     status, err = run_in_process(to_hf, ["--load", tmp_path / "m", "--save", blocker / "y"], capsys)
     assert status == 1
     one_error_line(err, f"--save {blocker / 'y'}")
+    # a checkpoint that is not there: refused, and no --save folder (nor its parents) made
+    status, err = run_in_process(
+        to_hf, ["--load", tmp_path / "m", "--save", tmp_path / "h"], capsys
+    )
+    assert status == 1
+    one_error_line(err, str(tmp_path / "m"))
+    # a failed conversion leaves nothing that looks like output: no folder, no partial sibling
+    assert sorted(os.listdir(tmp_path)) == ["f", "hf"]
+    # a folder the user had is kept as it was
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    status, err = run_in_process(to_megalite, ["--load", hf, "--save", mine], capsys)
+    assert status == 1
+    assert files_under(mine) == ["notes.txt"] and sorted(os.listdir(tmp_path)) == [
+        "f",
+        "hf",
+        "mine",
+    ]
 
 
 def test_dataset_tools(tmp_path, capsys):
@@ -215,6 +236,37 @@ def test_dataset_tools(tmp_path, capsys):
     )
     assert status == 1
     one_error_line(err, str(tmp_path / "none.json"))
+
+
+def test_plan_refuses_an_unwritable_calibration_file_before_calibrating(
+    tmp_path, capsys, monkeypatch
+):
+    from tools.planner import calibrate
+
+    def no_calibration():
+        raise AssertionError("calibrated before checking --calibration-out")
+
+    monkeypatch.setattr(calibrate, "calibrate", no_calibration)
+    blocker = tmp_path / "f"
+    blocker.write_text("x")
+    folder = tmp_path / "ro"
+    (tmp_path / "taken").mkdir()
+    cases = [
+        (blocker / "c.json", "cannot create its folder"),  # a file where its folder should be
+        (tmp_path / "taken", "is a folder; give a file path for the calibration"),
+    ]
+    with read_only(folder) as ok:
+        if ok:
+            cases.append((folder / "c.json", "cannot write it ("))
+        for out, needle in cases:
+            argv = ["--calibrate", "--calibration-out", out]
+            status, err = run_in_process(plan.main, argv, capsys)
+            assert status == 1
+            one_error_line(err, "--calibration-out", str(out), needle, "give a")
+    # a real process: the same line, no traceback
+    proc = run_script("tools/plan.py", ["--calibrate", "--calibration-out", blocker / "c.json"])
+    assert proc.returncode == 1, proc.stderr
+    one_error_line(proc.stderr, f"--calibration-out {blocker / 'c.json'}", "cannot create")
 
 
 def test_port_in_use_under_srun_is_one_line(capsys):

@@ -29,6 +29,23 @@ FAMILIES = {
     ).split(),
 }
 
+# MoE flags of each family (GPT-2: every layer, all-to-all dispatcher; Llama: every other layer,
+# allgather dispatcher, a gated shared expert, grouped GEMM), and aux/z losses strong enough to
+# move grads visibly.
+MOE = {
+    "gpt2": (
+        "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 16 --moe-aux-loss-coeff 0.01 "
+        "--moe-z-loss-coeff 0.001 --moe-token-dispatcher-type alltoall --log-interval 1"
+    ).split(),
+    "llama": (
+        "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 16 --moe-aux-loss-coeff 0.01 "
+        "--moe-z-loss-coeff 0.001 --moe-token-dispatcher-type allgather --moe-layer-freq [0,1] "
+        "--moe-shared-expert-intermediate-size 32 --moe-shared-expert-gate --moe-grouped-gemm "
+        "--log-interval 1"
+    ).split(),
+}
+STRONG_AUX = ("--moe-aux-loss-coeff", "1.0", "--moe-z-loss-coeff", "0.1")
+
 
 def config(*extra: str, world_size: int = 1, rank: int = 0) -> PretrainConfig:
     """The tiny model's config as the launcher of a ``world_size``-rank job would see it."""

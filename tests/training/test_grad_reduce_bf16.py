@@ -1,5 +1,5 @@
-"""Megatron's ``--grad-reduce-in-bf16`` (Megatron: with ``--bf16`` the grads are accumulated and
-reduced over DP in bf16, not fp32). The grad buffer is bf16; after the step's sync each DP rank
+"""Megatron's ``--grad-reduce-in-bf16`` (with ``--bf16`` the grads are accumulated and reduced over
+DP in bf16, not in fp32 as by default). The grad buffer is bf16; after the step's sync each DP rank
 holds, bitwise, the hand-reduced bf16 value: per rank the micro-batch grads summed in bf16, divided
 by DP in bf16, then the ranks' values summed and rounded to bf16 once (two ranks)."""
 
@@ -25,6 +25,7 @@ BASE = (
 def test_flag_sets_bf16_grad_buffers_and_conflicts_are_one_line():
     cfg = parse_args([*BASE, "--grad-reduce-in-bf16"])
     assert cfg.parallel.accumulate_allreduce_grads_in_fp32 is False
+    assert parse_args(BASE).parallel.accumulate_allreduce_grads_in_fp32 is True  # the default
     with pytest.raises(ConfigError) as e:
         parse_args([*BASE, "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"])
     assert "\n" not in str(e.value) and "contradict" in str(e.value)

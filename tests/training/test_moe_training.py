@@ -30,22 +30,16 @@ import torch.distributed as dist
 from megalite.core.parallel_state import ParallelState
 from megalite.training.pretrain import mesh_for, pretrain
 from tests.harness import run_distributed
-from tests.training.common import FAMILIES, assert_close_rel, config, train_losses
+from tests.training.common import (
+    FAMILIES,
+    MOE,
+    STRONG_AUX,
+    assert_close_rel,
+    config,
+    train_losses,
+)
 
 REL = 1e-5
-MOE = {
-    "gpt2": (
-        "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 16 --moe-aux-loss-coeff 0.01 "
-        "--moe-z-loss-coeff 0.001 --moe-token-dispatcher-type alltoall --log-interval 1"
-    ).split(),
-    "llama": (
-        "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 16 --moe-aux-loss-coeff 0.01 "
-        "--moe-z-loss-coeff 0.001 --moe-token-dispatcher-type allgather --moe-layer-freq [0,1] "
-        "--moe-shared-expert-intermediate-size 32 --moe-shared-expert-gate --moe-grouped-gemm "
-        "--log-interval 1"
-    ).split(),
-}
-STRONG_AUX = ("--moe-aux-loss-coeff", "1.0", "--moe-z-loss-coeff", "0.1")
 GLOBAL_AUX = (*STRONG_AUX, "--moe-router-load-balancing-type", "global_aux_loss")
 
 

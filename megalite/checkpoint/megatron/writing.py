@@ -218,8 +218,9 @@ def _distributed_optimizer(
         for key, src in FLAT_KEYS.items():
             flat[src][start:end] = full["params"][name][key].reshape(-1)
     param_dtype = model[names[0]].dtype if names else torch.float32
-    bf16_grads = bool(_config_value(meta, "grad_reduce_in_bf16", False))
-    grad_dtype = param_dtype if bf16_grads else torch.float32
+    # Megatron keys its buffers by (param dtype, grad dtype): the grads' dtype of the run
+    fp32_grads = bool(_config_value(meta, "accumulate_allreduce_grads_in_fp32", True))
+    grad_dtype = torch.float32 if fp32_grads else param_dtype
     buffer = {(param_dtype, grad_dtype): {**flat, "numel_unpadded": total}}
     return optimizer, {"buckets_coalesced": True, 0: buffer}
 

@@ -54,7 +54,7 @@ def _chunk_permutation(sizes: torch.Tensor, dims: tuple[int, ...]) -> torch.Tens
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:
     inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel())
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
     return inv
 
 

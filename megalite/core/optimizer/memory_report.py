@@ -19,11 +19,11 @@ per element; stage ``z`` divides by ``N`` the first ``z`` of (optimizer, grads, 
     stage 2 (optim_grads):         p P   + g P/N + k P / N
     stage 3 (optim_grads_params):  p P/N + g P/N + k P / N
 
-DeepSpeed's figures are the bf16-grad case (p = g = 2, k = 12): 16P, 4P + 12P/N, 2P + 14P/N,
-16P/N. megalite's fp32-grad variant (``accumulate_allreduce_grads_in_fp32``, g = 4): 18P,
-6P + 12P/N, 2P + 16P/N, 18P/N. With offload, ``fraction`` of the optimizer part moves to the host
-(or disk). Measured bytes exceed the theory only by bucket padding (< N elements per bucket) and
-the step counters.
+Under bf16 params the grads are fp32 by default (``accumulate_allreduce_grads_in_fp32``, as
+Megatron's, g = 4): 18P, 6P + 12P/N, 2P + 16P/N, 18P/N. DeepSpeed's figures are the bf16-grad
+case (``grad_reduce_in_bf16``: p = g = 2, k = 12): 16P, 4P + 12P/N, 2P + 14P/N, 16P/N.
+With offload, ``fraction`` of the optimizer part moves to the host (or disk). Measured bytes
+exceed the theory only by bucket padding (< N elements per bucket) and the step counters.
 """
 
 from __future__ import annotations
