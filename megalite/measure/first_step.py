@@ -5,15 +5,16 @@ the first training step measured, logged and written to TensorBoard.
 
 As the first step starts, the prediction is logged; the step runs under a ``SavedTensorMeter``
 on CPU (the saved-activation peak) and the model state is counted from the tensor storages
-(``memory_report``); on CUDA the allocator's peak over the step is the measured figure (it
-includes what the prediction leaves out: the logits' transient, workspace, fragmentation). Every
+(``memory_report``); on CUDA the allocator's peak over the step is the measured figure (against
+the predicted device peak, the loss's transient logits included; it also holds what the prediction
+leaves out: workspace, fragmentation). Every
 rank measures its own; the logging rank (the last) prints its line.
 
 A MoE model's activations depend on the routing: the line gives the prediction for balanced
 routing, the one for the routing this step's routers chose (each expert's share of this rank's
 tokens, over its MoE layers), and the bound for any routing the capacity settings allow, measures
-against this step's routing and says whether the balanced figure applies (within the planner's
-5% of this step's) or the routing was skewed.
+against this step's routing and says which figure applies: the balanced one (within the planner's
+5% of this step's), the bound (likewise), or, the routing skewed, this step's own.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from megalite.training.trainer import FirstStepHook, Trainer
 
 logger = logging.getLogger(__name__)
 MIB = 2**20
-BALANCED_WITHIN = 0.05  # the balanced figure applies when this step's is this close to it
+FIGURE_WITHIN = 0.05  # the balanced figure (or the bound) applies when this step's is this close
 
 
 def uncovered_features(cfg: PretrainConfig) -> list[str]:
@@ -64,6 +65,17 @@ def observed_routing(routers: list[TopKRouter], topk: int) -> Routing | None:
     if total == 0:
         return None
     return Routing(shares=tuple(n * topk / total for n in counts))
+
+
+def which_figure_applies(balanced: int, routed: int, bound: int) -> str:
+    """Which MoE activation figure describes this step, in words: the balanced one when this
+    step's routing predicts within ``FIGURE_WITHIN`` of it, else the bound when within that of
+    it (the routing was the worst the capacity settings allow), else this step's own."""
+    if abs(routed - balanced) <= FIGURE_WITHIN * balanced:
+        return "the balanced figure applies"
+    if abs(routed - bound) <= FIGURE_WITHIN * bound:
+        return "the bound applies (this routing is the worst the capacity settings allow)"
+    return f"routing skewed ({routed / balanced - 1:+.1%}): this step's figure applies"
 
 
 def predicted_for_rank(trainer: Trainer, routing: Routing = BALANCED) -> RankMemory:
@@ -169,10 +181,7 @@ def _report(
             f" for {a.routing}, {r.peak / MIB:.2f} MiB for {r.routing}, at most "
             f"{a.bound / MIB:.2f} MiB for {WORST.describe(trainer.cfg.model)}"
         )
-        if abs(r.peak - a.peak) <= BALANCED_WITHIN * a.peak:
-            verdict = "; the balanced figure applies"
-        else:
-            verdict = f"; routing skewed ({r.peak / a.peak - 1:+.1%}): this step's figure applies"
+        verdict = "; " + which_figure_applies(a.peak, r.peak, a.bound)
         against = routed
     p_act = against.activations.peak
     if act is not None:

@@ -6,7 +6,8 @@
    70% of the tokens sent to one expert: the per-expert loop over each expert's routed rows,
    ``grouped_gemm`` (``torch._grouped_mm`` where it is a fused kernel, else the same loop) and the
    padded ``torch.bmm`` (every expert padded to the busiest one's count: the baseline): time
-   against the loop, saved activations (saved-tensor hooks) and, on CUDA, the allocator's peak.
+   against the loop, saved activations (saved-tensor hooks) and the peak over the step against
+   the loop's (CUDA: the allocator's; CPU: ``LivePeak``, the bytes of every op's outputs alive).
    ``--device cuda --dtype bfloat16 --experts-only`` runs this part on a GPU.
 2. The all-to-all against the allgather dispatcher: one MoE layer forward + backward on 4 gloo
    ranks (EP 4), median step time, and the bytes each rank sends, counted at the collectives
@@ -26,10 +27,13 @@ import statistics
 import sys
 import tempfile
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -88,6 +92,41 @@ def padded_bmm(layer: GroupedExperts, x: torch.Tensor, counts: list[int]) -> tor
     return torch.bmm(y, w2.transpose(1, 2))[expert, slot]  # [N, h]
 
 
+class LivePeak(TorchDispatchMode):
+    """The most bytes of tensor storage alive at once among those created while it is on (every
+    op's outputs, forward and backward): CPU's stand-in for the allocator's peak. A storage is
+    counted once, from its first output tensor until the last tensor on it is freed."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, list[int]] = {}  # storage address -> [tensors on it, nbytes]
+        self.current = self.peak = 0
+
+    def _free(self, ptr: int) -> None:
+        entry = self.live[ptr]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.current -= entry[1]
+            del self.live[ptr]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr == 0:
+                continue
+            if ptr not in self.live:
+                self.live[ptr] = [0, storage.nbytes()]
+                self.current += storage.nbytes()
+                self.peak = max(self.peak, self.current)
+            self.live[ptr][0] += 1
+            weakref.finalize(t, self._free, ptr)
+        return out
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -104,7 +143,7 @@ def bench_experts(
     device: torch.device,
     dtype: torch.dtype,
 ) -> dict:
-    """{path: (median seconds, saved-activation bytes, allocator peak bytes or None)} of one
+    """{path: (median seconds, saved-activation bytes, peak bytes)} of one
     forward + backward of the experts alone (SwiGLU, top-2)."""
     counts = routed_counts(tokens, experts, 2, skew)
     x = torch.randn(sum(counts), h, device=device, dtype=dtype)
@@ -141,12 +180,15 @@ def bench_experts(
 
         with SavedTensorMeter([x, *layer.parameters()]) as meter:
             step()
-        peak = None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
             step()
             peak = torch.cuda.max_memory_allocated(device) - base
+        else:
+            with LivePeak() as live:
+                step()
+            peak = live.peak
         out[name] = (_median_time(step, repeats), meter.peak, peak)
     w = torch.empty(experts, 2 * f, h, device=device, dtype=dtype)
     v = torch.empty(experts, h, f, device=device, dtype=dtype)
@@ -158,20 +200,21 @@ def print_experts(h: int, f: int, experts: int, tokens: int, repeats: int, devic
     print(
         f"experts fwd+bwd, {experts} experts top-2 SwiGLU, {tokens} tokens, h {h}, f {f}, "
         f"{str(dtype).removeprefix('torch.')} on {device}, median of {repeats}; saved = the "
-        "activations autograd keeps (saved-tensor hooks)"
+        "activations autograd keeps (saved-tensor hooks); peak = the most bytes alive during "
+        f"the step ({'the allocator' if device.type == 'cuda' else 'LivePeak, every op output'})"
     )
     header = f"{'routing':18s} {'path':11s} {'ms':>9s} {'/ loop':>7s} {'saved MiB':>10s}"
-    print(header + (f" {'peak MiB':>9s}" if device.type == "cuda" else ""))
+    print(f"{header} {'peak MiB':>9s} {'/ loop':>7s}")
     for skew in (None, 0.7):
         r = bench_experts(h, f, experts, tokens, repeats, skew=skew, device=device, dtype=dtype)
         label = "balanced" if skew is None else f"skewed ({skew:.0%} to 1)"
-        loop = r["loop"][0]
+        loop, loop_peak = r["loop"][0], r["loop"][2]
         for name in ("loop", "grouped", "padded bmm"):
             secs, saved, peak = r[name]
-            line = (
+            print(
                 f"{label:18s} {name:11s} {secs * 1e3:9.2f} {secs / loop:7.2f} {saved / MIB:10.2f}"
+                f" {peak / MIB:9.2f} {peak / loop_peak:7.2f}"
             )
-            print(line + (f" {peak / MIB:9.2f}" if peak is not None else ""))
     serves = r["grouped is torch._grouped_mm"]
     print(f"grouped = {'torch._grouped_mm' if serves else 'the loop (grouped_mm_serves: no)'}")
 
