@@ -27,13 +27,10 @@ import statistics
 import sys
 import tempfile
 import time
-import weakref
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -41,6 +38,7 @@ from megalite.core.moe import MoEConfig, MoELayer  # noqa: E402
 from megalite.core.moe.experts import GroupedExperts, grouped_mm_serves  # noqa: E402
 from megalite.core.parallel_state import ParallelState, initialize_model_parallel  # noqa: E402
 from megalite.core.tensor_parallel.init import init_normal  # noqa: E402
+from megalite.measure.live_bytes import LivePeak  # noqa: E402
 from megalite.measure.saved_tensors import SavedTensorMeter  # noqa: E402
 from megalite.models.config import GPTConfig  # noqa: E402
 from megalite.models.gpt import GPTModel  # noqa: E402
@@ -90,41 +88,6 @@ def padded_bmm(layer: GroupedExperts, x: torch.Tensor, counts: list[int]) -> tor
     padded = x.new_zeros(n, max(counts), x.shape[1]).index_put((expert, slot), x)
     y = layer._activation(torch.bmm(padded, w1.transpose(1, 2)))  # [E, max_n, f1]
     return torch.bmm(y, w2.transpose(1, 2))[expert, slot]  # [N, h]
-
-
-class LivePeak(TorchDispatchMode):
-    """The most bytes of tensor storage alive at once among those created while it is on (every
-    op's outputs, forward and backward): CPU's stand-in for the allocator's peak. A storage is
-    counted once, from its first output tensor until the last tensor on it is freed."""
-
-    def __init__(self):
-        super().__init__()
-        self.live: dict[int, list[int]] = {}  # storage address -> [tensors on it, nbytes]
-        self.current = self.peak = 0
-
-    def _free(self, ptr: int) -> None:
-        entry = self.live[ptr]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.current -= entry[1]
-            del self.live[ptr]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in pytree.tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-                continue
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr == 0:
-                continue
-            if ptr not in self.live:
-                self.live[ptr] = [0, storage.nbytes()]
-                self.current += storage.nbytes()
-                self.peak = max(self.peak, self.current)
-            self.live[ptr][0] += 1
-            weakref.finalize(t, self._free, ptr)
-        return out
 
 
 def _sync(device: torch.device) -> None:
