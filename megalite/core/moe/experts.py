@@ -128,6 +128,8 @@ class GroupedExperts(nn.Module):
             y = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)  # [N, f1/etp]
             return torch._grouped_mm(self._activation(y), w2.transpose(1, 2), offs=offs)
         outs = []
-        for i, rows in enumerate(x.split(counts)):  # [n_i, h]: expert i's rows, a view of x
-            outs.append(self._activation(rows @ w1[i].t()) @ w2[i].t())
+        # unbind, not w1[i]: its backward stacks the experts' weight grads into one [E_local, ..]
+        # tensor, where indexing's adds E_local zero-filled copies of the whole weight
+        for rows, a, b in zip(x.split(counts), w1.unbind(0), w2.unbind(0)):  # rows: [n_i, h]
+            outs.append(self._activation(rows @ a.t()) @ b.t())
         return torch.cat(outs)
