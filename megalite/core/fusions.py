@@ -33,6 +33,16 @@ def fused_kernels_on_cpu() -> bool:
     return runtime.interpreting() and runtime.kernels_ready()
 
 
+def kernels_serve(device: str) -> bool:
+    """Whether the fused kernels serve a model that asks for them (``use_fused``) on ``device``
+    ("cuda" or "cpu"), for a plan made before the run: on a GPU always (a GPU install has triton:
+    the plan is for the cluster, not this machine); on a CPU only in this process under the
+    interpreter (``fused_kernels_on_cpu``). Whether the model asks is its own setting
+    (``use_fused_kernels``); the per-call conditions of ``_use_triton`` (dtype, mask) hold for
+    every tensor megalite's layers pass."""
+    return device != "cpu" or fused_kernels_on_cpu()
+
+
 def _reference_layer_norm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
 ) -> torch.Tensor:

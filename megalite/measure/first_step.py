@@ -5,9 +5,16 @@ the first training step measured, logged and written to TensorBoard.
 
 As the first step starts, the prediction is logged; the step runs under a ``SavedTensorMeter``
 on CPU (the saved-activation peak) and the model state is counted from the tensor storages
-(``memory_report``); on CUDA the allocator's peak over the step is the measured figure (it
-includes what the prediction leaves out: the logits' transient, workspace, fragmentation). Every
+(``memory_report``); on CUDA the allocator's peak over the step is the measured figure (against
+the predicted device peak, the loss's transient logits included; it also holds what the prediction
+leaves out: workspace, fragmentation). Every
 rank measures its own; the logging rank (the last) prints its line.
+
+A MoE model's activations depend on the routing: the line gives the prediction for balanced
+routing, the one for the routing this step's routers chose (each expert's share of this rank's
+tokens, over its MoE layers), and the bound for any routing the capacity settings allow, measures
+against this step's routing and says which figure applies: the balanced one (within the planner's
+5% of this step's), the bound (likewise), or, the routing skewed, this step's own.
 """
 
 from __future__ import annotations
@@ -18,9 +25,11 @@ from contextlib import AbstractContextManager, contextmanager
 
 import torch
 
+from megalite.core.moe.router import TopKRouter
 from megalite.core.optimizer.memory_report import model_state_bytes
 from megalite.measure.saved_tensors import SavedTensorMeter
 from megalite.planning.activations import CP_MODELLED, MODELLED_SCHEDULES
+from megalite.planning.moe_activations import BALANCED, WORST, Routing
 from megalite.planning.predict import RankMemory, predict_for_config
 from megalite.training.config import PretrainConfig
 from megalite.training.model_chunks import grad_wrappers
@@ -29,6 +38,7 @@ from megalite.training.trainer import FirstStepHook, Trainer
 
 logger = logging.getLogger(__name__)
 MIB = 2**20
+FIGURE_WITHIN = 0.05  # the balanced figure (or the bound) applies when this step's is this close
 
 
 def uncovered_features(cfg: PretrainConfig) -> list[str]:
@@ -44,9 +54,33 @@ def uncovered_features(cfg: PretrainConfig) -> list[str]:
     return out
 
 
-def predicted_for_rank(trainer: Trainer) -> RankMemory:
-    """The prediction for this rank of the trainer's run (NotImplementedError for a layout with
-    features the planner does not model)."""
+def observed_routing(routers: list[TopKRouter], topk: int) -> Routing | None:
+    """The routing ``routers`` chose since their counts were last read: each expert's share of
+    the tokens (``topk`` choices per token), summed over the routers (the MoE layers). None
+    without routers or counts."""
+    if not routers:
+        return None
+    counts = sum(r.stats[3:].double() for r in routers).tolist()  # [E], one host read
+    total = sum(counts)
+    if total == 0:
+        return None
+    return Routing(shares=tuple(n * topk / total for n in counts))
+
+
+def which_figure_applies(balanced: int, routed: int, bound: int) -> str:
+    """Which MoE activation figure describes this step, in words: the balanced one when this
+    step's routing predicts within ``FIGURE_WITHIN`` of it, else the bound when within that of
+    it (the routing was the worst the capacity settings allow), else this step's own."""
+    if abs(routed - balanced) <= FIGURE_WITHIN * balanced:
+        return "the balanced figure applies"
+    if abs(routed - bound) <= FIGURE_WITHIN * bound:
+        return "the bound applies (this routing is the worst the capacity settings allow)"
+    return f"routing skewed ({routed / balanced - 1:+.1%}): this step's figure applies"
+
+
+def predicted_for_rank(trainer: Trainer, routing: Routing = BALANCED) -> RankMemory:
+    """The prediction for this rank of the trainer's run, MoE layers routed as ``routing``
+    assumes (NotImplementedError for a layout with features the planner does not model)."""
     missing = uncovered_features(trainer.cfg)
     if missing:
         raise NotImplementedError(f"the planner does not model {', '.join(missing)} yet")
@@ -57,6 +91,8 @@ def predicted_for_rank(trainer: Trainer) -> RankMemory:
         dp_ranks=[ps.rank("dp", "cp")],
         device=trainer.device.type,
         edp_rank=ps.rank("edp"),
+        ep_rank=ps.rank("ep"),
+        routing=routing,
     )
     return next(r for r in rows if r.pp_rank == ps.pp_rank)
 
@@ -89,7 +125,9 @@ class FirstStepComparison(FirstStepHook):
             measured_act, peak = meter.peak, None
         try:
             state = model_state_bytes(wrapper, trainer.optimizer, dp_size=trainer.ps.dp_size)
-            _report(trainer, predicted, state.total, measured_act, peak)
+            routing = observed_routing(trainer.routers, trainer.cfg.model.moe_router_topk)
+            routed = None if routing is None else predicted_for_rank(trainer, routing)
+            _report(trainer, predicted, routed, state.total, measured_act, peak)
         except Exception as e:  # noqa: BLE001 - the report must never stop a run
             logger.info("planner: could not measure the first step (%s)", e)
 
@@ -113,8 +151,15 @@ def _log_prediction(trainer: Trainer, predicted: RankMemory) -> None:
 
 
 def _report(
-    trainer: Trainer, predicted: RankMemory, state: int, act: int | None, peak: int | None
+    trainer: Trainer,
+    predicted: RankMemory,
+    routed: RankMemory | None,
+    state: int,
+    act: int | None,
+    peak: int | None,
 ) -> None:
+    """The comparison line and its TensorBoard scalars; ``routed``: a MoE model's prediction for
+    this step's routing (measurements are compared with it)."""
     p_state, p_act = predicted.state.total, predicted.activations.peak
     values = {
         "planner/predicted-state-mib": p_state / MIB,
@@ -127,14 +172,27 @@ def _report(
         f"{p_state / MIB:.2f} MiB, measured {state / MIB:.2f} MiB; activations predicted "
         f"{p_act / MIB:.2f} MiB"
     )
+    against, verdict = predicted, ""
+    if routed is not None:
+        a, r = predicted.activations, routed.activations
+        values["planner/predicted-activations-routed-mib"] = r.peak / MIB
+        values["planner/predicted-activations-bound-mib"] = a.bound / MIB
+        line += (
+            f" for {a.routing}, {r.peak / MIB:.2f} MiB for {r.routing}, at most "
+            f"{a.bound / MIB:.2f} MiB for {WORST.describe(trainer.cfg.model)}"
+        )
+        verdict = "; " + which_figure_applies(a.peak, r.peak, a.bound)
+        against = routed
+    p_act = against.activations.peak
     if act is not None:
         values["planner/measured-activations-mib"] = act / MIB
         line += f", measured {act / MIB:.2f} MiB (saved tensors, {p_act / max(act, 1) - 1:+.1%})"
     if peak is not None:
         values["planner/measured-peak-mib"] = peak / MIB
         line += (
-            f"; peak predicted {predicted.total / MIB:.2f} MiB, measured {peak / MIB:.2f} MiB "
+            f"; peak predicted {against.total / MIB:.2f} MiB, measured {peak / MIB:.2f} MiB "
             f"(allocator)"
         )
+    line += verdict
     logger.info(line)
     trainer.tensorboard.scalars(values, trainer.result.iteration + 1)

@@ -15,12 +15,14 @@ activation dtype's bytes, ``n, g`` heads and query groups per TP rank, ``d`` the
     attention (sdpa)          q, k, v (3 [T, n d] e; RoPE with k = v heads: +2 [T, n d] e for
                               the rotated q, k besides the fused qkv) + logsumexp [n T] fp32 +
                               output [T, n d] e
-    attention (unfused)       fp32 scores, exp [b n s s] + probs in e + the context [T, n d] e
+    attention (unfused)       fp32 scores, exp [b n s s] + probs in e + the context [T, n d] e;
+                              the fused softmax kernel: its output [b n s s] e alone
     attention (sdpa, dropout) on CPU the math path: scaled q, k^T, v + 3 [b n s s] e + context
     MLP (GELU)                fc1 output [T, f] e + GELU output [T, f] e
     MLP (SwiGLU)              fc1 output [T, 2f] e + silu(gate) [T, f] e + product [T, f] e
     dropout (p > 0)           a bool mask per dropout: 2 [Tn, h] per layer (+ embedding)
 
+a MoE MLP as ``planning.moe_activations`` counts it, under its stated routing assumption;
 and per stage: RoPE's cos and sin ``2 [T, d] e``; on the first stage the token ids; on the last
 the final norm, the output layer's input and the cross entropy's fp32 softmax ``[T, V/tp] 4``
 (plus int64 targets). Recompute keeps only what its checkpoints save: ``full`` the input of each
@@ -39,11 +41,11 @@ import functools
 from dataclasses import dataclass
 
 from megalite.core import fusions
-from megalite.core.moe.router import expert_capacity
 from megalite.core.pipeline_parallel.generators import SCHEDULES, generate, layout_of
 from megalite.models.config import GPTConfig
 from megalite.models.moe_config import moe_layer_pattern
 from megalite.planning.model_state import DTYPE_BYTES
+from megalite.planning.moe_activations import BALANCED, WORST, MoEShape, Routing, moe_mlp_bytes
 from megalite.training.model_chunks import stage_blocks
 
 CP_MODELLED = ("p2p", "all_gather")  # --cp-comm-type values whose saved tensors are modelled
@@ -62,6 +64,10 @@ class StageActivations:
     in_flight: int  # (micro-batch, chunk) pairs held at the peak (the schedule's)
     replayed: int | None = None  # the peak from the schedule's action list (pipeline ranks)
     loss_transient: int = 0  # freed within the loss's forward (``loss_transient``); last stage
+    # MoE layers (planning.moe_activations): the routing ``peak`` assumes, in words, and the peak
+    # for any routing the capacity settings allow (None without MoE layers)
+    routing: str = ""
+    bound: int | None = None
 
     @property
     def device_peak(self) -> int:
@@ -81,27 +87,36 @@ class StageActivations:
         return max(held, held - self.per_microbatch + self.backward_peak)
 
 
+@dataclass(frozen=True)
+class FusedKernels:
+    """Which of megalite's fused Triton kernels run in the layers the planner predicts
+    (``fused_kernels``): the norms (every LayerNorm and RMSNorm) and the attention softmax (the
+    unfused backend's scale-mask-softmax). Each saves other tensors than its PyTorch reference."""
+
+    norms: bool = False
+    softmax: bool = False
+
+
+def fused_kernels(c: GPTConfig, device: str) -> FusedKernels:
+    """The kernels that run on ``device`` for a model built from ``c``: none unless the model
+    asks for them (``use_fused_kernels``) and they serve there (``fusions.kernels_serve``: a GPU,
+    or a CPU under ``TRITON_INTERPRET=1`` with triton importable); then the norms, and the
+    softmax where the attention backend computes one (``unfused``)."""
+    if not (c.use_fused_kernels and fusions.kernels_serve(device)):
+        return FusedKernels()
+    return FusedKernels(norms=True, softmax=c.attention_backend == "unfused")
+
+
 def _norm_bytes(c: GPTConfig, tn: int, e: int, fused: bool = False) -> int:
     """Saved by a norm over [tn, h] (its output, saved by the next linear, is counted there).
-    ``fused``: megalite's Triton kernels run the norms (``fused_norms``); the fused RMSNorm saves
-    its input and rstd alone, where the reference path keeps an fp32 copy and the normalised y."""
+    ``fused``: the Triton norm kernel runs; the fused RMSNorm saves its input and rstd alone,
+    where the reference path keeps an fp32 copy and the normalised y (LayerNorm: the same)."""
     h = c.hidden_size
     if c.normalization == "LayerNorm":
         return tn * h * e + 2 * tn * 4
     if fused:
         return tn * h * e + tn * 4
     return tn * h * 4 + tn * 4 + tn * h * e
-
-
-def fused_norms(c: GPTConfig, device: str) -> bool:
-    """Whether megalite's fused Triton norm kernels run (``core.fusions``): with
-    ``use_fused_kernels`` on a GPU (a GPU install has triton: the planner plans for the cluster,
-    not this machine), or on a CPU under ``TRITON_INTERPRET=1`` with triton importable."""
-    if not c.use_fused_kernels:
-        return False
-    if device != "cpu":
-        return True
-    return fusions.fused_kernels_on_cpu()
 
 
 def layer_bytes(
@@ -116,10 +131,12 @@ def layer_bytes(
     cpu: bool = False,
     cp: int = 1,
     moe: MoEShape | None = None,
-    fused: bool = False,
+    fused: FusedKernels = FusedKernels(),
+    routing: Routing = BALANCED,
 ) -> int:
     """Saved bytes of one transformer layer on one TP rank for ``tokens = s b`` tokens (this CP
-    rank's ``s``); ``moe``: the layer's MLP is a mixture of experts; ``fused``: fused norms."""
+    rank's ``s``); ``moe``: the layer's MLP is a mixture of experts, routed as ``routing``
+    assumes; ``fused``: the kernels that run."""
     sp = c.sequence_parallel and tp > 1
     tn = tokens // tp if sp else tokens
     h, d = c.hidden_size, c.kv_channels
@@ -128,7 +145,7 @@ def layer_bytes(
     k = c.heads_per_group
     s = tokens // b
     linear_in = tn * h * e  # the norm output (under SP the shard: backward gathers it again)
-    total = 2 * (_norm_bytes(c, tn, e, fused) + linear_in)
+    total = 2 * (_norm_bytes(c, tn, e, fused.norms) + linear_in)
     qkv = tokens * n * d * e
     rope = c.position_embedding_type == "rope"
     scores = b * n * s * s
@@ -152,61 +169,28 @@ def layer_bytes(
         total += qkv + (0 if selective else n * tokens * 4)  # output (+ logsumexp)
     else:
         total += 3 * qkv + (2 * qkv if rope and k == 1 else 0)
-        if not selective:  # fp32 masked scores, exp, probs in e; the mask, row statistics
+        dropout = c.attention_dropout > 0
+        if not selective and fused.softmax:  # the kernel saves its output alone; dropout its
+            total += scores * e * (2 if dropout else 1)  # noise and the dropped probs
+            total += scores * mask_bytes if dropout else 0
+        elif not selective:  # fp32 masked scores, exp, probs in e; the mask, row statistics
             total += scores * (4 + 4 + e) + s * s + b * n * s * 13
-            total += scores * mask_bytes if c.attention_dropout > 0 else 0
+            total += scores * mask_bytes if dropout else 0
         total += qkv  # the context, re-laid out for the output projection
     if moe is None:
         total += (4 if c.swiglu else 2) * tokens * f * e
     else:
-        total += moe_mlp_bytes(c, moe, tokens=tokens // tp if tp > 1 else tokens, e=e)
+        moe_tokens = tokens // tp if tp > 1 else tokens  # each TP rank routes its 1/tp
+        total += moe_mlp_bytes(c, moe, tokens=moe_tokens, e=e, routing=routing)
+        if c.moe_shared_expert_intermediate_size is not None:  # a dense MLP beside the experts
+            total += (
+                (4 if c.swiglu else 2) * tokens * c.moe_shared_expert_intermediate_size // tp * e
+            )
+            if c.moe_shared_expert_gate:  # its output and the sigmoid gate, for their product
+                total += tn * (h + 1) * e
     if c.hidden_dropout > 0:
         total += 2 * tn * h * mask_bytes
     return total
-
-
-@dataclass(frozen=True)
-class MoEShape:
-    """How a MoE layer's tokens meet its experts on one rank: ``group`` ranks' tokens gathered
-    (the all-gather dispatcher's etp x ep; 1 for all-to-all), ``ep`` / ``etp`` sizes."""
-
-    ep: int = 1
-    etp: int = 1
-    group: int = 1
-
-
-def expert_rows(c: GPTConfig, m: MoEShape, tokens: int) -> float:
-    """Routed (token, expert) rows this rank's experts compute for ``tokens`` local tokens: exact
-    with one expert group or padded capacity, else the balanced-routing expectation (dropless
-    routing is data-dependent: the planner assumes every expert gets its share)."""
-    k, E = c.moe_router_topk, c.num_experts
-    if c.moe_token_dispatcher_type == "alltoall" and c.moe_pad_expert_input_to_capacity:
-        cap = expert_capacity(tokens, E, k, c.moe_expert_capacity_factor)
-        return E * cap * m.etp  # every source rank sends each local expert `cap` rows
-    gathered = tokens * (m.group if c.moe_token_dispatcher_type != "alltoall" else m.etp)
-    return gathered * k / m.ep
-
-
-def moe_mlp_bytes(c: GPTConfig, m: MoEShape, *, tokens: int, e: int) -> int:
-    """Saved bytes of a MoE MLP for ``tokens`` tokens entering it on this rank: the router (input
-    copy, fp32 logits, top-k indices and probs, the routing map), the dispatch (the permutation
-    indices of the ``N = tokens x topk`` routed pairs, the gathered tokens and probs of the
-    all-gather dispatcher, the padded slots of the all-to-all one), the experts (input, fc1 output
-    and activation per row) and the weighted combine (weights and two [N, h] products)."""
-    h, k, E = c.hidden_size, c.moe_router_topk, c.num_experts
-    f = (c.moe_ffn_hidden_size or c.ffn_hidden_size) // m.etp
-    rows = expert_rows(c, m, tokens)
-    out = tokens * h * e + tokens * E * 4 + E * tokens + tokens * k * 12  # the router
-    if c.moe_token_dispatcher_type == "alltoall":
-        pairs = tokens * k  # this rank's routed pairs (no drops: a capacity of at least tokens)
-        out += E * tokens + tokens * E * 4 + pairs * (16 + 8 + 4 + 3 * h * e)
-        out += rows * (16 + h * e)  # slots and their inverse, the received rows
-    else:
-        if m.group > 1:
-            out += m.group * tokens * (h * e + E * 4)  # gathered tokens and probs
-        out += rows * (8 + 4 + 3 * h * e)  # sorted index, weight, permuted in, outputs
-    out += rows * (4 if c.swiglu else 2) * f * e
-    return round(out)
 
 
 def stage_extras(
@@ -219,7 +203,7 @@ def stage_extras(
     last: bool,
     mask_bytes: int = 1,
     cp: int = 1,
-    fused: bool = False,
+    fused: FusedKernels = FusedKernels(),
 ) -> int:
     sp = c.sequence_parallel and tp > 1
     tn = tokens // tp if sp else tokens
@@ -237,7 +221,7 @@ def stage_extras(
             out += tn * h * mask_bytes
     if last:
         vocab = c.padded_vocab_size(tp) // tp
-        out += _norm_bytes(c, tn, e, fused) + tn * h * e  # final norm, output layer input
+        out += _norm_bytes(c, tn, e, fused.norms) + tn * h * e  # final norm, output layer input
         out += tokens * vocab * 4 + tokens * (8 + 1) + vocab + tokens * 4 + 4  # loss
     return out
 
@@ -264,7 +248,8 @@ def _chunk_activations(
     cpu: bool,
     cp: int = 1,
     moe: MoEShape | None = None,
-    fused: bool = False,
+    fused: FusedKernels = FusedKernels(),
+    routing: Routing = BALANCED,
 ) -> tuple[int, int, int, int]:
     """(layers, per_layer, extras, backward_peak) of one model chunk for one micro-batch."""
     b, s = micro_batch_size, c.seq_length // cp
@@ -274,7 +259,15 @@ def _chunk_activations(
     pattern = moe_layer_pattern(c)
     common = dict(tokens=tokens, tp=tp, e=e, mask_bytes=mask_bytes, cp=cp, fused=fused)
     each = [
-        layer_bytes(c, **common, b=b, selective=selective, cpu=cpu, moe=moe if pattern[i] else None)
+        layer_bytes(
+            c,
+            **common,
+            b=b,
+            selective=selective,
+            cpu=cpu,
+            moe=moe if pattern[i] else None,
+            routing=routing,
+        )
         for i in range(*layers)
     ]
     per_layer = max(each, default=0)
@@ -351,22 +344,25 @@ def stage_activations(
     cp: int = 1,
     ep: int = 1,
     etp: int | None = None,
+    ep_rank: int = 0,
+    routing: Routing = BALANCED,
 ) -> StageActivations:
-    """Activation bytes of pipeline rank ``pp_rank`` (any TP rank) under ``schedule`` with
-    ``vp`` model chunks per rank (the V schedules: 2): the schedule's own action list for this
-    rank is replayed (``replay_peak``), so each schedule's in-flight micro-batches and chunks,
-    uneven chunks included, come from the lists the executor runs."""
+    """Activation bytes of pipeline rank ``pp_rank`` (any TP rank; expert-parallel rank
+    ``ep_rank``) under ``schedule`` with ``vp`` model chunks per rank (the V schedules: 2): the
+    schedule's own action list for this rank is replayed (``replay_peak``), so each schedule's
+    in-flight micro-batches and chunks, uneven chunks included, come from the lists the executor
+    runs. MoE layers are routed as ``routing`` assumes; ``bound`` is the peak under the worst
+    routing their capacity settings allow."""
     e = DTYPE_BYTES[precision]
     mask_bytes = e if device == "cpu" else 1  # CPU dropout saves its scaled noise, CUDA a bool
     layout = layout_of(schedule, pp, vp)
     blocks = stage_blocks(c, layout)
     etp = etp or tp
-    moe = MoEShape(ep=ep, etp=etp, group=ep * etp) if c.num_experts else None
-    fused = fused_norms(c, device)
-    parts = []
-    for chunk in range(layout.num_chunks):
-        s = layout.stage(pp_rank, chunk)
-        parts.append(
+    moe = MoEShape(ep=ep, etp=etp, group=ep * etp, ep_rank=ep_rank) if c.num_experts else None
+    fused = fused_kernels(c, device)
+
+    def chunk_parts(routing: Routing) -> list[tuple[int, int, int, int]]:
+        return [
             _chunk_activations(
                 c,
                 layers=blocks[s],
@@ -380,23 +376,40 @@ def stage_activations(
                 cp=cp,
                 moe=moe,
                 fused=fused,
+                routing=routing,
             )
-        )
-    layers = sum(p[0] for p in parts)
-    extras = sum(p[2] for p in parts)
-    per_layer = parts[0][1]
-    held = [p[0] + p[2] for p in parts]
-    transient = [p[3] if p[3] else p[0] + p[2] for p in parts]
+            for s in (layout.stage(pp_rank, chunk) for chunk in range(layout.num_chunks))
+        ]
+
     last = any(layout.stage(pp_rank, k) == layout.num_stages - 1 for k in range(layout.num_chunks))
     tokens = micro_batch_size * c.seq_length // cp
     transient_loss = loss_transient(c, tokens=tokens, tp=tp, e=e) if last else 0
-    if pp == 1 and layout.num_chunks == 1:
+
+    def assemble(parts: list[tuple[int, int, int, int]]) -> StageActivations:
+        layers = sum(p[0] for p in parts)
+        extras = sum(p[2] for p in parts)
+        per_layer = parts[0][1]
+        held = [p[0] + p[2] for p in parts]
+        transient = [p[3] if p[3] else p[0] + p[2] for p in parts]
+        if pp == 1 and layout.num_chunks == 1:
+            return StageActivations(
+                layers, per_layer, extras, parts[0][3], 1, loss_transient=transient_loss
+            )
+        lists = schedule_lists(schedule, pp, num_microbatches, vp, microbatch_group_size)
+        peak, most = replay_peak(lists[pp_rank], held, transient)
+        backward_peak = max(p[3] for p in parts)
         return StageActivations(
-            layers, per_layer, extras, parts[0][3], 1, loss_transient=transient_loss
+            layers,
+            per_layer,
+            extras,
+            backward_peak,
+            most,
+            replayed=peak,
+            loss_transient=transient_loss,
         )
-    lists = schedule_lists(schedule, pp, num_microbatches, vp, microbatch_group_size)
-    peak, most = replay_peak(lists[pp_rank], held, transient)
-    backward_peak = max(p[3] for p in parts)
-    return StageActivations(
-        layers, per_layer, extras, backward_peak, most, replayed=peak, loss_transient=transient_loss
-    )
+
+    out = assemble(chunk_parts(routing))
+    if c.num_experts:
+        out.routing = routing.describe(c)
+        out.bound = out.peak if routing.worst else assemble(chunk_parts(WORST)).peak
+    return out

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from megalite.core.optimizer.memory_report import ModelStateBytes
 from megalite.planning.activations import StageActivations, stage_activations
 from megalite.planning.model_state import ZERO_RUNGS, model_state_bytes
+from megalite.planning.moe_activations import BALANCED, Routing
 from megalite.training.config import PretrainConfig
 from megalite.training.pipeline_config import effective_schedule, num_model_chunks
 
@@ -144,10 +145,13 @@ def predict_memory(
     dp_ranks: list[int] | None = None,
     device: str = "cuda",
     edp_rank: int = 0,
+    ep_rank: int = 0,
+    routing: Routing = BALANCED,
     memo: dict | None = None,
 ) -> list[RankMemory]:
     """Every pipeline rank's prediction (on DP ranks ``dp_ranks``, default 0 only, of the dense
-    dp x cp group; ``edp_rank`` of the expert DP group): ``cfg`` is the ``GPTConfig`` with the
+    dp x cp group; ``edp_rank`` of the expert DP group, ``ep_rank`` of the expert-parallel one,
+    MoE layers routed as ``routing`` assumes): ``cfg`` is the ``GPTConfig`` with the
     layout's model options (sequence parallel, recompute) set. ``memo``: a dict kept across
     calls for one model (the same flags but the layout's), precision, bucket size and device:
     activations do not depend on the ZeRO rung or offload, model state not on the micro-batch
@@ -158,7 +162,7 @@ def predict_memory(
     state_key = replace(layout, micro_batch_size=1, recompute=None)
     out = []
     for pp_rank in range(layout.pp):
-        key = ("activations", acts_key, pp_rank)
+        key = ("activations", acts_key, pp_rank, ep_rank, routing)
         if key not in memo:
             memo[key] = stage_activations(
                 cfg,
@@ -175,6 +179,8 @@ def predict_memory(
                 cp=layout.cp,
                 ep=layout.ep,
                 etp=layout.etp,
+                ep_rank=ep_rank,
+                routing=routing,
             )
         acts = memo[key]
         for dp_rank in dp_ranks or [0]:
@@ -210,6 +216,8 @@ def predict_for_config(
     dp_ranks: list[int] | None = None,
     device: str = "cuda",
     edp_rank: int = 0,
+    ep_rank: int = 0,
+    routing: Routing = BALANCED,
 ) -> list[RankMemory]:
     """``predict_memory`` for a ``PretrainConfig`` on a mesh of data-parallel size ``dp`` (the
     ``dp`` axis alone; ``dp_ranks`` index the dense dp x cp group)."""
@@ -221,6 +229,8 @@ def predict_for_config(
         precision=cfg.model.precision_name,
         bucket_size=par.bucket_size(dp),
         edp_rank=edp_rank,
+        ep_rank=ep_rank,
+        routing=routing,
         grads_in_fp32=par.accumulate_allreduce_grads_in_fp32,
         dp_ranks=dp_ranks,
         device=device,

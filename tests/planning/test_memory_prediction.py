@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 
 from megalite.core.parallel_state import ParallelState
+from megalite.kernels import runtime
 from megalite.measure.saved_tensors import measure_step
+from megalite.planning.activations import FusedKernels, fused_kernels
 from megalite.planning.predict import predict_for_config
 from megalite.training.forward_step import make_forward_step
 from megalite.training.pretrain import build_run, mesh_for
@@ -156,19 +158,26 @@ FUSED = {
     "llama bf16": (*LLAMA, "--bf16"),
     "llama bf16 full recompute 2": (*LLAMA, "--bf16", "--num-layers", "4", *FULL, "2"),
     "gpt2 bf16": ("--bf16",),
-}
+    "gpt2 unfused": ("--attention-backend", "unfused"),
+    "gpt2 unfused attention dropout": ("--attention-backend", "unfused",
+                                       "--attention-dropout", "0.1"),
+    "llama no-GQA unfused bf16": (*LLAMA_MHA, "--attention-backend", "unfused", "--bf16"),
+    "gpt2 unfused, no fused kernels": ("--attention-backend", "unfused", "--no-fused-kernels"),
+    "llama bf16, no fused kernels": (*LLAMA, "--bf16", "--no-fused-kernels"),
+}  # fmt: skip
 
 
-@pytest.mark.kernels_on  # scripts/test.sh reruns it under TRITON_INTERPRET=1: the fused norms
+@pytest.mark.kernels_on  # scripts/test.sh reruns it under TRITON_INTERPRET=1: the fused kernels
 @pytest.mark.parametrize("name", list(FUSED))
-def test_prediction_follows_the_norm_kernels_that_run(name):
-    """With the fused Triton norms running (a GPU, or the interpreter on CPU) the RMSNorm saves
-    its input and rstd alone; the planner predicts whichever path runs."""
-    from megalite.kernels import runtime
-    from megalite.planning.activations import fused_norms
-
+def test_prediction_follows_the_kernels_that_run(name):
+    """With the fused Triton kernels running (a GPU, or the interpreter on CPU) the RMSNorm saves
+    its input and rstd alone and the unfused attention's softmax its output alone; a model that
+    does not ask for them (``--no-fused-kernels``) runs the references wherever it runs. The
+    planner predicts whichever path runs, kernel by kernel."""
     cfg = config(*FUSED[name])
-    assert fused_norms(cfg.model, "cpu") == (runtime.interpreting() and runtime.kernels_ready())
+    on = cfg.model.use_fused_kernels and runtime.interpreting() and runtime.kernels_ready()
+    unfused = cfg.model.attention_backend == "unfused"
+    assert fused_kernels(cfg.model, "cpu") == FusedKernels(norms=on, softmax=on and unfused)
     _check(name, 0, *_measure(cfg, ParallelState.single()))
 
 

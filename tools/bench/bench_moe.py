@@ -1,9 +1,14 @@
 """Mixture-of-experts benchmarks (CPU, gloo), every figure a ratio measured in the same run.
 
-    python tools/bench/bench_moe.py [--repeats 7] [--tiny]
+    python tools/bench/bench_moe.py [--repeats 7] [--tiny] [--device cuda --dtype bfloat16]
 
-1. Grouped GEMM (one batched matmul per linear over all local experts) against the per-expert
-   loop: forward + backward of the experts alone, median over repeats.
+1. The experts alone, forward + backward, median over repeats, with balanced routing and with
+   70% of the tokens sent to one expert: the per-expert loop over each expert's routed rows,
+   ``grouped_gemm`` (``torch._grouped_mm`` where it is a fused kernel, else the same loop) and the
+   padded ``torch.bmm`` (every expert padded to the busiest one's count: the baseline): time
+   against the loop, saved activations (saved-tensor hooks) and the peak over the step against
+   the loop's (CUDA: the allocator's; CPU: ``LivePeak``, the bytes of every op's outputs alive).
+   ``--device cuda --dtype bfloat16 --experts-only`` runs this part on a GPU.
 2. The all-to-all against the allgather dispatcher: one MoE layer forward + backward on 4 gloo
    ranks (EP 4), median step time, and the bytes each rank sends, counted at the collectives
    (``all_to_all_single``, all-gather, reduce-scatter) beside the theory computed from the
@@ -30,11 +35,15 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from megalite.core.moe import MoEConfig, MoELayer  # noqa: E402
-from megalite.core.moe.experts import GroupedExperts  # noqa: E402
+from megalite.core.moe.experts import GroupedExperts, grouped_mm_serves  # noqa: E402
 from megalite.core.parallel_state import ParallelState, initialize_model_parallel  # noqa: E402
 from megalite.core.tensor_parallel.init import init_normal  # noqa: E402
+from megalite.measure.live_bytes import LivePeak  # noqa: E402
+from megalite.measure.saved_tensors import SavedTensorMeter  # noqa: E402
 from megalite.models.config import GPTConfig  # noqa: E402
 from megalite.models.gpt import GPTModel  # noqa: E402
+
+MIB = 2**20
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -51,18 +60,66 @@ def _init(key: str):
     return init_normal(0.02, seed=1, key=key)
 
 
-# --- 1. grouped GEMM vs loop -------------------------------------------------------------------
+# --- 1. experts: routed loop, grouped, padded bmm; balanced and skewed ------------------------
 
 
-def bench_grouped(h: int, f: int, experts: int, tokens: int, repeats: int) -> dict:
+def routed_counts(tokens: int, experts: int, topk: int, skew: float | None) -> list[int]:
+    """Rows per expert for ``tokens`` tokens choosing ``topk`` experts each: balanced (``skew``
+    None), or ``skew`` of the tokens choosing expert 0 and the other choices spread evenly."""
+    rows = tokens * topk
+    if skew is None:
+        counts = [rows // experts] * experts
+    else:
+        first = round(skew * tokens)
+        rest = rows - first
+        counts = [first] + [rest // (experts - 1)] * (experts - 1)
+    counts[-1] += rows - sum(counts)
+    return counts
+
+
+def padded_bmm(layer: GroupedExperts, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The baseline: each expert's rows padded to the busiest expert's count, one ``torch.bmm``
+    per linear (what the experts ran before they followed the routing)."""
+    n, w1, w2 = len(counts), layer.weight1, layer.weight2
+    counts_t = torch.tensor(counts, device=x.device)
+    expert = torch.repeat_interleave(torch.arange(n, device=x.device), counts_t)  # [N]
+    starts = torch.cumsum(counts_t, 0) - counts_t
+    slot = torch.arange(x.shape[0], device=x.device) - starts[expert]
+    padded = x.new_zeros(n, max(counts), x.shape[1]).index_put((expert, slot), x)
+    y = layer._activation(torch.bmm(padded, w1.transpose(1, 2)))  # [E, max_n, f1]
+    return torch.bmm(y, w2.transpose(1, 2))[expert, slot]  # [N, h]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_experts(
+    h: int,
+    f: int,
+    experts: int,
+    tokens: int,
+    repeats: int,
+    *,
+    skew: float | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict:
+    """{path: (median seconds, saved-activation bytes, peak bytes)} of one
+    forward + backward of the experts alone (SwiGLU, top-2)."""
+    counts = routed_counts(tokens, experts, 2, skew)
+    x = torch.randn(sum(counts), h, device=device, dtype=dtype)
+    dy = torch.randn_like(x)
     out = {}
-    counts = torch.multinomial(torch.ones(experts), tokens, replacement=True).bincount(
-        minlength=experts
-    )
-    x = torch.randn(tokens, h)
-    for grouped in (False, True):
+    for name in ("loop", "grouped", "padded bmm"):
         cfg = MoEConfig(
-            num_experts=experts, hidden_size=h, ffn_hidden_size=f, swiglu=True, grouped_gemm=grouped
+            num_experts=experts,
+            hidden_size=h,
+            ffn_hidden_size=f,
+            swiglu=True,
+            grouped_gemm=name == "grouped",
+            params_dtype=dtype,
         )
         layer = GroupedExperts(
             cfg,
@@ -71,14 +128,58 @@ def bench_grouped(h: int, f: int, experts: int, tokens: int, repeats: int) -> di
             etp_group=None,
             init_fc1=lambda e: _init(f"fc1.{e}"),
             init_fc2=lambda e: _init(f"fc2.{e}"),
+            device=device,
+        )
+        run = (
+            (lambda xi, layer=layer: padded_bmm(layer, xi, counts))
+            if name == "padded bmm"
+            else (lambda xi, layer=layer: layer(xi, counts))
         )
 
-        def step(layer=layer):
+        def step(run=run):
             xi = x.clone().requires_grad_()
-            layer(xi, counts.tolist()).square().sum().backward()
+            run(xi).backward(dy)
+            _sync(device)
 
-        out["grouped" if grouped else "loop"] = _median_time(step, repeats)
+        with SavedTensorMeter([x, *layer.parameters()]) as meter:
+            step()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            step()
+            peak = torch.cuda.max_memory_allocated(device) - base
+        else:
+            with LivePeak() as live:
+                step()
+            peak = live.peak
+        out[name] = (_median_time(step, repeats), meter.peak, peak)
+    w = torch.empty(experts, 2 * f, h, device=device, dtype=dtype)
+    v = torch.empty(experts, h, f, device=device, dtype=dtype)
+    out["grouped is torch._grouped_mm"] = grouped_mm_serves(x, w, v)
     return out
+
+
+def print_experts(h: int, f: int, experts: int, tokens: int, repeats: int, device, dtype) -> None:
+    print(
+        f"experts fwd+bwd, {experts} experts top-2 SwiGLU, {tokens} tokens, h {h}, f {f}, "
+        f"{str(dtype).removeprefix('torch.')} on {device}, median of {repeats}; saved = the "
+        "activations autograd keeps (saved-tensor hooks); peak = the most bytes alive during "
+        f"the step ({'the allocator' if device.type == 'cuda' else 'LivePeak, every op output'})"
+    )
+    header = f"{'routing':18s} {'path':11s} {'ms':>9s} {'/ loop':>7s} {'saved MiB':>10s}"
+    print(f"{header} {'peak MiB':>9s} {'/ loop':>7s}")
+    for skew in (None, 0.7):
+        r = bench_experts(h, f, experts, tokens, repeats, skew=skew, device=device, dtype=dtype)
+        label = "balanced" if skew is None else f"skewed ({skew:.0%} to 1)"
+        loop, loop_peak = r["loop"][0], r["loop"][2]
+        for name in ("loop", "grouped", "padded bmm"):
+            secs, saved, peak = r[name]
+            print(
+                f"{label:18s} {name:11s} {secs * 1e3:9.2f} {secs / loop:7.2f} {saved / MIB:10.2f}"
+                f" {peak / MIB:9.2f} {peak / loop_peak:7.2f}"
+            )
+    serves = r["grouped is torch._grouped_mm"]
+    print(f"grouped = {'torch._grouped_mm' if serves else 'the loop (grouped_mm_serves: no)'}")
 
 
 # --- 2. dispatchers on 4 ranks -----------------------------------------------------------------
@@ -264,6 +365,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run")
+    p.add_argument("--device", default="cpu", help="where part 1 (the experts) runs: cpu, cuda")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--experts-only", action="store_true", help="part 1 alone (e.g. on a GPU)")
+    p.add_argument("--experts-shape", help="part 1's h,f,tokens (default 256,512,2048)")
     a = p.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -271,12 +376,11 @@ def main() -> None:
         h, f, tokens, layers, seq, repeats = 32, 64, 64, 1, 16, 2
     else:
         h, f, tokens, layers, seq, repeats = 256, 512, 2048, 2, 256, a.repeats
-    g = bench_grouped(h, f, 8, tokens, repeats)
-    print(
-        f"experts fwd+bwd, 8 experts, {tokens} tokens, h {h}, f {f} (SwiGLU), median of "
-        f"{repeats}: loop {g['loop'] * 1e3:.2f} ms, grouped {g['grouped'] * 1e3:.2f} ms, "
-        f"grouped / loop = {g['grouped'] / g['loop']:.2f}"
-    )
+    device, dtype = torch.device(a.device), getattr(torch, a.dtype)
+    eh, ef, et = map(int, a.experts_shape.split(",")) if a.experts_shape else (h, f, tokens)
+    print_experts(eh, ef, 8, et, repeats, device, dtype)
+    if a.experts_only:
+        return
     d = bench_dispatchers((h, f, 8, tokens // 4), repeats)
     differ = []  # dispatchers whose counted bytes are not the theory's: the run fails
     for kind in ("alltoall", "allgather"):
