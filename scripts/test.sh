@@ -32,17 +32,17 @@ echo "== ruff"
 "$PY" -m ruff check .
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-# The tests marked kernels_on (norms and softmax through the models, the SP norm blocks, HF and
-# Mixtral equivalence, the planner's activations with the fused norms) with the fused Triton
-# kernels forced on (as on a GPU), through triton's interpreter on CPU; tests/kernels runs them
-# interpreted in the main suite already. Only on a whole-suite run, before it (so its summary
-# line comes last). ~60 s.
-if [[ $# -eq 0 ]]; then
-  echo "== pytest, fused kernels on (TRITON_INTERPRET=1)"
-  TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider -m kernels_on \
-    tests/core/tensor_parallel/test_sequence_parallel.py tests/models tests/conversion \
-    tests/planning/test_memory_prediction.py
+if [[ $# -gt 0 ]]; then
+  echo "== pytest"
+  exec "$PY" -m pytest -q "$@"
 fi
-
-echo "== pytest"
-"$PY" -m pytest -q "$@"
+# A whole-suite run, each test once, in two parts. Every test about kernels, fusions, softmax or
+# norms runs with triton's interpreter on (TRITON_INTERPRET=1), as on a GPU where the kernels
+# exist: the models then take the fused kernels wherever they would on a GPU, and the planner's
+# predictions must follow the path that runs. The tests marked kernels_on (the fused kernels
+# forced on) run again in the second part on the reference path.
+SELECTION="kernel or fused or softmax or norm"
+echo "== pytest, $SELECTION: TRITON_INTERPRET=1"
+TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider -k "$SELECTION"
+echo "== pytest, the rest (and kernels_on on the reference path)"
+"$PY" -m pytest -q -k "not ($SELECTION) or kernels_on"
