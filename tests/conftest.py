@@ -32,3 +32,15 @@ def _restore_megalite_logger():
     logger.handlers[:] = saved[0]
     logger.setLevel(saved[1])
     logger.propagate = saved[2]
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind(request):
+    """A test that leaves torch.distributed initialized in the pytest process fails itself, and
+    the group is destroyed, instead of an unrelated later test seeing a world it never built."""
+    import torch.distributed as dist
+
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail(f"{request.node.nodeid} left the default process group initialized")

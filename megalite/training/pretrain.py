@@ -212,11 +212,16 @@ def _pretrain(
     device = select_device(cfg.parallel.device, launch.local_rank)
     owns_world = not dist.is_initialized()
     init_distributed(launch, device, timeout_minutes=cfg.parallel.distributed_timeout_minutes)
-    ps = mesh_for(
-        cfg.parallel,
-        device=device,
-        timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
-    )
+    try:
+        ps = mesh_for(
+            cfg.parallel,
+            device=device,
+            timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
+        )
+    except BaseException:  # a refused mesh leaves no world behind for the caller
+        if owns_world and dist.is_initialized():
+            dist.destroy_process_group()
+        raise
     configure_logging(rank=ps.rank(), log_rank=ps.world_size - 1)
     trainer = None
     exit_signal = None

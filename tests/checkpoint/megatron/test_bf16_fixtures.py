@@ -122,6 +122,8 @@ def _layout_case(tp: int, pp: int, native_root: str) -> dict:
         out["megalite"] = ([], None, trainer.train(step, data).losses)
     finally:
         ps.destroy()
+        if not on_world and dist.is_initialized():  # the one-process world mesh() built
+            dist.destroy_process_group()
     return out
 
 
