@@ -36,13 +36,27 @@ if [[ $# -gt 0 ]]; then
   echo "== pytest"
   exec "$PY" -m pytest -q "$@"
 fi
-# A whole-suite run, each test once, in two parts. Every test about kernels, fusions, softmax or
-# norms runs with triton's interpreter on (TRITON_INTERPRET=1), as on a GPU where the kernels
+# A whole-suite run, each test once, in two parts side by side (each part spends much of its time
+# in one process; together they keep both cores busy). Every test about kernels, fusions, softmax
+# or norms runs with triton's interpreter on (TRITON_INTERPRET=1), as on a GPU where the kernels
 # exist: the models then take the fused kernels wherever they would on a GPU, and the planner's
-# predictions must follow the path that runs. The tests marked kernels_on (the fused kernels
-# forced on) run again in the second part on the reference path.
+# predictions must follow the path that runs. The rest runs without it, the tests marked
+# kernels_on (the fused kernels forced on) again there on the reference path.
 SELECTION="kernel or fused or softmax or norm"
-echo "== pytest, $SELECTION: TRITON_INTERPRET=1"
-TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider -k "$SELECTION"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+echo "== pytest, $SELECTION: TRITON_INTERPRET=1 (beside the rest; its output follows)"
+TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider --basetemp="$work/interp" \
+  -k "$SELECTION" >"$work/interp.log" 2>&1 &
+interp=$!
 echo "== pytest, the rest (and kernels_on on the reference path)"
-"$PY" -m pytest -q -k "not ($SELECTION) or kernels_on"
+rest=0
+"$PY" -m pytest -q --basetemp="$work/rest" -k "not ($SELECTION) or kernels_on" || rest=$?
+interp_status=0
+wait "$interp" || interp_status=$?
+echo "== pytest, $SELECTION: TRITON_INTERPRET=1"
+cat "$work/interp.log"
+if [[ $rest -ne 0 || $interp_status -ne 0 ]]; then
+  echo "test.sh: the rest exited $rest, the TRITON_INTERPRET part $interp_status" >&2
+  exit 1
+fi
