@@ -17,7 +17,7 @@ from pathlib import Path
 
 PATHS = ("megalite", "tools", "scripts", "pretrain_gpt.py")
 SUFFIXES = {".py", ".sh", ".sbatch", ".md", ".toml", ".txt", ".cfg"}
-# "issue 13", "Issue 18's", "issues 15 and 16", "ISSUE_18", "issue #7"
+# "issue" (any case, plural, an optional #) before a number, or ISSUE_ and a number
 REFERENCE = re.compile(r"\b[Ii]ssues? #?\d+|\bISSUE_\d+")
 SELF = Path(__file__).name  # this file names the pattern it looks for
 
