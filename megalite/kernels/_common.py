@@ -14,15 +14,21 @@ import os
 import triton
 import triton.language as tl
 
-# Fixed when triton.jit decorates this module's kernels, i.e. when it is imported.
-SOFT_BF16 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+# Fixed when this module is imported, i.e. before triton.jit decorates the kernels that use it.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+SOFT_BF16 = tl.constexpr(INTERPRETED)  # a compiled kernel reads only constexpr globals
 
 
-@triton.jit
-def round_to(v, DTYPE: tl.constexpr):
+def _round_to(v, DTYPE: tl.constexpr):
     if SOFT_BF16 and DTYPE == tl.bfloat16:
         bits = v.to(tl.float32).to(tl.uint32, bitcast=True)
         bits = tl.where(v != v, 0x7FC00000, bits + 0x7FFF + ((bits >> 16) & 1))
         return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return v.to(DTYPE)
+
+
+# Under the interpreter a @triton.jit helper re-patches triton.language on every call (several
+# milliseconds, once per program instance: most of an interpreted kernel's time); a plain function
+# called from an interpreted kernel runs as ordinary Python on the same patched language.
+round_to = _round_to if INTERPRETED else triton.jit(_round_to)
