@@ -36,27 +36,41 @@ if [[ $# -gt 0 ]]; then
   echo "== pytest"
   exec "$PY" -m pytest -q "$@"
 fi
-# A whole-suite run, each test once, in two parts side by side (each part spends much of its time
-# in one process; together they keep both cores busy). Every test about kernels, fusions, softmax
-# or norms runs with triton's interpreter on (TRITON_INTERPRET=1), as on a GPU where the kernels
-# exist: the models then take the fused kernels wherever they would on a GPU, and the planner's
-# predictions must follow the path that runs. The rest runs without it, the tests marked
-# kernels_on (the fused kernels forced on) again there on the reference path.
+# A whole-suite run, each test once, in three parts side by side (each part spends much of its
+# time in one process; together they keep both cores busy until the end). Every test about
+# kernels, fusions, softmax or norms runs with triton's interpreter on (TRITON_INTERPRET=1), as on
+# a GPU where the kernels exist: the models then take the fused kernels wherever they would on a
+# GPU, and the planner's predictions must follow the path that runs. The rest runs without it, the
+# tests marked kernels_on (the fused kernels forced on) again there on the reference path, split
+# in two by folder: the tools, scripts, conversion and data tests, and everything else.
 SELECTION="kernel or fused or softmax or norm"
+SIDE=(tests/tools tests/scripts tests/conversion tests/data)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 echo "== pytest, $SELECTION: TRITON_INTERPRET=1 (beside the rest; its output follows)"
-TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider --basetemp="$work/interp" \
+TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider --durations=10 --basetemp="$work/interp" \
   -k "$SELECTION" >"$work/interp.log" 2>&1 &
 interp=$!
+echo "== pytest, ${SIDE[*]} (beside the rest; its output follows)"
+"$PY" -m pytest -q -p no:cacheprovider --durations=10 --basetemp="$work/side" \
+  -k "not ($SELECTION) or kernels_on" "${SIDE[@]}" >"$work/side.log" 2>&1 &
+side=$!
 echo "== pytest, the rest (and kernels_on on the reference path)"
+ignore=()
+for d in "${SIDE[@]}"; do ignore+=(--ignore="$d"); done
 rest=0
-"$PY" -m pytest -q --basetemp="$work/rest" -k "not ($SELECTION) or kernels_on" || rest=$?
+"$PY" -m pytest -q --durations=10 --basetemp="$work/rest" -k "not ($SELECTION) or kernels_on" \
+  "${ignore[@]}" || rest=$?
+side_status=0
+wait "$side" || side_status=$?
 interp_status=0
 wait "$interp" || interp_status=$?
+echo "== pytest, ${SIDE[*]}"
+cat "$work/side.log"
 echo "== pytest, $SELECTION: TRITON_INTERPRET=1"
 cat "$work/interp.log"
-if [[ $rest -ne 0 || $interp_status -ne 0 ]]; then
-  echo "test.sh: the rest exited $rest, the TRITON_INTERPRET part $interp_status" >&2
+if [[ $rest -ne 0 || $side_status -ne 0 || $interp_status -ne 0 ]]; then
+  echo "test.sh: the rest exited $rest, ${SIDE[*]} $side_status, the TRITON_INTERPRET part" \
+    "$interp_status" >&2
   exit 1
 fi
