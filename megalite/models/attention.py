@@ -12,6 +12,10 @@ configured ``cp_comm_type``: ``p2p`` (ring) and ``all_gather`` compute the atten
 (the backend choice does not apply), ``a2a`` trades the sequence split for a head split around the
 ordinary ``CoreAttention`` (heads / tp / cp per rank), so every backend and selective recompute
 apply to it.
+
+A layer with a window or a sparse layout (``attention_mask.layer_mask_spec``) runs
+``core.attention.block_sparse``: only the blocks its mask keeps are computed, documents
+(``attention_mask``) included.
 """
 
 from __future__ import annotations
@@ -21,14 +25,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.core import fusions
+from megalite.core.attention.block_sparse import block_sparse_attention
+from megalite.core.attention.masks import BlockPlan, build_block_plan
 from megalite.core.context_parallel import CommStats, context_parallel_attention
 from megalite.core.norms import build_norm
 from megalite.core.parallel_state import ParallelState
 from megalite.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.core.tensor_parallel.random import RNGStatesTracker, checkpoint
+from megalite.models.attention_mask import layer_mask_spec
 from megalite.models.common import tp_rng_region, weight_init
 from megalite.models.config import GPTConfig
 from megalite.models.rotary import apply_rotary
+
+
+def document_ids_of(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Document ids # [b, s] from a Megatron mask # [b, 1, s, s] (True = hidden, causal
+    included): a token's id is the position of the first key it may read, its document's start."""
+    return (~attention_mask[:, 0]).int().argmax(-1)
 
 
 def causal_mask(s: int, device: torch.device) -> torch.Tensor:
@@ -133,6 +146,9 @@ class SelfAttention(nn.Module):
         self.cp_group, self.cp_size = ps.cp_group, ps.cp_size
         self.cp_comm_type = config.cp_comm_type
         self.cp_stats: CommStats | None = None  # set to count the cp traffic (benchmarks, tests)
+        self.mask_spec = layer_mask_spec(config, layer_number)  # None: causal (or documents) only
+        self.attention_block_size = config.attention_block_size
+        self._plan_cache: dict[tuple, BlockPlan] = {}
         common = dict(
             tp_group=ps.tp_group,
             bias=config.add_bias_linear,
@@ -179,7 +195,7 @@ class SelfAttention(nn.Module):
             query = apply_rotary(query, *rotary, self.rotary_interleaved)
             key = apply_rotary(key, *rotary, self.rotary_interleaved)
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, ., s, d]
-        if self.cp_size > 1 and attention_mask is not None:
+        if self.cp_size > 1 and (attention_mask is not None or self.mask_spec is not None):
             raise ValueError(
                 "reset_attention_mask with context_parallel_size > 1 is not implemented (the "
                 "ring attention has no document mask); drop one of them"
@@ -191,7 +207,21 @@ class SelfAttention(nn.Module):
             return out
         if k > 1:  # query head j of a group reads the group's key/value: heads j*k .. j*k+k-1
             key, value = key.repeat_interleave(k, dim=1), value.repeat_interleave(k, dim=1)
-        if self.selective_recompute and self.training and torch.is_grad_enabled():
+        recompute = self.selective_recompute and self.training and torch.is_grad_enabled()
+        if self.mask_spec is not None:
+            plans = self._plans(s, attention_mask, x.device)
+            scale = self.core_attention.scale
+
+            def sparse(q, k, v):
+                return block_sparse_attention(q, k, v, plans, scale=scale)
+
+            if recompute:
+                context = checkpoint(
+                    sparse, query, key, value, tracker=self.rng_tracker, device=x.device
+                )
+            else:
+                context = sparse(query, key, value)  # [b, n/tp, s, d]
+        elif recompute:
             context = checkpoint(
                 self.core_attention,
                 query,
@@ -206,6 +236,21 @@ class SelfAttention(nn.Module):
         context = context.permute(2, 0, 1, 3).reshape(s, b, groups * k * d)  # [s, b, n/tp * d]
         out, _ = self.linear_proj(context)  # [s(/tp), b, h]
         return out
+
+    def _plans(
+        self, s: int, attention_mask: torch.Tensor | None, device: torch.device
+    ) -> list[BlockPlan]:
+        """The block plans of this layer's mask over ``s`` tokens: one for every sample, or one
+        per sample when documents (``attention_mask``) split them."""
+        pos = torch.arange(s, device=device)
+        kw = dict(block_size=self.attention_block_size)
+        if attention_mask is None:
+            key = (s, device)
+            if key not in self._plan_cache:
+                self._plan_cache = {key: build_block_plan(self.mask_spec, pos, pos, **kw)}
+            return [self._plan_cache[key]]
+        docs = document_ids_of(attention_mask)
+        return [build_block_plan(self.mask_spec, pos, pos, q_doc=d, k_doc=d, **kw) for d in docs]
 
     def _context_parallel(self, query, key, value) -> torch.Tensor:
         """query # [b, n/tp, s/cp, d]; key, value # [b, G/tp, s/cp, d] (groups not expanded)."""
