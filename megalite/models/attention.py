@@ -26,13 +26,18 @@ from torch import nn
 
 from megalite.core import fusions
 from megalite.core.attention.block_sparse import block_sparse_attention
-from megalite.core.attention.masks import BlockPlan, build_block_plan
-from megalite.core.context_parallel import CommStats, context_parallel_attention
+from megalite.core.attention.masks import BlockPlan, MaskSpec
+from megalite.core.context_parallel import (
+    CommStats,
+    context_parallel_attention,
+    cp_token_indices,
+)
+from megalite.core.context_parallel.sparse_ring import sparse_ring_attention
 from megalite.core.norms import build_norm
 from megalite.core.parallel_state import ParallelState
 from megalite.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.core.tensor_parallel.random import RNGStatesTracker, checkpoint
-from megalite.models.attention_mask import layer_mask_spec
+from megalite.models.attention_mask import block_plans, layer_mask_spec
 from megalite.models.common import tp_rng_region, weight_init
 from megalite.models.config import GPTConfig
 from megalite.models.rotary import apply_rotary
@@ -143,7 +148,7 @@ class SelfAttention(nn.Module):
         self.local_groups = g // ps.tp_size
         self.selective_recompute = config.recompute_granularity == "selective"
         self.rng_tracker = rng_tracker
-        self.cp_group, self.cp_size = ps.cp_group, ps.cp_size
+        self.cp_group, self.cp_size, self.cp_rank = ps.cp_group, ps.cp_size, ps.cp_rank
         self.cp_comm_type = config.cp_comm_type
         self.cp_stats: CommStats | None = None  # set to count the cp traffic (benchmarks, tests)
         self.mask_spec = layer_mask_spec(config, layer_number)  # None: causal (or documents) only
@@ -195,13 +200,11 @@ class SelfAttention(nn.Module):
             query = apply_rotary(query, *rotary, self.rotary_interleaved)
             key = apply_rotary(key, *rotary, self.rotary_interleaved)
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, ., s, d]
-        if self.cp_size > 1 and (attention_mask is not None or self.mask_spec is not None):
-            raise ValueError(
-                "reset_attention_mask with context_parallel_size > 1 is not implemented (the "
-                "ring attention has no document mask); drop one of them"
-            )
         if self.cp_size > 1:  # s is this cp rank's s/cp tokens
-            context = self._context_parallel(query, key, value)  # [b, n/tp, s/cp, d]
+            if attention_mask is not None or self.mask_spec is not None:
+                context = self._context_parallel_masked(query, key, value, attention_mask)
+            else:
+                context = self._context_parallel(query, key, value)  # [b, n/tp, s/cp, d]
             context = context.permute(2, 0, 1, 3).reshape(s, b, groups * k * d)
             out, _ = self.linear_proj(context)
             return out
@@ -209,7 +212,8 @@ class SelfAttention(nn.Module):
             key, value = key.repeat_interleave(k, dim=1), value.repeat_interleave(k, dim=1)
         recompute = self.selective_recompute and self.training and torch.is_grad_enabled()
         if self.mask_spec is not None:
-            plans = self._plans(s, attention_mask, x.device)
+            pos = torch.arange(s, device=x.device)
+            plans = self._plans(pos, pos, attention_mask)
             scale = self.core_attention.scale
 
             def sparse(q, k, v):
@@ -238,19 +242,61 @@ class SelfAttention(nn.Module):
         return out
 
     def _plans(
-        self, s: int, attention_mask: torch.Tensor | None, device: torch.device
+        self, q_pos: torch.Tensor, k_pos: torch.Tensor, attention_mask: torch.Tensor | None
     ) -> list[BlockPlan]:
-        """The block plans of this layer's mask over ``s`` tokens: one for every sample, or one
-        per sample when documents (``attention_mask``) split them."""
-        pos = torch.arange(s, device=device)
+        """The block plans of this layer's mask (causal when it has none: documents alone) of
+        queries at ``q_pos`` against keys at ``k_pos``; documents from ``attention_mask``. Plans
+        without documents are kept for the next call."""
+        spec = self.mask_spec or MaskSpec()
         kw = dict(block_size=self.attention_block_size)
-        if attention_mask is None:
-            key = (s, device)
-            if key not in self._plan_cache:
-                self._plan_cache = {key: build_block_plan(self.mask_spec, pos, pos, **kw)}
-            return [self._plan_cache[key]]
-        docs = document_ids_of(attention_mask)
-        return [build_block_plan(self.mask_spec, pos, pos, q_doc=d, k_doc=d, **kw) for d in docs]
+        if attention_mask is not None:
+            return block_plans(spec, q_pos, k_pos, docs=document_ids_of(attention_mask), **kw)
+        key = (q_pos.shape[0], int(q_pos[0]), int(k_pos[0]), k_pos.shape[0], q_pos.device)
+        if key not in self._plan_cache:
+            self._plan_cache[key] = block_plans(spec, q_pos, k_pos, **kw)
+        return self._plan_cache[key]
+
+    def _context_parallel_masked(self, query, key, value, attention_mask) -> torch.Tensor:
+        """``_context_parallel`` under a window, a sparse layout or documents (p2p: the sparse
+        ring; a2a: block-sparse attention over the gathered sequence)."""
+        s = query.shape[2] * self.cp_size
+        scale = self.core_attention.scale
+        if self.cp_comm_type == "a2a":
+            pos = torch.arange(s, device=query.device)
+            plans = self._plans(pos, pos, attention_mask)
+            recompute = self.selective_recompute and self.training and torch.is_grad_enabled()
+
+            def sparse(q, k, v):
+                return block_sparse_attention(q, k, v, plans, scale=scale)
+
+            def run_core(q, k, v):  # [b, n/tp/cp, s, d], natural order
+                if recompute:
+                    return checkpoint(sparse, q, k, v, tracker=self.rng_tracker, device=q.device)
+                return sparse(q, k, v)
+
+            return context_parallel_attention(
+                query,
+                key,
+                value,
+                cp_group=self.cp_group,
+                comm_type="a2a",
+                scale=scale,
+                core_attention=run_core,
+                stats=self.cp_stats,
+            )
+        if self.cp_comm_type != "p2p":
+            raise ValueError(
+                f"cp_comm_type {self.cp_comm_type} has no window, sparse or document mask; use "
+                "cp_comm_type p2p or a2a"
+            )
+        q_pos = cp_token_indices(s, self.cp_size, self.cp_rank, query.device)
+        plans = [
+            self._plans(q_pos, cp_token_indices(s, self.cp_size, src, query.device), attention_mask)
+            for src in range(self.cp_size)
+        ]
+        return sparse_ring_attention(
+            query, key, value, plans, cp_group=self.cp_group, scale=scale, stats=self.cp_stats
+        )
 
     def _context_parallel(self, query, key, value) -> torch.Tensor:
         """query # [b, n/tp, s/cp, d]; key, value # [b, G/tp, s/cp, d] (groups not expanded)."""

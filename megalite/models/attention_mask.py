@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import ast
 
-from megalite.core.attention.masks import MaskSpec
+import torch
+
+from megalite.core.attention.masks import BlockPlan, MaskSpec, build_block_plan
 from megalite.core.attention.sparse_layouts import SPARSE_LAYOUTS, build_layout
 from megalite.models.moe_config import _eval_pattern
 
@@ -95,3 +97,22 @@ def check_mask(config) -> None:
             f"window_size / sparse_attention compute only the kept blocks and have no attention "
             f"dropout; set attention_dropout 0 (got {config.attention_dropout})"
         )
+
+
+def block_plans(
+    spec: MaskSpec,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    *,
+    block_size: int,
+    docs: torch.Tensor | None = None,
+) -> list[BlockPlan]:
+    """The plans of queries at ``q_pos`` against keys at ``k_pos`` (positions in the sequence):
+    one for every sample, or one per sample when ``docs`` # [b, s] (document ids of the whole
+    sequence) split them."""
+    if docs is None:
+        return [build_block_plan(spec, q_pos, k_pos, block_size=block_size)]
+    return [
+        build_block_plan(spec, q_pos, k_pos, block_size=block_size, q_doc=d[q_pos], k_doc=d[k_pos])
+        for d in docs
+    ]
