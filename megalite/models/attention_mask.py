@@ -11,6 +11,7 @@ window where a layer has one.
 from __future__ import annotations
 
 import ast
+import functools
 
 import torch
 
@@ -116,3 +117,26 @@ def block_plans(
         build_block_plan(spec, q_pos, k_pos, block_size=block_size, q_doc=d[q_pos], k_doc=d[k_pos])
         for d in docs
     ]
+
+
+@functools.lru_cache(maxsize=64)
+def _layer_fraction(spec: MaskSpec, s: int, block_size: int) -> float:
+    plan = build_block_plan(spec, torch.arange(s), torch.arange(s), block_size=block_size)
+    valid = torch.full((plan.blocks.shape[0],), block_size)
+    valid[-1] = s - block_size * (valid.shape[0] - 1)  # the last block may be short
+    entries = (plan.blocks * valid[:, None] * valid[None, :]).sum()
+    return float(entries) / (s * s)
+
+
+def attention_fraction(config) -> float:
+    """The share of the ``s x s`` score entries the attention computes, averaged over layers:
+    a windowed or sparse layer counts the entries of its computed blocks (documents, which depend
+    on the data, are not counted), a plain layer the full ``s x s`` (the FLOPs convention)."""
+    total = 0.0
+    for layer in range(config.num_layers):
+        spec = layer_mask_spec(config, layer)
+        if spec is None:
+            total += 1.0
+        else:
+            total += _layer_fraction(spec, config.seq_length, config.attention_block_size)
+    return total / config.num_layers
