@@ -125,8 +125,8 @@ def sparse_backward(
         )
         dq.index_copy_(1, rows, dq_b.float())
         flat = cols.flatten()
-        dk.index_add_(1, flat, dk_b.float().view(dk.shape[0], r * c, blk, d))
-        dv.index_add_(1, flat, dv_b.float().view(dv.shape[0], r * c, blk, d))
+        dk.index_add_(1, flat, dk_b.float().reshape(dk.shape[0], r * c, blk, d))
+        dv.index_add_(1, flat, dv_b.float().reshape(dv.shape[0], r * c, blk, d))
 
     def unpad(x, s):
         return x.view(bsz, n, -1, d)[:, :, :s]

@@ -65,6 +65,8 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
     """The kernels' form of a bool mask: 0 where allowed, -inf where hidden, in q's dtype."""
     if mask is None:
         return None
+    if mask.dim() == 3:  # the kernels take 2 or 4 dims
+        mask = mask.unsqueeze(0)
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -torch.inf)
 
 

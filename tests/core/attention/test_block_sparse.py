@@ -84,6 +84,10 @@ def _setup(case):
     return plans, masks
 
 
+def _no_fallback(*args, **kwargs):
+    raise AssertionError("the CPU flash kernel refused the masked block")
+
+
 def _inputs(b=2, n=3, d=8):
     g = torch.Generator().manual_seed(0)
     return [torch.randn(b, n, S, d, generator=g) for _ in range(4)]
@@ -94,6 +98,8 @@ def _inputs(b=2, n=3, d=8):
 def test_block_sparse_equals_dense_masked(monkeypatch, case, fallback):
     if fallback:
         monkeypatch.setattr(ba, "_cpu_flash_ok", lambda q, p: False)
+    elif ba._cpu_flash_ok(torch.zeros(1), 0.0):  # the kernel with the mask, not the matmul block
+        monkeypatch.setattr(ba, "_scores", _no_fallback)
     plans, masks = _setup(case)
     q, k, v, dout = _inputs()
     mask = torch.stack(masks)[:, None] if len(masks) > 1 else masks[0]  # [b, 1, s, s] or [s, s]
