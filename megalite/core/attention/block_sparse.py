@@ -30,7 +30,7 @@ def _pad_blocks(x: torch.Tensor, n_blocks: int, b: int) -> torch.Tensor:
     x = x.reshape(bh, s, x.shape[3])
     if n_blocks * b != s:
         x = torch.cat((x, x.new_zeros(bh, n_blocks * b - s, x.shape[2])), dim=1)
-    return x.view(bh, n_blocks, b, x.shape[2])
+    return x.contiguous().view(bh, n_blocks, b, x.shape[2])
 
 
 def _chunks(plan: BlockPlan, max_entries: int):
@@ -43,9 +43,34 @@ def _chunks(plan: BlockPlan, max_entries: int):
             yield rows[start : start + step], cols[start : start + step]
 
 
-def _gather(xb: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """Key blocks ``cols`` # [R, c] of ``xb`` # [BH, nk, B, d] -> # [BH, R, c * B, d]."""
+def _rows(xb: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Blocks ``rows`` (increasing) of ``xb`` # [BH, n, B, d]: a slice when consecutive."""
+    r0, r = int(rows[0]), rows.shape[0]
+    if int(rows[-1]) - r0 == r - 1:
+        return xb[:, r0 : r0 + r]
+    return xb.index_select(1, rows)
+
+
+def _band_start(cols: torch.Tensor) -> int | None:
+    """``s`` when row i of ``cols`` # [R, c] is the blocks ``s + i .. s + i + c - 1`` (a band, as
+    under a window), else None."""
     r, c = cols.shape
+    start = int(cols[0, 0])
+    band = (
+        start + torch.arange(r, device=cols.device)[:, None] + torch.arange(c, device=cols.device)
+    )
+    return start if torch.equal(cols, band) else None
+
+
+def _gather(xb: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Key blocks ``cols`` # [R, c] of ``xb`` # [BH, nk, B, d] (contiguous) -> # [BH, R, c * B, d];
+    a band is an overlapping strided view (no copy), anything else a gather."""
+    r, c = cols.shape
+    start = _band_start(cols)
+    if start is not None:
+        bh, nk, b, d = xb.shape
+        offset = xb.storage_offset() + start * b * d
+        return xb.as_strided((bh, r, c * b, d), (nk * b * d, b * d, d, 1), offset)
     g = xb.index_select(1, cols.flatten())  # [BH, R * c, B, d]
     return g.view(xb.shape[0], r, c * xb.shape[2], xb.shape[3])
 
@@ -72,7 +97,7 @@ def sparse_forward(
     for rows, cols in _chunks(plan, max_entries):
         mask = plan.group_mask(rows, cols)  # [R, B, c * B]
         o, o_lse = block_forward(
-            qb.index_select(1, rows),
+            _rows(qb, rows),
             _gather(kb, cols),
             _gather(vb, cols),
             causal=False,
@@ -113,20 +138,25 @@ def sparse_backward(
     for rows, cols in _chunks(plan, max_entries):
         r, c = cols.shape
         dq_b, dk_b, dv_b = block_backward(
-            dob.index_select(1, rows),
-            qb.index_select(1, rows),
+            _rows(dob, rows),
+            _rows(qb, rows),
             _gather(kb, cols),
             _gather(vb, cols),
-            ob.index_select(1, rows),
-            lb.index_select(1, rows),
+            _rows(ob, rows),
+            _rows(lb, rows),
             causal=False,
             scale=scale,
             mask=plan.group_mask(rows, cols),
         )
         dq.index_copy_(1, rows, dq_b.float())
-        flat = cols.flatten()
-        dk.index_add_(1, flat, dk_b.float().reshape(dk.shape[0], r * c, blk, d))
-        dv.index_add_(1, flat, dv_b.float().reshape(dv.shape[0], r * c, blk, d))
+        start = _band_start(cols)
+        for acc, grad in ((dk, dk_b), (dv, dv_b)):
+            if start is not None:  # key block start + i + j of row i: c strided adds
+                g = grad.float().reshape(acc.shape[0], r, c, blk, d)
+                for j in range(c):
+                    acc[:, start + j : start + j + r] += g[:, :, j]
+            else:
+                acc.index_add_(1, cols.flatten(), grad.float().reshape(acc.shape[0], r * c, blk, d))
 
     def unpad(x, s):
         return x.view(bsz, n, -1, d)[:, :, :s]
