@@ -3,7 +3,7 @@ and attention memory, at a window and at each sparse layout; and a long causal r
 
     python tools/bench/bench_sparse_attention.py                 # seq 8192, window 512, layouts
     python tools/bench/bench_sparse_attention.py --long 32768    # + a 32K-token run, window 1024
-    python tools/bench/bench_sparse_attention.py --tiny          # seq 1024: a smoke test (~15 s)
+    python tools/bench/bench_sparse_attention.py --tiny          # seq 512: a smoke test (~15 s)
 
 Attention of one sequence, ``--heads`` heads of ``--head-dim``, fp32, ``--threads`` intra-op
 threads. Each mask runs ``--repeats`` forward+backward passes; the median time is divided by the
@@ -97,7 +97,7 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true")
     args = p.parse_args()
     if args.tiny:
-        args.seq, args.window, args.block, args.heads, args.head_dim = 1024, 64, 32, 2, 32
+        args.seq, args.window, args.block, args.heads, args.head_dim = 512, 32, 32, 2, 16
         args.repeats, args.long = 1, 0
     torch.set_num_threads(args.threads)
     s, n, d, blk = args.seq, args.heads, args.head_dim, args.block
