@@ -12,6 +12,10 @@ configured ``cp_comm_type``: ``p2p`` (ring) and ``all_gather`` compute the atten
 (the backend choice does not apply), ``a2a`` trades the sequence split for a head split around the
 ordinary ``CoreAttention`` (heads / tp / cp per rank), so every backend and selective recompute
 apply to it.
+
+A layer with a window or a sparse layout (``attention_mask.layer_mask_spec``) runs
+``core.attention.block_sparse``: only the blocks its mask keeps are computed, documents
+(``attention_mask``) included.
 """
 
 from __future__ import annotations
@@ -21,14 +25,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.core import fusions
-from megalite.core.context_parallel import CommStats, context_parallel_attention
+from megalite.core.attention.block_sparse import block_sparse_attention
+from megalite.core.attention.masks import BlockPlan, MaskSpec
+from megalite.core.context_parallel import (
+    CommStats,
+    context_parallel_attention,
+    cp_token_indices,
+)
+from megalite.core.context_parallel.sparse_ring import sparse_ring_attention
 from megalite.core.norms import build_norm
 from megalite.core.parallel_state import ParallelState
 from megalite.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.core.tensor_parallel.random import RNGStatesTracker, checkpoint
+from megalite.models.attention_mask import block_plans, layer_mask_spec
 from megalite.models.common import tp_rng_region, weight_init
 from megalite.models.config import GPTConfig
 from megalite.models.rotary import apply_rotary
+
+
+def document_ids_of(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Document ids # [b, s] from a Megatron mask # [b, 1, s, s] (True = hidden, causal
+    included): a token's id is the position of the first key it may read, its document's start."""
+    return (~attention_mask[:, 0]).int().argmax(-1)
 
 
 def causal_mask(s: int, device: torch.device) -> torch.Tensor:
@@ -130,9 +148,12 @@ class SelfAttention(nn.Module):
         self.local_groups = g // ps.tp_size
         self.selective_recompute = config.recompute_granularity == "selective"
         self.rng_tracker = rng_tracker
-        self.cp_group, self.cp_size = ps.cp_group, ps.cp_size
+        self.cp_group, self.cp_size, self.cp_rank = ps.cp_group, ps.cp_size, ps.cp_rank
         self.cp_comm_type = config.cp_comm_type
         self.cp_stats: CommStats | None = None  # set to count the cp traffic (benchmarks, tests)
+        self.mask_spec = layer_mask_spec(config, layer_number)  # None: causal (or documents) only
+        self.attention_block_size = config.attention_block_size
+        self._plan_cache: dict[tuple, BlockPlan] = {}
         common = dict(
             tp_group=ps.tp_group,
             bias=config.add_bias_linear,
@@ -179,19 +200,32 @@ class SelfAttention(nn.Module):
             query = apply_rotary(query, *rotary, self.rotary_interleaved)
             key = apply_rotary(key, *rotary, self.rotary_interleaved)
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, ., s, d]
-        if self.cp_size > 1 and attention_mask is not None:
-            raise ValueError(
-                "reset_attention_mask with context_parallel_size > 1 is not implemented (the "
-                "ring attention has no document mask); drop one of them"
-            )
         if self.cp_size > 1:  # s is this cp rank's s/cp tokens
-            context = self._context_parallel(query, key, value)  # [b, n/tp, s/cp, d]
+            if attention_mask is not None or self.mask_spec is not None:
+                context = self._context_parallel_masked(query, key, value, attention_mask)
+            else:
+                context = self._context_parallel(query, key, value)  # [b, n/tp, s/cp, d]
             context = context.permute(2, 0, 1, 3).reshape(s, b, groups * k * d)
             out, _ = self.linear_proj(context)
             return out
         if k > 1:  # query head j of a group reads the group's key/value: heads j*k .. j*k+k-1
             key, value = key.repeat_interleave(k, dim=1), value.repeat_interleave(k, dim=1)
-        if self.selective_recompute and self.training and torch.is_grad_enabled():
+        recompute = self.selective_recompute and self.training and torch.is_grad_enabled()
+        if self.mask_spec is not None:
+            pos = torch.arange(s, device=x.device)
+            plans = self._plans(pos, pos, attention_mask)
+            scale = self.core_attention.scale
+
+            def sparse(q, k, v):
+                return block_sparse_attention(q, k, v, plans, scale=scale)
+
+            if recompute:
+                context = checkpoint(
+                    sparse, query, key, value, tracker=self.rng_tracker, device=x.device
+                )
+            else:
+                context = sparse(query, key, value)  # [b, n/tp, s, d]
+        elif recompute:
             context = checkpoint(
                 self.core_attention,
                 query,
@@ -206,6 +240,63 @@ class SelfAttention(nn.Module):
         context = context.permute(2, 0, 1, 3).reshape(s, b, groups * k * d)  # [s, b, n/tp * d]
         out, _ = self.linear_proj(context)  # [s(/tp), b, h]
         return out
+
+    def _plans(
+        self, q_pos: torch.Tensor, k_pos: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> list[BlockPlan]:
+        """The block plans of this layer's mask (causal when it has none: documents alone) of
+        queries at ``q_pos`` against keys at ``k_pos``; documents from ``attention_mask``. Plans
+        without documents are kept for the next call."""
+        spec = self.mask_spec or MaskSpec()
+        kw = dict(block_size=self.attention_block_size)
+        if attention_mask is not None:
+            return block_plans(spec, q_pos, k_pos, docs=document_ids_of(attention_mask), **kw)
+        key = (q_pos.shape[0], int(q_pos[0]), int(k_pos[0]), k_pos.shape[0], q_pos.device)
+        if key not in self._plan_cache:
+            self._plan_cache[key] = block_plans(spec, q_pos, k_pos, **kw)
+        return self._plan_cache[key]
+
+    def _context_parallel_masked(self, query, key, value, attention_mask) -> torch.Tensor:
+        """``_context_parallel`` under a window, a sparse layout or documents (p2p: the sparse
+        ring; a2a: block-sparse attention over the gathered sequence)."""
+        s = query.shape[2] * self.cp_size
+        scale = self.core_attention.scale
+        if self.cp_comm_type == "a2a":
+            pos = torch.arange(s, device=query.device)
+            plans = self._plans(pos, pos, attention_mask)
+            recompute = self.selective_recompute and self.training and torch.is_grad_enabled()
+
+            def sparse(q, k, v):
+                return block_sparse_attention(q, k, v, plans, scale=scale)
+
+            def run_core(q, k, v):  # [b, n/tp/cp, s, d], natural order
+                if recompute:
+                    return checkpoint(sparse, q, k, v, tracker=self.rng_tracker, device=q.device)
+                return sparse(q, k, v)
+
+            return context_parallel_attention(
+                query,
+                key,
+                value,
+                cp_group=self.cp_group,
+                comm_type="a2a",
+                scale=scale,
+                core_attention=run_core,
+                stats=self.cp_stats,
+            )
+        if self.cp_comm_type != "p2p":
+            raise ValueError(
+                f"cp_comm_type {self.cp_comm_type} has no window, sparse or document mask; use "
+                "cp_comm_type p2p or a2a"
+            )
+        q_pos = cp_token_indices(s, self.cp_size, self.cp_rank, query.device)
+        plans = [
+            self._plans(q_pos, cp_token_indices(s, self.cp_size, src, query.device), attention_mask)
+            for src in range(self.cp_size)
+        ]
+        return sparse_ring_attention(
+            query, key, value, plans, cp_group=self.cp_group, scale=scale, stats=self.cp_stats
+        )
 
     def _context_parallel(self, query, key, value) -> torch.Tensor:
         """query # [b, n/tp, s/cp, d]; key, value # [b, G/tp, s/cp, d] (groups not expanded)."""

@@ -21,6 +21,7 @@ import torch
 from megalite.core.context_parallel import CP_COMM_TYPES
 from megalite.core.pipeline_parallel.stages import stage_layer_ranges
 from megalite.core.tensor_parallel.layers import padded_vocab_size
+from megalite.models.attention_mask import check_mask
 from megalite.models.moe_config import check_moe
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
@@ -102,6 +103,16 @@ class GPTConfig:
     rotary_interleaved: bool = False  # pairs (2i, 2i+1) rotate instead of (i, i + d/2)
     use_rope_scaling: bool = False  # Llama 3.1 frequency scaling (HF rope_type "llama3")
     rope_scaling_factor: float = 8.0
+    # windowed and block-sparse attention (models/attention_mask.py, core/attention/)
+    window_size: tuple[int, int] | None = None  # (left, right) keys around a query; -1: no bound
+    window_attn_skip_freq: int | str | None = None  # N: every N-th layer full; list: 1 = windowed
+    sparse_attention: str | None = None  # fixed | bigbird | longformer
+    sparse_block_size: int = 16  # positions per layout block
+    sparse_num_local_blocks: int = 4  # fixed: the run of local blocks
+    sparse_num_global_blocks: int = 1  # fixed: strided blocks per run; bigbird/longformer: global
+    sparse_num_window_blocks: int = 3  # bigbird/longformer: sliding window, in blocks
+    sparse_num_random_blocks: int = 1  # bigbird: random earlier blocks per row (seeded by seed)
+    attention_block_size: int = 64  # tokens per block the block-sparse attention computes
 
     def __post_init__(self) -> None:
         for name, value in (
@@ -178,6 +189,12 @@ class GPTConfig:
         _check_recompute(self)
         _check_megatron_math(self)
         check_moe(self, tp_size=tp_size)
+        check_mask(self)
+
+    @property
+    def block_sparse(self) -> bool:
+        """Some layer has a window or a sparse layout (attention by ``core.attention``)."""
+        return self.window_size is not None or self.sparse_attention is not None
 
 
 def _check_choices(c: GPTConfig) -> None:

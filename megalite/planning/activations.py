@@ -160,6 +160,12 @@ def layer_bytes(
         else:
             total += unit * ((n if rope else n + 2 * g) + 2 * g * cp + 2 * n)
         total += n * tokens * 4
+    elif c.block_sparse:
+        # windowed / block-sparse attention (core.attention.block_sparse) saves q, k and v (k, v
+        # expanded to the heads), its output and logsumexp: O(s), never a score block; under
+        # selective recompute only its inputs. Not yet checked against a measured run.
+        total += 3 * qkv + (2 * qkv if rope and k == 1 else 0)
+        total += qkv + (0 if selective else qkv + n * tokens * 4)
     elif c.attention_backend == "sdpa" and cpu and c.attention_dropout > 0 and not selective:
         # CPU sdpa with dropout runs the math path: scaled q, k^T copy, v (a view of the fused
         # qkv when each group has one head), softmax, noise, dropped probs; the context

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from megalite.core.pipeline_parallel import simulator
 from megalite.core.pipeline_parallel.actions import with_p2p
 from megalite.core.pipeline_parallel.generators import layout_of
+from megalite.models.attention_mask import attention_fraction
 from megalite.models.config import GPTConfig
 from megalite.models.moe_config import moe_layer_pattern
 from megalite.planning.activations import schedule_lists
@@ -68,6 +69,7 @@ def _layer_forward_flops(c: GPTConfig, *, tokens: int, s: int, moe: bool) -> flo
         num_query_groups=c.num_query_groups,
         swiglu=c.swiglu,
         padded_vocab_size=0,
+        attention_fraction=attention_fraction(c),
     )
     per_token = tokens / (3 * s)
     attention = model_flops_per_iteration(num_layers=1, ffn_hidden_size=0, **common) * per_token
@@ -249,6 +251,7 @@ def predict_step_time(
         kv_channels=c.kv_channels,
         num_query_groups=c.num_query_groups,
         swiglu=c.swiglu,
+        attention_fraction=attention_fraction(c),
     )
     if c.num_experts:  # the FLOPs a MoE model does: topk experts per token
         dense_mlp = _layer_forward_flops(c, tokens=s, s=s, moe=False)

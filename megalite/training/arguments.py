@@ -54,6 +54,10 @@ _PARAMETER_FLAGS = {
     "pp_size": "--pipeline-model-parallel-size",
     "first_stage_layers": "--decoder-first-pipeline-num-layers",
     "last_stage_layers": "--decoder-last-pipeline-num-layers",
+    "num_local_blocks": "--sparse-num-local-blocks",
+    "num_global_blocks": "--sparse-num-global-blocks",
+    "num_window_blocks": "--sparse-num-window-blocks",
+    "num_random_blocks": "--sparse-num-random-blocks",
 }
 # Field names that are one plain word are rewritten only when they cannot be English.
 _ONE_WORD_FIELDS = set(

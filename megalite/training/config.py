@@ -173,10 +173,11 @@ class PretrainConfig:
         self.optimizer.validate(train_iters=t.train_iters)
         self.logging.validate()
         self._validate_experts()
-        if self.data.reset_attention_mask and par.context_parallel_size > 1:
+        masked = self.data.reset_attention_mask or m.block_sparse
+        if masked and par.context_parallel_size > 1 and m.cp_comm_type == "all_gather":
             raise ConfigError(
-                f"reset_attention_mask with context_parallel_size {par.context_parallel_size} is "
-                "not implemented (the context-parallel attention has no document mask); drop one"
+                "reset_attention_mask, window_size and sparse_attention with context_parallel_size "
+                f"{par.context_parallel_size} need cp_comm_type p2p or a2a, not all_gather"
             )
         if self.tokenizer is not None and self.tokenizer.vocab_size != m.vocab_size:
             raise ConfigError(

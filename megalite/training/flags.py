@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 
 from megalite.checkpoint.formats import CKPT_FORMATS
+from megalite.core.attention.sparse_layouts import SPARSE_LAYOUTS
 from megalite.core.context_parallel import CP_COMM_TYPES
 from megalite.core.distributed import STRATEGIES
 from megalite.core.moe.config import (
@@ -54,6 +55,17 @@ ATTENTION_BACKEND_ALIASES = {
 def _int_or_list(text: str) -> int | str:
     """``--moe-layer-freq``: an integer, or a list expression kept as text (checked later)."""
     return int(text) if text.strip().isdigit() else text
+
+
+def _window_pair(text: str) -> tuple[int, int]:
+    """``--window-size``: Megatron's tuple, ``LEFT,RIGHT`` (brackets allowed)."""
+    try:
+        pair = tuple(int(x) for x in text.strip("()[] ").split(","))
+    except ValueError:
+        pair = ()
+    if len(pair) != 2:
+        raise argparse.ArgumentTypeError(f"expected two integers LEFT,RIGHT, got {text!r}")
+    return pair
 
 
 class _Parser(argparse.ArgumentParser):
@@ -156,6 +168,18 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     kernels = "use the PyTorch reference instead of the Triton kernels"
     for flag in ("--no-fused-kernels", "--no-masked-softmax-fusion", "--no-persist-layer-norm"):
         m.plain(flag, dest="no_fused_kernels", action="store_true", help=kernels)
+    m.add("--window-size", type=_window_pair, help="LEFT,RIGHT: sliding-window attention")
+    m.add("--window-attn-skip-freq", type=_int_or_list, help="N (every N-th layer full) or [1,1,0]")
+    m.add("--sparse-attention", choices=SPARSE_LAYOUTS, help="a block-sparse layout")
+    for flag in (
+        "--sparse-block-size",
+        "--sparse-num-local-blocks",
+        "--sparse-num-global-blocks",
+        "--sparse-num-window-blocks",
+        "--sparse-num-random-blocks",
+        "--attention-block-size",
+    ):
+        m.add(flag, type=int)
     m.add("--decoder-first-pipeline-num-layers", type=int)
     m.add("--decoder-last-pipeline-num-layers", type=int)
     for what, stage in (("embedding", "first"), ("loss", "last")):

@@ -6,15 +6,18 @@ backward twice the forward. Per token and per layer, forward, with ``h`` the hid
 heads x kv_channels, ``kv`` = query_groups x kv_channels, ``f`` the FFN size, ``s`` the sequence:
 
     QKV projection          2 h (q + 2 kv)
-    attention scores QK^T   2 s q          (full s x s, the causal mask is not discounted)
-    attention x V           2 s q
+    attention scores QK^T   2 s q a        (a = 1: full s x s, the causal mask is not discounted)
+    attention x V           2 s q a
     output projection       2 q h
     MLP                     4 h f          (GELU: two matrices)   or  6 h f  (SwiGLU: three)
 
 plus the output layer ``2 h V`` per token (``V`` the padded vocabulary). Training FLOPs per
 iteration = 3 x forward x (global batch x s) tokens. Norms, softmax, activations and the
 embedding lookup are not matrix multiplications and are left out, as in the Megatron-LM and
-PaLM papers.
+PaLM papers. ``a`` (``attention_fraction``) is the share of the ``s x s`` score entries computed,
+averaged over the layers: 1 for plain attention; under windows and sparse layouts the entries of
+the blocks the block-sparse attention computes (``models.attention_mask.attention_fraction``), so
+MFU counts only computed blocks.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ def model_flops_per_iteration(
     kv_channels: int | None = None,
     num_query_groups: int | None = None,
     swiglu: bool = False,
+    attention_fraction: float = 1.0,
 ) -> int:
     """Training FLOPs (forward + backward) of one iteration; see the module docstring."""
     kv_channels = kv_channels or hidden_size // num_attention_heads
@@ -54,10 +58,11 @@ def model_flops_per_iteration(
     h, s, f = hidden_size, seq_length, ffn_hidden_size
     q = num_attention_heads * kv_channels
     kv = num_query_groups * kv_channels
-    attention = 2 * h * (q + 2 * kv) + 2 * s * q + 2 * s * q + 2 * q * h
+    scores = 2 * s * q * attention_fraction  # QK^T; the same again for x V
+    attention = 2 * h * (q + 2 * kv) + 2 * scores + 2 * q * h
     mlp = (6 if swiglu else 4) * h * f
     forward_per_token = num_layers * (attention + mlp) + 2 * h * padded_vocab_size
-    return 3 * forward_per_token * global_batch_size * s
+    return round(3 * forward_per_token * global_batch_size * s)
 
 
 def peak_tflops(

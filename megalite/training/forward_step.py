@@ -100,12 +100,7 @@ def gpt_forward_step(
     attention_mask = batch_attention_mask(batch, device)  # documents kept apart, or None
     if attention_mask is None:
         output = model(tokens, position_ids, labels=labels)
-    else:
-        if cp_size > 1:
-            raise ValueError(
-                "--reset-attention-mask with --context-parallel-size > 1 is not implemented (the "
-                "ring attention has no document mask); drop one of them"
-            )
+    else:  # the whole sequence's documents (each cp rank takes its chunks' boundaries)
         output = model(tokens, position_ids, labels=labels, attention_mask=attention_mask)
     if calculate_per_token_loss:  # the token sum; train_step divides by the global count
         return output, partial(masked_sum_loss, loss_mask)

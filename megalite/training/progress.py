@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megalite.core.groups import group_size
 from megalite.core.optimizer import MixedPrecisionOptimizer
 from megalite.core.parallel_state import ParallelState
+from megalite.models.attention_mask import attention_fraction
 from megalite.training.config import PretrainConfig
 from megalite.training.flops import model_flops_per_iteration, peak_tflops, throughput
 from megalite.training.logging import IntervalStats, format_iteration_line
@@ -70,7 +71,13 @@ class Progress:
             kv_channels=m.kv_channels,
             num_query_groups=m.num_query_groups,
             swiglu=m.swiglu,
+            attention_fraction=attention_fraction(m),
         )
+        if m.block_sparse and self.is_log_rank:
+            logger.info(
+                "model FLOPs (TFLOP/s, MFU) count only the computed attention blocks: "
+                f"{100 * attention_fraction(m):.1f}% of the s x s scores"
+            )
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         precision = cfg.model.precision_name
         self.peak = peak_tflops(device_name, precision, override=cfg.logging.peak_tflops)

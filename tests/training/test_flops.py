@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from megalite.models.attention_mask import attention_fraction
+from megalite.models.config import GPTConfig
 from megalite.training.flops import model_flops_per_iteration, peak_tflops, throughput
 
 
@@ -69,3 +71,26 @@ def test_peak_table_override_and_mfu():
     per_device, mfu = throughput(1e15, 1.0, world_size=4, peak=989.0)
     assert per_device == 250.0 and math.isclose(mfu, 100 * 250 / 989)
     assert throughput(1e15, 2.0, world_size=1, peak=None) == (500.0, None)
+
+
+def test_windowed_attention_counts_only_computed_blocks():
+    # s=8, blocks of 4, window (3, 0): blocks (0,0), (1,0) (query 4 reads keys 1..3), (1,1)
+    # -> 3 x 16 = 48 of 64 entries; with --window-attn-skip-freq 2 layer 2 is full: (0.75 + 1) / 2.
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128, seq_length=8)
+    windowed = GPTConfig(**base, window_size=(3, 0), attention_block_size=4)
+    assert attention_fraction(windowed) == 0.75
+    skipped = GPTConfig(**base, window_size=(3, 0), window_attn_skip_freq=2, attention_block_size=4)
+    assert attention_fraction(skipped) == 0.875
+    assert attention_fraction(GPTConfig(**base)) == 1.0
+    # the tiny GPT-2 by hand with a = 0.75: QK^T and AV 1024 -> 768 each per token per layer:
+    # 2 layers x 2 x 256 fewer per token = 1024 fewer; x3 x 128 tokens = 393,216 fewer.
+    flops = dict(
+        num_layers=2,
+        hidden_size=32,
+        seq_length=16,
+        global_batch_size=8,
+        padded_vocab_size=128,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+    )
+    assert model_flops_per_iteration(**flops, attention_fraction=0.75) == 23_592_960 - 393_216

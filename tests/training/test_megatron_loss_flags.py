@@ -131,9 +131,16 @@ def test_documents_and_per_token_loss_carried_through_pp2():
         assert _err(got, want) < TOL, (losses["pp2"], losses["single"])
 
 
-def test_reset_attention_mask_refused_under_context_parallel():
-    with pytest.raises(ConfigError, match="reset-attention-mask.*context-parallel-size"):
-        config("--reset-attention-mask", "--context-parallel-size", "2", world_size=2)
+def test_reset_attention_mask_refused_under_all_gather_context_parallel():
+    with pytest.raises(ConfigError, match="reset-attention-mask.*need --cp-comm-type p2p or a2a"):
+        config(
+            "--reset-attention-mask",
+            "--context-parallel-size",
+            "2",
+            "--cp-comm-type",
+            "all_gather",
+            world_size=2,
+        )
 
 
 def test_num_zeros_in_log_line_and_tensorboard():

@@ -16,8 +16,11 @@ the log-sum-exp (torch 2.13; the package's lowest torch, 2.2, may lack it or tak
 then, and for any input a kernel refuses, the fallback runs); on CUDA the memory-efficient SDPA
 kernel does (written, not yet run on a GPU); otherwise (attention dropout, another device) a
 plain-matmul block with the same contract runs. Causal masks are top-left aligned and used only on
-square diagonal blocks. Dropout (``dropout_p > 0``) draws its keep-mask from a generator seeded
-with ``seed`` (one per block), so backward regenerates the forward's mask.
+square diagonal blocks. An optional ``mask`` (bool, True where allowed, broadcast to
+``[b, n, sq, sk]``) hides more entries (block-sparse attention); a row it hides entirely returns
+``out = 0`` and ``lse = -inf``, which merges as nothing. Dropout (``dropout_p > 0``) draws its
+keep-mask from a generator seeded with ``seed`` (one per block), so backward regenerates the
+forward's mask.
 """
 
 from __future__ import annotations
@@ -48,12 +51,35 @@ def _keep_mask(shape, dropout_p: float, seed: int, device) -> torch.Tensor:
     return keep.float() / (1.0 - dropout_p)
 
 
-def _scores(q, k, *, causal: bool, scale: float) -> torch.Tensor:
+def _scores(q, k, *, causal: bool, scale: float, mask=None) -> torch.Tensor:
     s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale  # [b, n, sq, sk] fp32
     if causal:
         sq, sk = s.shape[-2:]
         s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu(1), -torch.inf)
+    if mask is not None:
+        s = s.masked_fill(~mask, -torch.inf)
     return s
+
+
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The kernels' form of a bool mask: 0 where allowed, -inf where hidden, in q's dtype."""
+    if mask is None:
+        return None
+    if mask.dim() == 3:  # the kernels take 2 or 4 dims
+        mask = mask.unsqueeze(0)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -torch.inf)
+
+
+def _empty_rows(lse: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``lse`` with -inf on the rows the mask hides entirely (the kernel reports 0 there)."""
+    if mask is None:
+        return lse
+    return lse.masked_fill(~mask.any(-1).expand(lse.shape), -torch.inf)
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """-inf (a row with no allowed key) -> 0, so ``exp(s - lse)`` is 0 there, not nan."""
+    return lse.masked_fill(lse == -torch.inf, 0.0)
 
 
 def block_forward(
@@ -65,16 +91,19 @@ def block_forward(
     scale: float,
     dropout_p: float = 0.0,
     seed: int = 0,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q # [b, n, sq, d]; k, v # [b, n, sk, d] (heads already expanded). Returns
     (out # [b, n, sq, d] in q's dtype, lse # [b, n, sq] fp32)."""
     if _cpu_flash_ok(q, dropout_p):
         try:
-            out, lse = getattr(torch.ops.aten, _CPU_FLASH)(q, k, v, 0.0, causal, scale=scale)
-            return out, lse.float()
+            out, lse = getattr(torch.ops.aten, _CPU_FLASH)(
+                q, k, v, 0.0, causal, attn_mask=_additive(mask, q.dtype), scale=scale
+            )
+            return out, _empty_rows(lse.float(), mask)
         except (RuntimeError, TypeError):  # another torch's signature or dtype: the matmul block
             pass
-    if _cuda_ok(q, dropout_p):
+    if _cuda_ok(q, dropout_p) and mask is None:
         try:
             out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
                 q, k, v, None, True, 0.0, causal, scale=scale
@@ -82,9 +111,9 @@ def block_forward(
             return out, lse[..., : q.shape[2]].float()  # the kernel pads lse's last dim
         except RuntimeError:  # inputs this torch's kernel refuses (dtype, head dim): matmul block
             pass
-    s = _scores(q, k, causal=causal, scale=scale)
+    s = _scores(q, k, causal=causal, scale=scale, mask=mask)
     lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1))
+    p = torch.exp(s - _finite(lse).unsqueeze(-1))
     if dropout_p > 0.0:
         p = p * _keep_mask(p.shape, dropout_p, seed, p.device)
     return torch.matmul(p, v.float()).to(q.dtype), lse
@@ -102,17 +131,29 @@ def block_backward(
     scale: float,
     dropout_p: float = 0.0,
     seed: int = 0,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The block's (dq, dk, dv) given the rows' FINAL ``out`` and ``lse`` and ``dout``
     # [b, n, sq, d] (the merged output's grad)."""
+    if mask is not None:
+        lse = _finite(lse)
     if _cpu_flash_ok(q, dropout_p):
         try:
             return getattr(torch.ops.aten, _CPU_FLASH + "_backward")(
-                dout, q, k, v, out, lse, 0.0, causal, scale=scale
+                dout,
+                q,
+                k,
+                v,
+                out,
+                lse,
+                0.0,
+                causal,
+                attn_mask=_additive(mask, q.dtype),
+                scale=scale,
             )
         except (RuntimeError, TypeError):  # as in block_forward
             pass
-    if _cuda_ok(q, dropout_p):
+    if _cuda_ok(q, dropout_p) and mask is None:
         sq = q.shape[2]
         padded = torch.zeros(*lse.shape[:2], -(-sq // 32) * 32, device=lse.device)
         padded[..., :sq] = lse
@@ -127,7 +168,7 @@ def block_backward(
             return dq, dk, dv
         except (RuntimeError, TypeError):  # as in block_forward: the matmul block
             pass
-    s = _scores(q, k, causal=causal, scale=scale)
+    s = _scores(q, k, causal=causal, scale=scale, mask=mask)
     p = torch.exp(s - lse.unsqueeze(-1))  # [b, n, sq, sk] fp32
     do = dout.float()
     dp = torch.matmul(do, v.float().transpose(-2, -1))

@@ -1,0 +1,153 @@
+"""Block-sparse attention on CPU against dense causal SDPA in the same run: forward + backward time
+and attention memory, at a window and at each sparse layout; and a long causal run with a window.
+
+    python tools/bench/bench_sparse_attention.py                 # seq 8192, window 512, layouts
+    python tools/bench/bench_sparse_attention.py --long 32768    # + a 32K-token run, window 1024
+    python tools/bench/bench_sparse_attention.py --tiny          # seq 512: a smoke test (~15 s)
+
+Attention of one sequence, ``--heads`` heads of ``--head-dim``, fp32, ``--threads`` intra-op
+threads. Each mask runs ``--repeats`` forward+backward passes; the median time is divided by the
+dense causal SDPA's (torch's CPU flash kernel, ``is_causal=True``) measured in the same process.
+Density: the share of the ``s x s`` score entries the block-sparse path computes (whole blocks),
+against dense causal's ~50%. Attention memory: the bytes autograd saves for backward plus the
+largest transient of one kernel call (gathered K/V, the additive mask, the output), against what
+dense masked attention holds (a ``s x s`` mask, and the ``b n s s`` fp32 scores of the math path
+that a non-causal mask falls back to). The long run reports this process's peak resident memory
+(``ru_maxrss``) for the windowed pass and the bytes a dense masked pass would need: not run.
+Times on a shared machine are noisy; the ratios in one run are what to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from megalite.core.attention.block_sparse import DEFAULT_MAX_ENTRIES, block_sparse_attention
+from megalite.core.attention.masks import MaskSpec, build_block_plan
+from megalite.core.attention.sparse_layouts import build_layout
+
+
+def _time(fn, inputs, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        q, k, v = (t.detach().clone().requires_grad_() for t in inputs)
+        start = time.perf_counter()
+        fn(q, k, v).sum().backward()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _saved_bytes(fn, inputs) -> int:
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    q, k, v = (t.detach().clone().requires_grad_() for t in inputs)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(q, k, v)
+    return sum(seen.values())
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+def _cases(args) -> list[tuple[str, MaskSpec]]:
+    lb = args.block
+    return [
+        (f"window {args.window}", MaskSpec(window=(args.window, 0))),
+        ("fixed", MaskSpec(layout=build_layout("fixed", num_local_blocks=12), layout_block=lb)),
+        (
+            "bigbird",
+            MaskSpec(
+                layout=build_layout(
+                    "bigbird", num_window_blocks=7, num_global_blocks=2, num_random_blocks=6
+                ),
+                layout_block=lb,
+            ),
+        ),
+        (
+            "longformer",
+            MaskSpec(
+                layout=build_layout("longformer", num_window_blocks=21, global_blocks=(0, 1)),
+                layout_block=lb,
+            ),
+        ),
+    ]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--block", type=int, default=64, help="compute and layout block (tokens)")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--long", type=int, default=0, help="also a causal run of this length")
+    p.add_argument("--long-window", type=int, default=1024)
+    p.add_argument("--tiny", action="store_true")
+    args = p.parse_args()
+    if args.tiny:
+        args.seq, args.window, args.block, args.heads, args.head_dim = 512, 32, 32, 2, 16
+        args.repeats, args.long = 1, 0
+    torch.set_num_threads(args.threads)
+    s, n, d, blk = args.seq, args.heads, args.head_dim, args.block
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(1, n, s, d, generator=gen) for _ in range(3)]
+    scale = d**-0.5
+
+    def dense(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+    dense_t = _time(dense, inputs, args.repeats)
+    dense_masked = s * s + n * s * s * 4  # bool mask + fp32 scores (math path)
+    print(f"seq {s}, {n} heads x {d}, block {blk}, {args.threads} threads, fp32 (shared machine)")
+    print(f"dense causal SDPA fwd+bwd: {dense_t:.3f} s")
+    print(
+        f"{'mask':<14}{'density':>9}{'time s':>9}{'speed-up':>10}{'attn memory':>14}"
+        f"{'vs dense masked':>17}"
+    )
+    pos = torch.arange(s)
+    for name, spec in _cases(args):
+        plan = build_block_plan(spec, pos, pos, block_size=blk)
+        density = plan.num_computed * blk * blk / (s * s)
+
+        def sparse(q, k, v, plan=plan):
+            return block_sparse_attention(q, k, v, [plan], scale=scale)
+
+        t = _time(sparse, inputs, args.repeats)
+        widest = max(c.shape[1] for _, c in plan.groups)
+        rows = max(1, DEFAULT_MAX_ENTRIES // (blk * blk * widest))
+        transient = 2 * n * rows * widest * blk * d * 4 + rows * blk * widest * blk * 4
+        memory = _saved_bytes(sparse, inputs) + transient
+        print(
+            f"{name:<14}{100 * density:>8.1f}%{t:>9.3f}{dense_t / t:>9.1f}x{_mib(memory):>14}"
+            f"{dense_masked / memory:>16.0f}x"
+        )
+    if args.long:
+        s = args.long
+        inputs = [torch.randn(1, n, s, d, generator=gen) for _ in range(3)]
+        pos = torch.arange(s)
+        plan = build_block_plan(MaskSpec(window=(args.long_window, 0)), pos, pos, block_size=blk)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        t = _time(lambda q, k, v: block_sparse_attention(q, k, v, [plan], scale=scale), inputs, 1)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        need = s * s + n * s * s * 4
+        print(
+            f"long: seq {s}, window {args.long_window}: fwd+bwd {t:.1f} s, process peak "
+            f"{_mib(peak)} (before the run {_mib(before)}); dense masked attention would hold "
+            f"{_mib(need)} (s x s bool mask + {n} heads of s x s fp32 scores): not run"
+        )
+
+
+if __name__ == "__main__":
+    main()
