@@ -205,7 +205,17 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
     )
     par.add("--ddp-bucket-size", type=int)
     par.add("--ddp-num-buckets", type=int, help="bucket size = this rank's parameters // N")
-    par.add("--distributed-timeout-minutes", type=float)
+    par.add(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=None,  # given: the hang watchdog is on (arguments.build_config); else 10
+        help="collective timeout; given, the hang watchdog explains a rank stuck this long",
+    )
+    par.switch(
+        "--hang-watchdog",
+        help="record every collective and explain a hang at --distributed-timeout-minutes "
+        "(on when that flag is given)",
+    )
     par.plain("--distributed-backend", choices=["nccl", "gloo"])
     par.add("--device", choices=DEVICES)
 
