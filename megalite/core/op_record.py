@@ -79,6 +79,7 @@ class OpRecorder:
         self.current: OpRecord | None = None
         self.coords: dict[str, int] = {}  # this rank's place in the mesh, e.g. {"pp": 1, "dp": 0}
         self.rank = 0
+        self.comm_wait_s = 0.0  # seconds the main thread waited on communication, ever
         self._seq: dict[tuple, int] = {}
         self._group_keys: dict[int, tuple] = {}
         self.lock = threading.Lock()  # the watchdog's snapshot against the main thread's writes
@@ -189,9 +190,13 @@ class OpRecorder:
         if rec is None or rec.state == "done":
             return
         with self.lock:
-            if rec.state == "waiting" and self.current is rec:
-                self.current = rec.parent
-            rec.state, rec.t_end, rec.parent = "done", time.time(), None
+            rec.t_end = time.time()
+            if rec.state == "waiting":
+                if self.current is rec:
+                    self.current = rec.parent
+                if rec.op != "compute":  # time blocked on communication (slow-rank logging)
+                    self.comm_wait_s += rec.t_end - rec.t_wait
+            rec.state, rec.parent = "done", None
 
     # --- reading -----------------------------------------------------------------------------
 

@@ -428,6 +428,13 @@ def _logging_flags(p: argparse.ArgumentParser) -> None:
         help="peak TFLOP/s of one device for MFU (default: GPU table)",
     )
     lg.switch("--log-num-zeros-in-grad")
+    lg.switch("--log-straggler", help="name the ranks whose steps are slow, at the log interval")
+    lg.add("--straggler-minmax-count", type=int, help="list this many slowest and fastest ranks")
+    lg.add(
+        "--straggler-slowdown",
+        type=float,
+        help="a rank is slow when its compute time per step exceeds this x the median",
+    )
     lg.plain(
         "--log-throughput",
         action="store_true",

@@ -287,6 +287,8 @@ def _pretrain(
             exit_signal.restore()
         if trainer is not None:
             trainer.tensorboard.close()
+            if trainer.stragglers is not None:
+                trainer.stragglers.close()
         ps.destroy()
         if owns_world and dist.is_initialized():
             dist.destroy_process_group()
