@@ -1,7 +1,8 @@
 """The hang explainer end to end, by fault injection on gloo (``hang_case.py``): two ranks, the op
 recorder and the watchdog on with a 3 s timeout, one fault each. Every case asserts the exit code,
-that the job ended within timeout + 30 s (a bound the watchdog's grace of 4 s keeps far off; it
-catches a watchdog that never fires, not a speed), and the report's lines: who waits for whom,
+that the job ended within timeout + 30 s of the ranks' watchdogs starting (a bound the watchdog's
+grace of 4 s keeps far off; it catches a watchdog that never fires, not a speed; the processes'
+start, slow on a loaded machine, is not counted), and the report's lines: who waits for whom,
 naming stage, micro-batch and action, and the first divergence.
 
 The ranks are processes of the harness's fork server (torch and megalite already imported), each
@@ -39,18 +40,19 @@ def _run(fault: str, world_size: int = 2) -> tuple[list[int], str, float]:
             ctx.Process(target=_rank, args=(fault, r, world_size, init_file, outs[r]))
             for r in range(world_size)
         ]
-        start = time.monotonic()
         for p in procs:
             p.start()
         for p in procs:
-            p.join(timeout=TIMEOUT_S + 120)
-        took = time.monotonic() - start
+            p.join(timeout=TIMEOUT_S + 180)
+        ended = time.time()
         for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join()
         text = "\n".join(Path(o).read_text() for o in outs)
-    return [p.exitcode for p in procs], text, took
+    starts = [float(t) for t in re.findall(r"^watching from ([0-9.]+)$", text, re.M)]
+    assert starts, text
+    return [p.exitcode for p in procs], text, ended - max(starts)
 
 
 def _report(text: str) -> list[str]:
@@ -63,7 +65,7 @@ def _report(text: str) -> list[str]:
 def test_a_skipped_send_is_named_with_its_micro_batch():
     codes, text, took = _run("skip_send")
     assert codes == [1, 1], text
-    assert took < TIMEOUT_S + 30 + 60, took  # + the fork server's start on a loaded machine
+    assert took < TIMEOUT_S + 30, took
     report = _report(text)
     assert report[1].startswith(
         "rank 0 (pp stage 0) waits to receive micro-batch 1's gradient (stage 0) from rank 1"
@@ -80,7 +82,7 @@ def test_a_skipped_send_is_named_with_its_micro_batch():
 def test_a_rank_asleep_in_its_forward_is_named_by_the_rank_waiting_for_it():
     codes, text, took = _run("sleep_forward")
     assert codes == [1, 1], text
-    assert took < TIMEOUT_S + 30 + 60, took
+    assert took < TIMEOUT_S + 30, took
     report = _report(text)
     assert re.fullmatch(
         r"rank 0 \(pp stage 0\) waits to receive micro-batch 2's gradient \(stage 0\) from rank 1 "
@@ -101,7 +103,7 @@ def test_a_rank_asleep_in_its_forward_is_named_by_the_rank_waiting_for_it():
 def test_a_dead_rank_is_named_as_such():
     codes, text, took = _run("die")
     assert codes == [1, 3], text
-    assert took < TIMEOUT_S + 30 + 60, took
+    assert took < TIMEOUT_S + 30, took
     report = _report(text)
     assert report[0].startswith("hang explainer: rank 0 failed in a collective"), report
     assert re.fullmatch(
@@ -119,7 +121,7 @@ def test_a_dead_rank_is_named_as_such():
 def test_ranks_in_different_bucket_reductions_are_named_with_their_buckets():
     codes, text, took = _run("bucket")
     assert codes == [1, 1], text
-    assert took < TIMEOUT_S + 30 + 60, took
+    assert took < TIMEOUT_S + 30, took
     report = _report(text)
     assert re.fullmatch(
         r"rank 0 \(pp stage 0\) waits in all_reduce #0 over ranks \[0, 1\] \(loss, shape \[1\]\) "

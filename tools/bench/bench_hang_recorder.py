@@ -8,7 +8,9 @@ stage's grads reduced by a ``DistributedDataParallel`` wrapper (a DP group of on
 bookkeeping runs, the reduction returns at once), alternately with the recorder and the watchdog
 (timeout 10 min: it never fires) off and on, so that drift on a busy machine falls on both. Prints
 the median step of each and the ratio on / off (1.00 = no cost). Every message, compute action and
-bucket of a step is one record when on.
+bucket of a step is one record when on. Then the cost of one record alone (begin + end of a
+pipeline action, recorder on vs off), and what the step's records cost at that rate: a bound the
+step ratio, noisy on a shared machine, cannot give.
 """
 
 from __future__ import annotations
@@ -124,15 +126,30 @@ def _worker(rank: int, init_file: str, args, results) -> None:
     dist.destroy_process_group()
 
 
+def _per_record_s(on: bool, n: int) -> float:
+    """Seconds per ``begin`` + ``end`` of a pipeline action record, recorder on or off."""
+    best = float("inf")
+    for _ in range(5):
+        if on:
+            RECORDER.enable(rank=0)
+        start = time.perf_counter()
+        for i in range(n):
+            RECORDER.end(RECORDER.begin("compute", stage=0, microbatch=i, action="F", chunk=0))
+        best = min(best, (time.perf_counter() - start) / n)
+        RECORDER.disable()
+    return best
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30, help="steps with each setting")
     p.add_argument("--m", type=int, default=8, help="micro-batches per step")
     p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--records", type=int, default=100_000, help="records timed alone")
     p.add_argument("--tiny", action="store_true", help="a smoke run: hidden 64, m 4, 6 steps")
     args = p.parse_args()
     if args.tiny:
-        args.steps, args.m, args.hidden = 6, 4, 64
+        args.steps, args.m, args.hidden, args.records = 6, 4, 64, 10_000
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -144,6 +161,7 @@ def main() -> None:
         for proc in procs:
             proc.join()
     off, on = statistics.median(times[False]), statistics.median(times[True])
+    per_off, per_on = _per_record_s(False, args.records), _per_record_s(True, args.records)
     print(
         f"PP 2 x 1F1B, m {args.m}, hidden {args.hidden}, {args.steps} steps each "
         f"(alternating), rank 0: {records} records per step when on"
@@ -151,6 +169,11 @@ def main() -> None:
     print(f"recorder + watchdog off: median step {off * 1e3:8.2f} ms")
     print(f"recorder + watchdog on:  median step {on * 1e3:8.2f} ms")
     print(f"ratio on / off: {on / off:.3f}")
+    print(
+        f"one record (begin + end, {args.records} in a row, best of 5): off {per_off * 1e6:.2f} "
+        f"us, on {per_on * 1e6:.2f} us; {records} records = "
+        f"{100 * records * per_on / off:.4f}% of the median step off"
+    )
 
 
 if __name__ == "__main__":
