@@ -32,22 +32,31 @@ def group_rank(group) -> int:
 # (``*_single``) and deprecates the older names, which are all older torch versions have.
 
 
-def _recorded(op: str, fn, x: torch.Tensor, group, what: str | None, async_op: bool, *args):
-    """``fn(*args, group=group, async_op=async_op)``, recorded when the recorder is on (an
-    asynchronous op is recorded as posted; the caller's wait is not seen)."""
+def _recorded(
+    name: str, fn, x: torch.Tensor, group, what: str | None, async_op: bool, *args, **kwargs
+):
+    """``fn(*args, group=group, async_op=async_op, **kwargs)``, recorded when the recorder is on
+    (an asynchronous op is recorded as posted; the caller's wait is not seen)."""
     if not RECORDER.enabled:
-        return fn(*args, group=group, async_op=async_op)
+        return fn(*args, group=group, async_op=async_op, **kwargs)
     record = RECORDER.post if async_op else RECORDER.begin
-    rec = record(op, group=group, what=what, shape=x.shape)
-    out = fn(*args, group=group, async_op=async_op)
+    rec = record(name, group=group, what=what, shape=x.shape)
+    out = fn(*args, group=group, async_op=async_op, **kwargs)
     if not async_op:
         RECORDER.end(rec)
     return out
 
 
-def all_reduce_tensor(x: torch.Tensor, group, *, what: str | None = None) -> None:
-    """``dist.all_reduce`` (sum) of ``x`` over ``group``, in place."""
-    _recorded("all_reduce", dist.all_reduce, x, group, what, False, x)
+def all_reduce_tensor(
+    x: torch.Tensor, group, *, op=dist.ReduceOp.SUM, what: str | None = None
+) -> None:
+    """``dist.all_reduce`` (``op``, default sum) of ``x`` over ``group``, in place."""
+    _recorded("all_reduce", dist.all_reduce, x, group, what, False, x, op=op)
+
+
+def broadcast_tensor(x: torch.Tensor, src: int, group, *, what: str | None = None) -> None:
+    """``dist.broadcast`` of global rank ``src``'s ``x`` over ``group``, in place."""
+    _recorded("broadcast", dist.broadcast, x, group, what, False, x, src=src)
 
 
 def all_to_all_tensor(out, x, out_splits, in_splits, group, *, what: str | None = None) -> None:

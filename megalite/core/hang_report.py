@@ -30,6 +30,8 @@ def _who(rank: int, snap: dict | None) -> str:
 
 
 def _message(rec: dict) -> str:
+    if rec["what"] not in ("activation", "grad"):  # the losses handed to the last stage
+        return f"the {rec['what']}"
     kind = "activation" if rec["what"] == "activation" else "gradient"
     return f"micro-batch {rec['microbatch']}'s {kind} (stage {rec['stage']})"
 
