@@ -18,6 +18,7 @@ thread is blocked in the collective:
 3. rank 0 (or, if rank 0 published nothing, the lowest rank that did) logs the report and sets
    ``<prefix>done``; the others wait for that (at most ``grace_s`` more);
 4. ``exit_fn(1)`` (``os._exit``: the main thread cannot be unblocked).
+A store that fails (its host died) leaves this rank's own records to report, alone.
 
 ``guard()`` does steps 1-4 from the main thread when a torch.distributed error (a peer closed its
 connection, gloo's own timeout) leaves the block, after logging its traceback.
@@ -143,6 +144,17 @@ class HangWatchdog:
                 while True:
                     time.sleep(1.0)
             self._triggered = True
+        try:
+            self._exchange_and_report(reason)
+        except Exception as exc:  # noqa: BLE001 - the store is gone (its host died): say so, alone
+            snap = {self.rank: self.recorder.snapshot()}
+            why = f"{reason or 'another rank noticed a hang'}; the store failed ({exc})"
+            self.write(explain(snap, world_size=self.world_size, reason=why, grace_s=0.0))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.exit_fn(1)
+
+    def _exchange_and_report(self, reason: str | None) -> None:
         if self.store.add(self._key("flag"), 1) == 1 and reason:
             self.store.set(self._key("reason"), reason)
         self.store.set(self._key(f"rank{self.rank}"), json.dumps(self.recorder.snapshot()))
@@ -166,9 +178,6 @@ class HangWatchdog:
             deadline = time.time() + self.grace_s
             while time.time() < deadline and not self.store.check([self._key("done")]):
                 time.sleep(0.1)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        self.exit_fn(1)
 
 
 def _log_lines(lines: list[str]) -> None:

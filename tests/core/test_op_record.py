@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 from megalite.core.hang_report import explain, first_divergence
+from megalite.core.hang_watchdog import HangWatchdog
 from megalite.core.op_record import OpRecorder
 
 
@@ -93,3 +94,30 @@ def test_different_collectives_and_a_dead_peer():
         "first divergence: rank 0 (pp stage 0) waits for micro-batch 3's gradient (stage 0) (#0 "
         "from rank 1 to rank 0), and rank 1 published nothing (dead?)"
     )
+
+
+class _DeadStore:
+    def add(self, key, n):
+        raise RuntimeError("connection refused")
+
+
+def test_a_failed_store_still_reports_this_rank_and_exits():
+    rec, _ = _ranks()
+    rec.wait(rec.post("recv", peer=1, microbatch=2, stage=0, action="B", what="grad"))
+    lines, codes = [], []
+    watchdog = HangWatchdog(
+        rec,
+        timeout_s=1,
+        store=_DeadStore(),
+        rank=0,
+        world_size=2,
+        write=lines.extend,
+        exit_fn=codes.append,
+    )
+    watchdog.trigger("rank 0 was in one operation for 2 s")
+    assert codes == [1], codes
+    assert "the store failed (connection refused)" in lines[0], lines
+    assert lines[1].startswith("rank 0 (pp stage 0) waits to receive micro-batch 2's gradient"), (
+        lines
+    )
+    assert lines[2].startswith("rank 1 published nothing"), lines
