@@ -1,7 +1,9 @@
 """``--log-straggler``: a rank made slow by a sleep in its forward step is the one named, in the
 report every rank gathers, in the log line and in the TensorBoard scalars. The sleep makes rank 1's
 compute time the largest of three; the others wait for it in the grad all-reduce, which counts as
-their communication time. Asserted: the named rank, never a time."""
+their communication time. The second log interval is the one checked (the first step's one-time
+costs, imports and allocations, fall in the first), and the 1 s sleep is far above the tiny model's
+step, so the 1.5x bar is not a matter of timing. Asserted: the named rank, never a time."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def _case():
         "--log-interval",
         "2",
         "--train-iters",
-        "2",
+        "4",
         "--global-batch-size",
         "6",
         world_size=3,
@@ -46,7 +48,7 @@ def _case():
 
     def slow_on_rank_1(data_iterator, model):
         if dist.get_rank() == 1:
-            time.sleep(0.3)
+            time.sleep(1.0)
         return forward(data_iterator, model)
 
     with LogCapture() as log:
@@ -59,4 +61,4 @@ def _case():
 def test_a_slow_rank_is_named():
     for slow, lines in run_distributed(_case, 3):
         assert slow == [1]
-        assert len(lines) == 1 and lines[0].startswith("iteration 2: slow ranks: rank 1 "), lines
+        assert len(lines) == 2 and lines[1].startswith("iteration 4: slow ranks: rank 1 "), lines
