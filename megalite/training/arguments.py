@@ -208,6 +208,10 @@ def build_config(a: argparse.Namespace, *, world_size: int, rank: int = 0) -> Pr
     megatron_rewrites.position_embedding_alias(a)
     megatron_flags.warn_ignored(a, rank=rank)
     megatron_rewrites.prepare(a)  # data-args files, the step batch schedule, ...
+    if a.distributed_timeout_minutes is not None:  # given: a timeout to explain, too
+        a.hang_watchdog = True
+    else:
+        a.distributed_timeout_minutes = ParallelConfig.distributed_timeout_minutes
     parallel = ParallelConfig(**_fields(ParallelConfig, a, world_size=world_size))
     if a.distributed_backend is not None:
         wanted = "cuda" if a.distributed_backend == "nccl" else "cpu"

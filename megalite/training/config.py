@@ -122,9 +122,18 @@ class LoggingConfig:
     tensorboard_queue_size: int = 1000
     peak_tflops: float | None = None
     log_num_zeros_in_grad: bool = False
+    # slow ranks (training/stragglers.py): each rank's compute and communication time per step,
+    # gathered at the log interval; ranks whose compute exceeds straggler_slowdown x the median
+    # are named, and the straggler_minmax_count slowest and fastest listed
+    log_straggler: bool = False
+    straggler_minmax_count: int = 1
+    straggler_slowdown: float = 1.5
 
     def validate(self) -> None:
         at_least(1, ("log_interval", self.log_interval))
+        at_least(1, ("straggler_minmax_count", self.straggler_minmax_count))
+        if self.straggler_slowdown <= 1:
+            raise ConfigError(f"straggler_slowdown must be > 1, got {self.straggler_slowdown}")
         at_least(1, ("tensorboard_log_interval", self.tensorboard_log_interval))
         at_least(1, ("tensorboard_queue_size", self.tensorboard_queue_size))
         if self.peak_tflops is not None and self.peak_tflops <= 0:

@@ -229,7 +229,17 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
     )
     par.add("--ddp-bucket-size", type=int)
     par.add("--ddp-num-buckets", type=int, help="bucket size = this rank's parameters // N")
-    par.add("--distributed-timeout-minutes", type=float)
+    par.add(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=None,  # given: the hang watchdog is on (arguments.build_config); else 10
+        help="collective timeout; given, the hang watchdog explains a rank stuck this long",
+    )
+    par.switch(
+        "--hang-watchdog",
+        help="record every collective and explain a hang at --distributed-timeout-minutes "
+        "(on when that flag is given)",
+    )
     par.plain("--distributed-backend", choices=["nccl", "gloo"])
     par.add("--device", choices=DEVICES)
 
@@ -442,6 +452,13 @@ def _logging_flags(p: argparse.ArgumentParser) -> None:
         help="peak TFLOP/s of one device for MFU (default: GPU table)",
     )
     lg.switch("--log-num-zeros-in-grad")
+    lg.switch("--log-straggler", help="name the ranks whose steps are slow, at the log interval")
+    lg.add("--straggler-minmax-count", type=int, help="list this many slowest and fastest ranks")
+    lg.add(
+        "--straggler-slowdown",
+        type=float,
+        help="a rank is slow when its compute time per step exceeds this x the median",
+    )
     lg.plain(
         "--log-throughput",
         action="store_true",

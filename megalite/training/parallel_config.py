@@ -35,6 +35,9 @@ class ParallelConfig:
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False  # ZeRO-1: all-gather a bucket before its first use
     distributed_timeout_minutes: float = 10.0
+    # the op recorder and the hang watchdog (training/hang_watch.py): --hang-watchdog, or on when
+    # --distributed-timeout-minutes is given
+    hang_watchdog: bool = False
     device: str = "auto"  # auto | cpu | cuda
     world_size: int | None = None  # the launcher's, when parsed from flags; None: built in code
     use_tp_pp_dp_mapping: bool = False  # rank order tp-cp-ep-pp-dp instead of tp-cp-ep-dp-pp

@@ -35,6 +35,7 @@ from megalite.training import checkpoint_io
 from megalite.training.config import PretrainConfig, with_tokenizer
 from megalite.training.determinism import deterministic_mode
 from megalite.training.forward_step import make_forward_step
+from megalite.training.hang_watch import start_hang_watch, stop_hang_watch
 from megalite.training.launch import (
     LaunchInfo,
     detect_launch,
@@ -225,6 +226,7 @@ def _pretrain(
     configure_logging(rank=ps.rank(), log_rank=ps.world_size - 1)
     trainer = None
     exit_signal = None
+    hang_watch = start_hang_watch(cfg.parallel, ps)
     try:
         num_microbatches = cfg.check_world(ps.world_size, ps.dp_size)  # before any data is read
         exit_signal = _exit_signal_handler(cfg)
@@ -275,11 +277,18 @@ def _pretrain(
                 result.test = trainer.evaluate(forward_step, run.test_iter, f"{prefix} on test set")
         logger.info("training done: %d iterations", result.iteration)
         return result
+    except BaseException as exc:
+        if hang_watch is not None:  # a failed collective: explain every rank's state, exit
+            hang_watch.on_error(exc)
+        raise
     finally:
+        stop_hang_watch(hang_watch)
         if exit_signal is not None:
             exit_signal.restore()
         if trainer is not None:
             trainer.tensorboard.close()
+            if trainer.stragglers is not None:
+                trainer.stragglers.close()
         ps.destroy()
         if owns_world and dist.is_initialized():
             dist.destroy_process_group()

@@ -27,10 +27,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from megalite.core.groups import group_size
+from megalite.core.groups import all_reduce_tensor, broadcast_tensor, group_size
 from megalite.core.optimizer import MixedPrecisionOptimizer
 from megalite.core.parallel_state import ParallelState
 from megalite.training.forward_step import NUM_TOKENS
@@ -63,7 +62,7 @@ def average_losses_across_dp(
     )  # [num_names]
     dp = group_size(dp_group)
     if dp > 1:
-        dist.all_reduce(stacked, group=dp_group)
+        all_reduce_tensor(stacked, dp_group, what="losses")
         stacked = stacked / dp
     return dict(zip(names, stacked.unbind(0)))
 
@@ -78,7 +77,7 @@ def token_weighted_losses(
         [torch.stack([r[n].float().reshape(()) for r in reported]).sum() for n in names]
     )  # [num_names]
     if group_size(dp_group) > 1:
-        dist.all_reduce(sums, group=dp_group)
+        all_reduce_tensor(sums, dp_group, what="losses and tokens")
     tokens = sums[-1]
     means = sums[:-1] / tokens.clamp(min=1.0)
     return dict(zip(names[:-1], means.unbind(0))), tokens
@@ -99,7 +98,7 @@ def scale_grads_per_token(
         losses, tokens = token_weighted_losses(reported, ps.group("dp", "cp"))
     if ps.pp_size > 1:  # the count lives on the last stage
         tokens = tokens.clone()
-        dist.broadcast(tokens, src=ps.pp_ranks[-1], group=ps.pp_group)
+        broadcast_tensor(tokens, ps.pp_ranks[-1], ps.pp_group, what="token count")
     scale = num_microbatches * ps.size("dp", "cp") / tokens.clamp(min=1.0)
     for wrapper in wrappers:
         for buffer in wrapper.grad_buffers:

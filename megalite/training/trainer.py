@@ -24,6 +24,7 @@ from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from megalite.core.moe import routers_of, set_aux_loss_scale, update_expert_bias
 from megalite.core.parallel_state import ParallelState
@@ -41,6 +42,7 @@ from megalite.training.pipeline_config import effective_schedule
 from megalite.training.progress import Progress
 from megalite.training.signals import ExitSignalHandler, any_rank_signalled
 from megalite.training.step_stats import DeviceStats, IntervalSnapshot
+from megalite.training.stragglers import StragglerMeter, StragglerReport
 from megalite.training.tensorboard import TensorBoardLogger
 from megalite.training.train_step import StepResult, train_step
 
@@ -146,6 +148,17 @@ class Trainer:
         self.exit_signal: ExitSignalHandler | None = None  # --exit-signal-handler, set by pretrain
         self.progress = Progress(cfg, ps, device)  # the log lines and TensorBoard scalars
         self.stats = DeviceStats(device)
+        self.last_stragglers: StragglerReport | None = None
+        self.stragglers = (  # --log-straggler: every rank's step times at the log interval
+            StragglerMeter(
+                rank=ps.rank(),
+                world_group=ps.group() if dist.is_initialized() else None,
+                slowdown=cfg.logging.straggler_slowdown,
+                minmax_count=cfg.logging.straggler_minmax_count,
+            )
+            if cfg.logging.log_straggler
+            else None
+        )
 
     @property
     def is_log_rank(self) -> bool:
@@ -249,7 +262,11 @@ class Trainer:
         while r.iteration < t.train_iters:
             if not self.batch_sizes.constant:  # a batch-size ramp or schedule
                 self._next_batch_size()
+            if self.stragglers is not None:
+                self.stragglers.begin_step()
             step = self.step(forward_step_func, train_iter)
+            if self.stragglers is not None:
+                self.stragglers.end_step()
             r.iteration += 1
             r.consumed_train_samples += self.current_global_batch_size
             self.stats.add(
@@ -279,6 +296,8 @@ class Trainer:
                     global_batch_size=self.current_global_batch_size,
                     optimizer=self.optimizer,
                 )
+                if self.stragglers is not None:
+                    self._log_stragglers(r.iteration)
                 start = time.perf_counter()
             if valid_iter is not None and t.eval_interval and r.iteration % t.eval_interval == 0:
                 started = time.perf_counter()
@@ -305,6 +324,13 @@ class Trainer:
         self.save_checkpoint()  # the last iteration, unless saved already (Megatron does too)
         self.read_stats()  # the steps since the last read (a no-op read when there are none)
         return r
+
+    def _log_stragglers(self, iteration: int) -> None:
+        """--log-straggler: gather every rank's step times (all ranks), log the slow ones."""
+        report = self.stragglers.gather()
+        self.last_stragglers = report
+        logger.info("iteration %d: %s", iteration, report.line())
+        self.tensorboard.scalars(report.scalars(), iteration)
 
     def _next_batch_size(self) -> None:
         """Under a batch-size ramp: this iteration's global batch from the samples consumed

@@ -49,6 +49,7 @@ from torch import nn
 from megalite.core.distributed.grad_buffer import Bucket, GradBuffer
 from megalite.core.distributed.sp_grads import sequence_parallel_params
 from megalite.core.groups import all_reduce_flat, group_size
+from megalite.core.op_record import RECORDER
 from megalite.core.param_attributes import is_expert_param
 
 BucketKey = tuple[int, int]  # (buffer index, bucket index)
@@ -121,6 +122,7 @@ class DistributedDataParallel(nn.Module):
         self._ready: dict[BucketKey, set[nn.Parameter]] = {k: set() for k in self._buckets}
         self._deferred: set[BucketKey] = set()  # ready buckets the hook must not start
         self._reducing: dict[BucketKey, object] = {}  # reductions in flight (``.wait()``)
+        self._reduce_records: dict[BucketKey, object] = {}  # their op records, when recording
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in params]
 
     def _pad_multiple(self, group, pad_multiple: int) -> int:
@@ -176,7 +178,7 @@ class DistributedDataParallel(nn.Module):
             and len(ready) == len(self._buckets[key].params)
             and key not in self._deferred
         ):
-            self._reducing[key] = self._start_reduce(self._buckets[key])
+            self._launch_reduce(key)
 
     def _add_to_main_grad(self, param: nn.Parameter) -> None:
         param.main_grad.add_(param.grad)
@@ -193,8 +195,31 @@ class DistributedDataParallel(nn.Module):
         for ready in self._ready.values():
             ready.clear()
         self._reducing.clear()
+        self._reduce_records.clear()
 
     # --- the reduction ----------------------------------------------------------------------------
+
+    reduce_op = "all_reduce"  # what the op recorder calls a bucket's reduction
+
+    def _record_reduce(self, key: BucketKey, *, posted: bool):
+        """The op recorder's record of bucket ``key``'s reduction (None when it is off)."""
+        if not RECORDER.enabled:
+            return None
+        bucket = self._buckets[key]
+        record = RECORDER.post if posted else RECORDER.begin
+        return record(
+            self.reduce_op,
+            group=bucket.dp_group,
+            axis="dp",
+            what=f"grad bucket {key[0]}.{key[1]}",
+            shape=bucket.data.shape,
+        )
+
+    def _launch_reduce(self, key: BucketKey) -> None:
+        rec = self._record_reduce(key, posted=True)
+        self._reducing[key] = self._start_reduce(self._buckets[key])
+        if rec is not None:
+            self._reduce_records[key] = rec
 
     def _start_reduce(self, bucket: Bucket):
         """Launch ``_reduce_bucket`` asynchronously; returns what ``_finish_reduce`` waits on."""
@@ -223,15 +248,20 @@ class DistributedDataParallel(nn.Module):
             else:
                 bucket.data.div_(self.dp_size)
         if self.overlap_grad_reduce:
-            for key, bucket in buckets.items():
+            for key in buckets:
                 if key not in self._reducing:
-                    self._reducing[key] = self._start_reduce(bucket)
+                    self._launch_reduce(key)
             for key, pending in self._reducing.items():
+                rec = self._reduce_records.pop(key, None)
+                RECORDER.wait(rec)
                 self._finish_reduce(self._buckets[key], pending)
+                RECORDER.end(rec)
             self._reducing.clear()
         else:
-            for bucket in buckets.values():
+            for key, bucket in buckets.items():
+                rec = self._record_reduce(key, posted=False)
                 self._reduce_bucket(bucket)
+                RECORDER.end(rec)
 
     def finish_grad_sync(self) -> None:
         self._reduce_all_buckets()

@@ -179,6 +179,8 @@ class Zero1DataParallel(DistributedDataParallel):
         else:
             param.main_grad.add_(param.grad)
 
+    reduce_op = "reduce_scatter"
+
     def _start_reduce(self, bucket: Bucket) -> PendingReduceScatter:
         if bucket.data.dtype == torch.float16:  # fp16 range: divide before summing
             bucket.data.div_(self.dp_size)

@@ -43,6 +43,7 @@ from megalite.core.distributed.shard_collectives import (
 from megalite.core.distributed.sharded_grad_buffer import ShardedGradBuffer
 from megalite.core.distributed.zero1_data_parallel import Zero1DataParallel
 from megalite.core.groups import all_reduce_flat
+from megalite.core.op_record import RECORDER
 
 
 class Zero2DataParallel(Zero1DataParallel):
@@ -104,14 +105,21 @@ class Zero2DataParallel(Zero1DataParallel):
         bucket = self._buckets[key]
         if bucket.data.dtype == torch.float16:  # fp16 range: divide before summing
             bucket.data.div_(self.dp_size)
+        rec = self._record_reduce(key, posted=not wait)
         if wait:
             reduce_scatter_shard(bucket.data, bucket.dp_group, scratch=self._scratch)
+            RECORDER.end(rec)
             self._add_shard(bucket)
         else:
             self._pending[key] = start_reduce_scatter_shard(bucket.data, bucket.dp_group)
+            if rec is not None:
+                self._reduce_records[key] = rec
 
     def _complete(self, key: BucketKey) -> None:
+        rec = self._reduce_records.pop(key, None)
+        RECORDER.wait(rec)
         self._pending.pop(key).wait()
+        RECORDER.end(rec)
         self._add_shard(self._buckets[key])
 
     def _wait_all(self) -> None:

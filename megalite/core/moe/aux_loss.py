@@ -30,16 +30,15 @@ by ``set_aux_loss_scale``).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from megalite.core.groups import group_size
+from megalite.core.groups import all_reduce_tensor, group_size
 
 
 def sum_over(x: torch.Tensor, group) -> torch.Tensor:
     """Sum ``x`` over ``group`` (no autograd; a copy)."""
     x = x.detach().clone()
     if group_size(group) > 1:
-        dist.all_reduce(x, group=group)
+        all_reduce_tensor(x, group, what="aux-loss sum")
     return x
 
 

@@ -16,15 +16,20 @@ its rows took ``n`` times its rows in and ``sum(counts)`` out).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from megalite.core.groups import all_gather_tensor, group_rank, group_size, reduce_scatter_tensor
+from megalite.core.groups import (
+    all_gather_tensor,
+    all_to_all_tensor,
+    group_rank,
+    group_size,
+    reduce_scatter_tensor,
+)
 
 
 def _all_to_all_raw(x: torch.Tensor, group, out_splits: list[int], in_splits: list[int]):
     x = x.contiguous()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    all_to_all_tensor(out, x, out_splits, in_splits, group, what="tokens")
     return out
 
 

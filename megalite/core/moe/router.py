@@ -20,11 +20,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.core.groups import group_size
+from megalite.core.groups import all_reduce_tensor, group_size
 from megalite.core.moe.aux_loss import (
     attach_aux_loss,
     aux_loss_partial,
@@ -211,7 +210,7 @@ def update_expert_bias(model: nn.Module | list[nn.Module], group) -> None:
         return
     counts = torch.stack([r.local_tokens_per_expert for r in routers])  # [layers, E]
     if group_size(group) > 1:
-        dist.all_reduce(counts, group=group)
+        all_reduce_tensor(counts, group, what="expert token counts")
     for r, load in zip(routers, counts):
         r.expert_bias += r.config.router_bias_update_rate * torch.sign(load.mean() - load)
         r.local_tokens_per_expert.zero_()

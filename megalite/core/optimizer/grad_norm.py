@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from megalite.core.groups import group_size
+from megalite.core.groups import all_reduce_tensor, group_size
 from megalite.core.param_attributes import is_expert_param, is_tensor_parallel
 
 
@@ -51,7 +51,7 @@ def all_reduce_over(t: torch.Tensor, groups: Sequence, op=dist.ReduceOp.SUM) -> 
     """``t`` reduced in place over each group of ``groups`` in turn (groups of one skipped)."""
     for group in groups:
         if group_size(group) > 1:
-            dist.all_reduce(t, op=op, group=group)
+            all_reduce_tensor(t, group, op=op)
     return t
 
 

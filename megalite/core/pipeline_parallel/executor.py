@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from megalite.core.op_record import RECORDER
 from megalite.core.pipeline_parallel.actions import (
     Action,
     P2PBatch,
@@ -179,8 +180,9 @@ class _Run:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.input_grads: dict[tuple[int, int], torch.Tensor | None] = {}
         self.mailbox: dict[tuple[str, int, int], torch.Tensor] = {}  # (kind, mb, stage)
-        self.recvs: dict[tuple[str, int, int], tuple[object, torch.Tensor]] = {}
-        self.sends: list[tuple[object, tuple[int, int] | None]] = []  # (work, output key)
+        # (kind, mb, stage) -> (work, buffer, record); sends: (work, output key, record)
+        self.recvs: dict[tuple[str, int, int], tuple[object, torch.Tensor, object]] = {}
+        self.sends: list[tuple[object, tuple[int, int] | None, object]] = []
         self.to_send: dict[tuple[int, int], torch.Tensor] = {}
         self.losses: dict[int, dict] = {}
         self.stores = [WeightGradStore() for _ in self.model]
@@ -189,14 +191,16 @@ class _Run:
 
     def _poll_sends(self, wait: bool = False) -> None:
         keep = []
-        for work, key in self.sends:
+        for work, key, rec in self.sends:
             if wait:
+                RECORDER.wait(rec)
                 work.wait()
             if wait or work.is_completed():
+                RECORDER.end(rec)
                 if key is not None and key in self.outputs:
                     self.outputs[key] = release_output(self.outputs[key])
             else:
-                keep.append((work, key))
+                keep.append((work, key, rec))
         self.sends = keep
 
     def _post(self, ops: tuple[PostedOp, ...]) -> None:
@@ -205,7 +209,7 @@ class _Run:
             ops = tuple(op for op in ops if op.kind == "F")
         if not ops:
             return
-        p2p_ops, frees, bufs = [], [], []
+        p2p_ops, frees, bufs, recs = [], [], [], []
         for op in ops:
             to = self.p2p.global_rank(op.peer, self.rank)
             if op.send:
@@ -225,14 +229,15 @@ class _Run:
                 frees.append(None)
                 bufs.append(buf)
                 p2p_ops.append(dist.P2POp(dist.irecv, buf, to, self.p2p.group, op.tag))
+            recs.append(self._record(op, to))
         works = dist.batch_isend_irecv(p2p_ops)
         if len(works) != len(ops):  # nccl: one work for the whole batch
             works = [_AllOf(works)] * len(ops)
-        for op, work, free, buf in zip(ops, works, frees, bufs):
+        for op, work, free, buf, rec in zip(ops, works, frees, bufs, recs):
             if op.send:
-                self.sends.append((work, free))
+                self.sends.append((work, free, rec))
             else:
-                self.recvs[(op.kind, op.microbatch, op.stage)] = (work, buf)
+                self.recvs[(op.kind, op.microbatch, op.stage)] = (work, buf, rec)
         if not self.p2p.overlap:  # synchronous p2p: the whole batch, now
             for op in ops:
                 if not op.send:
@@ -248,11 +253,29 @@ class _Run:
                 f"pipeline rank {self.rank} needs {kind} of micro-batch {mb} at stage {stage} but "
                 "no receive was posted: run the lists of actions.p2p_program / with_p2p"
             )
-        work, buf = self.recvs.pop(key)
+        work, buf, rec = self.recvs.pop(key)
         label = "recv" if self.timeline is not None else None
+        RECORDER.wait(rec)
         with self.timeline.span(label) if label else contextlib.nullcontext():
             work.wait()
+        RECORDER.end(rec)
         return buf
+
+    def _record(self, op: PostedOp, to: int):
+        """The recorder's record of a posted message (None when the recorder is off)."""
+        if not RECORDER.enabled:
+            return None
+        return RECORDER.post(
+            "send" if op.send else "recv",
+            axis="pp",
+            what="activation" if op.kind == "F" else "grad",
+            peer=to,
+            shape=self.p2p.shape,
+            stage=op.stage,
+            microbatch=op.microbatch,
+            action="F" if op.kind == "F" else "B",
+            chunk=op.chunk,
+        )
 
     def _take_into_mailbox(self, kind: str, mb: int, stage: int) -> None:
         self.mailbox[(kind, mb, stage)] = self._take(kind, mb, stage)
@@ -337,12 +360,20 @@ class _Run:
         return [self.losses[mb] for mb in sorted(self.losses)]
 
     def _step(self, i: int, a: Action, last: dict[int, int]) -> None:
+        rec = RECORDER.begin(
+            "compute",
+            stage=self.stages[a.chunk],
+            microbatch=a.microbatch,
+            action=a.op,
+            chunk=a.chunk,
+        )
         if a.op == "F":
             self.forward(a)
         elif not self.forward_only:  # B, I or W
             synced = [chunk for k, chunk in enumerate(self.model) if last.get(k) != i]
             with no_sync(synced):
                 (self.weight if a.op == "W" else self.backward)(a)
+        RECORDER.end(rec)
 
 
 def execute(
@@ -368,6 +399,8 @@ def execute(
             f"chunks and {len(data_iterator)} data iterators"
         )
     p2p.check_neighbours()
+    if RECORDER.enabled:
+        RECORDER.coords["pp"] = pp_rank
     run = _Run(
         layout=layout,
         pp_rank=pp_rank,

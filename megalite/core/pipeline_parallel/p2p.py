@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megalite.core.op_record import RECORDER
 from megalite.core.pipeline_parallel.actions import StageLayout
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -88,8 +89,12 @@ class P2PCommunicator:
             ops.append(dist.P2POp(dist.isend, mine, peer, self.group))
             ops.append(dist.P2POp(dist.irecv, buf, peer, self.group))
         if ops:
+            rec = RECORDER.begin(
+                "shape exchange", group=self.group, axis="pp", what="activation shape and dtype"
+            )
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
+            RECORDER.end(rec)
         for peer, spec in received.items():
             if not torch.equal(spec.cpu(), mine.cpu()):
                 first, second = sorted([dist.get_rank(), peer])
@@ -161,7 +166,9 @@ class P2PCommunicator:
             values = torch.stack(
                 [torch.stack([d[n].detach().float().reshape(()) for n in names]) for d in losses]
             )  # [num_microbatches, num_names]
+            rec = RECORDER.begin("send", axis="pp", what="losses", peer=to, shape=values.shape)
             dist.send(values.to(self.device), to, group=self.group)
+            RECORDER.end(rec)
 
     def _recv_losses(self, src: int, num_microbatches: int) -> list[dict]:
         if self.loss_names is None:  # the first step: the names, once
@@ -175,5 +182,7 @@ class P2PCommunicator:
         if not names:  # nothing reported: the last rank gets one empty dict per micro-batch
             return [{} for _ in range(num_microbatches)]
         values = torch.empty(num_microbatches, len(names), dtype=torch.float32, device=self.device)
+        rec = RECORDER.begin("recv", axis="pp", what="losses", peer=src, shape=values.shape)
         dist.recv(values, src, group=self.group)
+        RECORDER.end(rec)
         return [dict(zip(names, row.unbind(0))) for row in values]

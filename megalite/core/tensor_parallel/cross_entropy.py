@@ -12,12 +12,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megalite.core.groups import group_rank, group_size
+from megalite.core.groups import all_reduce_tensor, group_rank, group_size
 
 
 def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if group_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)
+        all_reduce_tensor(x, group, op=op, what="cross-entropy")
     return x
 
 

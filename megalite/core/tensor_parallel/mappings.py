@@ -23,9 +23,14 @@ raw tensor collectives) live in ``megalite.core.groups``.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from megalite.core.groups import all_gather_tensor, group_rank, group_size, reduce_scatter_tensor
+from megalite.core.groups import (
+    all_gather_tensor,
+    all_reduce_tensor,
+    group_rank,
+    group_size,
+    reduce_scatter_tensor,
+)
 
 
 # --- the raw operations (no autograd) ---
@@ -33,7 +38,7 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if group_size(group) == 1:
         return x
     x = x.contiguous()
-    dist.all_reduce(x, group=group)
+    all_reduce_tensor(x, group)
     return x
 
 
