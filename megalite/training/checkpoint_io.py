@@ -7,9 +7,9 @@
 
 The flags (``--save``, ``--load``, ``--ckpt-step``, ``--no-save-optim``, ``--no-load-optim``,
 ``--no-load-rng``, ``--finetune``, ``--keep-last-n-checkpoints``, ``--seed``,
-``--use-checkpoint-opt_param-scheduler``) are read here and passed to the package as arguments;
-the run's ``PretrainConfig`` is recorded in every checkpoint (``config_record``). Also
-``exit_duration_reached`` (``--exit-duration-in-mins``).
+``--use-checkpoint-opt_param-scheduler``, ``--async-save``) are read here and passed to the
+package as arguments; the run's ``PretrainConfig`` is recorded in every checkpoint
+(``config_record``). Also ``exit_duration_reached`` (``--exit-duration-in-mins``).
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ from torch import nn
 
 from megalite import checkpoint
 from megalite.checkpoint import CheckpointError, LoadedCheckpoint
+from megalite.checkpoint.async_save import AsyncCheckpointWriter
 from megalite.checkpoint.files import iteration_dir
 from megalite.checkpoint.megatron import scheduler_steps_from_samples
 from megalite.checkpoint.megatron.loading import detect_format, open_reader
 from megalite.checkpoint.records import plain_data
+from megalite.checkpoint.saving import prepare_save
 from megalite.core.pipeline_parallel.generators import layout_of
 from megalite.core.pipeline_parallel.model_chunk import ModelChunk
 from megalite.training.config import PretrainConfig
@@ -66,18 +68,53 @@ def config_record(cfg: PretrainConfig) -> dict:
     return out
 
 
+def async_writer(cfg: PretrainConfig) -> AsyncCheckpointWriter | None:
+    """``--async-save``: the run's background checkpoint writer (None without the flag). Megatron's
+    formats (``--ckpt-format torch|torch_dist``) are written synchronously, said in one line."""
+    t = cfg.training
+    if not t.async_save:
+        return None
+    if t.ckpt_format != "megalite":
+        logger.warning(
+            "--async-save writes megalite's format only: --ckpt-format %s saves synchronously",
+            t.ckpt_format,
+        )
+        return None
+    return AsyncCheckpointWriter()
+
+
 def save_checkpoint(trainer, iteration: int | None = None, *, save_dir: str | None = None) -> str:
     """Write the checkpoint of ``iteration`` (default: ``trainer.result.iteration``) under
     ``save_dir`` (default ``--save``); returns its directory. Collective over the world.
+    With ``--async-save`` (``trainer.async_writer``) the save in flight is committed first, this
+    one is copied to host memory and written in the background: it is committed by the next
+    save or ``finish_async_save``.
 
     ``trainer``: a ``pretrain.Trainer`` (anything with ``cfg``, ``ps``, ``device``, ``model``,
-    ``optimizer``, ``scheduler``, ``result`` and ``rng_tracker``)."""
+    ``optimizer``, ``scheduler``, ``result``, ``rng_tracker`` and ``async_writer``)."""
     t, r = trainer.cfg.training, trainer.result
     iteration = r.iteration if iteration is None else int(iteration)
+    finish_async_save(trainer)  # one snapshot in flight at most
+    pieces = _pieces(trainer, t, r)
     with gathered_params(trainer.model):  # ZeRO-3: params whole while saving
-        iter_dir = _save(trainer, iteration, save_dir, t, r)
+        if trainer.async_writer is not None:
+            pending = prepare_save(save_dir or t.save, iteration, **pieces)
+            trainer.async_writer.start(pending, device=trainer.device)
+            iter_dir = pending.iter_dir
+        else:
+            iter_dir = checkpoint.save_checkpoint(
+                save_dir or t.save, iteration, ckpt_format=t.ckpt_format, **pieces
+            )
     trainer.last_saved_iteration = iteration
     return iter_dir
+
+
+def finish_async_save(trainer) -> str | None:
+    """``--async-save``: wait for the save in flight and commit it (collective over the world:
+    every rank at the same point; the next save, an exit signal's save and the end of training
+    call it); returns its directory, or None when none was in flight."""
+    writer = trainer.async_writer
+    return None if writer is None else writer.finish()
 
 
 def gathered_params(model: list[ModelChunk]) -> contextlib.ExitStack:
@@ -90,10 +127,9 @@ def gathered_params(model: list[ModelChunk]) -> contextlib.ExitStack:
     return stack
 
 
-def _save(trainer, iteration: int, save_dir, t, r) -> str:
-    iter_dir = checkpoint.save_checkpoint(
-        save_dir or t.save,
-        iteration,
+def _pieces(trainer, t, r) -> dict:
+    """The keyword arguments of ``checkpoint.save_checkpoint`` but the format."""
+    return dict(
         model_chunks=gpt_modules(trainer.model),
         optimizer=trainer.optimizer,
         scheduler=trainer.scheduler,
@@ -105,9 +141,7 @@ def _save(trainer, iteration: int, save_dir, t, r) -> str:
         config_record=config_record(trainer.cfg),
         save_optim=not t.no_save_optim,
         keep_last_n=t.keep_last_n_checkpoints,
-        ckpt_format=t.ckpt_format,
     )
-    return iter_dir
 
 
 def load_checkpoint(

@@ -56,6 +56,8 @@ class TrainingConfig:
     exit_signal_handler: bool = False  # --exit-signal-handler: save and exit 0 on the signal
     exit_signal: str = "SIGTERM"  # --exit-signal
     ckpt_format: str = "megalite"  # megalite (own) | torch | torch_dist (Megatron's)
+    # write checkpoints from a host copy in a background thread (megalite.checkpoint.async_save)
+    async_save: bool = False
     # the LR schedule's settings (rates, warmup, decay length and style) from the checkpoint
     # loaded instead of from the flags, as Megatron's --use-checkpoint-opt_param-scheduler
     use_checkpoint_opt_param_scheduler: bool = False

@@ -318,6 +318,10 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
         help="megalite's own files (default) or Megatron-LM's torch / torch_dist",
     )
     t.add("--ckpt-step", type=int, help="load this iteration instead of the latest")
+    t.switch(
+        "--async-save",
+        help="copy the checkpoint to host memory and write it in the background while training",
+    )
     for flag in ("--no-save-optim", "--no-load-optim", "--no-load-rng"):
         t.switch(flag)
     t.switch("--finetune", help="load the weights only; iteration and data start at 0")

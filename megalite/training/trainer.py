@@ -112,6 +112,7 @@ class Trainer:
         self.rng_tracker = tracker  # saved and restored by checkpoints
         self.start_time = time.time()  # for --exit-duration-in-mins
         self.last_saved_iteration: int | None = None  # set by save/load_checkpoint
+        self.async_writer = checkpoint_io.async_writer(cfg)  # --async-save, else None
         self.first_step_hooks: list[FirstStepHook] = list(first_step_hooks)
         self._stepped = False  # a step ran: the hooks' first-step contexts are spent
         self._updated = False  # an update was applied: ``after_first_update`` has run
@@ -303,6 +304,7 @@ class Trainer:
                 )
                 break
         self.save_checkpoint()  # the last iteration, unless saved already (Megatron does too)
+        checkpoint_io.finish_async_save(self)  # --async-save: the save in flight is committed
         self.read_stats()  # the steps since the last read (a no-op read when there are none)
         return r
 
