@@ -290,6 +290,9 @@ class Trainer:
                 start += time.perf_counter() - started  # not training time
             if t.save and t.save_interval and r.iteration % t.save_interval == 0:
                 self.save_checkpoint()
+            elif checkpoint_io.non_persistent_due(self):  # --non-persistent-save-interval
+                self.read_stats()  # a non-finite run stops before it saves
+                checkpoint_io.save_non_persistent(self)
             if self.exit_signal is not None and self._exit_on_signal(r.iteration):
                 r.exited_on_signal = True
                 break
