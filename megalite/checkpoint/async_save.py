@@ -14,8 +14,10 @@ the world): only when every rank's files are complete does rank 0 replace the tr
 while the thread writes leaves the previous checkpoint the latest. A write that failed on any rank
 raises the same CheckpointError on every rank as a synchronous save, at ``finish``.
 
-Host memory: one snapshot at most is in flight (a second ``start`` needs ``finish`` first), and
-its size is logged in one line. The copy keeps the storages' sharing (tied weights, views of one
+Host memory: one snapshot at most is in flight (a second ``start`` needs ``finish`` first), its
+size is logged in one line, and its storages are kept for the next save, which overwrites those
+whose source storage is the same (most of them: parameters, optimizer state) instead of
+allocating (and pinning) anew. The copy keeps the storages' sharing (tied weights, views of one
 flat buffer), so ``torch.save`` writes the bytes of a synchronous save on CPU.
 """
 
@@ -33,12 +35,19 @@ from megalite.checkpoint.saving import PendingSave, finish_save, write_pending
 logger = logging.getLogger(__name__)
 
 
-def host_copy(obj: object, *, pin: bool) -> tuple[object, int]:
+def host_copy(
+    obj: object, *, pin: bool, buffers: dict[tuple, torch.UntypedStorage] | None = None
+) -> tuple[object, int]:
     """``obj`` (nested dicts, lists, tuples; other leaves kept as they are, being immutable
     records) with every tensor copied to host memory, pinned when ``pin``; returns (copy, bytes
     copied). Each storage is copied once and every tensor keeps its offset, size and stride in
     it, and an object met twice is copied once, as ``torch.save`` records them. With ``pin`` the
-    device copies are asynchronous: call ``torch.cuda.synchronize()`` before reading the copy."""
+    device copies are asynchronous: call ``torch.cuda.synchronize()`` before reading the copy.
+
+    ``buffers``: the host storages of the previous copy, by source storage (device, address,
+    bytes); those whose source is met again are overwritten instead of allocated (no new pages
+    to fault in, no new pinned memory), and on return it holds this copy's storages only."""
+    old = {} if buffers is None else dict(buffers)
     storages: dict[tuple, torch.UntypedStorage] = {}
     copied = 0
 
@@ -48,7 +57,9 @@ def host_copy(obj: object, *, pin: bool) -> tuple[object, int]:
         key = (source.device, source.data_ptr(), source.nbytes())
         if source.nbytes() == 0 or key not in storages:
             n = source.nbytes()
-            target = torch.empty(n, dtype=torch.uint8, pin_memory=pin).untyped_storage()
+            target = old.pop(key, None)
+            if target is None:
+                target = torch.empty(n, dtype=torch.uint8, pin_memory=pin).untyped_storage()
             target.copy_(source, non_blocking=pin)
             copied += n
             if n == 0:
@@ -82,7 +93,11 @@ def host_copy(obj: object, *, pin: bool) -> tuple[object, int]:
             return tuple(copy(v) for v in x)
         return x
 
-    return copy(obj), copied
+    out = copy(obj)
+    if buffers is not None:
+        buffers.clear()
+        buffers.update(storages)
+    return out, copied
 
 
 class AsyncCheckpointWriter:
@@ -92,6 +107,8 @@ class AsyncCheckpointWriter:
         self._pending: PendingSave | None = None
         self._thread: threading.Thread | None = None
         self._result: tuple[int, CheckpointError | None] = (0, None)
+        # the host storages of the last snapshot, reused by the next (written by then)
+        self._buffers: dict[tuple, torch.UntypedStorage] = {}
 
     @property
     def in_flight(self) -> int | None:
@@ -109,7 +126,7 @@ class AsyncCheckpointWriter:
             )
         started = time.perf_counter()
         pin = device.type == "cuda"
-        writes, copied = host_copy(pending.writes, pin=pin)
+        writes, copied = host_copy(pending.writes, pin=pin, buffers=self._buffers)
         if pin:
             torch.cuda.synchronize(device)
         pending.writes = writes

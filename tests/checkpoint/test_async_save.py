@@ -102,6 +102,13 @@ def test_host_copy_is_a_snapshot_that_keeps_storage_sharing():
     assert copy["b"].storage_offset() == 4 and copy["tied"] is not copy["a"]
     assert copy["t"][0].item() == 9.0
 
+    buffers: dict = {}
+    first, _ = host_copy(state, pin=False, buffers=buffers)
+    flat.add_(1.0)
+    second, _ = host_copy(state, pin=False, buffers=buffers)  # the next save: storage reused
+    assert second["a"].untyped_storage().data_ptr() == first["a"].untyped_storage().data_ptr()
+    assert torch.equal(second["a"], torch.arange(4.0) + 101.0) and len(buffers) == 1
+
 
 def test_async_save_writes_the_sync_files_while_training_goes_on(tmp_path, monkeypatch):
     save = tmp_path / "ckpt"
