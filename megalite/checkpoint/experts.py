@@ -69,7 +69,7 @@ def _file(iter_dir: str, pp: int, ep: int, etp: int) -> str:
 def gather_expert_optimizer(module: nn.Module, optimizer, ps: ParallelState) -> dict | None:
     """A sharded (ZeRO) optimizer's expert state, whole over edp: ``{local name: {"master",
     "exp_avg", "exp_avg_sq"}}``; a collective over edp, every rank calls it before
-    ``save_experts``. None for a plain optimizer (``save_experts`` reads it itself) or without
+    ``expert_file``. None for a plain optimizer (``expert_file`` reads it itself) or without
     experts."""
     del ps
     if optimizer is None or not optimizer.is_sharded or not _expert_params(module):
@@ -77,15 +77,16 @@ def gather_expert_optimizer(module: nn.Module, optimizer, ps: ParallelState) -> 
     return full_state_buffers(optimizer, expert=True)
 
 
-def save_experts(
+def expert_file(
     iter_dir: str, module: nn.Module, optimizer, ps: ParallelState, gathered: dict | None = None
-) -> int:
-    """Write this rank's experts (edp rank 0 only; others return 0); the bytes written.
+) -> tuple[str, dict] | None:
+    """(path, content) of this rank's expert file (edp rank 0 only; None on the others and
+    without experts); the content's tensors are views of the live state.
     ``optimizer`` None: the model only (``--no-save-optim``); a sharded optimizer's state comes
     from ``gathered`` (``gather_expert_optimizer``)."""
     params = _expert_params(module)
     if not params or ps.rank("edp") != 0:
-        return 0
+        return None
     el = params[0][3].shape[0]
     first = ps.rank("ep") * el
     full_optim = None
@@ -106,8 +107,7 @@ def save_experts(
         "model": model,
         "optimizer": optim,
     }
-    os.makedirs(os.path.join(iter_dir, EXPERTS_DIR), exist_ok=True)
-    return save_file(record, _file(iter_dir, ps.pp_rank, ps.rank("ep"), ps.rank("etp")))
+    return _file(iter_dir, ps.pp_rank, ps.rank("ep"), ps.rank("etp")), record
 
 
 class ExpertReader:

@@ -15,6 +15,10 @@ Collective: every rank calls it at the same iteration boundary (the exit-signal 
 It communicates over ``ps.group()`` (every rank: the barriers around the write and the confirmation
 before the tracker is replaced) and ``ps.group("dp", "cp")`` (the RNG states); it returns when the
 checkpoint is complete and the tracker names it.
+
+A save is three steps: ``prepare_save`` (every collective but the commit; no file yet),
+``write_pending`` (this rank's files: no collective, so a background thread may run it, as
+``async_save`` does) and ``commit_checkpoint`` (every rank's files are complete: the tracker).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.checkpoint.chunks import check_chunks, stage_table
-from megalite.checkpoint.experts import gather_expert_optimizer, save_experts
+from megalite.checkpoint.experts import expert_file, gather_expert_optimizer
 from megalite.checkpoint.files import (
     MODEL_FILE,
     CheckpointError,
@@ -140,7 +144,55 @@ def _stop_on_failure(
     )
 
 
-def save_checkpoint(
+@dataclasses.dataclass
+class PendingSave:
+    """One rank's part of a checkpoint, ready to write: what ``prepare_save`` gathered (every
+    collective of a save but the commit is done) and ``write_pending`` writes without one."""
+
+    save_dir: str
+    iteration: int
+    iter_dir: str
+    folder: str  # this rank's mp_rank_* folder (named in a write failure)
+    writes: list[tuple[str, object]]  # (path, object for torch.save), in order
+    keep_last_n: int | None
+    started: float  # time.perf_counter() when the save began
+    ps: ParallelState
+
+
+def save_checkpoint(save_dir: str, iteration: int, **pieces) -> str:
+    """Write the checkpoint of ``iteration`` under ``save_dir``; returns its directory. The
+    arguments are ``prepare_save``'s: ``prepare_save``, ``write_pending`` and
+    ``commit_checkpoint`` in a row. Collective over the world (module docstring)."""
+    pending = prepare_save(save_dir, iteration, **pieces)
+    written, failure = write_pending(pending)
+    return finish_save(pending, written=written, failure=failure)
+
+
+def finish_save(pending: PendingSave, *, written: int, failure: CheckpointError | None) -> str:
+    """``commit_checkpoint`` of a written ``pending`` save and its log line; returns its
+    directory. Collective over the world."""
+    total = commit_checkpoint(
+        pending.save_dir,
+        pending.iteration,
+        ps=pending.ps,
+        written=written,
+        failure=failure,
+        keep_last_n=pending.keep_last_n,
+    )
+    seconds = time.perf_counter() - pending.started
+    megabytes = total / 1e6
+    logger.info(
+        "saved checkpoint at iteration %d to %s in %.2f s (%.1f MB, %.1f MB/s)",
+        pending.iteration,
+        pending.save_dir,
+        seconds,
+        megabytes,
+        megabytes / max(seconds, 1e-9),
+    )
+    return pending.iter_dir
+
+
+def prepare_save(
     save_dir: str,
     iteration: int,
     *,
@@ -155,8 +207,11 @@ def save_checkpoint(
     config_record: dict | None = None,
     save_optim: bool = True,
     keep_last_n: int | None = None,
-) -> str:
-    """Write the checkpoint of ``iteration`` under ``save_dir``; returns its directory.
+) -> PendingSave:
+    """Gather this rank's part of the checkpoint of ``iteration`` (every collective of the save
+    but the commit: the non-finite check, the RNG states over DP, a sharded optimizer's experts)
+    without writing a file. Its tensors are views of the live state: write it (``write_pending``)
+    before the next step, or write a host copy of it (``async_save``).
 
     ``model_chunks``: this rank's GPT chunk modules, chunk 0 first (not the data-parallel
     wrappers); several (virtual stages, V schedules) are written as ``model0``, ``model1``, ...
@@ -165,9 +220,8 @@ def save_checkpoint(
     with ``state_dict()``. ``rng_tracker``: the TP RNG tracker or None. ``config_record``: the run's
     settings as plain data, recorded as ``header["config"]`` (its ``"model"`` entry defaults to
     the stage's GPTConfig). ``save_optim=False`` (``--no-save-optim``) writes the model, RNG and
-    counters only; ``keep_last_n`` (``--keep-last-n-checkpoints``) then deletes older iterations.
-    megalite's own files; ``formats.save_checkpoint`` also writes Megatron-LM's. Collective over
-    the world (module docstring)."""
+    counters only; ``keep_last_n`` (``--keep-last-n-checkpoints``) then deletes older iterations
+    at the commit. Collective over the world (module docstring)."""
     if not save_dir:
         raise CheckpointError("save_checkpoint needs a directory: pass --save DIR")
     chunks = check_chunks(model_chunks)
@@ -183,19 +237,13 @@ def save_checkpoint(
         raise _refusal(save_dir, iteration, non_finite)
     folder = shard_dir(iter_dir, tp_rank=ps.tp_rank, pp_rank=ps.pp_rank, pp_size=ps.pp_size)
     dp_rank = ps.rank("dp", "cp")
-    written = 0
-    failure = None  # this rank's CheckpointError; every rank still joins every collective
-    try:
-        os.makedirs(folder, exist_ok=True)
-        if save_optim and optimizer.is_sharded:
-            path = os.path.join(folder, distrib_optim_file(dp_rank))
-            written += save_file(optimizer.sharded_state_dict(), path)
-    except OSError as e:
-        failure = write_failure(folder, e)
-    except CheckpointError as e:
-        failure = e
+    writes: list[tuple[str, object]] = []
+    if save_optim and optimizer.is_sharded:
+        writes.append(
+            (os.path.join(folder, distrib_optim_file(dp_rank)), optimizer.sharded_state_dict())
+        )
     rng = gather_over_dp(capture_rng_state(rng_tracker, device), ps)
-    if dp_rank == 0 and failure is None:
+    if dp_rank == 0:
         if not save_optim:
             optim_state = None
         elif optimizer.is_sharded:
@@ -216,38 +264,36 @@ def save_checkpoint(
         )
         if len(chunks) > 1:  # Megatron's keys, each chunk's layers numbered from 0
             header.update({f"model{c}": m.state_dict() for c, m in enumerate(chunks)})
-        try:
-            written += save_file(header, os.path.join(folder, MODEL_FILE))
-        except CheckpointError as e:
-            failure = e
+        writes.append((os.path.join(folder, MODEL_FILE), header))
     expert_optim = gather_expert_optimizer(module, optimizer if save_optim else None, ps)
-    if failure is None:  # MoE experts in files of their own, by global expert index
-        try:
-            written += save_experts(
-                iter_dir, module, optimizer if save_optim else None, ps, expert_optim
-            )
-        except CheckpointError as e:
-            failure = e
+    # MoE experts in files of their own, by global expert index
+    experts = expert_file(iter_dir, module, optimizer if save_optim else None, ps, expert_optim)
+    if experts is not None:
+        writes.append(experts)
+    return PendingSave(save_dir, iteration, iter_dir, folder, writes, keep_last_n, started, ps)
+
+
+def write_pending(pending: PendingSave) -> tuple[int, CheckpointError | None]:
+    """Write and fsync this rank's files of ``pending`` (crash-safe, ``files.save_file``), then
+    their folders; no collective, so a background thread may run it. Returns (bytes written,
+    this rank's CheckpointError or None): a failure is reported, not raised, because every rank
+    still joins the commit."""
+    written = 0
+    folders: list[str] = []
     try:
-        if written and failure is None:
+        for path, obj in pending.writes:
+            folder = os.path.dirname(path)
+            if folder not in folders:
+                os.makedirs(folder, exist_ok=True)
+                folders.append(folder)
+            written += save_file(obj, path)
+        for folder in [*folders, pending.iter_dir] if folders else []:
             fsync_dir(folder)
-            fsync_dir(iter_dir)
     except OSError as e:
-        failure = write_failure(folder, e)
-    total = commit_checkpoint(
-        save_dir, iteration, ps=ps, written=written, failure=failure, keep_last_n=keep_last_n
-    )
-    seconds = time.perf_counter() - started
-    megabytes = total / 1e6
-    logger.info(
-        "saved checkpoint at iteration %d to %s in %.2f s (%.1f MB, %.1f MB/s)",
-        iteration,
-        save_dir,
-        seconds,
-        megabytes,
-        megabytes / max(seconds, 1e-9),
-    )
-    return iter_dir
+        return written, write_failure(pending.folder, e)
+    except CheckpointError as e:
+        return written, e
+    return written, None
 
 
 def commit_checkpoint(

@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import functools
 import logging
+import os
 import re
 from collections.abc import Mapping, Sequence
 
@@ -111,9 +112,28 @@ def parse_args(
             launch = detect_launch(env)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        return build_config(args, world_size=launch.world_size, rank=launch.rank)
+        cfg = build_config(args, world_size=launch.world_size, rank=launch.rank)
+        load_after_restart(cfg, os.environ if env is None else env, rank=launch.rank)
+        return cfg
     except ConfigError as e:
         raise ConfigError(flag_message(str(e))) from None
+
+
+# set by the launchers to the number of times the job was restarted (torchrun --max-restarts,
+# SLURM's requeue)
+RESTART_COUNTS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+
+
+def load_after_restart(cfg: PretrainConfig, env: Mapping[str, str], *, rank: int = 0) -> None:
+    """A run the launcher restarted (a restart count above 0) with ``--save`` and no ``--load``
+    resumes from ``--save``: its newest complete checkpoint (the tracker names only those), so no
+    person has to add the flag. Logged in one line on ``rank`` 0."""
+    t = cfg.training
+    restarts = max(int(env.get(k, "0") or 0) for k in RESTART_COUNTS)
+    if restarts and t.save and t.load is None:
+        t.load = t.save
+        if rank == 0:
+            logger.warning("restart %d of this job: resuming from --save %s", restarts, t.save)
 
 
 def _refuse_unknown(unknown: list[str]) -> None:

@@ -7,9 +7,9 @@
 
 The flags (``--save``, ``--load``, ``--ckpt-step``, ``--no-save-optim``, ``--no-load-optim``,
 ``--no-load-rng``, ``--finetune``, ``--keep-last-n-checkpoints``, ``--seed``,
-``--use-checkpoint-opt_param-scheduler``) are read here and passed to the package as arguments;
-the run's ``PretrainConfig`` is recorded in every checkpoint (``config_record``). Also
-``exit_duration_reached`` (``--exit-duration-in-mins``).
+``--use-checkpoint-opt_param-scheduler``, ``--async-save``) are read here and passed to the
+package as arguments; the run's ``PretrainConfig`` is recorded in every checkpoint
+(``config_record``). Also ``exit_duration_reached`` (``--exit-duration-in-mins``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 
 import torch
@@ -25,10 +26,12 @@ from torch import nn
 
 from megalite import checkpoint
 from megalite.checkpoint import CheckpointError, LoadedCheckpoint
+from megalite.checkpoint.async_save import AsyncCheckpointWriter
 from megalite.checkpoint.files import iteration_dir
 from megalite.checkpoint.megatron import scheduler_steps_from_samples
 from megalite.checkpoint.megatron.loading import detect_format, open_reader
 from megalite.checkpoint.records import plain_data
+from megalite.checkpoint.saving import prepare_save
 from megalite.core.pipeline_parallel.generators import layout_of
 from megalite.core.pipeline_parallel.model_chunk import ModelChunk
 from megalite.training.config import PretrainConfig
@@ -66,18 +69,119 @@ def config_record(cfg: PretrainConfig) -> dict:
     return out
 
 
-def save_checkpoint(trainer, iteration: int | None = None, *, save_dir: str | None = None) -> str:
+def async_writer(cfg: PretrainConfig) -> AsyncCheckpointWriter | None:
+    """``--async-save``: the run's background checkpoint writer (None without the flag). Megatron's
+    formats (``--ckpt-format torch|torch_dist``) are written synchronously, said in one line."""
+    t = cfg.training
+    if not t.async_save:
+        return None
+    if t.ckpt_format != "megalite":
+        logger.warning(
+            "--async-save writes megalite's format only: --ckpt-format %s saves synchronously",
+            t.ckpt_format,
+        )
+        return None
+    return AsyncCheckpointWriter()
+
+
+def save_checkpoint(
+    trainer,
+    iteration: int | None = None,
+    *,
+    save_dir: str | None = None,
+    keep_last_n: int | None = None,
+) -> str:
     """Write the checkpoint of ``iteration`` (default: ``trainer.result.iteration``) under
-    ``save_dir`` (default ``--save``); returns its directory. Collective over the world.
+    ``save_dir`` (default ``--save``; ``keep_last_n`` default ``--keep-last-n-checkpoints``);
+    returns its directory. Collective over the world.
+    With ``--async-save`` (``trainer.async_writer``) the save in flight is committed first, this
+    one is copied to host memory and written in the background: it is committed by the next
+    save or ``finish_async_save``.
 
     ``trainer``: a ``pretrain.Trainer`` (anything with ``cfg``, ``ps``, ``device``, ``model``,
-    ``optimizer``, ``scheduler``, ``result`` and ``rng_tracker``)."""
+    ``optimizer``, ``scheduler``, ``result``, ``rng_tracker`` and ``async_writer``)."""
     t, r = trainer.cfg.training, trainer.result
     iteration = r.iteration if iteration is None else int(iteration)
+    finish_async_save(trainer)  # one snapshot in flight at most
+    pieces = _pieces(trainer, t, r)
+    if keep_last_n is not None:
+        pieces["keep_last_n"] = keep_last_n
     with gathered_params(trainer.model):  # ZeRO-3: params whole while saving
-        iter_dir = _save(trainer, iteration, save_dir, t, r)
+        if trainer.async_writer is not None:
+            pending = prepare_save(save_dir or t.save, iteration, **pieces)
+            trainer.async_writer.start(pending, device=trainer.device)
+            iter_dir = pending.iter_dir
+        else:
+            iter_dir = checkpoint.save_checkpoint(
+                save_dir or t.save, iteration, ckpt_format=t.ckpt_format, **pieces
+            )
     trainer.last_saved_iteration = iteration
     return iter_dir
+
+
+def finish_async_save(trainer) -> str | None:
+    """``--async-save``: wait for the save in flight and commit it (collective over the world:
+    every rank at the same point; the next save, an exit signal's save and the end of training
+    call it); returns its directory, or None when none was in flight."""
+    writer = trainer.async_writer
+    return None if writer is None else writer.finish()
+
+
+NON_PERSISTENT_DIR = "non_persistent"  # Megatron's default folder under --save
+
+
+def non_persistent_dir(t) -> str | None:
+    """Where ``--non-persistent-save-interval`` saves (``--non-persistent-global-ckpt-dir``, else
+    SAVE/non_persistent); None without the interval. ``t``: the run's TrainingConfig."""
+    if not t.non_persistent_save_interval:
+        return None
+    return t.non_persistent_global_ckpt_dir or os.path.join(t.save, NON_PERSISTENT_DIR)
+
+
+def non_persistent_due(trainer) -> bool:
+    """Whether this iteration gets a non-persistent save (its interval divides it)."""
+    n = trainer.cfg.training.non_persistent_save_interval
+    return bool(n) and trainer.result.iteration % n == 0
+
+
+def save_non_persistent(trainer) -> str:
+    """Save this iteration into ``non_persistent_dir`` (only the newest kept there), as
+    ``save_checkpoint`` does (collective; asynchronous with ``--async-save``). The run's last
+    persistent save is unchanged: the end of training still saves to ``--save``."""
+    t = trainer.cfg.training
+    persistent = trainer.last_saved_iteration
+    iter_dir = save_checkpoint(trainer, save_dir=non_persistent_dir(t), keep_last_n=1)
+    trainer.last_saved_iteration = persistent
+    return iter_dir
+
+
+def newest_checkpoint_dir(t) -> str | None:
+    """The folder a resume reads: ``--load`` or, when its tracker names a later iteration, the
+    non-persistent folder (``non_persistent_dir``). A tracker names a complete checkpoint only
+    (it is replaced once every rank's files are written), so either choice is whole."""
+    local = non_persistent_dir(t)
+    if not t.load or not local:
+        return t.load
+    persistent, recent = _tracked(t.load), _tracked(local)
+    if recent is None or (persistent is not None and persistent >= recent):
+        return t.load
+    logger.info(
+        "resuming from the non-persistent checkpoint of iteration %d in %s (--load %s: %s)",
+        recent,
+        local,
+        t.load,
+        "none" if persistent is None else f"iteration {persistent}",
+    )
+    return local
+
+
+def _tracked(folder: str) -> int | None:
+    """The iteration ``folder``'s tracker names; None without one (or "release")."""
+    try:
+        found = checkpoint.read_tracker(folder)
+    except CheckpointError:
+        return None
+    return found if isinstance(found, int) else None
 
 
 def gathered_params(model: list[ModelChunk]) -> contextlib.ExitStack:
@@ -90,10 +194,9 @@ def gathered_params(model: list[ModelChunk]) -> contextlib.ExitStack:
     return stack
 
 
-def _save(trainer, iteration: int, save_dir, t, r) -> str:
-    iter_dir = checkpoint.save_checkpoint(
-        save_dir or t.save,
-        iteration,
+def _pieces(trainer, t, r) -> dict:
+    """The keyword arguments of ``checkpoint.save_checkpoint`` but the format."""
+    return dict(
         model_chunks=gpt_modules(trainer.model),
         optimizer=trainer.optimizer,
         scheduler=trainer.scheduler,
@@ -105,9 +208,7 @@ def _save(trainer, iteration: int, save_dir, t, r) -> str:
         config_record=config_record(trainer.cfg),
         save_optim=not t.no_save_optim,
         keep_last_n=t.keep_last_n_checkpoints,
-        ckpt_format=t.ckpt_format,
     )
-    return iter_dir
 
 
 def load_checkpoint(
@@ -120,6 +221,8 @@ def load_checkpoint(
     ``trainer.result.iteration`` and the consumed samples (unless ``--finetune``); returns the
     RNG states to apply once the data loaders are built (``restore_rng``). Every rank calls it."""
     t, r = trainer.cfg.training, trainer.result
+    if load_dir is None and iteration is None and t.ckpt_step is None:
+        load_dir = newest_checkpoint_dir(t)  # --load, or a newer non-persistent checkpoint
     if t.use_checkpoint_opt_param_scheduler and not t.finetune:
         schedule_from_checkpoint(
             trainer.scheduler, load_dir or t.load, t.ckpt_step if iteration is None else iteration

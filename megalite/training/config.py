@@ -56,6 +56,14 @@ class TrainingConfig:
     exit_signal_handler: bool = False  # --exit-signal-handler: save and exit 0 on the signal
     exit_signal: str = "SIGTERM"  # --exit-signal
     ckpt_format: str = "megalite"  # megalite (own) | torch | torch_dist (Megatron's)
+    # write checkpoints from a host copy in a background thread (megalite.checkpoint.async_save)
+    async_save: bool = False
+    # Megatron's non-persistent checkpoints: every N iterations into a second folder (fast or
+    # node-local storage, SAVE/non_persistent by default), only the newest kept; a resume loads
+    # the newer of it and --load
+    non_persistent_save_interval: int | None = None
+    non_persistent_ckpt_type: str = "global"  # Megatron's "local" / "in_memory" are refused
+    non_persistent_global_ckpt_dir: str | None = None
     # the LR schedule's settings (rates, warmup, decay length and style) from the checkpoint
     # loaded instead of from the flags, as Megatron's --use-checkpoint-opt_param-scheduler
     use_checkpoint_opt_param_scheduler: bool = False
@@ -94,9 +102,17 @@ class TrainingConfig:
             raise ConfigError(
                 f"exit_duration_in_mins must be > 0, got {self.exit_duration_in_mins}"
             )
+        at_least(1, ("non_persistent_save_interval", self.non_persistent_save_interval))
+        if self.non_persistent_ckpt_type != "global":
+            raise ConfigError(
+                f"non_persistent_ckpt_type {self.non_persistent_ckpt_type} is not implemented "
+                "(per-rank local and in-memory copies); use global with "
+                "non_persistent_global_ckpt_dir DIR on fast or node-local storage"
+            )
         for name, value in (
             ("save_interval", self.save_interval),
             ("keep_last_n_checkpoints", self.keep_last_n_checkpoints),
+            ("non_persistent_save_interval", self.non_persistent_save_interval),
         ):
             if value is not None and self.save is None:
                 raise ConfigError(f"{name} {value} needs save DIR (where checkpoints go)")

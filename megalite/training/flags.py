@@ -352,6 +352,17 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
         help="megalite's own files (default) or Megatron-LM's torch / torch_dist",
     )
     t.add("--ckpt-step", type=int, help="load this iteration instead of the latest")
+    t.add(
+        "--non-persistent-save-interval",
+        type=int,
+        help="also save every N iterations to --non-persistent-global-ckpt-dir (newest kept)",
+    )
+    t.add("--non-persistent-ckpt-type", choices=("global", "local", "in_memory"))
+    t.add("--non-persistent-global-ckpt-dir", help="default: SAVE/non_persistent")
+    t.switch(
+        "--async-save",
+        help="copy the checkpoint to host memory and write it in the background while training",
+    )
     for flag in ("--no-save-optim", "--no-load-optim", "--no-load-rng"):
         t.switch(flag)
     t.switch("--finetune", help="load the weights only; iteration and data start at 0")

@@ -68,7 +68,6 @@ IGNORED_FLAGS: dict[str, str] = {
     "--no-create-attention-mask-in-dataloader": "megalite's attention is causal without a "
     "dataloader mask",
     "--no-mmap-bin-files": "how .bin files are read: the same tokens",
-    "--async-save": _CKPT_IO,
     "--use-persistent-ckpt-worker": _CKPT_IO,
     "--ckpt-fully-parallel-save": _CKPT_IO,
     "--no-ckpt-fully-parallel-save": _CKPT_IO,

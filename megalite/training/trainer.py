@@ -114,6 +114,7 @@ class Trainer:
         self.rng_tracker = tracker  # saved and restored by checkpoints
         self.start_time = time.time()  # for --exit-duration-in-mins
         self.last_saved_iteration: int | None = None  # set by save/load_checkpoint
+        self.async_writer = checkpoint_io.async_writer(cfg)  # --async-save, else None
         self.first_step_hooks: list[FirstStepHook] = list(first_step_hooks)
         self._stepped = False  # a step ran: the hooks' first-step contexts are spent
         self._updated = False  # an update was applied: ``after_first_update`` has run
@@ -308,6 +309,9 @@ class Trainer:
                 start += time.perf_counter() - started  # not training time
             if t.save and t.save_interval and r.iteration % t.save_interval == 0:
                 self.save_checkpoint()
+            elif checkpoint_io.non_persistent_due(self):  # --non-persistent-save-interval
+                self.read_stats()  # a non-finite run stops before it saves
+                checkpoint_io.save_non_persistent(self)
             if self.exit_signal is not None and self._exit_on_signal(r.iteration):
                 r.exited_on_signal = True
                 break
@@ -322,6 +326,7 @@ class Trainer:
                 )
                 break
         self.save_checkpoint()  # the last iteration, unless saved already (Megatron does too)
+        checkpoint_io.finish_async_save(self)  # --async-save: the save in flight is committed
         self.read_stats()  # the steps since the last read (a no-op read when there are none)
         return r
 

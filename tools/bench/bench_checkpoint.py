@@ -3,6 +3,7 @@
     python tools/bench/bench_checkpoint.py [--rounds 3] [--bf16] [--dir /tmp/megalite-bench-ckpt]
                                            [--drop-caches]
     python tools/bench/bench_checkpoint.py --tiny --dir DIR   # seconds: 2 layers of h 64, 1 round
+    python tools/bench/bench_checkpoint.py --part stall [--steps-while-writing 2]
 
 The model is GPT-2 small (12 layers, h 768, 12 heads, vocabulary 50257, 1024 positions: 124.4M
 parameters) built by megalite's Trainer in one process, after one training step so that AdamW's
@@ -19,6 +20,13 @@ moments exist. Each round, in one process and on the same disk:
   ``load_state_dict`` of both, and ``torch.distributed.checkpoint.load``;
 - ``megalite.load_model`` (the logical, layout-free path every reshard takes);
 - conversion: ``export_to_hf`` (megalite -> HF safetensors) and ``import_from_hf`` back.
+
+Stall (``--part stall`` or ``all``): the seconds the training loop is blocked by a save of the
+same state, synchronous (the whole ``save_checkpoint``) against ``--async-save`` (the host copy at
+the save, plus the wait for the writer and the commit at the next save after
+``--steps-while-writing`` training steps), and what those steps cost beside the writer thread
+(their time against steps without one). The ratio sync / async is the figure; on CPU the writer
+shares the cores with training, so part of the saving moves into the steps' time.
 
 Medians over ``--rounds``; MB/s = bytes on disk / seconds. Before each timed operation the dirty
 pages of the earlier ones are written back (``os.sync``, not timed). Loads read from the page
@@ -39,11 +47,16 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from megalite.checkpoint.async_save import AsyncCheckpointWriter  # noqa: E402
 from megalite.conversion import export_to_hf, import_from_hf  # noqa: E402
 from megalite.core.parallel_state import ParallelState  # noqa: E402
 from megalite.inference import load_model  # noqa: E402
 from megalite.training.arguments import parse_args  # noqa: E402
-from megalite.training.checkpoint_io import load_checkpoint, save_checkpoint  # noqa: E402
+from megalite.training.checkpoint_io import (  # noqa: E402
+    finish_async_save,
+    load_checkpoint,
+    save_checkpoint,
+)
 from megalite.training.forward_step import make_forward_step  # noqa: E402
 from tests.training.common import trainer_and_data  # noqa: E402
 
@@ -109,6 +122,51 @@ def _apply(trainer, state: dict) -> None:
             m.copy_(saved)
 
 
+def stall(trainer, data, *, rounds: int, steps: int) -> dict[str, float]:
+    """Medians over ``rounds`` of the loop's blocked seconds per save, sync and async, and of a
+    training step with and without the writer thread beside it (module docstring)."""
+    forward_step = make_forward_step(torch.device("cpu"))
+    times: dict[str, list[float]] = {}
+
+    def step() -> float:
+        started = time.perf_counter()
+        trainer.step(forward_step, data)
+        return time.perf_counter() - started
+
+    for _ in range(rounds):
+        trainer.async_writer = None
+        trainer.result.iteration += 1
+        times.setdefault("sync save", []).append(_timed(lambda: save_checkpoint(trainer)))
+        times.setdefault("step alone", []).append(statistics.mean(step() for _ in range(steps)))
+        trainer.async_writer = AsyncCheckpointWriter()
+        trainer.result.iteration += 1
+        os.sync()
+        started = time.perf_counter()
+        save_checkpoint(trainer)
+        copy = time.perf_counter() - started
+        beside = statistics.mean(step() for _ in range(steps))
+        started = time.perf_counter()
+        finish_async_save(trainer)
+        wait = time.perf_counter() - started
+        times.setdefault("async save: host copy", []).append(copy)
+        times.setdefault("async save: wait + commit", []).append(wait)
+        times.setdefault("async save", []).append(copy + wait)
+        times.setdefault("step beside the writer", []).append(beside)
+    trainer.async_writer = None
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def print_stall(med: dict[str, float], steps: int) -> None:
+    print(f"stall: seconds the loop is blocked per save ({steps} step(s) while writing), medians:")
+    for name, seconds in med.items():
+        print(f"  {name:28s} {seconds:7.2f} s")
+    print(
+        f"ratio: blocked sync / async = {med['sync save'] / max(med['async save'], 1e-9):.1f}x; "
+        f"a step beside the writer / alone = "
+        f"{med['step beside the writer'] / max(med['step alone'], 1e-9):.2f}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
@@ -116,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default="/tmp/megalite-bench-ckpt")
     p.add_argument("--drop-caches", action="store_true")
     p.add_argument("--tiny", action="store_true", help="a smoke run: 2 layers of h 64, 1 round")
+    p.add_argument("--part", choices=("all", "io", "stall"), default="all")
+    p.add_argument("--steps-while-writing", type=int, default=2)
     args = p.parse_args(argv)
     if args.tiny:
         args.rounds = 1
@@ -125,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
     flags = [*GPT2_SMALL, *(TINY if args.tiny else []), *(["--bf16"] if args.bf16 else [])]
+    flags += ["--train-iters", "1000"]  # the mock data of the stall's training steps
     cfg = parse_args([*flags, "--save", os.path.join(args.dir, "megalite")], env={})
     trainer, data = trainer_and_data(cfg, ParallelState.single())
     n_params = sum(p.numel() for chunk in trainer.model for p in chunk.module.parameters())
@@ -137,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
         f"one training step {time.perf_counter() - started:.1f} s"
     )
 
+    if args.part in ("all", "stall"):
+        med = stall(trainer, data, rounds=args.rounds, steps=args.steps_while_writing)
+        print_stall(med, args.steps_while_writing)
+        if args.part == "stall":
+            shutil.rmtree(args.dir, ignore_errors=True)
+            return 0
     times: dict[str, list[float]] = {}
     sizes: dict[str, int] = {}
     megalite_dir = os.path.join(args.dir, "megalite")

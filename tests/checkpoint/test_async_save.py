@@ -1,0 +1,151 @@
+"""``--async-save``: the files a synchronous save writes, written while training goes on.
+
+Each case trains the tiny model 4 iterations (of 6) saving every 2, once with ``--async-save``
+and once with the same config but no background writer (``trainer.async_writer = None``: the
+synchronous path), into the same folder name (the run's config, recorded in the header, names
+it), and compares the files entry by entry of their zip archives: equal bytes, except the random
+``.data/serialization_id`` torch writes in every file. The save of iteration 2 is written only
+once the loop has finished iteration 3 (a hook in the writer waits for it), so a host copy that
+were not a snapshot would hold iteration 3's weights. A resume from the async checkpoint repeats
+the uninterrupted run's losses exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from megalite.checkpoint import async_save, read_tracker
+from megalite.checkpoint.async_save import host_copy
+from megalite.core.parallel_state import ParallelState
+from megalite.training.forward_step import make_forward_step
+from megalite.training.pretrain import pretrain
+from tests.harness import run_distributed
+from tests.mesh import mesh
+from tests.training.common import config, trainer_and_data
+
+# 6 iterations planned (the LR schedule), 4 run
+FLAGS = ("--save-interval", "2", "--train-iters", "6", "--exit-interval", "4", "--async-save")
+
+
+def archive(path: str) -> dict[str, bytes]:
+    """The entries of a ``torch.save`` zip file but its random serialization id."""
+    with zipfile.ZipFile(path) as z:
+        return {
+            n.split("/", 1)[1]: z.read(n)
+            for n in z.namelist()
+            if not n.endswith(".data/serialization_id")
+        }
+
+
+def same_files(a: str, b: str) -> list[str]:
+    """The relative paths of the files under ``a``, having checked ``b`` holds the same ones with
+    the same content (``.pt``: the same archive entries)."""
+    names = sorted(os.path.relpath(os.path.join(r, f), a) for r, _, fs in os.walk(a) for f in fs)
+    other = sorted(os.path.relpath(os.path.join(r, f), b) for r, _, fs in os.walk(b) for f in fs)
+    assert names == other
+    for name in names:
+        x, y = os.path.join(a, name), os.path.join(b, name)
+        if name.endswith(".pt"):
+            assert archive(x) == archive(y), name
+        else:
+            assert open(x, "rb").read() == open(y, "rb").read(), name
+    return names
+
+
+def writer_waiting_for_the_loop(trainer, seen: list, timeout: float = 60.0):
+    """A ``write_pending`` that writes iteration 2's save only once ``trainer`` has finished
+    iteration 3 (or ``timeout`` passed: a save that blocks the loop); ``seen`` gets (iteration
+    saved, iteration the loop had reached) of each write."""
+    write = async_save.write_pending
+
+    def write_later(pending):
+        deadline = time.monotonic() + timeout
+        while pending.iteration == 2 and trainer.result.iteration < 3:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        seen.append((pending.iteration, trainer.result.iteration))
+        return write(pending)
+
+    return write_later
+
+
+def train(cfg, ps, *, background: bool, seen: list | None = None, monkeypatch=None) -> list:
+    for seed in (random.seed, np.random.seed, torch.manual_seed):
+        seed(0)  # the Python and numpy RNG states are saved too: the same in both runs
+    trainer, data = trainer_and_data(cfg, ps)
+    if not background:
+        trainer.async_writer = None
+    elif monkeypatch is not None:
+        monkeypatch.setattr(async_save, "write_pending", writer_waiting_for_the_loop(trainer, seen))
+    return trainer.train(make_forward_step(torch.device("cpu")), data).losses
+
+
+def test_host_copy_is_a_snapshot_that_keeps_storage_sharing():
+    flat = torch.arange(10.0)
+    state = {"a": flat[:4], "b": flat[4:].view(2, 3), "tied": flat[:4], "n": 3, "t": (flat[9:],)}
+    copy, copied = host_copy(state, pin=False)
+    assert copied == flat.numel() * flat.element_size()  # one storage, copied once
+    flat.add_(100.0)  # the live state moves on
+    assert torch.equal(copy["a"], torch.arange(4.0)) and copy["n"] == 3
+    assert torch.equal(copy["b"], torch.arange(4.0, 10.0).view(2, 3))
+    assert copy["b"].untyped_storage().data_ptr() == copy["a"].untyped_storage().data_ptr()
+    assert copy["b"].storage_offset() == 4 and copy["tied"] is not copy["a"]
+    assert copy["t"][0].item() == 9.0
+
+    buffers: dict = {}
+    first, _ = host_copy(state, pin=False, buffers=buffers)
+    flat.add_(1.0)
+    second, _ = host_copy(state, pin=False, buffers=buffers)  # the next save: storage reused
+    assert second["a"].untyped_storage().data_ptr() == first["a"].untyped_storage().data_ptr()
+    assert torch.equal(second["a"], torch.arange(4.0) + 101.0) and len(buffers) == 1
+
+
+def test_async_save_writes_the_sync_files_while_training_goes_on(tmp_path, monkeypatch):
+    save = tmp_path / "ckpt"
+    cfg = config("--save", str(save), *FLAGS)
+    seen = []
+    async_losses = train(
+        cfg, ParallelState.single(), background=True, seen=seen, monkeypatch=monkeypatch
+    )
+    assert seen == [(2, 3), (4, 4)]  # iteration 2 was written after the loop's iteration 3
+    assert read_tracker(str(save)) == 4
+    shutil.move(save, tmp_path / "async")
+    monkeypatch.undo()
+    sync_losses = train(cfg, ParallelState.single(), background=False)
+    assert async_losses == sync_losses
+    names = same_files(str(save), str(tmp_path / "async"))
+    assert "iter_0000002/mp_rank_00/model_optim_rng.pt" in names
+
+    resumed = pretrain(config("--load", str(tmp_path / "async"), "--train-iters", "6"), env={})
+    straight = pretrain(config("--train-iters", "6"), env={})
+    assert resumed.losses == straight.losses[4:]
+
+
+def _two_ranks_zero1(save: str) -> list[str]:
+    """DP 2 with the distributed optimizer: every rank writes its distrib_optim file."""
+    rank = dist.get_rank()
+    ps = mesh(1, 1)
+    cfg = config("--save", save, *FLAGS, "--use-distributed-optimizer", world_size=2, rank=rank)
+    losses = train(cfg, ps, background=True)
+    if rank == 0:
+        shutil.move(save, save + "-async")
+    dist.barrier()
+    assert train(cfg, ps, background=False) == losses
+    dist.barrier()
+    return same_files(save, save + "-async") if rank == 0 else []
+
+
+@pytest.mark.slow
+def test_async_save_under_zero1_writes_every_ranks_sync_files(tmp_path):
+    names = run_distributed(_two_ranks_zero1, 2, str(tmp_path / "ckpt"))[0]
+    assert "iter_0000004/mp_rank_00/distrib_optim_001.pt" in names

@@ -1,0 +1,56 @@
+"""Automatic restart: torchrun ``--max-restarts 1`` restarts a 2-rank job (TP 2) whose rank 1 is
+killed (SIGKILL) as iteration 5 begins; the new attempt finds no ``--load`` in its flags, resumes
+from ``--save`` (the launcher's restart count says it is a restart) at iteration 4, the newest
+complete checkpoint, and finishes iterations 5 and 6 with the losses of an uninterrupted run
+(one process, TP 1: 1e-5 relative, the order of sums only; read from the ``%.6E`` progress lines,
+7 significant digits).
+
+Opt-in (``MEGALITE_TEST_RESTART=1``): on a heavily loaded machine the restarted attempt's gloo
+world sometimes fails to connect (``connectFullMesh ... Connection refused``) before megalite
+runs a line; until that is understood the test does not run by default.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from megalite.checkpoint import read_tracker
+from megalite.training.pretrain import pretrain
+from tests.paths import ROOT
+from tests.training.common import BASE, assert_close_rel, config
+
+LOSS = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not os.environ.get("MEGALITE_TEST_RESTART"), reason="opt-in: MEGALITE_TEST_RESTART=1"
+)
+def test_a_killed_rank_restarts_from_the_newest_checkpoint_and_continues(tmp_path):
+    save = tmp_path / "ckpt"
+    flags = ["--train-iters", "6", "--save", str(save), "--save-interval", "2"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), MEGALITE_TEST_DIE_AT_ITERATION="5@1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts", "1"]
+    cmd += ["--monitor-interval", "0.5", "--nproc-per-node", "2"]
+    cmd += [str(ROOT / "tests" / "training" / "die_at_iteration.py"), *BASE, *flags]
+    cmd += ["--tensor-model-parallel-size", "2", "--log-interval", "1"]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600, check=False
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert "rank 1 dies at iteration 5" in out
+    assert "restart 1 of this job: resuming from --save" in out
+    assert re.search(r"loaded checkpoint \S+iter_0000004 ", out), out[-4000:]
+    assert read_tracker(str(save)) == 6
+    _, after = out.split("rank 1 dies at iteration 5", 1)
+    losses = {int(i): float(v) for i, v in LOSS.findall(after)}
+    assert sorted(losses) == [5, 6], out[-4000:]
+    straight = pretrain(config("--train-iters", "6"), env={})
+    assert_close_rel([losses[5], losses[6]], straight.losses[4:], 1e-5, "after the restart")
