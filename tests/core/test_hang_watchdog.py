@@ -1,9 +1,9 @@
 """The hang explainer end to end, by fault injection on gloo (``hang_case.py``): two ranks, the op
-recorder and the watchdog on with a 3 s timeout, one fault each. Every case asserts the exit code,
-that the job ended within timeout + 30 s of the ranks' watchdogs starting (a bound the watchdog's
-grace of 4 s keeps far off; it catches a watchdog that never fires, not a speed; the processes'
-start, slow on a loaded machine, is not counted), and the report's lines: who waits for whom,
-naming stage, micro-batch and action, and the first divergence.
+recorder and the watchdog on with a 3 s timeout, one fault each. Every case asserts the exit code
+(1 on every rank: the watchdog ended the job; a job it never ended is killed at the hang guard,
+timeout + 180 s, and exits -9), and the report's lines: who waits for whom, naming stage,
+micro-batch and action, and the first divergence. How long after the watchdogs started each job
+ended is printed (``pytest -s``), not asserted: on a loaded machine that is the machine's speed.
 
 The ranks are processes of the harness's fork server (torch and megalite already imported), each
 writing its output to a file; they are not the harness's pool, since they are meant to die.
@@ -30,8 +30,8 @@ def _rank(fault: str, rank: int, world_size: int, init_file: str, out: str) -> N
     hang_case.main(fault, rank, world_size, init_file, TIMEOUT_S)
 
 
-def _run(fault: str, world_size: int = 2) -> tuple[list[int], str, float]:
-    """Every rank's exit code, the ranks' output joined, the seconds the job took."""
+def _run(fault: str, world_size: int = 2) -> tuple[list[int], str]:
+    """Every rank's exit code and the ranks' output joined."""
     ctx = _context()
     with tempfile.TemporaryDirectory(prefix="megalite-hang-") as tmp:
         init_file = str(Path(tmp) / "rendezvous")
@@ -52,7 +52,11 @@ def _run(fault: str, world_size: int = 2) -> tuple[list[int], str, float]:
         text = "\n".join(Path(o).read_text() for o in outs)
     starts = [float(t) for t in re.findall(r"^watching from ([0-9.]+)$", text, re.M)]
     assert starts, text
-    return [p.exitcode for p in procs], text, ended - max(starts)
+    took = ended - max(starts)
+    print(
+        f"{fault}: the job ended {took:.1f} s after the watchdogs started (timeout {TIMEOUT_S} s)"
+    )
+    return [p.exitcode for p in procs], text
 
 
 def _report(text: str) -> list[str]:
@@ -63,9 +67,8 @@ def _report(text: str) -> list[str]:
 
 
 def test_a_skipped_send_is_named_with_its_micro_batch():
-    codes, text, took = _run("skip_send")
+    codes, text = _run("skip_send")
     assert codes == [1, 1], text
-    assert took < TIMEOUT_S + 30, took
     report = _report(text)
     assert report[1].startswith(
         "rank 0 (pp stage 0) waits to receive micro-batch 1's gradient (stage 0) from rank 1"
@@ -80,9 +83,8 @@ def test_a_skipped_send_is_named_with_its_micro_batch():
 
 
 def test_a_rank_asleep_in_its_forward_is_named_by_the_rank_waiting_for_it():
-    codes, text, took = _run("sleep_forward")
+    codes, text = _run("sleep_forward")
     assert codes == [1, 1], text
-    assert took < TIMEOUT_S + 30, took
     report = _report(text)
     assert re.fullmatch(
         r"rank 0 \(pp stage 0\) waits to receive micro-batch 2's gradient \(stage 0\) from rank 1 "
@@ -101,9 +103,8 @@ def test_a_rank_asleep_in_its_forward_is_named_by_the_rank_waiting_for_it():
 
 
 def test_a_dead_rank_is_named_as_such():
-    codes, text, took = _run("die")
+    codes, text = _run("die")
     assert codes == [1, 3], text
-    assert took < TIMEOUT_S + 30, took
     report = _report(text)
     assert report[0].startswith("hang explainer: rank 0 failed in a collective"), report
     assert re.fullmatch(
@@ -119,9 +120,8 @@ def test_a_dead_rank_is_named_as_such():
 
 
 def test_ranks_in_different_bucket_reductions_are_named_with_their_buckets():
-    codes, text, took = _run("bucket")
+    codes, text = _run("bucket")
     assert codes == [1, 1], text
-    assert took < TIMEOUT_S + 30, took
     report = _report(text)
     assert re.fullmatch(
         r"rank 0 \(pp stage 0\) waits in all_reduce #0 over ranks \[0, 1\] \(loss, shape \[1\]\) "
