@@ -184,6 +184,10 @@ class MixedPrecisionOptimizer:
     def _before_inner_step(self) -> None:
         """After unscaling and clipping, before the inner step (the offload's grad copies)."""
 
+    def _inf_groups(self) -> list:
+        """Where the inf/NaN flag is max-reduced: every group the grad norm reduces over."""
+        return [*self.reduce_groups, *(self.expert_reduce_groups if self.has_experts else ())]
+
     @property
     def _device(self) -> torch.device:
         return self.model_params[0].device if self.model_params else torch.device("cpu")
@@ -200,8 +204,7 @@ class MixedPrecisionOptimizer:
             torch._amp_foreach_non_finite_check_and_unscale_(
                 grads, found_inf, scaler.inv_scale.to(device)
             )
-        groups = [*self.reduce_groups, *(self.expert_reduce_groups if self.has_experts else ())]
-        all_reduce_over(found_inf, groups, dist.ReduceOp.MAX)
+        all_reduce_over(found_inf, self._inf_groups(), dist.ReduceOp.MAX)
         return bool(found_inf.item() > 0)
 
     def _count_zeros(self, grads: StepGrads) -> torch.Tensor:
