@@ -35,6 +35,7 @@ from megalite.checkpoint.files import (
     MODEL_FILE,
     CheckpointError,
     distrib_optim_file,
+    dp_rank_optim_file,
     fsync_dir,
     iteration_dir,
     read_tracker,
@@ -190,6 +191,9 @@ def save_checkpoint(
         if save_optim and optimizer.is_sharded:
             path = os.path.join(folder, distrib_optim_file(dp_rank))
             written += save_file(optimizer.sharded_state_dict(), path)
+        own = optimizer.dp_rank_state() if save_optim else None
+        if own is not None:
+            written += save_file(own, os.path.join(folder, dp_rank_optim_file(dp_rank)))
     except OSError as e:
         failure = write_failure(folder, e)
     except CheckpointError as e:

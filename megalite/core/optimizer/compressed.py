@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from megalite.core.distributed.compressed_allreduce import CompressedAllReduce, wire_bytes
-from megalite.core.optimizer.lamb import Lamb
+from megalite.core.optimizer.lamb import Lamb, trust_ratios
 from megalite.core.param_attributes import is_expert_param
 
 PHASE_FULL, PHASE_COMPRESSED, PHASE_LOCAL = 0, 1, 2
@@ -132,15 +132,23 @@ class _CompressedMixin:
     def phase_of(self, t: int) -> int:
         raise NotImplementedError
 
+    def replicas_differ(self) -> bool:
+        """Whether the DP ranks' weights may differ now (between 0/1 Adam's syncs)."""
+        return self.last_phase == PHASE_LOCAL
+
     def full_grads_next(self) -> bool:
         """Whether the next step needs the grads averaged over DP (the wrapper's all-reduce)."""
         return self.phase_of(self.step_count + 1) == PHASE_FULL
 
     def _extra_state(self) -> dict:
-        return {"step_count": self.step_count, "errors": self.compressor.state_dict()}
+        return {
+            "step_count": self.step_count,
+            "last_phase": self.last_phase,
+            "errors": self.compressor.state_dict(),
+        }
 
     def _load_extra_state(self, extra: dict) -> None:
-        self.step_count = extra["step_count"]
+        self.step_count, self.last_phase = extra["step_count"], extra["last_phase"]
         self.compressor.load_state_dict(extra["errors"])
 
     def state_dict(self) -> dict:
@@ -231,7 +239,18 @@ class OneBitLamb(_CompressedMixin, Lamb):
             return ratios
         self._advance_momentum()
         self.compressor(lambda p: self.state[p]["exp_avg"])
-        for group, p, r in self.updates(update_moments=False):
+        work = self.updates(update_moments=False)
+        missing = [(p, r) for _, p, r in work if "trust_coeff" not in self.state[p]]
+        if missing:  # state resharded from another DP size: freeze the ratio of this step
+            ratios = trust_ratios(
+                *map(list, zip(*missing)),
+                tp_group=self.tp_group,
+                min_trust_ratio=self.min_trust_ratio,
+                max_trust_ratio=self.max_trust_ratio,
+            )
+            for (p, _), trust in zip(missing, ratios):
+                self.state[p]["trust_coeff"] = trust
+        for group, p, r in work:
             trust = self.state[p]["trust_coeff"].clamp(self.min_trust_ratio, self.max_trust_ratio)
             p.add_(r * trust, alpha=-group["lr"])
         return None

@@ -19,12 +19,14 @@ import logging
 import torch
 
 from megalite.core.distributed.data_parallel import DistributedDataParallel
-from megalite.core.optimizer.compressed import PHASE_FULL, OneBitAdam, OneBitLamb, ZeroOneAdam
+from megalite.core.groups import group_size
+from megalite.core.optimizer.compressed import OneBitAdam, OneBitLamb, ZeroOneAdam
 from megalite.core.optimizer.unsharded_optimizer import UnshardedOptimizer
 
 logger = logging.getLogger(__name__)
 
 CompressedInner = OneBitAdam | OneBitLamb | ZeroOneAdam
+_FULL_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")  # carried by full_state_dict
 
 
 class CompressedOptimizer(UnshardedOptimizer):
@@ -88,14 +90,49 @@ class CompressedOptimizer(UnshardedOptimizer):
 
     @torch.no_grad()
     def load_full_state_dict(self, sd: dict) -> None:
-        """The layout-independent state (another DP size): the moments and the step carry over;
-        the error-feedback buffers belong to the old DP layout and restart from zero."""
+        """The layout-independent state: the moments and the step; the rest comes from
+        ``load_dp_rank_state`` (the same DP size) or restarts from zero (another one)."""
         super().load_full_state_dict(sd)
         self.optimizer.step_count = int(sd["step"])
         self.optimizer.compressor.reset()
-        if self.optimizer.phase_of(self.optimizer.step_count + 1) != PHASE_FULL:
-            logger.warning(
-                "compressed optimizer: the error-feedback buffers were re-initialised to zero "
-                "(state loaded from another layout)"
-            )
+        self._sync_phase()
+
+    def dp_rank_state(self) -> dict:
+        """This DP rank's error feedback, the phase schedule, and the per-parameter entries that
+        are not Adam's moments (1-bit LAMB's frozen trust ratio, 0/1 Adam's local update and
+        anchor), by master index; the masters themselves when the DP replicas differ (saved
+        between 0/1 Adam's syncs: the model file holds DP rank 0's)."""
+        inner = self.optimizer
+        extra = {}
+        differ = inner.replicas_differ()  # 0/1 Adam between syncs: the momentum is the rank's
+        for i, master in enumerate(self.master_params):
+            state = inner.state[master].items()
+            own = {k: v for k, v in state if differ or k not in _FULL_STATE_KEYS}
+            if own:
+                extra[i] = own
+        state = {"dp_size": self._dp_size(), **inner._extra_state(), "params": extra}
+        if differ:  # and so are the weights
+            state["masters"] = [m.detach().clone() for m in self.master_params]
+        return state
+
+    def _dp_size(self) -> int:
+        return group_size(self.dp_groups[0])
+
+    def load_dp_rank_state(self, state: dict | None) -> None:
+        inner = self.optimizer
+        if state is None or state["dp_size"] != self._dp_size():
+            if inner.step_count > 0:
+                logger.warning(
+                    "%s: the error-feedback buffers and local-step state restart from zero (the "
+                    "checkpoint was saved at another data-parallel size)",
+                    type(inner).__name__,
+                )
+            return
+        inner._load_extra_state({k: v for k, v in state.items() if k not in ("dp_size", "params")})
+        for i, own in state["params"].items():
+            inner.state[self.master_params[i]].update(own)
+        if "masters" in state:
+            for master, saved in zip(self.master_params, state["masters"], strict=True):
+                master.data.copy_(saved)
+            self._update_model_params()
         self._sync_phase()

@@ -184,6 +184,16 @@ class MixedPrecisionOptimizer:
     def _before_inner_step(self) -> None:
         """After unscaling and clipping, before the inner step (the offload's grad copies)."""
 
+    def dp_rank_state(self) -> dict | None:
+        """State that differs between DP ranks and is not in ``full_state_dict`` (the compressed
+        optimizers' error feedback), saved by each DP rank; None: there is none."""
+        return None
+
+    def load_dp_rank_state(self, state: dict | None) -> None:
+        """Inverse of ``dp_rank_state`` after ``load_full_state_dict``; None: the checkpoint has
+        none for this layout."""
+        del state
+
     def _inf_groups(self) -> list:
         """Where the inf/NaN flag is max-reduced: every group the grad norm reduces over."""
         return [*self.reduce_groups, *(self.expert_reduce_groups if self.has_experts else ())]
