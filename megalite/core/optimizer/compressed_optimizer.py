@@ -77,6 +77,16 @@ class CompressedOptimizer(UnshardedOptimizer):
         sent, self.optimizer.compressor.bytes_sent = self.optimizer.compressor.bytes_sent, 0
         return sent
 
+    def comm_scalars(self) -> dict[str, float]:
+        """``compression-phase`` (0 full, 1 compressed, 2 local), ``compression-error-norm``
+        (worker and server buffers together) and ``compressed-bytes-sent`` since the last call
+        (reads the error norm on the host)."""
+        return {
+            "compression-phase": float(self.phase),
+            "compression-error-norm": float(self.compression_error_norm()),
+            "compressed-bytes-sent": float(self.take_bytes_sent()),
+        }
+
     # --- checkpoints ------------------------------------------------------------------------------
 
     def load_state_dict(self, state: dict) -> None:

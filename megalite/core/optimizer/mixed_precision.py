@@ -184,6 +184,11 @@ class MixedPrecisionOptimizer:
     def _before_inner_step(self) -> None:
         """After unscaling and clipping, before the inner step (the offload's grad copies)."""
 
+    def comm_scalars(self) -> dict[str, float]:
+        """Scalars of the optimizer's own communication for the logs (the compressed ones':
+        phase, error norm, bytes sent); none here."""
+        return {}
+
     def dp_rank_state(self) -> dict | None:
         """State that differs between DP ranks and is not in ``full_state_dict`` (the compressed
         optimizers' error feedback), saved by each DP rank; None: there is none."""
