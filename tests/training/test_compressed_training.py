@@ -81,3 +81,30 @@ def test_tp2_dp2() -> None:
 
 def test_pp2_dp2() -> None:
     _check(run_distributed(_run, 4, ("--pipeline-model-parallel-size", "2"), timeout=600))
+
+
+def _fp16_case() -> list:
+    """fp16, the loss scale overflowing at iteration 3 (the resume test's recipe), compressed
+    from step 2: the skip decision is taken on local grads, so every DP rank must agree on it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    flags = "--fp16 --initial-loss-scale 262144 --hysteresis 1 --loss-scale-window 2".split()
+    flags += ["--optimizer", "onebit-adam", "--onebit-freeze-step", "1", "--train-iters", "5"]
+    cfg = config(*flags, world_size=world, rank=rank)
+    ps = mesh()
+    try:
+        trainer, data = trainer_and_data(cfg, ps)
+        result = trainer.train(make_forward_step(torch.device("cpu")), data)
+        flat = torch.cat(
+            [p.detach().float().reshape(-1) for c in trainer.model for p in c.module.parameters()]
+        )
+        copies = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(copies, flat)
+    finally:
+        ps.destroy()
+    assert all(torch.equal(c, copies[0]) for c in copies), "DP replicas differ"
+    return [math.isnan(g) for g in result.grad_norms]
+
+
+def test_fp16_skip_agrees_over_dp() -> None:
+    skipped = run_distributed(_fp16_case, 2, timeout=600)
+    assert skipped[0] == skipped[1] and any(skipped[0][1:]), skipped
