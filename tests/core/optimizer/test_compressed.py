@@ -32,6 +32,7 @@ from megalite.core.optimizer.compressed import (
     CompressionSpec,
     ZeroOneAdam,
 )
+from megalite.core.optimizer.loss_scaler import DynamicLossScaler
 from megalite.measure.comm_log import CommLog
 from megalite.planning.cluster import bus_factor
 from megalite.training.components import wrap_and_build_optimizer
@@ -206,3 +207,33 @@ def _zero_one_case() -> None:
 
 def test_zero_one_adam_replicas_agree_after_syncs() -> None:
     run_distributed(_zero_one_case, 2)
+
+
+def _skip_case() -> list[bool]:
+    """Compressed from step 2; at step 2 only rank 1's local grad holds an inf: with local grads
+    the skip decision must still be every rank's (the flag max-reduced over DP)."""
+    ps = mesh()
+    model, opt = wrap_and_build_optimizer(
+        _model(),
+        ps,
+        optimizer="onebit-adam",
+        compression=CompressionSpec(freeze_step=1),
+        lr=LR,
+        weight_decay=WD,
+        clip_grad=0.0,
+        loss_scaler=DynamicLossScaler(1.0, hysteresis=1),
+    )
+    done = []
+    for step in range(2):
+        x, y = (t.chunk(ps.dp_size)[ps.rank("dp")] for t in _batch(step))
+        model.zero_grad_buffer()
+        _loss(model, x, y).backward()
+        model.finish_grad_sync()
+        if step == 1 and ps.rank("dp") == 1:
+            next(model.parameters()).main_grad[0, 0] = float("inf")
+        done.append(opt.step()[0])
+    return done
+
+
+def test_overflow_on_one_rank_skips_on_every_rank() -> None:
+    assert run_distributed(_skip_case, 2) == [[True, False], [True, False]]
