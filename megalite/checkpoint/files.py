@@ -54,6 +54,12 @@ def distrib_optim_file(dp_rank: int) -> str:
     return f"distrib_optim_{dp_rank:03d}.pt"
 
 
+def dp_rank_optim_file(dp_rank: int) -> str:
+    """The optimizer state that differs between DP ranks (the compressed optimizers' error
+    feedback) of one DP rank, beside ``model_optim_rng.pt``."""
+    return f"dp_rank_optim_{dp_rank:03d}.pt"
+
+
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

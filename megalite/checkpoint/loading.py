@@ -18,6 +18,7 @@ rebuilds its parameters from the loaded masters with an all-gather over its DP g
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from megalite.checkpoint.files import (
     TRACKER_FILE,
     CheckpointError,
     distrib_optim_file,
+    dp_rank_optim_file,
     iteration_dir,
     load_file,
     read_tracker,
@@ -146,6 +148,9 @@ def _load_optimizer(
         optimizer.load_full_state_dict(state)
     except ValueError as e:
         raise CheckpointError(f"{str(e).splitlines()[0]}; or pass --no-load-optim") from None
+    own = reader.path(ps.tp_rank, ps.pp_rank, dp_rank_optim_file(dp_rank))
+    same_dp = same_mp and reader.dp_size == dp_size and os.path.exists(own)
+    optimizer.load_dp_rank_state(load_file(own) if same_dp else None)
 
 
 def _load_scheduler(scheduler, saved: dict | None, iteration: int) -> None:

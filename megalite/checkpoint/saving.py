@@ -39,6 +39,7 @@ from megalite.checkpoint.files import (
     MODEL_FILE,
     CheckpointError,
     distrib_optim_file,
+    dp_rank_optim_file,
     fsync_dir,
     iteration_dir,
     read_tracker,
@@ -242,6 +243,9 @@ def prepare_save(
         writes.append(
             (os.path.join(folder, distrib_optim_file(dp_rank)), optimizer.sharded_state_dict())
         )
+    own = optimizer.dp_rank_state() if save_optim else None  # state that differs per DP rank
+    if own is not None:
+        writes.append((os.path.join(folder, dp_rank_optim_file(dp_rank)), own))
     rng = gather_over_dp(capture_rng_state(rng_tracker, device), ps)
     if dp_rank == 0:
         if not save_optim:

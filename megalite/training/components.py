@@ -199,6 +199,9 @@ def setup_model_and_optimizer(
         offload=offload_spec(par),
         decoupled_lr=opt.decoupled_lr,
         decoupled_min_lr=opt.decoupled_min_lr,
+        optimizer=opt.optimizer,
+        compression=opt.compression(),
+        lamb_trust_ratio=(opt.lamb_min_trust_ratio, opt.lamb_max_trust_ratio),
     )
     decay_iters = opt.lr_decay_iters or cfg.training.train_iters
     scheduler = LRScheduler(

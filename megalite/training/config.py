@@ -196,6 +196,12 @@ class PretrainConfig:
         _check_cp(par, m)
         check_pipeline_config(self)
         self.optimizer.validate(train_iters=t.train_iters)
+        if self.optimizer.optimizer != "adam" and par.sharding_strategy() != "no_shard":
+            raise ConfigError(
+                f"optimizer {self.optimizer.optimizer} keeps its state whole on every DP rank: "
+                f"data_parallel_sharding_strategy {par.sharding_strategy()} (ZeRO-1/2/3) is not "
+                "supported with it; drop use_distributed_optimizer or use the adam optimizer"
+            )
         self.logging.validate()
         self._validate_experts()
         masked = self.data.reset_attention_mask or m.block_sparse

@@ -23,6 +23,7 @@ from megalite.core.moe.config import (
     LOAD_BALANCING_TYPES,
     SCORE_FUNCTIONS,
 )
+from megalite.core.optimizer.compressed import OPTIMIZERS
 from megalite.core.pipeline_parallel.generators import SCHEDULES
 from megalite.data.config import TOKENIZER_TYPES, DataConfig
 from megalite.data.tiktoken_tokenizer import PATTERNS
@@ -286,7 +287,26 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
 
 def _optimizer_flags(p: argparse.ArgumentParser) -> None:
     o = _Group(p, "optimizer and mixed precision", OptimizerConfig)
-    o.plain("--optimizer", default="adam", choices=["adam"])
+    o.add("--optimizer", choices=OPTIMIZERS, help="adam is AdamW; the compressed ones: --onebit-*")
+    o.add("--lamb-min-trust-ratio", type=float, help="LAMB's lower bound on ||w|| / ||update||")
+    o.add("--lamb-max-trust-ratio", type=float, help="LAMB's upper bound on ||w|| / ||update||")
+    o.add(
+        "--onebit-freeze-step",
+        type=int,
+        help="onebit-adam / onebit-lamb: full-precision steps before the momentum is compressed",
+    )
+    o.add("--zero-one-var-freeze-step", type=int, help="zero-one-adam: the variance's last update")
+    o.add(
+        "--zero-one-var-update-scaler",
+        type=int,
+        help="zero-one-adam: variance updates before their interval doubles",
+    )
+    o.add(
+        "--zero-one-local-step-scaler",
+        type=int,
+        help="zero-one-adam: steps before the sync interval doubles (after the variance freeze)",
+    )
+    o.add("--zero-one-local-step-clipper", type=int, help="zero-one-adam: longest sync interval")
     o.add("--lr", type=float, required=True)
     o.add("--min-lr", type=float)
     o.add("--decoupled-lr", type=float, help="the word embedding and output layer's own --lr")

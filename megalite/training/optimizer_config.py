@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megalite.core.optimizer.compressed import COMPRESSED_OPTIMIZERS, OPTIMIZERS, CompressionSpec
 from megalite.errors import ConfigError, at_least
 from megalite.training.lr_scheduler import DECAY_STYLES
 
@@ -34,6 +35,28 @@ class OptimizerConfig:
     # the word embedding / output weights' own LR schedule (Megatron's flags)
     decoupled_lr: float | None = None
     decoupled_min_lr: float | None = None
+    # adam (AdamW), lamb, or a compressed one (megalite.core.optimizer.compressed)
+    optimizer: str = "adam"
+    lamb_min_trust_ratio: float = 0.01
+    lamb_max_trust_ratio: float = 10.0
+    onebit_freeze_step: int = 100000  # 1-bit Adam / LAMB: full-precision warm-up steps
+    zero_one_var_freeze_step: int = 100000
+    zero_one_var_update_scaler: int = 16
+    zero_one_local_step_scaler: int = 32678
+    zero_one_local_step_clipper: int = 16
+
+    @property
+    def compressed(self) -> bool:
+        return self.optimizer in COMPRESSED_OPTIMIZERS
+
+    def compression(self) -> CompressionSpec:
+        return CompressionSpec(
+            freeze_step=self.onebit_freeze_step,
+            var_freeze_step=self.zero_one_var_freeze_step,
+            var_update_scaler=self.zero_one_var_update_scaler,
+            local_step_scaler=self.zero_one_local_step_scaler,
+            local_step_clipper=self.zero_one_local_step_clipper,
+        )
 
     def warmup_iters(self, decay_iters: int) -> float:
         if self.lr_warmup_fraction is not None:  # Megatron: a fraction of the decay samples
@@ -79,6 +102,19 @@ class OptimizerConfig:
                 f"need 0 <= adam_beta1 ({self.adam_beta1}), adam_beta2 ({self.adam_beta2}) < 1 "
                 f"and adam_eps ({self.adam_eps}) > 0"
             )
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(
+                f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
+            )
+        if not 0 <= self.lamb_min_trust_ratio <= self.lamb_max_trust_ratio:
+            raise ConfigError(
+                f"need 0 <= lamb_min_trust_ratio ({self.lamb_min_trust_ratio}) <= "
+                f"lamb_max_trust_ratio ({self.lamb_max_trust_ratio})"
+            )
+        at_least(0, ("onebit_freeze_step", self.onebit_freeze_step))
+        at_least(0, ("zero_one_var_freeze_step", self.zero_one_var_freeze_step))
+        for name in ("var_update_scaler", "local_step_scaler", "local_step_clipper"):
+            at_least(1, (f"zero_one_{name}", getattr(self, f"zero_one_{name}")))
         if self.loss_scale is not None and self.loss_scale <= 0:
             raise ConfigError(f"loss_scale must be > 0, got {self.loss_scale}")
         if self.initial_loss_scale < self.min_loss_scale or self.min_loss_scale <= 0:

@@ -110,6 +110,7 @@ class Progress:
         )
         if step.num_zeros_in_grad is not None:  # --log-num-zeros-in-grad
             values["num-zeros"] = float(step.num_zeros_in_grad)
+        values.update(optimizer.comm_scalars())  # the compressed optimizers' phase and bytes
         self.tensorboard.scalars(values, iteration)
 
     def interval(

@@ -66,3 +66,18 @@ def test_single_process_run_writes_log_lines_and_tensorboard_scalars(
     assert events.Scalars("lm loss test")[-1].value == pytest.approx(
         result.test["lm loss"], rel=1e-6
     )
+
+
+def test_compressed_optimizer_scalars(tmp_path, restore_logging):
+    """1-bit Adam frozen after step 2 (one process: the compressed all-reduce over a group of one
+    sends nothing, its error buffers still fill): the phase steps from 0 to 1 after the freeze,
+    the error norm becomes positive, and the bytes sent are 0 on a group of one."""
+    tb = tmp_path / "tb"
+    run = "--train-iters 4 --optimizer onebit-adam --onebit-freeze-step 2".split()
+    pretrain(config(*run, "--tensorboard-dir", str(tb)), env={})
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    assert [e.value for e in events.Scalars("compression-phase")] == [0, 0, 1, 1]
+    errors = [e.value for e in events.Scalars("compression-error-norm")]
+    assert errors[:2] == [0, 0] and min(errors[2:]) > 0
+    assert [e.value for e in events.Scalars("compressed-bytes-sent")] == [0, 0, 0, 0]

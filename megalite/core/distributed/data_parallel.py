@@ -119,6 +119,7 @@ class DistributedDataParallel(nn.Module):
         self._names = {p: n for n, p in module.named_parameters()}
         self._sp_params = sequence_parallel_params(params)
         self._sync_enabled = True  # False inside no_sync()
+        self.grad_reduce = True  # False: grads stay local (set_grad_reduce)
         self._ready: dict[BucketKey, set[nn.Parameter]] = {k: set() for k in self._buckets}
         self._deferred: set[BucketKey] = set()  # ready buckets the hook must not start
         self._reducing: dict[BucketKey, object] = {}  # reductions in flight (``.wait()``)
@@ -177,6 +178,7 @@ class DistributedDataParallel(nn.Module):
             and group_size(self._buckets[key].dp_group) > 1
             and len(ready) == len(self._buckets[key].params)
             and key not in self._deferred
+            and self.grad_reduce
         ):
             self._launch_reduce(key)
 
@@ -241,6 +243,10 @@ class DistributedDataParallel(nn.Module):
         EP spans the whole DP group)."""
         if self.dp_size == 1:
             return
+        if not self.grad_reduce:
+            for bucket in self._buckets.values():
+                bucket.data.mul_(group_size(bucket.dp_group) / self.dp_size)
+            return
         buckets = {}
         for key, bucket in self._buckets.items():
             if group_size(bucket.dp_group) > 1:
@@ -262,6 +268,13 @@ class DistributedDataParallel(nn.Module):
                 rec = self._record_reduce(key, posted=False)
                 self._reduce_bucket(bucket)
                 RECORDER.end(rec)
+
+    def set_grad_reduce(self, enabled: bool) -> None:
+        """Whether ``finish_grad_sync`` averages the buckets over DP. Off, each rank keeps its own
+        grads, scaled as one term of that average (``group size / dp_size``: 1 for dense ones),
+        for an optimizer that communicates something else (the compressed optimizers' momentum);
+        the SP and tied-embedding reductions still run."""
+        self.grad_reduce = enabled
 
     def finish_grad_sync(self) -> None:
         self._reduce_all_buckets()

@@ -19,7 +19,18 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from megalite.core.distributed.data_parallel import DistributedDataParallel
 from megalite.core.distributed.zero1_data_parallel import Zero1DataParallel
+from megalite.core.optimizer.compressed import (
+    COMPRESSED_OPTIMIZERS,
+    OPTIMIZERS,
+    CompressionSpec,
+    OneBitAdam,
+    OneBitLamb,
+    ZeroOneAdam,
+)
+from megalite.core.optimizer.compressed_optimizer import CompressedOptimizer
+from megalite.core.optimizer.lamb import Lamb
 from megalite.core.optimizer.loss_scaler import LossScaler
 from megalite.core.optimizer.sharded_optimizer import ShardedOptimizer
 from megalite.core.optimizer.sharded_state import OffloadSpec
@@ -87,9 +98,72 @@ def adamw_factory(
     return build_inner
 
 
+def inner_factory(
+    optimizer: str,
+    model: nn.Module,
+    *,
+    lr: float,
+    weight_decay: float,
+    adam_beta1: float,
+    adam_beta2: float,
+    adam_eps: float,
+    compression: CompressionSpec,
+    lamb_trust_ratio: tuple[float, float],
+) -> Callable[[list[dict]], torch.optim.Optimizer]:
+    """The inner optimizer ``optimizer`` (one of ``OPTIMIZERS``) over fp32 param groups. LAMB's
+    norms add over ``model``'s TP group, the compressed momenta over its DP groups (expert
+    parameters over the expert one); a bare module is a group of one."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    if optimizer == "adam":
+        return adamw_factory(
+            lr=lr,
+            weight_decay=weight_decay,
+            adam_beta1=adam_beta1,
+            adam_beta2=adam_beta2,
+            adam_eps=adam_eps,
+        )
+    wrapped = isinstance(model, DistributedDataParallel)
+    groups = {
+        "dp_group": model.dp_group if wrapped else None,
+        "expert_dp_group": model.expert_dp_group if wrapped else None,
+    }
+    common = {"lr": lr, "betas": (adam_beta1, adam_beta2), "eps": adam_eps}
+    common["weight_decay"] = weight_decay
+    lamb = {
+        "min_trust_ratio": lamb_trust_ratio[0],
+        "max_trust_ratio": lamb_trust_ratio[1],
+        "tp_group": model.tp_group if wrapped else None,
+    }
+
+    def build_inner(param_groups: list[dict]) -> torch.optim.Optimizer:
+        if optimizer == "lamb":
+            return Lamb(param_groups, **common, **lamb)
+        if optimizer == "onebit-lamb":
+            return OneBitLamb(
+                param_groups, freeze_step=compression.freeze_step, **groups, **common, **lamb
+            )
+        if optimizer == "onebit-adam":
+            return OneBitAdam(param_groups, freeze_step=compression.freeze_step, **groups, **common)
+        return ZeroOneAdam(
+            param_groups,
+            var_freeze_step=compression.var_freeze_step,
+            var_update_scaler=compression.var_update_scaler,
+            local_step_scaler=compression.local_step_scaler,
+            local_step_clipper=compression.local_step_clipper,
+            **groups,
+            **common,
+        )
+
+    return build_inner
+
+
 def build_optimizer(
     model: nn.Module,
     *,
+    optimizer: str = "adam",
+    compression: CompressionSpec | None = None,
+    lamb_trust_ratio: tuple[float, float] = (0.01, 10.0),
     lr: float,
     weight_decay: float,
     adam_beta1: float = 0.9,
@@ -116,16 +190,27 @@ def build_optimizer(
     norm of expert (MoE) parameters is reduced and which expert-TP rank counts replicated ones.
     ``offload``: part of the sharded state (and its step) on the host or in files (sharded only).
     ``decoupled_lr`` / ``decoupled_min_lr``: the embedding / output weights' own rates
-    (``get_param_groups``).
+    (``get_param_groups``). ``optimizer``: ``adam`` (AdamW), ``lamb``, or a compressed one
+    (``compressed``: ``onebit-adam``, ``zero-one-adam``, ``onebit-lamb``, with ``compression``'s
+    schedules; unsharded only); ``lamb_trust_ratio``: LAMB's (min, max) trust ratio.
     """
-    build_inner = adamw_factory(
+    build_inner = inner_factory(
+        optimizer,
+        model,
         lr=lr,
         weight_decay=weight_decay,
         adam_beta1=adam_beta1,
         adam_beta2=adam_beta2,
         adam_eps=adam_eps,
+        compression=compression or CompressionSpec(),
+        lamb_trust_ratio=lamb_trust_ratio,
     )
     sharded = isinstance(model, Zero1DataParallel)  # ZeRO-1, 2 or 3: the state over DP
+    compressed = optimizer in COMPRESSED_OPTIMIZERS
+    if sharded and optimizer != "adam":
+        raise ValueError(
+            f"optimizer {optimizer!r} needs the state whole on every DP rank (no ZeRO)"
+        )
     extra = {}
     if offload is not None:
         if not sharded:
@@ -137,7 +222,10 @@ def build_optimizer(
         decoupled_lr=decoupled_lr,
         decoupled_min_lr=decoupled_min_lr,
     )
-    return (ShardedOptimizer if sharded else UnshardedOptimizer)(
+    kind = (
+        ShardedOptimizer if sharded else CompressedOptimizer if compressed else UnshardedOptimizer
+    )
+    return kind(
         param_groups,
         build_inner,
         model=model,

@@ -184,6 +184,25 @@ class MixedPrecisionOptimizer:
     def _before_inner_step(self) -> None:
         """After unscaling and clipping, before the inner step (the offload's grad copies)."""
 
+    def comm_scalars(self) -> dict[str, float]:
+        """Scalars of the optimizer's own communication for the logs (the compressed ones':
+        phase, error norm, bytes sent); none here."""
+        return {}
+
+    def dp_rank_state(self) -> dict | None:
+        """State that differs between DP ranks and is not in ``full_state_dict`` (the compressed
+        optimizers' error feedback), saved by each DP rank; None: there is none."""
+        return None
+
+    def load_dp_rank_state(self, state: dict | None) -> None:
+        """Inverse of ``dp_rank_state`` after ``load_full_state_dict``; None: the checkpoint has
+        none for this layout."""
+        del state
+
+    def _inf_groups(self) -> list:
+        """Where the inf/NaN flag is max-reduced: every group the grad norm reduces over."""
+        return [*self.reduce_groups, *(self.expert_reduce_groups if self.has_experts else ())]
+
     @property
     def _device(self) -> torch.device:
         return self.model_params[0].device if self.model_params else torch.device("cpu")
@@ -200,8 +219,7 @@ class MixedPrecisionOptimizer:
             torch._amp_foreach_non_finite_check_and_unscale_(
                 grads, found_inf, scaler.inv_scale.to(device)
             )
-        groups = [*self.reduce_groups, *(self.expert_reduce_groups if self.has_experts else ())]
-        all_reduce_over(found_inf, groups, dist.ReduceOp.MAX)
+        all_reduce_over(found_inf, self._inf_groups(), dist.ReduceOp.MAX)
         return bool(found_inf.item() > 0)
 
     def _count_zeros(self, grads: StepGrads) -> torch.Tensor:

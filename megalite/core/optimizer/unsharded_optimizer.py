@@ -18,7 +18,13 @@ from megalite.core.optimizer.full_state_format import ADAM_KEYS, adam_state_of, 
 from megalite.core.optimizer.loss_scaler import LossScaler
 from megalite.core.optimizer.mixed_precision import MixedPrecisionOptimizer, StepGrads
 
-_COPIED_ATTRS = ("tensor_model_parallel", "partition_dim", "sequence_parallel", "partition_stride")
+_COPIED_ATTRS = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "sequence_parallel",
+    "partition_stride",
+    "expert_parallel",
+)
 
 
 def _model_grad(param: nn.Parameter) -> torch.Tensor | None:

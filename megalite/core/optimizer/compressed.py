@@ -1,0 +1,353 @@
+"""The communication-compressed optimizers: 1-bit Adam, 0/1 Adam and 1-bit LAMB, as inner torch
+optimizers over fp32 masters (``compressed_optimizer.CompressedOptimizer`` wraps them in the
+mixed-precision family). Their momentum, not the gradient, crosses the data-parallel group,
+through ``core.distributed.compressed_allreduce`` (sign bits plus a scale per chunk, error feedback
+on worker and server).
+
+Each step is one of three phases (``PHASE_*``), decided before the step's backward so that the
+data-parallel wrapper knows whether to all-reduce the grads (``full_grads_next``):
+
+- ``PHASE_FULL``: the grads are averaged over DP as usual and the step is the plain optimizer's
+  (``torch.optim.AdamW``'s own step, so bitwise the ordinary path; LAMB's for 1-bit LAMB);
+- ``PHASE_COMPRESSED``: each rank's grad stays local, ``m = b1 m + (1 - b1) g_local``, the momenta
+  are averaged by the compressed all-reduce, the variance is frozen;
+- ``PHASE_LOCAL`` (0/1 Adam only): no communication at all, the rank updates with its own momentum.
+
+1-bit Adam (Tang et al., 2021): ``PHASE_FULL`` for the first ``freeze_step`` steps, then
+``PHASE_COMPRESSED``: ``w = w (1 - lr wd) - lr / bc1 * m / (sqrt(v / bc2) + eps)`` with Adam's
+bias corrections ``bc1 = 1 - b1^t``, ``bc2 = 1 - b2^t`` (AdamW's formula with ``v`` frozen).
+
+1-bit LAMB (Li et al., 2021): LAMB for ``freeze_step`` steps, keeping an average of each
+parameter's trust ratio (``coeff = 0.9 coeff + 0.1 trust``); then the compressed momentum, the
+frozen variance, and the frozen average as the trust ratio (clamped to the LAMB bounds). The
+paper's further rescaling of the frozen ratio by a fresh variance estimate is not implemented.
+
+0/1 Adam (Lu et al., 2022), with DeepSpeed's knob names:
+- variance: updated (a ``PHASE_FULL`` step) at step 1 and then at growing intervals: the interval
+  starts at 1 and doubles after every ``var_update_scaler`` updates; never after
+  ``var_freeze_step``. Every other step is compressed or local;
+- local steps: up to ``var_freeze_step`` every step communicates; after it, a sync every ``k``
+  steps with ``k = min(2^((t - var_freeze_step) // local_step_scaler), local_step_clipper)``.
+  Between syncs each rank steps with its own momentum and accumulates ``u += lr_t m``
+  (``lr_t = lr / bc1``); at a sync ``u`` is averaged by the compressed all-reduce and every rank
+  lands on ``w = anchor - u / (sqrt(v / bc2) + eps)`` (``anchor``: the weights at the last sync,
+  weight-decayed each step), with ``m = u / sum(lr_t)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megalite.core.distributed.compressed_allreduce import CompressedAllReduce, wire_bytes
+from megalite.core.optimizer.lamb import Lamb, trust_ratios
+from megalite.core.param_attributes import is_expert_param
+
+PHASE_FULL, PHASE_COMPRESSED, PHASE_LOCAL = 0, 1, 2
+COMPRESSED_OPTIMIZERS = ("onebit-adam", "zero-one-adam", "onebit-lamb")
+OPTIMIZERS = ("adam", "lamb", *COMPRESSED_OPTIMIZERS)
+
+
+@dataclass(frozen=True)
+class CompressionSpec:
+    """The schedules of the compressed optimizers (module docstring; DeepSpeed's defaults)."""
+
+    freeze_step: int = 100000  # 1-bit Adam / LAMB: full-precision warm-up steps
+    var_freeze_step: int = 100000  # 0/1 Adam: last step the variance may change
+    var_update_scaler: int = 16  # 0/1 Adam: variance updates between doublings of their interval
+    local_step_scaler: int = 32678  # 0/1 Adam: steps between doublings of the sync interval
+    local_step_clipper: int = 16  # 0/1 Adam: the longest sync interval
+
+
+TRUST_COEFF_BETA = 0.9  # 1-bit LAMB's running average of the trust ratio during warm-up
+
+
+class MomentumCompressor:
+    """The compressed all-reduce of one tensor per parameter, concatenated per data-parallel
+    group: dense parameters over ``dp_group``, expert ones (``expert_parallel``) over
+    ``expert_dp_group``. Counts the bytes it sends (``bytes_sent``, CommLog's convention)."""
+
+    def __init__(self, params: list[torch.Tensor], *, dp_group, expert_dp_group):
+        self.parts: list[tuple[CompressedAllReduce, list[torch.Tensor]]] = []
+        dense = [p for p in params if not is_expert_param(p)]
+        expert = [p for p in params if is_expert_param(p)]
+        for group, members in ((dp_group, dense), (expert_dp_group, expert)):
+            if members:
+                numel = sum(p.numel() for p in members)
+                device = members[0].device
+                self.parts.append((CompressedAllReduce(numel, group, device=device), members))
+        self.bytes_sent = 0
+
+    def bytes_per_call(self) -> int:
+        return sum(wire_bytes(car.numel, car.n) for car, _ in self.parts)
+
+    @torch.no_grad()
+    def __call__(self, tensor_of) -> None:
+        """Replace ``tensor_of(p)`` by its compressed mean over p's group, for every p."""
+        for car, members in self.parts:
+            flat = torch.cat([tensor_of(p).reshape(-1) for p in members])
+            mean = car(flat)
+            offset = 0
+            for p in members:
+                tensor_of(p).copy_(mean[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+        self.bytes_sent += self.bytes_per_call()
+
+    def error_norm(self) -> torch.Tensor:
+        """L2 norm of every worker and server error buffer together (fp32 0-d)."""
+        total = torch.zeros(())
+        for car, _ in self.parts:
+            total = total + car.worker_error.square().sum().cpu()
+            total = total + car.server_error.square().sum().cpu()
+        return total.sqrt()
+
+    def state_dict(self) -> list[dict]:
+        return [car.state_dict() for car, _ in self.parts]
+
+    def load_state_dict(self, states: list[dict]) -> None:
+        for (car, _), state in zip(self.parts, states, strict=True):
+            car.load_state_dict(state)
+
+    def reset(self) -> None:
+        for car, _ in self.parts:
+            car.reset()
+
+
+class _CompressedMixin:
+    """What the three share: the step count, the compressor, the phase, the checkpoint extras."""
+
+    step_count: int
+    compressor: MomentumCompressor
+
+    def _init_compression(self, *, dp_group, expert_dp_group) -> None:
+        params = [p for g in self.param_groups for p in g["params"]]
+        self.compressor = MomentumCompressor(
+            params, dp_group=dp_group, expert_dp_group=expert_dp_group
+        )
+        self.step_count = 0  # optimizer steps taken (skipped fp16 steps not counted)
+        self.last_phase = PHASE_FULL
+
+    def phase_of(self, t: int) -> int:
+        raise NotImplementedError
+
+    def replicas_differ(self) -> bool:
+        """Whether the DP ranks' weights may differ now (between 0/1 Adam's syncs)."""
+        return self.last_phase == PHASE_LOCAL
+
+    def full_grads_next(self) -> bool:
+        """Whether the next step needs the grads averaged over DP (the wrapper's all-reduce)."""
+        return self.phase_of(self.step_count + 1) == PHASE_FULL
+
+    def _extra_state(self) -> dict:
+        return {
+            "step_count": self.step_count,
+            "last_phase": self.last_phase,
+            "errors": self.compressor.state_dict(),
+        }
+
+    def _load_extra_state(self, extra: dict) -> None:
+        self.step_count, self.last_phase = extra["step_count"], extra["last_phase"]
+        self.compressor.load_state_dict(extra["errors"])
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "compression": self._extra_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        extra = state.pop("compression")
+        super().load_state_dict(state)
+        self._load_extra_state(extra)
+
+    def _moments(self, p: torch.Tensor) -> dict:
+        return self.state[p]
+
+    def _advance_momentum(self) -> None:
+        """``step += 1``, ``m = b1 m + (1 - b1) g`` with the local grad, for every parameter."""
+        for group in self.param_groups:
+            b1 = group["betas"][0]
+            for p in group["params"]:
+                state = self._moments(p)
+                state["step"] += 1
+                state["exp_avg"].mul_(b1).add_(p.grad, alpha=1 - b1)
+
+
+def _adam_denominator(state: dict, b2: float, eps: float) -> torch.Tensor:
+    bc2 = 1 - b2 ** float(state["step"])
+    return (state["exp_avg_sq"].sqrt() / math.sqrt(bc2)).add_(eps)
+
+
+class OneBitAdam(_CompressedMixin, torch.optim.AdamW):
+    """1-bit Adam (module docstring): AdamW for ``freeze_step`` steps, then compressed."""
+
+    def __init__(self, params, *, freeze_step: int, dp_group, expert_dp_group=None, **adamw):
+        super().__init__(params, **adamw)
+        self.freeze_step = freeze_step
+        self._init_compression(dp_group=dp_group, expert_dp_group=expert_dp_group)
+
+    def phase_of(self, t: int) -> int:
+        return PHASE_FULL if t <= self.freeze_step else PHASE_COMPRESSED
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        assert closure is None
+        self.step_count += 1
+        self.last_phase = self.phase_of(self.step_count)
+        if self.last_phase == PHASE_FULL:
+            return super().step()
+        self._advance_momentum()
+        self.compressor(lambda p: self.state[p]["exp_avg"])
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+            for p in group["params"]:
+                state = self.state[p]
+                p.mul_(1 - lr * wd)
+                bc1 = 1 - b1 ** float(state["step"])
+                p.addcdiv_(state["exp_avg"], _adam_denominator(state, b2, eps), value=-lr / bc1)
+        return None
+
+
+class OneBitLamb(_CompressedMixin, Lamb):
+    """1-bit LAMB (module docstring): LAMB for ``freeze_step`` steps, then compressed with the
+    frozen average trust ratio."""
+
+    def __init__(self, params, *, freeze_step: int, dp_group, expert_dp_group=None, **lamb):
+        super().__init__(params, **lamb)
+        self.freeze_step = freeze_step
+        self._init_compression(dp_group=dp_group, expert_dp_group=expert_dp_group)
+
+    def phase_of(self, t: int) -> int:
+        return PHASE_FULL if t <= self.freeze_step else PHASE_COMPRESSED
+
+    def _moments(self, p: torch.Tensor) -> dict:
+        return self._state(p)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        assert closure is None
+        self.step_count += 1
+        self.last_phase = self.phase_of(self.step_count)
+        if self.last_phase == PHASE_FULL:
+            ratios = super().step()
+            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            for p, trust in zip(params, ratios):
+                state = self.state[p]
+                previous = state.get("trust_coeff", trust)
+                state["trust_coeff"] = TRUST_COEFF_BETA * previous + (1 - TRUST_COEFF_BETA) * trust
+            return ratios
+        self._advance_momentum()
+        self.compressor(lambda p: self.state[p]["exp_avg"])
+        work = self.updates(update_moments=False)
+        missing = [(p, r) for _, p, r in work if "trust_coeff" not in self.state[p]]
+        if missing:  # state resharded from another DP size: freeze the ratio of this step
+            ratios = trust_ratios(
+                *map(list, zip(*missing)),
+                tp_group=self.tp_group,
+                min_trust_ratio=self.min_trust_ratio,
+                max_trust_ratio=self.max_trust_ratio,
+            )
+            for (p, _), trust in zip(missing, ratios):
+                self.state[p]["trust_coeff"] = trust
+        for group, p, r in work:
+            trust = self.state[p]["trust_coeff"].clamp(self.min_trust_ratio, self.max_trust_ratio)
+            p.add_(r * trust, alpha=-group["lr"])
+        return None
+
+
+class ZeroOneAdam(_CompressedMixin, torch.optim.AdamW):
+    """0/1 Adam (module docstring): variance updated on a doubling schedule, compressed momentum,
+    local steps after ``var_freeze_step``."""
+
+    def __init__(
+        self,
+        params,
+        *,
+        var_freeze_step: int,
+        var_update_scaler: int,
+        local_step_scaler: int,
+        local_step_clipper: int,
+        dp_group,
+        expert_dp_group=None,
+        **adamw,
+    ):
+        super().__init__(params, **adamw)
+        self.var_freeze_step, self.var_update_scaler = var_freeze_step, var_update_scaler
+        self.local_step_scaler, self.local_step_clipper = local_step_scaler, local_step_clipper
+        self._init_compression(dp_group=dp_group, expert_dp_group=expert_dp_group)
+        self.var_updates, self.next_var_step, self.last_sync = 0, 1, 0
+
+    def _sync_interval(self, t: int) -> int:
+        if t <= self.var_freeze_step:
+            return 1
+        doublings = (t - self.var_freeze_step) // self.local_step_scaler
+        return min(2 ** min(doublings, 30), self.local_step_clipper)
+
+    def phase_of(self, t: int) -> int:
+        if t <= self.var_freeze_step and t == self.next_var_step:
+            return PHASE_FULL
+        return PHASE_COMPRESSED if t - self.last_sync >= self._sync_interval(t) else PHASE_LOCAL
+
+    def _extra_state(self) -> dict:
+        schedule = {"var_updates": self.var_updates, "next_var_step": self.next_var_step}
+        return {**super()._extra_state(), **schedule, "last_sync": self.last_sync}
+
+    def _load_extra_state(self, extra: dict) -> None:
+        super()._load_extra_state(extra)
+        self.var_updates, self.next_var_step = extra["var_updates"], extra["next_var_step"]
+        self.last_sync = extra["last_sync"]
+
+    def _local(self, p: torch.Tensor) -> dict:
+        """The accumulated update ``u`` and the ``anchor`` (weights at the last sync)."""
+        state = self.state[p]
+        if "local_update" not in state:
+            state["local_update"] = torch.zeros_like(p)
+            state["anchor"] = p.detach().clone()
+            state["lr_sum"] = torch.zeros((), dtype=torch.float32)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        assert closure is None
+        t = self.step_count = self.step_count + 1
+        self.last_phase = self.phase_of(t)
+        if self.last_phase == PHASE_FULL:
+            super().step()
+            self.var_updates += 1
+            self.next_var_step = t + 2 ** (self.var_updates // self.var_update_scaler)
+            self.last_sync = t
+            for group in self.param_groups:
+                for p in group["params"]:
+                    local = self._local(p)
+                    local["anchor"].copy_(p)
+                    local["local_update"].zero_()
+                    local["lr_sum"].zero_()
+            return None
+        self._advance_momentum()
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+            for p in group["params"]:
+                state, local = self.state[p], self._local(p)
+                lr_t = lr / (1 - b1 ** float(state["step"]))
+                p.mul_(1 - lr * wd)
+                local["anchor"].mul_(1 - lr * wd)
+                p.addcdiv_(state["exp_avg"], _adam_denominator(state, b2, eps), value=-lr_t)
+                local["local_update"].add_(state["exp_avg"], alpha=lr_t)
+                local["lr_sum"] += lr_t
+        if self.last_phase == PHASE_LOCAL:
+            return None
+        self.compressor(lambda p: self.state[p]["local_update"])
+        self.last_sync = t
+        for group in self.param_groups:
+            b2, eps = group["betas"][1], group["eps"]
+            for p in group["params"]:
+                state = self.state[p]
+                u = state["local_update"]
+                p.copy_(state["anchor"]).addcdiv_(u, _adam_denominator(state, b2, eps), value=-1)
+                state["exp_avg"].copy_(u / state["lr_sum"])
+                state["anchor"].copy_(p)
+                u.zero_()
+                state["lr_sum"].zero_()
+        return None

@@ -1,0 +1,148 @@
+"""The compressed optimizers (``compressed``: 1-bit Adam, 0/1 Adam, 1-bit LAMB) in the
+mixed-precision family: masters, loss scaling, clipping and the fp16 skip as
+``UnshardedOptimizer``, plus the one thing they need of the data-parallel wrapper.
+
+Before each step's backward the wrapper must know whether to average the grads over DP: after
+every step (and at construction, and after a load) this optimizer asks its inner one
+(``full_grads_next``) and sets ``DistributedDataParallel.set_grad_reduce``. In a compressed or
+local step the grads are the rank's own, so:
+
+- the inf/NaN flag (fp16) is max-reduced over the DP groups too: every rank skips together;
+- the grad norm and clipping are each rank's own (each worker clips its own gradient before it
+  enters the momentum); the norm logged is that of the rank that logs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from megalite.core.distributed.data_parallel import DistributedDataParallel
+from megalite.core.groups import group_size
+from megalite.core.optimizer.compressed import OneBitAdam, OneBitLamb, ZeroOneAdam
+from megalite.core.optimizer.unsharded_optimizer import UnshardedOptimizer
+
+logger = logging.getLogger(__name__)
+
+CompressedInner = OneBitAdam | OneBitLamb | ZeroOneAdam
+_FULL_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")  # carried by full_state_dict
+
+
+class CompressedOptimizer(UnshardedOptimizer):
+    """``UnshardedOptimizer`` whose ``build_inner`` returns a compressed optimizer; ``model`` is
+    the ``DistributedDataParallel`` wrapper whose grad reduction it switches (a bare module in a
+    single-process run)."""
+
+    optimizer: CompressedInner
+
+    def __init__(self, param_groups: list[dict], build_inner, *, model, **kwargs):
+        super().__init__(param_groups, build_inner, model=model, **kwargs)
+        self.model = model
+        self.dp_groups = (
+            (model.dp_group, model.expert_dp_group)
+            if isinstance(model, DistributedDataParallel)
+            else (None, None)
+        )
+        self._sync_phase()
+
+    def _sync_phase(self) -> None:
+        if isinstance(self.model, DistributedDataParallel):
+            self.model.set_grad_reduce(self.optimizer.full_grads_next())
+
+    def _inf_groups(self) -> list:
+        groups = super()._inf_groups()
+        if self.optimizer.full_grads_next():
+            return groups
+        return [*groups, self.dp_groups[0], *(self.dp_groups[1:] if self.has_experts else ())]
+
+    @torch.no_grad()
+    def step(self):
+        result = super().step()
+        self._sync_phase()
+        return result
+
+    # --- what the logs read -----------------------------------------------------------------------
+
+    @property
+    def phase(self) -> int:
+        """The last step's phase (``compressed.PHASE_*``: 0 full, 1 compressed, 2 local)."""
+        return self.optimizer.last_phase
+
+    def compression_error_norm(self) -> torch.Tensor:
+        return self.optimizer.compressor.error_norm()
+
+    def take_bytes_sent(self) -> int:
+        """Bytes the compressed all-reduce sent since the last call (CommLog's convention)."""
+        sent, self.optimizer.compressor.bytes_sent = self.optimizer.compressor.bytes_sent, 0
+        return sent
+
+    def comm_scalars(self) -> dict[str, float]:
+        """``compression-phase`` (0 full, 1 compressed, 2 local), ``compression-error-norm``
+        (worker and server buffers together) and ``compressed-bytes-sent`` since the last call
+        (reads the error norm on the host)."""
+        return {
+            "compression-phase": float(self.phase),
+            "compression-error-norm": float(self.compression_error_norm()),
+            "compressed-bytes-sent": float(self.take_bytes_sent()),
+        }
+
+    # --- checkpoints ------------------------------------------------------------------------------
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self._sync_phase()
+
+    def full_state_dict(self, *, copy: bool = True) -> dict:
+        sd = super().full_state_dict(copy=copy)
+        sd["step"] = self.optimizer.step_count
+        return sd
+
+    @torch.no_grad()
+    def load_full_state_dict(self, sd: dict) -> None:
+        """The layout-independent state: the moments and the step; the rest comes from
+        ``load_dp_rank_state`` (the same DP size) or restarts from zero (another one)."""
+        super().load_full_state_dict(sd)
+        self.optimizer.step_count = int(sd["step"])
+        self.optimizer.compressor.reset()
+        self._sync_phase()
+
+    def dp_rank_state(self) -> dict:
+        """This DP rank's error feedback, the phase schedule, and the per-parameter entries that
+        are not Adam's moments (1-bit LAMB's frozen trust ratio, 0/1 Adam's local update and
+        anchor), by master index; the masters themselves when the DP replicas differ (saved
+        between 0/1 Adam's syncs: the model file holds DP rank 0's)."""
+        inner = self.optimizer
+        extra = {}
+        differ = inner.replicas_differ()  # 0/1 Adam between syncs: the momentum is the rank's
+        for i, master in enumerate(self.master_params):
+            state = inner.state[master].items()
+            own = {k: v for k, v in state if differ or k not in _FULL_STATE_KEYS}
+            if own:
+                extra[i] = own
+        state = {"dp_size": self._dp_size(), **inner._extra_state(), "params": extra}
+        if differ:  # and so are the weights
+            state["masters"] = [m.detach().clone() for m in self.master_params]
+        return state
+
+    def _dp_size(self) -> int:
+        return group_size(self.dp_groups[0])
+
+    def load_dp_rank_state(self, state: dict | None) -> None:
+        inner = self.optimizer
+        if state is None or state["dp_size"] != self._dp_size():
+            if inner.step_count > 0:
+                logger.warning(
+                    "%s: the error-feedback buffers and local-step state restart from zero (the "
+                    "checkpoint was saved at another data-parallel size)",
+                    type(inner).__name__,
+                )
+            return
+        inner._load_extra_state({k: v for k, v in state.items() if k not in ("dp_size", "params")})
+        for i, own in state["params"].items():
+            inner.state[self.master_params[i]].update(own)
+        if "masters" in state:
+            for master, saved in zip(self.master_params, state["masters"], strict=True):
+                master.data.copy_(saved)
+            self._update_model_params()
+        self._sync_phase()

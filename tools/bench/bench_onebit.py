@@ -1,0 +1,221 @@
+"""Convergence and wall time of the compressed optimizers against their full-precision bases, at
+DP 4 on CPU/gloo: adam vs onebit-adam vs zero-one-adam, lamb vs onebit-lamb.
+
+    python tools/bench/bench_onebit.py --data-dir runs/quickstart-X   # the quickstart's corpus
+    python tools/bench/bench_onebit.py --steps 300 --freeze 50         # builds the corpus itself
+    python tools/bench/bench_onebit.py --tiny        # mock data, adam vs onebit-adam in-process
+
+Each optimizer trains the same small GPT (``pretrain``, the real loop) from the same seed on the
+same data, one run after another, in a fresh 4-rank world each. The corpus is the quickstart's
+(``scripts/quickstart.sh``: the standard library's .py files, a SentencePiece tokenizer of 4096
+pieces, Megatron's .bin/.idx); ``--data-dir`` reuses a quickstart run's output, otherwise it is
+built into a temporary folder with the same tools. Printed per compressed optimizer: the largest
+relative gap of its loss to its base's at any step after the warm-up, the wall time per step
+against the base's in the same run (including start-up; the machine's load shows in both), and
+the bytes per step on the DP group as the planner counts them (``bus_factor``) with the time
+they take on a 25 Gb/s inter-node link. The loss curves go to an SVG (``--plot``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import torch  # noqa: E402
+
+from megalite.core.distributed.compressed_allreduce import wire_bytes  # noqa: E402
+from megalite.core.parallel_state import ParallelState  # noqa: E402
+from megalite.planning.cluster import bus_factor  # noqa: E402
+from megalite.training.arguments import parse_args, with_tokenizer  # noqa: E402
+from megalite.training.components import build_model  # noqa: E402
+from megalite.training.pretrain import pretrain  # noqa: E402
+
+DP = 4
+LINK_GBPS = 25.0
+PAIRS = {"adam": ("onebit-adam", "zero-one-adam"), "lamb": ("onebit-lamb",)}
+COLORS = {
+    "adam": "#1f77b4",
+    "onebit-adam": "#ff7f0e",
+    "zero-one-adam": "#2ca02c",
+    "lamb": "#d62728",
+    "onebit-lamb": "#9467bd",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model_flags(a: argparse.Namespace) -> list[str]:
+    flags = f"--num-layers {a.layers} --hidden-size {a.hidden} --num-attention-heads 4 "
+    flags += f"--seq-length {a.seq} --max-position-embeddings {a.seq} --micro-batch-size 2 "
+    flags += f"--global-batch-size {2 * DP} --train-iters {a.steps} --lr {a.lr} --min-lr 0 "
+    flags += f"--lr-warmup-iters {a.freeze // 2} --lr-decay-style cosine --weight-decay 0.01 "
+    flags += "--log-interval 1000000 --eval-iters 0 --seed 1234 --hidden-dropout 0 "
+    flags += "--attention-dropout 0 --clip-grad 1.0"
+    return flags.split()
+
+
+def _optimizer_flags(name: str, freeze: int) -> list[str]:
+    flags = ["--optimizer", name, "--onebit-freeze-step", str(freeze)]
+    flags += ["--zero-one-var-freeze-step", str(freeze), "--zero-one-local-step-scaler", "1000000"]
+    return flags
+
+
+def _rank(rank: int, port: int, flags: list[str], out) -> None:
+    env = {"RANK": str(rank), "WORLD_SIZE": str(DP), "LOCAL_RANK": str(rank)}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(DP))
+    os.environ.update(env, OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    result = pretrain(with_tokenizer(parse_args(flags, env=env)), env=env)
+    if rank == DP - 1:
+        out.put((result.losses, time.perf_counter() - started))
+
+
+def run(flags: list[str], *, world: int = DP) -> tuple[list[float], float]:
+    """(losses, wall seconds) of one pretrain run: DP 4 in spawned ranks, or (``world`` 1, the
+    smoke run) in this process."""
+    if world == 1:
+        started = time.perf_counter()
+        result = pretrain(with_tokenizer(parse_args(flags, env={})), env={})
+        return result.losses, time.perf_counter() - started
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, flags, out)) for r in range(DP)]
+    for p in procs:
+        p.start()
+    losses, wall = out.get()
+    for p in procs:
+        p.join()
+        if p.exitcode:
+            raise SystemExit(f"a rank exited with {p.exitcode}")
+    return losses, wall
+
+
+def build_corpus(folder: str) -> list[str]:
+    """The quickstart's corpus and tokenizer in ``folder``; returns the data flags."""
+    py = sys.executable
+    jsonl, prefix = f"{folder}/stdlib.jsonl", f"{folder}/stdlib"
+    for cmd in (
+        [py, "tools/make_stdlib_corpus.py", "--output", jsonl],
+        [py, "tools/train_tokenizer.py", "--input", jsonl, "--model-prefix", prefix]
+        + "--vocab-size 4096 --input-sentence-size 200000 --num-threads 2".split(),
+        [py, "tools/preprocess_data.py", "--input", jsonl, "--output-prefix", prefix]
+        + ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", f"{prefix}.model"]
+        + ["--append-eod"],
+    ):
+        subprocess.run(cmd, check=True, cwd=os.path.join(os.path.dirname(__file__), "..", ".."))
+    return data_flags(f"{prefix}_text_document", f"{prefix}.model")
+
+
+def data_flags(data_path: str, tokenizer: str) -> list[str]:
+    return ["--data-path", data_path, "--split", "98,2,0"] + [
+        "--tokenizer-type",
+        "SentencePieceTokenizer",
+        "--tokenizer-model",
+        tokenizer,
+    ]
+
+
+def write_svg(path: str, curves: dict[str, list[float]], freeze: int) -> None:
+    """The loss curves as a plain SVG line chart (no plotting library needed)."""
+    w, h, pad = 720, 420, 50
+    values = [v for c in curves.values() for v in c]
+    lo, hi = min(values), max(values)
+    steps = max(len(c) for c in curves.values())
+
+    def xy(i: int, v: float) -> str:
+        x = pad + (w - 2 * pad) * i / max(steps - 1, 1)
+        y = h - pad - (h - 2 * pad) * (v - lo) / max(hi - lo, 1e-9)
+        return f"{x:.1f},{y:.1f}"
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}">']
+    parts.append(f'<rect width="{w}" height="{h}" fill="white"/>')
+    fx = pad + (w - 2 * pad) * freeze / max(steps - 1, 1)
+    parts.append(f'<line x1="{fx}" y1="{pad}" x2="{fx}" y2="{h - pad}" stroke="#999"/>')
+    parts.append(f'<text x="{fx + 4}" y="{pad + 12}" font-size="11">freeze</text>')
+    for k, (name, c) in enumerate(curves.items()):
+        points = " ".join(xy(i, v) for i, v in enumerate(c))
+        color = COLORS.get(name, "black")
+        parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1" points="{points}"/>')
+        parts.append(f'<text x="{w - 160}" y="{pad + 14 * k}" fill="{color}">{name}</text>')
+    parts.append(f'<text x="{pad}" y="{h - 15}" font-size="11">step 1..{steps}; loss {lo:.2f}')
+    parts.append(f"..{hi:.2f} (DP {DP}, gloo, CPU)</text></svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(parts))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="mock data, a few steps: a smoke run")
+    p.add_argument("--data-dir", help="a quickstart run's output (data/ and tokenizer/)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--freeze", type=int, default=50)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--plot", default="docs/img/onebit_curves.svg")
+    a = p.parse_args()
+    if a.tiny:
+        a.steps, a.freeze, a.layers, a.hidden, a.seq = 3, 1, 1, 32, 16
+        data = "--mock-data --tokenizer-type NullTokenizer --vocab-size 127".split()
+    elif a.data_dir:
+        d = a.data_dir
+        data = data_flags(f"{d}/data/stdlib_text_document", f"{d}/tokenizer/stdlib.model")
+    else:
+        data = build_corpus(tempfile.mkdtemp(prefix="onebit-corpus-"))
+    curves, walls = {}, {}
+    pairs = {"adam": ("onebit-adam",)} if a.tiny else PAIRS
+    for base, compressed in pairs.items():
+        for name in (base, *compressed):
+            flags = [*_model_flags(a), *data, *_optimizer_flags(name, a.freeze)]
+            losses, wall = run(flags, world=1 if a.tiny else DP)
+            curves[name], walls[name] = losses, wall / a.steps
+            print(f"{name:>14}: final loss {losses[-1]:.4f}, {1e3 * walls[name]:.1f} ms/step")
+    numel = _numel(a, data)
+    fp32 = bus_factor("all_reduce", DP) * 4 * numel
+    one = bus_factor("all_to_all", DP) * wire_bytes(numel, DP)
+    link = LINK_GBPS * 1e9 / 8
+    print(f"DP-group bytes per step ({numel} params, on the wire): fp32 all-reduce {fp32:.0f}, ")
+    print(f"  compressed {one:.0f} ({fp32 / one:.1f}x fewer); at {LINK_GBPS:.0f} Gb/s: ")
+    print(f"  {1e3 * fp32 / link:.2f} ms vs {1e3 * one / link:.3f} ms per step")
+    for base, compressed in pairs.items():
+        for name in compressed:
+            gap = max(
+                abs(x - y) / abs(y)
+                for x, y in zip(curves[name][a.freeze :], curves[base][a.freeze :])
+            )
+            ratio = walls[name] / walls[base]
+            print(
+                f"{name:>14} vs {base}: max relative loss gap after warm-up {100 * gap:.2f}%, "
+                f"wall per step {ratio:.2f}x"
+            )
+    if a.plot and not a.tiny:
+        os.makedirs(os.path.dirname(a.plot) or ".", exist_ok=True)
+        write_svg(a.plot, curves, a.freeze)
+        print(f"curves: {a.plot}")
+
+
+def _numel(a: argparse.Namespace, data: list[str]) -> int:
+    """Parameters of the model the runs train (one replica)."""
+    cfg = with_tokenizer(parse_args([*_model_flags(a), *data], env={}))
+    model = build_model(cfg, ParallelState.single(), device=torch.device("cpu"), rng_tracker=None)
+    return sum(p.numel() for p in model.parameters())
+
+
+if __name__ == "__main__":
+    main()
