@@ -1,6 +1,7 @@
 """The ``pretrain_gpt.py`` command line: Megatron-LM's flag names, parsed by argparse.
 
-Only parsing lives here: ``megalite.training.arguments`` maps the parsed flags onto the config
+Only parsing lives here, with the run's flags in ``run_flags`` and the machinery in
+``flag_groups``: ``megalite.training.arguments`` maps the parsed flags onto the config
 dataclasses, which validate themselves. Each flag's default is read from the dataclass field it
 fills (``--lr-warmup-iters`` -> ``OptimizerConfig.lr_warmup_iters``), so it is written once; so are
 the choices of a flag, from the module that implements them (``--pipeline-schedule`` ->
@@ -11,9 +12,7 @@ are accepted with one warning (``megatron_flags``).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
-from megalite.checkpoint.formats import CKPT_FORMATS
 from megalite.core.attention.sparse_layouts import SPARSE_LAYOUTS
 from megalite.core.context_parallel import CP_COMM_TYPES
 from megalite.core.distributed import STRATEGIES
@@ -25,9 +24,6 @@ from megalite.core.moe.config import (
 )
 from megalite.core.optimizer.compressed import OPTIMIZERS
 from megalite.core.pipeline_parallel.generators import SCHEDULES
-from megalite.data.config import TOKENIZER_TYPES, DataConfig
-from megalite.data.tiktoken_tokenizer import PATTERNS
-from megalite.errors import ConfigError
 from megalite.models.config import (
     ATTENTION_BACKENDS,
     NORMALIZATIONS,
@@ -36,11 +32,12 @@ from megalite.models.config import (
     RECOMPUTE_METHODS,
     GPTConfig,
 )
-from megalite.training.config import LoggingConfig, TrainingConfig
+from megalite.training.flag_groups import FlagGroup, Parser, int_or_list, window_pair
 from megalite.training.lr_scheduler import DECAY_STYLES
 from megalite.training.megatron_flags import add_ignored_flags
 from megalite.training.optimizer_config import OptimizerConfig
 from megalite.training.parallel_config import DEVICES, ParallelConfig
+from megalite.training.run_flags import data_flags, logging_flags, training_flags
 
 # Megatron's --attention-backend values map onto the two megalite implements.
 ATTENTION_BACKEND_ALIASES = {
@@ -53,69 +50,8 @@ ATTENTION_BACKEND_ALIASES = {
 }
 
 
-def _int_or_list(text: str) -> int | str:
-    """``--moe-layer-freq``: an integer, or a list expression kept as text (checked later)."""
-    return int(text) if text.strip().isdigit() else text
-
-
-def _window_pair(text: str) -> tuple[int, int]:
-    """``--window-size``: Megatron's tuple, ``LEFT,RIGHT`` (brackets allowed)."""
-    try:
-        pair = tuple(int(x) for x in text.strip("()[] ").split(","))
-    except ValueError:
-        pair = ()
-    if len(pair) != 2:
-        raise argparse.ArgumentTypeError(f"expected two integers LEFT,RIGHT, got {text!r}")
-    return pair
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse would print usage and exit; we raise one line
-        if message.startswith("the following arguments are required"):
-            message = "missing required flag(s): " + message.split(": ", 1)[1]
-        raise ConfigError(message)
-
-
-def _default(sources: tuple[type, ...], name: str):
-    """The default of field ``name``, read from the one of ``sources`` that has it."""
-    for cls in sources:
-        for f in dataclasses.fields(cls):
-            if f.name == name:
-                if f.default is dataclasses.MISSING:
-                    raise TypeError(f"{cls.__name__}.{name} has no default")
-                return f.default
-    raise TypeError(f"none of {', '.join(c.__name__ for c in sources)} has a field {name}")
-
-
-class _Group:
-    """An argument group whose options take their default from the dataclass field they fill:
-    a field of one of ``sources`` (a group's flags may fill several dataclasses: ``--seed`` is
-    a training flag and the model's field)."""
-
-    def __init__(self, parser: argparse.ArgumentParser, title: str, *sources: type):
-        self.group, self.sources = parser.add_argument_group(title), sources
-
-    def add(self, flag: str, **kwargs) -> None:
-        """A valued flag; its default is the field of the same name (``--a-b`` -> ``a_b``)."""
-        name = kwargs.get("dest", flag[2:].replace("-", "_"))
-        if not kwargs.get("required"):
-            kwargs.setdefault("default", _default(self.sources, name))
-        self.group.add_argument(flag, **kwargs)
-
-    def switch(self, flag: str, *aliases: str, **kwargs) -> None:
-        """An on/off flag for a field whose default is False (``aliases``: other spellings)."""
-        name = kwargs.get("dest", flag[2:].replace("-", "_"))
-        if _default(self.sources, name) is not False:
-            raise TypeError(f"{flag}: the field {name} must default to False")
-        self.group.add_argument(flag, *aliases, action="store_true", **kwargs)
-
-    def plain(self, *args, **kwargs) -> None:
-        """A flag with no field of its own (mapped or checked in ``arguments``)."""
-        self.group.add_argument(*args, **kwargs)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = Parser(
         prog="pretrain_gpt.py",
         allow_abbrev=False,
         description="Megatron-LM's command-line flags -> a validated PretrainConfig.",
@@ -123,16 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(p)
     _parallel_flags(p)
     _optimizer_flags(p)
-    _training_flags(p)
+    training_flags(p)
     _moe_flags(p)
-    _data_flags(p)
-    _logging_flags(p)
+    data_flags(p)
+    logging_flags(p)
     add_ignored_flags(p)
     return p
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
-    m = _Group(p, "model", GPTConfig)
+    m = FlagGroup(p, "model", GPTConfig)
     for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length"):
         m.add(flag, type=int, required=True)
     for flag in ("--ffn-hidden-size", "--kv-channels", "--num-query-groups"):
@@ -169,8 +105,8 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     kernels = "use the PyTorch reference instead of the Triton kernels"
     for flag in ("--no-fused-kernels", "--no-masked-softmax-fusion", "--no-persist-layer-norm"):
         m.plain(flag, dest="no_fused_kernels", action="store_true", help=kernels)
-    m.add("--window-size", type=_window_pair, help="LEFT,RIGHT: sliding-window attention")
-    m.add("--window-attn-skip-freq", type=_int_or_list, help="N (every N-th layer full) or [1,1,0]")
+    m.add("--window-size", type=window_pair, help="LEFT,RIGHT: sliding-window attention")
+    m.add("--window-attn-skip-freq", type=int_or_list, help="N (every N-th layer full) or [1,1,0]")
     m.add("--sparse-attention", choices=SPARSE_LAYOUTS, help="a block-sparse layout")
     for flag in (
         "--sparse-block-size",
@@ -200,7 +136,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _parallel_flags(p: argparse.ArgumentParser) -> None:
-    par = _Group(p, "parallelism", ParallelConfig, GPTConfig)
+    par = FlagGroup(p, "parallelism", ParallelConfig, GPTConfig)
     par.add("--tensor-model-parallel-size", type=int)
     par.add("--pipeline-model-parallel-size", type=int)
     par.add("--pipeline-schedule", choices=SCHEDULES)
@@ -244,7 +180,7 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
     par.plain("--distributed-backend", choices=["nccl", "gloo"])
     par.add("--device", choices=DEVICES)
 
-    cp = _Group(p, "context parallel", ParallelConfig, GPTConfig)
+    cp = FlagGroup(p, "context parallel", ParallelConfig, GPTConfig)
     cp.add(
         "--context-parallel-size",
         type=int,
@@ -256,7 +192,7 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
         help="p2p: K/V ring; a2a: Ulysses all-to-all; all_gather: K/V gathered",
     )
 
-    z = _Group(p, "sharded data parallelism (ZeRO) and optimizer offload", ParallelConfig)
+    z = FlagGroup(p, "sharded data parallelism (ZeRO) and optimizer offload", ParallelConfig)
     z.add(
         "--data-parallel-sharding-strategy",
         choices=STRATEGIES,
@@ -286,7 +222,7 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _optimizer_flags(p: argparse.ArgumentParser) -> None:
-    o = _Group(p, "optimizer and mixed precision", OptimizerConfig)
+    o = FlagGroup(p, "optimizer and mixed precision", OptimizerConfig)
     o.add("--optimizer", choices=OPTIMIZERS, help="adam is AdamW; the compressed ones: --onebit-*")
     o.add("--lamb-min-trust-ratio", type=float, help="LAMB's lower bound on ||w|| / ||update||")
     o.add("--lamb-max-trust-ratio", type=float, help="LAMB's upper bound on ||w|| / ||update||")
@@ -337,75 +273,8 @@ def _optimizer_flags(p: argparse.ArgumentParser) -> None:
     o.add("--hysteresis", type=int)
 
 
-def _training_flags(p: argparse.ArgumentParser) -> None:
-    t = _Group(p, "training", TrainingConfig, GPTConfig)
-    t.add("--micro-batch-size", type=int, required=True)
-    t.add("--global-batch-size", type=int, default=None, help="default: micro x data-parallel")
-    t.add(
-        "--rampup-batch-size",
-        nargs=3,
-        type=int,
-        metavar=("START", "INCREMENT", "SAMPLES"),
-        help="grow the global batch from START by INCREMENT over SAMPLES (--train-samples)",
-    )
-    t.add(
-        "--step-batch-size-schedule",
-        help='"0:B0 T1:B1 ...": batch Bi from Ti consumed tokens on (--train-samples)',
-    )
-    t.add("--train-iters", type=int, default=None)
-    t.plain("--train-samples", type=int)
-    for flag in ("--seed", "--eval-interval", "--eval-iters", "--exit-interval"):
-        t.add(flag, type=int)
-    t.add("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction)
-    t.switch(
-        "--calculate-per-token-loss",
-        help="loss = token sum / unmasked tokens of the whole global batch",
-    )
-    t.switch("--exit-signal-handler", help="on --exit-signal: finish the iteration, save, exit 0")
-    t.add("--exit-signal", help="the signal it catches (SIGTERM, SIGUSR1 ...)")
-    t.add("--save", help="checkpoint directory to save to")
-    t.add("--load", help="checkpoint directory to resume from (any TP/PP/DP layout)")
-    t.add("--save-interval", type=int)
-    t.add(
-        "--ckpt-format",
-        choices=CKPT_FORMATS,
-        help="megalite's own files (default) or Megatron-LM's torch / torch_dist",
-    )
-    t.add("--ckpt-step", type=int, help="load this iteration instead of the latest")
-    t.add(
-        "--non-persistent-save-interval",
-        type=int,
-        help="also save every N iterations to --non-persistent-global-ckpt-dir (newest kept)",
-    )
-    t.add("--non-persistent-ckpt-type", choices=("global", "local", "in_memory"))
-    t.add("--non-persistent-global-ckpt-dir", help="default: SAVE/non_persistent")
-    t.switch(
-        "--async-save",
-        help="copy the checkpoint to host memory and write it in the background while training",
-    )
-    for flag in ("--no-save-optim", "--no-load-optim", "--no-load-rng"):
-        t.switch(flag)
-    t.switch("--finetune", help="load the weights only; iteration and data start at 0")
-    t.switch(
-        "--use-checkpoint-opt_param-scheduler",
-        "--use-checkpoint-opt-param-scheduler",
-        dest="use_checkpoint_opt_param_scheduler",
-        help="the LR schedule (rates, warmup, decay length and style) from the checkpoint",
-    )
-    t.switch(
-        "--deterministic-mode",
-        help="torch's deterministic algorithms, NCCL_ALGO=Ring, CUBLAS_WORKSPACE_CONFIG=:4096:8",
-    )
-    t.add("--exit-duration-in-mins", type=float)
-    t.add(
-        "--keep-last-n-checkpoints",
-        type=int,
-        help="megalite's own: delete older iter_* folders after each save",
-    )
-
-
 def _moe_flags(p: argparse.ArgumentParser) -> None:
-    moe = _Group(p, "mixture of experts", GPTConfig)
+    moe = FlagGroup(p, "mixture of experts", GPTConfig)
     for flag in (
         "--num-experts",
         "--moe-ffn-hidden-size",
@@ -424,7 +293,7 @@ def _moe_flags(p: argparse.ArgumentParser) -> None:
         moe.add(flag, type=float)
     moe.add("--moe-token-drop-policy", choices=DROP_POLICIES)
     moe.add("--moe-token-dispatcher-type", choices=DISPATCHERS)
-    moe.add("--moe-layer-freq", type=_int_or_list, help="N (every N-th layer) or [1,0,1,0]")
+    moe.add("--moe-layer-freq", type=int_or_list, help="N (every N-th layer) or [1,0,1,0]")
     for flag in (
         "--moe-router-pre-softmax",
         "--moe-router-enable-expert-bias",
@@ -440,58 +309,6 @@ def _moe_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="fp32: megalite's router math, always (fp64 is refused)",
     )
-    ep = _Group(p, "expert parallelism", ParallelConfig)
+    ep = FlagGroup(p, "expert parallelism", ParallelConfig)
     ep.add("--expert-model-parallel-size", type=int)
     ep.add("--expert-tensor-parallel-size", type=int)
-
-
-def _data_flags(p: argparse.ArgumentParser) -> None:
-    d = _Group(p, "data", DataConfig)
-    for flag in ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"):
-        d.add(flag, nargs="*")
-    d.plain("--data-args-path", default=None, help="a file holding the --data-path list")
-    d.plain(
-        "--per-split-data-args-path",
-        default=None,
-        help='a JSON file {"train": ..., "valid": ..., "test": ...} of data paths',
-    )
-    d.add("--split")
-    d.add("--data-cache-path")
-    d.switch("--mock-data")
-    d.add("--tokenizer-type", help=f"one of {', '.join(TOKENIZER_TYPES)}")
-    d.add("--tokenizer-model")
-    d.add("--vocab-size", type=int)
-    d.add("--vocab-file", help="GPT2BPETokenizer: vocab.json")
-    d.add("--merge-file", help="GPT2BPETokenizer: merges.txt")
-    d.add("--tiktoken-pattern", choices=sorted(PATTERNS))
-    d.add("--tiktoken-num-special-tokens", type=int)
-    d.add("--num-workers", type=int)
-    d.switch("--eod-mask-loss")
-    d.switch("--reset-position-ids", help="positions restart after each end-of-document")
-    d.switch("--reset-attention-mask", help="attention does not cross an end-of-document")
-
-
-def _logging_flags(p: argparse.ArgumentParser) -> None:
-    lg = _Group(p, "logging", LoggingConfig)
-    lg.add("--log-interval", type=int)
-    lg.add("--tensorboard-dir")
-    lg.add("--tensorboard-log-interval", type=int)
-    lg.add("--tensorboard-queue-size", type=int)
-    lg.add(
-        "--peak-tflops",
-        type=float,
-        help="peak TFLOP/s of one device for MFU (default: GPU table)",
-    )
-    lg.switch("--log-num-zeros-in-grad")
-    lg.switch("--log-straggler", help="name the ranks whose steps are slow, at the log interval")
-    lg.add("--straggler-minmax-count", type=int, help="list this many slowest and fastest ranks")
-    lg.add(
-        "--straggler-slowdown",
-        type=float,
-        help="a rank is slow when its compute time per step exceeds this x the median",
-    )
-    lg.plain(
-        "--log-throughput",
-        action="store_true",
-        help="accepted for Megatron scripts; throughput is always logged",
-    )
