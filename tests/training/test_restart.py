@@ -44,12 +44,15 @@ def test_a_killed_rank_restarts_from_the_newest_checkpoint_and_continues(tmp_pat
         cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600, check=False
     )
     out = done.stdout + done.stderr
+    (tmp_path / "torchrun.log").write_text(out)  # the whole output, for a failure's reader
     assert done.returncode == 0, out[-4000:]
     assert "rank 1 dies at iteration 5" in out
     assert "restart 1 of this job: resuming from --save" in out
     assert re.search(r"loaded checkpoint \S+iter_0000004 ", out), out[-4000:]
     assert read_tracker(str(save)) == 6
-    _, after = out.split("rank 1 dies at iteration 5", 1)
+    # stdout holds both attempts' progress lines (stderr, read after it, the kill): the restarted
+    # attempt's are those after its load line
+    _, after = re.split(r"loaded checkpoint \S+iter_0000004 ", done.stdout, maxsplit=1)
     losses = {int(i): float(v) for i, v in LOSS.findall(after)}
     assert sorted(losses) == [5, 6], out[-4000:]
     straight = pretrain(config("--train-iters", "6"), env={})
