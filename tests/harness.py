@@ -16,8 +16,9 @@ test's ``monkeypatch.setenv``) is spawned instead. ``tools/bench/bench_harness.p
 case with and without the pool.
 
 Failures: an exception on any rank fails the test with that rank's number and traceback; a rank that
-does not answer within ``timeout`` seconds (default 120) fails it too. Either way the pool is
-killed, since the other ranks may be blocked in a collective, and the next case starts a fresh one.
+does not answer within ``timeout`` seconds (default 600: a hang guard, far above any case on a
+loaded machine) fails it too. Either way the pool is killed, since the other ranks may be blocked
+in a collective, and the next case starts a fresh one.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import time
 import traceback
 from datetime import timedelta
 
-DEFAULT_TIMEOUT = 120.0
+DEFAULT_TIMEOUT = 600.0  # a hang guard: only a blocked case waits for it
 MAX_POOLS = 3  # world sizes kept warm at once (about 0.3 GB per worker)
 # gloo keeps a socket loop thread per destroyed process group, and those of closed peers spin: a
 # pool whose workers hold more threads than this is restarted before its next case

@@ -126,7 +126,7 @@ def test_save_tp2_pp2_dp2_continue_at_tp1_pp4_dp2_and_tp1_pp1_dp1():
         ("llama_zero1", [*FAMILIES["llama"], "--use-distributed-optimizer"]),
     ]
     with tempfile.TemporaryDirectory() as root:
-        results = run_distributed(_train_case, 8, root, cases, timeout=400)
+        results = run_distributed(_train_case, 8, root, cases, timeout=600)
         for name, extra in cases:
             # the last stage's ranks of both layouts hold the losses; take one of each
             straight, _, _ = results[7][name]

@@ -122,7 +122,7 @@ def test_resume_tp2_pp2_dp2_zero1_is_bitwise_exact():
         ("llama_bf16", [*FAMILIES["llama"], *layout, "--bf16"]),
     ]
     with tempfile.TemporaryDirectory() as root:
-        results = run_distributed(_distributed_case, 8, root, cases, timeout=400)
+        results = run_distributed(_distributed_case, 8, root, cases, timeout=600)
         for name, _ in cases:
             iter_dir = os.path.join(root, name, "iter_0000002")
             shards = sorted(os.listdir(iter_dir))

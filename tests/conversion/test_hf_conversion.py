@@ -66,7 +66,7 @@ def _train_case(root: str) -> None:
 
 def test_trained_at_tp2_pp2_converts_and_matches_transformers(tmp_path):
     root = str(tmp_path)
-    run_distributed(_train_case, 4, root, timeout=400)
+    run_distributed(_train_case, 4, root, timeout=600)
     for family, flags in FAMILIES.items():
         oracle = os.path.join(root, family + "_oracle")
         pretrain(config(*flags, *VOCAB, "--save", oracle), env={})

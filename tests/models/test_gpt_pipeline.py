@@ -132,4 +132,4 @@ def _cases(pp):
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_gpt_pipeline_equals_single_process(pp):
-    assert run_distributed(_stage_case, pp, pp, _cases(pp), timeout=300) == [True] * pp
+    assert run_distributed(_stage_case, pp, pp, _cases(pp), timeout=600) == [True] * pp

@@ -195,14 +195,14 @@ def _world_case(cases: dict) -> dict:
 
 
 def test_four_rank_layouts_prediction_matches():
-    results = run_distributed(_world_case, 4, WORLD4, timeout=240)
+    results = run_distributed(_world_case, 4, WORLD4, timeout=600)
     for rank, per_rank in enumerate(results):
         for name in WORLD4:
             _check(name, rank, *per_rank[name])
 
 
 def test_four_rank_schedules_zero_ladder_cp_and_ep_prediction_matches():
-    results = run_distributed(_world_case, 4, WORLD4_MORE, timeout=300)
+    results = run_distributed(_world_case, 4, WORLD4_MORE, timeout=600)
     for rank, per_rank in enumerate(results):
         for name in WORLD4_MORE:
             _check(name, rank, *per_rank[name])

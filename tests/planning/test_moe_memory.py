@@ -161,7 +161,7 @@ def test_first_step_comparison_says_which_figure_applies():
         ("skewed", "routing skewed (+"),
         ("worst", "the bound applies"),
     ):
-        lines = run_distributed(_first_step_line, 4, ROUTINGS[name], timeout=300)
+        lines = run_distributed(_first_step_line, 4, ROUTINGS[name], timeout=600)
         for rank, line in enumerate(lines):
             assert "at most" in line and "for any routing (dropless" in line, line
             measured = float(re.search(r"\(saved tensors, ([+-][\d.]+)%\)", line).group(1))

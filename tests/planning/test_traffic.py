@@ -113,7 +113,7 @@ def _rows_dropped(c: Counter) -> Counter:
 
 @pytest.mark.parametrize("world, cases", [(2, CASES), (4, WORLD4)], ids=["world2", "world4"])
 def test_predicted_traffic_is_what_a_step_sends(world, cases):
-    results = run_distributed(_case, world, cases, timeout=300)
+    results = run_distributed(_case, world, cases, timeout=600)
     misses = [
         f"{name} rank {rank}: predicted {sorted(p.items())}, logged {sorted(m.items())}"
         for rows in results

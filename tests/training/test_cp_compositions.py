@@ -116,7 +116,7 @@ def _worst(got: list[float], want: list[float]) -> float:
 
 
 def test_cp_with_pp_tp_and_recompute_equal_single_process():
-    results = run_distributed(_compositions_case, 4, LAYOUTS, DROPOUT_LAYOUTS, timeout=300)
+    results = run_distributed(_compositions_case, 4, LAYOUTS, DROPOUT_LAYOUTS, timeout=600)
     bad = []  # every layout that misses, so a failure names all of them
     for family, flags in LAYOUTS:
         losses, norms = _oracle(family)

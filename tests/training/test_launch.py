@@ -85,7 +85,7 @@ def test_srun_style_two_processes_train_without_torchrun():
                 text=True,
             )
         )
-    outs = [p.communicate(timeout=180) for p in procs]
+    outs = [p.communicate(timeout=600) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     out = outs[1][0]  # the last rank logs

@@ -160,7 +160,7 @@ def _functional_case(tmp: str) -> tuple:
 
 
 def test_functional_config_tp2_pp2_trains_and_saves_megatrons_format(tmp_path):
-    results = run_distributed(_functional_case, 4, str(tmp_path), timeout=300)
+    results = run_distributed(_functional_case, 4, str(tmp_path), timeout=600)
     refused, iteration, losses = results[-1]
     assert set(refused) == set(DROPPED["gpt3_tp2_pp2"]) and iteration == 2, refused
     assert losses and all(math.isfinite(x) for x in losses), losses

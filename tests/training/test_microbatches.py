@@ -181,7 +181,7 @@ def test_ramp_and_decoupled_lr_on_every_rung_match_one_process():
     micro-batches split over DP and the decoupled groups carried by the sharded optimizers."""
     oracle_cfg = _cfg("--decoupled-lr", "2e-3")
     _, oracle, oracle_record, _ = _run(oracle_cfg, ParallelState.single())
-    results = run_distributed(_rungs_case, 2, timeout=300)
+    results = run_distributed(_rungs_case, 2, timeout=600)
     for strategy, (losses, lrs) in results[-1].items():
         assert losses == pytest.approx(oracle.losses, rel=1e-5), strategy
         assert lrs == [x for _, _, x in oracle_record], strategy

@@ -67,7 +67,7 @@ def _save_and_resume_case(root: str) -> dict:
 
 def test_moe_checkpoint_resumes_at_another_pp_size():
     with tempfile.TemporaryDirectory() as root:
-        _check(root, run_distributed(_save_and_resume_case, 4, root, timeout=400))
+        _check(root, run_distributed(_save_and_resume_case, 4, root, timeout=600))
 
 
 def _check(root: str, results: list[dict]) -> None:

@@ -124,7 +124,7 @@ LAYOUTS = [  # (family, model flags, layout) on 4 ranks
 
 
 def test_moe_grads_and_aux_losses_under_cp_equal_single_process():
-    results = run_distributed(_layouts_case, 4, LAYOUTS, timeout=300)
+    results = run_distributed(_layouts_case, 4, LAYOUTS, timeout=600)
     for family, extra, layout in LAYOUTS:
         grads, (losses, norms, aux, z) = _oracle(family, _oracle_extra(extra, layout))
         assert max(losses) - min(losses) > 1e-4, "the oracle's losses do not move: vacuous"

@@ -222,7 +222,7 @@ def _four_rank_checkpoint_case(root: str) -> dict:
 @pytest.fixture(scope="module")
 def four_rank_checkpoints():
     with tempfile.TemporaryDirectory() as root:
-        yield root, run_distributed(_four_rank_checkpoint_case, 4, root, timeout=400)[-1]
+        yield root, run_distributed(_four_rank_checkpoint_case, 4, root, timeout=600)[-1]
 
 
 def test_save_at_ep2_tp2_resume_at_ep1_tp1_continues(four_rank_checkpoints):

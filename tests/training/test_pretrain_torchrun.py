@@ -32,7 +32,7 @@ def test_torchrun_four_processes_tp2_dp2():
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     layout = "--tensor-model-parallel-size 2 --sequence-parallel".split()
     cmd = [*torchrun, "4", str(ROOT / "pretrain_gpt.py"), *FLAGS, *layout]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=150, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "world 4 = TP 2 x PP 1 x DP 2 on cpu (gloo)" in out

@@ -96,7 +96,7 @@ def test_dp1_in_process_equals_oracle():
 
 def test_dp2_both_families_overlap_and_bf16():
     layouts = [(f, ()) for f in FAMILIES] + [("gpt2", tuple(OVERLAP)), ("gpt2", tuple(BF16))]
-    results = run_distributed(_layouts_case, 2, layouts, timeout=240)
+    results = run_distributed(_layouts_case, 2, layouts, timeout=600)
     oracles = {f: _oracle(f) for f in FAMILIES}
     _check(layouts[:3], results, oracles)
     bf16_losses, bf16_norms = _oracle("gpt2", tuple(BF16))
@@ -115,7 +115,7 @@ def test_dp4_tp2_dp2_and_pp2_dp2_equal_oracle():
         ("gpt2", ("--pipeline-model-parallel-size", "2")),
         ("gpt2", ("--pipeline-model-parallel-size", "2", *OVERLAP)),
     ]
-    results = run_distributed(_layouts_case, 4, layouts, timeout=300)
+    results = run_distributed(_layouts_case, 4, layouts, timeout=600)
     _check(layouts, results, {f: _oracle(f) for f in FAMILIES})
 
 
@@ -180,7 +180,7 @@ def _resume_case() -> dict:
 
 
 def test_save_load_continue_gives_the_uninterrupted_losses():
-    for r in run_distributed(_resume_case, 2, timeout=240):
+    for r in run_distributed(_resume_case, 2, timeout=600):
         assert r["head"] == r["full_run"][:3]
         assert r["tails"]["sharded"] == r["full_run"][3:], (r["tails"], r["full_run"])
         assert_close_rel(r["tails"]["full"], r["full_run"][3:], REL, "full-state resume")
@@ -202,7 +202,7 @@ def _memory_case() -> tuple[list, list[str]]:
 
 
 def test_startup_memory_report_matches_theory():
-    results = run_distributed(_memory_case, 2, timeout=120)
+    results = run_distributed(_memory_case, 2, timeout=600)
     rows, lines = results[0]
     assert "2P + 4P + 12P/2" in lines[0]
     assert [ln.split(":")[0].strip() for ln in lines[1:]] == ["rank 0", "rank 1"]

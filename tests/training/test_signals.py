@@ -89,7 +89,7 @@ FLAGS = [
 ]
 # A run that ends within this hang guard ended by the signal (or by torchrun on a rank's death),
 # not by the 30-minute collective timeout a rank that missed it would wait for.
-HANG_GUARD = 240
+HANG_GUARD = 600
 ITERATION = re.compile(r" iteration +(\d+)/ *100000 \|")
 
 

@@ -60,7 +60,7 @@ def _mesh_case() -> str:
 
 
 def test_split_pipeline_mesh_is_refused_on_every_rank_before_any_group():
-    results = run_distributed(_mesh_case, 4, timeout=60)
+    results = run_distributed(_mesh_case, 4, timeout=600)
     assert len(set(results)) == 1 and "splits pipeline stages" in results[0], results
 
 
@@ -79,7 +79,7 @@ def _folded_case() -> tuple:
 def test_moe_in_tp_pp_dp_order_at_cp2_ep2_pp2_equals_one_process():
     losses, norms, aux, z = _summary(train_losses(config(*MOE), ParallelState.single()))
     assert max(losses) - min(losses) > 1e-4 and min(aux) > 0, "vacuous oracle"
-    results = run_distributed(_folded_case, 4, timeout=300)
+    results = run_distributed(_folded_case, 4, timeout=600)
     for rank, (is_last, groups, (got_losses, got_norms, got_aux, got_z)) in enumerate(results):
         assert groups[0] == [rank % 2, rank % 2 + 2]  # stages 2 ranks apart in both views
         assert groups[1] == groups[2] == [rank // 2 * 2, rank // 2 * 2 + 1]

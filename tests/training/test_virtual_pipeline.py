@@ -174,7 +174,7 @@ def _world(pp):
 
 
 def _check(pp):
-    results = run_distributed(_world, pp, pp, timeout=240)
+    results = run_distributed(_world, pp, pp, timeout=600)
     count = results[0][0]
     assert count >= 20, count  # every schedule, every m it allows, two model variants each
     failures = [f for _, fs in results for f in fs]

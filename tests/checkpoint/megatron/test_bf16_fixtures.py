@@ -146,7 +146,7 @@ def test_bf16_megatron_checkpoints_load_exactly_at_other_layouts_and_continue(tm
     single = _check([_layout_case(1, 1, str(tmp_path / "tp1"))], "TP1 PP1")
     for (tp, pp), what in (((2, 1), "TP2 PP1"), ((1, 2), "PP2 DP2")):
         world = 2 if what == "TP2 PP1" else 4
-        results = run_distributed(_layout_case, world, tp, pp, str(tmp_path / what), timeout=300)
+        results = run_distributed(_layout_case, world, tp, pp, str(tmp_path / what), timeout=600)
         assert_close_rel(_check(results, what), single, LAYERS_REL, f"{what} vs TP1 PP1")
 
 

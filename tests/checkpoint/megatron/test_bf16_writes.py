@@ -117,7 +117,7 @@ def _without_padding(distrib_optim: dict, raw: dict, pp_rank: int) -> dict:
 
 def test_megalite_bf16_files_are_megatrons_files_of_the_same_state(tmp_path):
     root = str(tmp_path)
-    run_distributed(_save_all, 4, root, timeout=300)
+    run_distributed(_save_all, 4, root, timeout=600)
     bad = []
     for what in ("torch", "torch+distrib_optim"):
         for t in range(2):

@@ -149,7 +149,7 @@ def test_megatron_checkpoints_load_at_any_layout_and_continue():
         "--use-distributed-optimizer",
     ]
     for flags, what in ((tp2, "TP2 PP1"), (pp2, "TP1 PP2"), (dp2, "DP2 ZeRO-1")):
-        results = run_distributed(_case, 2, flags, timeout=300)
+        results = run_distributed(_case, 2, flags, timeout=600)
         for fmt in SOURCES:
             logits, progress, got = results[-1][fmt]
             _check_logits(logits, f"{fmt} at {what}")

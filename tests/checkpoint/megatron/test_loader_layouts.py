@@ -58,7 +58,7 @@ def _save_tp2_pp2(root: str) -> None:
 @pytest.mark.skipif(not _megatron_importable(), reason="megatron-core/Megatron-LM not importable")
 def test_megalite_tp2_pp2_files_load_in_megatrons_loader_at_dp2(tmp_path):
     root = str(tmp_path)
-    run_distributed(_save_tp2_pp2, 4, root, timeout=300)
+    run_distributed(_save_tp2_pp2, 4, root, timeout=600)
     for fmt in ("torch", "torch_dist"):
         shutil.copy(os.path.join(FIXTURES, "reference.pt"), os.path.join(root, fmt))
     # the files of a --use-distributed-optimizer run are Megatron's distributed-optimizer form, read

@@ -202,7 +202,7 @@ def _round_trip(root: str) -> list[tuple[str, list, int, float | None]]:
 
 def test_megatron_core_reads_megalites_bf16_files(tmp_path):
     assert not MISSING, "megatron-core is not installed (pip install -e .[test] installs it)"
-    results = run_distributed(_round_trip, 4, str(tmp_path), timeout=300)
+    results = run_distributed(_round_trip, 4, str(tmp_path), timeout=600)
     for rank, loads in enumerate(results):
         for what, bad, owned, err in loads:
             what = f"megatron-core's load of megalite's {what}, rank {rank}"

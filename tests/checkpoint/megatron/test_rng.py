@@ -84,7 +84,7 @@ def _tp2_case(root: str) -> dict:
 
 def test_tp2_resume_from_megatron_format_restores_the_tracker():
     with tempfile.TemporaryDirectory() as root:
-        results = run_distributed(_tp2_case, 2, root, timeout=300)
+        results = run_distributed(_tp2_case, 2, root, timeout=600)
     for r in results:
         assert r["resumed"] == r["straight"][N:], r
 
@@ -160,7 +160,7 @@ def test_megatron_fixtures_at_their_layout_rng_and_distrib_optim(tmp_path):
     TP 2 x PP 2 distributed-optimizer fixture (540-element buckets, --overlap-grad-reduce) equals
     the file Megatron wrote, flat tensor for flat tensor: the bucket, alignment and PP rules."""
     save = str(tmp_path / "distopt")
-    results = run_distributed(_fixture_case, 4, save, timeout=300)
+    results = run_distributed(_fixture_case, 4, save, timeout=600)
     src = os.path.join(FIXTURES, SOURCES["torch+distrib_optim"], "iter_0000002")
     for shard in ("mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"):
         theirs = load_megatron_file(os.path.join(src, shard, "distrib_optim.pt"))

@@ -101,7 +101,7 @@ def _sync_case() -> dict:
 
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(_sync_case, 2, timeout=180)
+    return run_distributed(_sync_case, 2, timeout=600)
 
 
 def test_overlap_is_bitwise_the_same_and_starts_only_after_the_last_micro_batch(results):

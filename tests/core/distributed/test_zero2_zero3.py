@@ -196,7 +196,7 @@ def checkpoint_case() -> dict:
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda dp: f"dp{dp}")
 def results(request):
-    return request.param, run_distributed(ladder_cases, request.param, timeout=180)
+    return request.param, run_distributed(ladder_cases, request.param, timeout=600)
 
 
 def test_fp32_five_steps_equal_torch_adamw_with_clipping_and_accumulation(results):

@@ -263,7 +263,7 @@ def dp_results(request):
     dp = request.param
     if dp == 1:
         return dp, [dp_cases()]
-    return dp, run_distributed(dp_cases, dp, timeout=180)
+    return dp, run_distributed(dp_cases, dp, timeout=600)
 
 
 def test_fp32_five_steps_equal_torch_adamw_with_clipping(dp_results):
@@ -373,7 +373,7 @@ def test_checkpoint_round_trips_continue_like_the_uninterrupted_run(dp_results):
     if dp == 1:
         back = [plain_into_zero_case(plain_full)]
     else:
-        back = run_distributed(plain_into_zero_case, dp, plain_full, timeout=120)
+        back = run_distributed(plain_into_zero_case, dp, plain_full, timeout=600)
     for params in back:
         for got, ref in zip(params, uninterrupted):
             assert zc.rel_err(got, ref) <= REL

@@ -242,7 +242,7 @@ _RESULTS: dict = {}
 def _spans(name: str) -> dict:
     """{case: [spans of rank 0, spans of rank 1]} of the virtual runs at costs ``name``."""
     if not _RESULTS:
-        _RESULTS["r"] = run_distributed(_virtual_runs, PP, timeout=300)
+        _RESULTS["r"] = run_distributed(_virtual_runs, PP, timeout=600)
     per_rank = _RESULTS["r"]
     return {case: [r[(name, case)] for r in per_rank] for case in CASES}
 
