@@ -150,7 +150,8 @@ def test_flag_defaults_are_the_dataclass_defaults():
         LoggingConfig,
     )
     checked = 0
-    derived = {"global_batch_size", "train_iters"}  # None: micro x DP, --train-samples
+    # None: micro x DP, --train-samples; not given (10 min, the hang watchdog off)
+    derived = {"global_batch_size", "train_iters", "distributed_timeout_minutes"}
     for action in build_parser()._actions:
         for cls in sources:
             field = {f.name: f for f in dataclasses.fields(cls)}.get(action.dest)
