@@ -137,6 +137,24 @@ def select_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def attempt_store(launch: LaunchInfo, env: Mapping[str, str], timeout: timedelta):
+    """The rendezvous store of this attempt when torchrun shares its agent's store, else None.
+
+    torchrun's c10d rendezvous keeps one store server for the whole job and hands it to every
+    attempt, but ``env://`` does not separate the attempts' keys. After a restart, a rank can then
+    read a peer's gloo address from the dead attempt and fail with ``connectFullMesh ... Connection
+    refused``. Prefixing the keys with ``TORCHELASTIC_RESTART_COUNT`` gives each attempt its own.
+    """
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if launch.master_addr is None or launch.master_port is None:
+        raise ValueError("torchrun launch: MASTER_ADDR and MASTER_PORT must be set")
+    store = dist.TCPStore(
+        launch.master_addr, launch.master_port, launch.world_size, is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"megalite/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def init_distributed(
     launch: LaunchInfo, device: torch.device, *, timeout_minutes: float = 10.0
 ) -> None:
@@ -149,7 +167,17 @@ def init_distributed(
         init_single_process(device)
         return
     if launch.launcher == "torchrun":
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        store = attempt_store(launch, os.environ, timeout)
+        if store is None:
+            dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=launch.rank,
+                world_size=launch.world_size,
+                timeout=timeout,
+            )
         return
     addr = launch.master_addr or "127.0.0.1"
     try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -40,19 +41,31 @@ def test_a_killed_rank_restarts_from_the_newest_checkpoint_and_continues(tmp_pat
     cmd += ["--monitor-interval", "0.5", "--nproc-per-node", "2"]
     cmd += [str(ROOT / "tests" / "training" / "die_at_iteration.py"), *BASE, *flags]
     cmd += ["--tensor-model-parallel-size", "2", "--log-interval", "1"]
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600, check=False
+    # Output goes to files (not pipes), so a hang's output is kept: the test kills the whole
+    # process group at the guard and shows what the two attempts printed up to then.
+    log, err = tmp_path / "torchrun.log", tmp_path / "torchrun.err"
+    with open(log, "w") as out_f, open(err, "w") as err_f:
+        proc = subprocess.Popen(
+            cmd, stdout=out_f, stderr=err_f, env=env, cwd=ROOT, start_new_session=True, text=True
+        )
+        try:
+            returncode = proc.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            returncode = None
+    stdout, stderr = log.read_text(), err.read_text()
+    out = stdout + stderr
+    assert returncode == 0, (
+        f"torchrun exit {returncode} (None: killed at the 600 s guard)\n{out[-4000:]}"
     )
-    out = done.stdout + done.stderr
-    (tmp_path / "torchrun.log").write_text(out)  # the whole output, for a failure's reader
-    assert done.returncode == 0, out[-4000:]
     assert "rank 1 dies at iteration 5" in out
     assert "restart 1 of this job: resuming from --save" in out
     assert re.search(r"loaded checkpoint \S+iter_0000004 ", out), out[-4000:]
     assert read_tracker(str(save)) == 6
     # stdout holds both attempts' progress lines (stderr, read after it, the kill): the restarted
     # attempt's are those after its load line
-    _, after = re.split(r"loaded checkpoint \S+iter_0000004 ", done.stdout, maxsplit=1)
+    _, after = re.split(r"loaded checkpoint \S+iter_0000004 ", stdout, maxsplit=1)
     losses = {int(i): float(v) for i, v in LOSS.findall(after)}
     assert sorted(losses) == [5, 6], out[-4000:]
     straight = pretrain(config("--train-iters", "6"), env={})
