@@ -1,17 +1,31 @@
 """Triton source of fused LayerNorm / RMSNorm (layer_norm.py has the contract and launchers).
 
-Imported only by layer_norm.py, inside a function: importing this module imports triton.
+The kernels are plain functions here, read by triton only when ``build_norm_kernels`` binds them
+to ``_common.kernel_namespace`` (``tl``, ``round_to``) and jits them, on a kernel's first use
+(layer_norm.py's launchers): nothing imports triton at import time.
 """
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+import functools
+from typing import TYPE_CHECKING, NamedTuple
 
-from megalite.kernels._common import round_to
+from megalite.kernels._common import bind, kernel_namespace
+
+if TYPE_CHECKING:  # supplied by kernel_namespace
+    import triton.language as tl
+
+    from megalite.kernels._common import round_to
 
 
-@triton.jit
+class NormKernels(NamedTuple):
+    """The jitted kernels (``triton.JITFunction`` compiled, its interpreted twin under
+    TRITON_INTERPRET=1)."""
+
+    norm_fwd: object
+    norm_bwd: object
+
+
 def norm_fwd(
     X,
     W,
@@ -90,7 +104,6 @@ def norm_fwd(
     tl.store(RSTD + row, rstd)
 
 
-@triton.jit
 def norm_bwd(
     X,
     W,
@@ -186,3 +199,12 @@ def norm_bwd(
                 if HAS_BIAS:
                     part = tl.load(db_part + start + cols, mask=live, other=0.0)
                     tl.store(db_part + start + cols, part + dy, mask=live)
+
+
+@functools.cache
+def build_norm_kernels() -> NormKernels:
+    """The kernels, jitted once per process in the mode TRITON_INTERPRET gives then."""
+    import triton
+
+    namespace = kernel_namespace()
+    return NormKernels(*(triton.jit(bind(fn, namespace)) for fn in (norm_fwd, norm_bwd)))

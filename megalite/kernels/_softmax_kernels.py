@@ -1,17 +1,31 @@
 """Triton source of the fused scale-mask-softmax (see softmax.py for the contract and launchers).
 
-Imported only by softmax.py, inside a function: importing this module imports triton.
+The kernels are plain functions here, read by triton only when ``build_softmax_kernels`` binds them
+to ``_common.kernel_namespace`` (``tl``, ``round_to``) and jits them, on a kernel's first use
+(softmax.py's launchers): nothing imports triton at import time.
 """
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+import functools
+from typing import TYPE_CHECKING, NamedTuple
 
-from megalite.kernels._common import round_to
+from megalite.kernels._common import bind, kernel_namespace
+
+if TYPE_CHECKING:  # supplied by kernel_namespace
+    import triton.language as tl
+
+    from megalite.kernels._common import round_to
 
 
-@triton.jit
+class SoftmaxKernels(NamedTuple):
+    """The jitted kernels (``triton.JITFunction`` compiled, its interpreted twin under
+    TRITON_INTERPRET=1)."""
+
+    softmax_fwd: object
+    softmax_bwd: object
+
+
 def softmax_fwd(
     X,
     MASK,
@@ -89,7 +103,6 @@ def softmax_fwd(
             tl.store(y_row + c, round_to(y, Y.dtype.element_ty), mask=c < sk)
 
 
-@triton.jit
 def softmax_bwd(
     Y,
     DY,
@@ -133,3 +146,12 @@ def softmax_bwd(
             tl.store(
                 dx_row + start + cols, round_to(dx, DX.dtype.element_ty), mask=(start + cols) < sk
             )
+
+
+@functools.cache
+def build_softmax_kernels() -> SoftmaxKernels:
+    """The kernels, jitted once per process in the mode TRITON_INTERPRET gives then."""
+    import triton
+
+    namespace = kernel_namespace()
+    return SoftmaxKernels(*(triton.jit(bind(fn, namespace)) for fn in (softmax_fwd, softmax_bwd)))
