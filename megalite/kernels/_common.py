@@ -3,10 +3,11 @@
 The kernel sources (``_softmax_kernels``, ``_norm_kernels`` and ``round_to`` here) are plain
 functions that read ``tl``, the jitted ``round_to`` and ``SOFT_BF16`` as globals their modules
 do not bind: nothing imports triton at import time. ``kernel_namespace`` (built on a kernel's
-first use: it imports triton) holds them, and ``bind`` gives a source function that namespace as
-its globals before ``triton.jit`` wraps it. Globals, not a closure: triton's jit reads a
-compiled kernel's names from its globals and closure, but the interpreter re-executes the source
-in the function's globals only (checked on 3.9), so only globals serve both modes.
+first use: it imports triton) holds them; ``jit_kernels`` gives a family's source functions that
+namespace as their globals (``bind``) and wraps them in ``triton.jit``, once per process.
+Globals, not a closure: triton's jit reads a compiled kernel's names from its globals and
+closure, but the interpreter re-executes the source in the function's globals only (checked on
+3.9), so only globals serve both modes.
 
 ``round_to(v, DTYPE)`` casts fp32 v to DTYPE rounded to nearest even. Compiled kernels use triton's
 cast (cvt.rn on NVIDIA). triton's interpreter truncates fp32 -> bf16 instead (checked on 3.9: about
@@ -20,7 +21,7 @@ from __future__ import annotations
 import functools
 import os
 import types
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:  # supplied by kernel_namespace when a kernel is first built
     import triton.language as tl
@@ -63,3 +64,20 @@ def kernel_namespace() -> dict:
     # language.
     namespace["round_to"] = helper if interpreted else triton.jit(helper)
     return namespace
+
+
+class Kernels(NamedTuple):
+    """A family's jitted kernels: ``triton.JITFunction`` compiled, its interpreted twin under
+    TRITON_INTERPRET=1."""
+
+    fwd: object
+    bwd: object
+
+
+@functools.cache
+def jit_kernels(fwd: types.FunctionType, bwd: types.FunctionType) -> Kernels:
+    """The source functions bound to ``kernel_namespace`` and jitted, once per process."""
+    import triton
+
+    namespace = kernel_namespace()
+    return Kernels(triton.jit(bind(fwd, namespace)), triton.jit(bind(bwd, namespace)))

@@ -1,29 +1,19 @@
 """Triton source of fused LayerNorm / RMSNorm (layer_norm.py has the contract and launchers).
 
-The kernels are plain functions here, read by triton only when ``build_norm_kernels`` binds them
-to ``_common.kernel_namespace`` (``tl``, ``round_to``) and jits them, on a kernel's first use
-(layer_norm.py's launchers): nothing imports triton at import time.
+The kernels are plain functions here, jitted by ``build_norm_kernels`` on a kernel's first
+use (layer_norm.py's launchers; ``_common`` says how): nothing imports triton at import time.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
-from megalite.kernels._common import bind, kernel_namespace
+from megalite.kernels._common import Kernels, jit_kernels
 
 if TYPE_CHECKING:  # supplied by kernel_namespace
     import triton.language as tl
 
     from megalite.kernels._common import round_to
-
-
-class NormKernels(NamedTuple):
-    """The jitted kernels (``triton.JITFunction`` compiled, its interpreted twin under
-    TRITON_INTERPRET=1)."""
-
-    norm_fwd: object
-    norm_bwd: object
 
 
 def norm_fwd(
@@ -201,10 +191,6 @@ def norm_bwd(
                     tl.store(db_part + start + cols, part + dy, mask=live)
 
 
-@functools.cache
-def build_norm_kernels() -> NormKernels:
-    """The kernels, jitted once per process in the mode TRITON_INTERPRET gives then."""
-    import triton
-
-    namespace = kernel_namespace()
-    return NormKernels(*(triton.jit(bind(fn, namespace)) for fn in (norm_fwd, norm_bwd)))
+def build_norm_kernels() -> Kernels:
+    """The jitted kernels (built on the first call, in the mode TRITON_INTERPRET gives then)."""
+    return jit_kernels(norm_fwd, norm_bwd)

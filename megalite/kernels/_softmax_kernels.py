@@ -1,29 +1,19 @@
 """Triton source of the fused scale-mask-softmax (see softmax.py for the contract and launchers).
 
-The kernels are plain functions here, read by triton only when ``build_softmax_kernels`` binds them
-to ``_common.kernel_namespace`` (``tl``, ``round_to``) and jits them, on a kernel's first use
-(softmax.py's launchers): nothing imports triton at import time.
+The kernels are plain functions here, jitted by ``build_softmax_kernels`` on a kernel's first
+use (softmax.py's launchers; ``_common`` says how): nothing imports triton at import time.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
-from megalite.kernels._common import bind, kernel_namespace
+from megalite.kernels._common import Kernels, jit_kernels
 
 if TYPE_CHECKING:  # supplied by kernel_namespace
     import triton.language as tl
 
     from megalite.kernels._common import round_to
-
-
-class SoftmaxKernels(NamedTuple):
-    """The jitted kernels (``triton.JITFunction`` compiled, its interpreted twin under
-    TRITON_INTERPRET=1)."""
-
-    softmax_fwd: object
-    softmax_bwd: object
 
 
 def softmax_fwd(
@@ -148,10 +138,6 @@ def softmax_bwd(
             )
 
 
-@functools.cache
-def build_softmax_kernels() -> SoftmaxKernels:
-    """The kernels, jitted once per process in the mode TRITON_INTERPRET gives then."""
-    import triton
-
-    namespace = kernel_namespace()
-    return SoftmaxKernels(*(triton.jit(bind(fn, namespace)) for fn in (softmax_fwd, softmax_bwd)))
+def build_softmax_kernels() -> Kernels:
+    """The jitted kernels (built on the first call, in the mode TRITON_INTERPRET gives then)."""
+    return jit_kernels(softmax_fwd, softmax_bwd)

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import torch
 
-from megalite.kernels._softmax_kernels import SoftmaxKernels, build_softmax_kernels
+from megalite.kernels._common import Kernels
+from megalite.kernels._softmax_kernels import build_softmax_kernels
 from megalite.kernels.runtime import block_for, num_warps_for, require_mode_match
 
 # Longest row kept whole in registers; longer rows loop over blocks of this many keys.
 MAX_BLOCK = 16384
 
 
-def _kernels() -> SoftmaxKernels:
+def _kernels() -> Kernels:
     """The jitted kernels (built on the first call: that imports triton), after checking that
     triton's mode (compiled / interpreted) is the one TRITON_INTERPRET asks for."""
     require_mode_match()
@@ -77,7 +78,7 @@ def softmax_forward(
     if x.numel() == 0:
         return y
     block, num_blocks = block_for(sk, max_block)
-    _kernels().softmax_fwd[(b * heads * sq,)](
+    _kernels().fwd[(b * heads * sq,)](
         x,
         mask_arg,
         y,
@@ -112,7 +113,7 @@ def softmax_backward(
     if y.numel() == 0:
         return dx
     block, num_blocks = block_for(sk, max_block)
-    _kernels().softmax_bwd[(b * heads * sq,)](
+    _kernels().bwd[(b * heads * sq,)](
         y,
         dy,
         dx,
