@@ -118,14 +118,15 @@ def test_cp_ring_exchange_is_one_p2p_batch(monkeypatch):
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: batches.append(ops) or ["w"])
     for name in ("isend", "irecv"):
         monkeypatch.setattr(dist, name, lambda *a, **k: pytest.fail("a lone isend/irecv"))
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: 10 + rank)
     ring = Ring.__new__(Ring)
-    ring.group, ring.stats, ring.size, ring.rank, ring.next, ring.prev = "g", None, 2, 0, 1, 1
+    ring.group, ring.stats, ring.size, ring.rank = "g", None, 4, 0
     send, recv = torch.ones(3), torch.empty(3)
     assert ring.exchange(send, recv, tag=7) == ["w"]
-    (ops,) = batches
-    assert [(op.op, op.tensor, op.peer, op.tag) for op in ops] == [
-        (dist.isend, send, 1, 7),
-        (dist.irecv, recv, 1, 7),
+    assert ring.exchange(send, recv, tag=8, distance=3) == ["w"]  # a jump over skipped steps
+    assert [[(op.op, op.tensor, op.peer, op.tag) for op in ops] for ops in batches] == [
+        [(dist.isend, send, 11, 7), (dist.irecv, recv, 13, 7)],
+        [(dist.isend, send, 13, 8), (dist.irecv, recv, 11, 8)],
     ]
 
 

@@ -68,6 +68,53 @@ def _shape(shape) -> tuple[int, ...] | None:
     return None if shape is None else tuple(int(d) for d in shape)
 
 
+def _recording(state: str, doc: str):
+    """``OpRecorder.begin`` / ``post``: the one signature of a recorded op; the two differ only in
+    the state the record starts in. When off: one attribute check, nothing allocated."""
+
+    def record(
+        self: OpRecorder,
+        op: str,
+        *,
+        group=None,
+        axis: str | None = None,
+        what: str | None = None,
+        peer: int | None = None,
+        shape=None,
+        stage: int | None = None,
+        microbatch: int | None = None,
+        action: str | None = None,
+        chunk: int | None = None,
+    ) -> OpRecord | None:
+        if not self.enabled:
+            return None
+        rec = OpRecord()
+        parent = self.current if self.current is not None and op != "compute" else None
+        rec.op, rec.axis, rec.what, rec.peer, rec.shape = op, axis, what, peer, _shape(shape)
+        rec.stage = stage if stage is not None or parent is None else parent.stage
+        rec.microbatch = (
+            microbatch if microbatch is not None or parent is None else parent.microbatch
+        )
+        rec.action = action if action is not None or parent is None else parent.action
+        rec.chunk = chunk if chunk is not None or parent is None else parent.chunk
+        rec.channel = self._channel(op, group, peer)
+        rec.t_begin = time.time()
+        rec.t_wait = rec.t_begin if state == "waiting" else None
+        rec.t_end, rec.state, rec.parent = None, state, None
+        with self.lock:
+            rec.seq = self._seq.get(rec.channel, 0)
+            self._seq[rec.channel] = rec.seq + 1
+            rec.index = self.count
+            self.ring[self.count % self.capacity] = rec
+            self.count += 1
+            if state == "waiting":
+                rec.parent, self.current = self.current, rec
+        return rec
+
+    record.__doc__ = doc
+    return record
+
+
 class OpRecorder:
     """The ring of this rank's last ``capacity`` records; ``enabled`` False records nothing."""
 
@@ -109,73 +156,16 @@ class OpRecorder:
             self._group_keys[id(group)] = key
         return key
 
-    def _make(self, op, group, axis, what, peer, shape, stage, microbatch, action, chunk, state):
-        rec = OpRecord()
-        parent = self.current if self.current is not None and op != "compute" else None
-        rec.op, rec.axis, rec.what, rec.peer, rec.shape = op, axis, what, peer, _shape(shape)
-        rec.stage = stage if stage is not None or parent is None else parent.stage
-        rec.microbatch = (
-            microbatch if microbatch is not None or parent is None else parent.microbatch
-        )
-        rec.action = action if action is not None or parent is None else parent.action
-        rec.chunk = chunk if chunk is not None or parent is None else parent.chunk
-        rec.channel = self._channel(op, group, peer)
-        rec.t_begin = time.time()
-        rec.t_wait = rec.t_begin if state == "waiting" else None
-        rec.t_end, rec.state, rec.parent = None, state, None
-        with self.lock:
-            rec.seq = self._seq.get(rec.channel, 0)
-            self._seq[rec.channel] = rec.seq + 1
-            rec.index = self.count
-            self.ring[self.count % self.capacity] = rec
-            self.count += 1
-            if state == "waiting":
-                rec.parent, self.current = self.current, rec
-        return rec
-
-    def begin(
-        self,
-        op: str,
-        *,
-        group=None,
-        axis: str | None = None,
-        what: str | None = None,
-        peer: int | None = None,
-        shape=None,
-        stage: int | None = None,
-        microbatch: int | None = None,
-        action: str | None = None,
-        chunk: int | None = None,
-    ) -> OpRecord | None:
+    begin = _recording(
+        "waiting",
         """A blocking op (or a pipeline action, ``op="compute"``) starts: the main thread is in
-        it until ``end``. None when off."""
-        if not self.enabled:
-            return None
-        return self._make(
-            op, group, axis, what, peer, shape, stage, microbatch, action, chunk, "waiting"
-        )
-
-    def post(
-        self,
-        op: str,
-        *,
-        group=None,
-        axis: str | None = None,
-        what: str | None = None,
-        peer: int | None = None,
-        shape=None,
-        stage: int | None = None,
-        microbatch: int | None = None,
-        action: str | None = None,
-        chunk: int | None = None,
-    ) -> OpRecord | None:
+        it until ``end``. None when off.""",
+    )
+    post = _recording(
+        "posted",
         """An asynchronous op is posted; ``wait`` when the main thread blocks on it, ``end``
-        when it is done. None when off."""
-        if not self.enabled:
-            return None
-        return self._make(
-            op, group, axis, what, peer, shape, stage, microbatch, action, chunk, "posted"
-        )
+        when it is done. None when off.""",
+    )
 
     def wait(self, rec: OpRecord | None) -> None:
         """The main thread now blocks on ``rec`` (a posted op)."""

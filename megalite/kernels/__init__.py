@@ -1,5 +1,5 @@
 """Triton kernels, installed as ``megalite.kernels``.
 
-Nothing here imports triton at import time: each kernel module imports it when first used, so
-``import megalite`` works on machines without triton or a GPU.
+Nothing here imports triton at import time: each kernel family's builder imports it when a kernel
+first runs, so ``import megalite`` works on machines without triton or a GPU.
 """

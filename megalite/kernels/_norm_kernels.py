@@ -1,17 +1,21 @@
 """Triton source of fused LayerNorm / RMSNorm (layer_norm.py has the contract and launchers).
 
-Imported only by layer_norm.py, inside a function: importing this module imports triton.
+The kernels are plain functions here, jitted by ``build_norm_kernels`` on a kernel's first
+use (layer_norm.py's launchers; ``_common`` says how): nothing imports triton at import time.
 """
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+from typing import TYPE_CHECKING
 
-from megalite.kernels._common import round_to
+from megalite.kernels._common import Kernels, jit_kernels
+
+if TYPE_CHECKING:  # supplied by kernel_namespace
+    import triton.language as tl
+
+    from megalite.kernels._common import round_to
 
 
-@triton.jit
 def norm_fwd(
     X,
     W,
@@ -90,7 +94,6 @@ def norm_fwd(
     tl.store(RSTD + row, rstd)
 
 
-@triton.jit
 def norm_bwd(
     X,
     W,
@@ -186,3 +189,8 @@ def norm_bwd(
                 if HAS_BIAS:
                     part = tl.load(db_part + start + cols, mask=live, other=0.0)
                     tl.store(db_part + start + cols, part + dy, mask=live)
+
+
+def build_norm_kernels() -> Kernels:
+    """The jitted kernels (built on the first call, in the mode TRITON_INTERPRET gives then)."""
+    return jit_kernels(norm_fwd, norm_bwd)

@@ -1,17 +1,21 @@
 """Triton source of the fused scale-mask-softmax (see softmax.py for the contract and launchers).
 
-Imported only by softmax.py, inside a function: importing this module imports triton.
+The kernels are plain functions here, jitted by ``build_softmax_kernels`` on a kernel's first
+use (softmax.py's launchers; ``_common`` says how): nothing imports triton at import time.
 """
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+from typing import TYPE_CHECKING
 
-from megalite.kernels._common import round_to
+from megalite.kernels._common import Kernels, jit_kernels
+
+if TYPE_CHECKING:  # supplied by kernel_namespace
+    import triton.language as tl
+
+    from megalite.kernels._common import round_to
 
 
-@triton.jit
 def softmax_fwd(
     X,
     MASK,
@@ -89,7 +93,6 @@ def softmax_fwd(
             tl.store(y_row + c, round_to(y, Y.dtype.element_ty), mask=c < sk)
 
 
-@triton.jit
 def softmax_bwd(
     Y,
     DY,
@@ -133,3 +136,8 @@ def softmax_bwd(
             tl.store(
                 dx_row + start + cols, round_to(dx, DX.dtype.element_ty), mask=(start + cols) < sk
             )
+
+
+def build_softmax_kernels() -> Kernels:
+    """The jitted kernels (built on the first call, in the mode TRITON_INTERPRET gives then)."""
+    return jit_kernels(softmax_fwd, softmax_bwd)

@@ -12,13 +12,15 @@ x's. LayerNorm writes y in x's dtype.
 
 Rows up to ``MAX_BLOCK`` elements are held in registers (next power of two of n); longer rows loop
 over column blocks (x read three times forward, partials updated in memory backward). The Triton
-source is _norm_kernels.py, imported (with triton) only when a kernel first runs.
+source is _norm_kernels.py, built (and triton imported) only when a kernel first runs.
 """
 
 from __future__ import annotations
 
 import torch
 
+from megalite.kernels._common import Kernels
+from megalite.kernels._norm_kernels import build_norm_kernels
 from megalite.kernels.runtime import (
     block_for,
     num_warps_for,
@@ -30,13 +32,11 @@ from megalite.kernels.runtime import (
 MAX_BLOCK = 16384
 
 
-def _kernels():
-    """The jitted kernels. Their module imports triton, so it is imported here, on first use,
-    after checking that triton's mode (compiled / interpreted) is the one TRITON_INTERPRET asks."""
+def _kernels() -> Kernels:
+    """The jitted kernels (built on the first call: that imports triton), after checking that
+    triton's mode (compiled / interpreted) is the one TRITON_INTERPRET asks for."""
     require_mode_match()
-    from megalite.kernels import _norm_kernels
-
-    return _norm_kernels
+    return build_norm_kernels()
 
 
 def _rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -69,7 +69,7 @@ def norm_forward(
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m > 0 and n > 0:
         block, num_blocks = block_for(n, max_block)
-        _kernels().norm_fwd[(m,)](
+        _kernels().fwd[(m,)](
             x2,
             weight.contiguous(),
             bias.contiguous() if bias is not None else weight,
@@ -111,7 +111,7 @@ def norm_backward(
     dw_part = alloc((programs, n), dtype=torch.float32, device=x.device)
     db_part = alloc((programs, n) if has_bias else (1, 1), dtype=torch.float32, device=x.device)
     if m > 0 and n > 0:
-        _kernels().norm_bwd[(programs,)](
+        _kernels().bwd[(programs,)](
             x2,
             weight.contiguous(),
             dy2,

@@ -1,7 +1,7 @@
 """What the kernel launchers share: is triton usable, block sizes, how many programs to launch.
 
-Nothing here imports triton at import time. The Triton source lives in _softmax_kernels.py and
-_norm_kernels.py, which import triton at their top and are imported only inside the launchers, on
+No megalite module imports triton at import time. The Triton source lives in builder functions
+of _softmax_kernels.py and _norm_kernels.py, which import triton and are called by the launchers on
 first use, after ``require_mode_match``. triton >= 3.0 is required, as pyproject's ``triton`` extra
 says (checked with 3.9; older releases are refused, not trusted).
 """

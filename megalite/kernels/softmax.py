@@ -9,27 +9,27 @@ every key masked gives zeros, never NaN.
 Backward: ``dx = scale * y * (dy - sum(dy * y))`` from the saved y, also fused and fp32 inside.
 
 Rows up to ``MAX_BLOCK`` keys sit in registers (x read once); longer rows loop over column blocks
-with an online max/sum (x read twice). The Triton source is _softmax_kernels.py, imported (with
-triton) only when a kernel first runs.
+with an online max/sum (x read twice). The Triton source is _softmax_kernels.py, built (and triton
+imported) only when a kernel first runs.
 """
 
 from __future__ import annotations
 
 import torch
 
+from megalite.kernels._common import Kernels
+from megalite.kernels._softmax_kernels import build_softmax_kernels
 from megalite.kernels.runtime import block_for, num_warps_for, require_mode_match
 
 # Longest row kept whole in registers; longer rows loop over blocks of this many keys.
 MAX_BLOCK = 16384
 
 
-def _kernels():
-    """The jitted kernels. Their module imports triton, so it is imported here, on first use,
-    after checking that triton's mode (compiled / interpreted) is the one TRITON_INTERPRET asks."""
+def _kernels() -> Kernels:
+    """The jitted kernels (built on the first call: that imports triton), after checking that
+    triton's mode (compiled / interpreted) is the one TRITON_INTERPRET asks for."""
     require_mode_match()
-    from megalite.kernels import _softmax_kernels
-
-    return _softmax_kernels
+    return build_softmax_kernels()
 
 
 def _check_scores(x: torch.Tensor, name: str) -> None:
@@ -78,7 +78,7 @@ def softmax_forward(
     if x.numel() == 0:
         return y
     block, num_blocks = block_for(sk, max_block)
-    _kernels().softmax_fwd[(b * heads * sq,)](
+    _kernels().fwd[(b * heads * sq,)](
         x,
         mask_arg,
         y,
@@ -113,7 +113,7 @@ def softmax_backward(
     if y.numel() == 0:
         return dx
     block, num_blocks = block_for(sk, max_block)
-    _kernels().softmax_bwd[(b * heads * sq,)](
+    _kernels().bwd[(b * heads * sq,)](
         y,
         dy,
         dx,

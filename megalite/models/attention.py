@@ -210,21 +210,11 @@ class SelfAttention(nn.Module):
             return out
         if k > 1:  # query head j of a group reads the group's key/value: heads j*k .. j*k+k-1
             key, value = key.repeat_interleave(k, dim=1), value.repeat_interleave(k, dim=1)
-        recompute = self.selective_recompute and self.training and torch.is_grad_enabled()
+        recompute = self._recompute()
         if self.mask_spec is not None:
             pos = torch.arange(s, device=x.device)
-            plans = self._plans(pos, pos, attention_mask)
-            scale = self.core_attention.scale
-
-            def sparse(q, k, v):
-                return block_sparse_attention(q, k, v, plans, scale=scale)
-
-            if recompute:
-                context = checkpoint(
-                    sparse, query, key, value, tracker=self.rng_tracker, device=x.device
-                )
-            else:
-                context = sparse(query, key, value)  # [b, n/tp, s, d]
+            sparse = self._block_sparse(self._plans(pos, pos, attention_mask))
+            context = self._run_core(sparse, query, key, value)  # [b, n/tp, s, d]
         elif recompute:
             context = checkpoint(
                 self.core_attention,
@@ -256,6 +246,39 @@ class SelfAttention(nn.Module):
             self._plan_cache[key] = block_plans(spec, q_pos, k_pos, **kw)
         return self._plan_cache[key]
 
+    def _recompute(self) -> bool:
+        """Selective recompute of the core attention applies now (training, grads enabled)."""
+        return self.selective_recompute and self.training and torch.is_grad_enabled()
+
+    def _run_core(self, core, q, k, v) -> torch.Tensor:
+        """``core(q, k, v)``, recomputed in backward under selective recompute."""
+        if self._recompute():
+            return checkpoint(core, q, k, v, tracker=self.rng_tracker, device=q.device)
+        return core(q, k, v)
+
+    def _block_sparse(self, plans: list[BlockPlan]):
+        """Block-sparse attention under ``plans`` as a core: (q, k, v) -> context."""
+        scale = self.core_attention.scale
+
+        def sparse(q, k, v):
+            return block_sparse_attention(q, k, v, plans, scale=scale)
+
+        return sparse
+
+    def _all_to_all(self, query, key, value, core) -> torch.Tensor:
+        """a2a context parallelism around ``core`` (# [b, n/tp/cp, s, d], natural order, k/v
+        expanded), recomputed under selective recompute."""
+        return context_parallel_attention(
+            query,
+            key,
+            value,
+            cp_group=self.cp_group,
+            comm_type="a2a",
+            scale=self.core_attention.scale,
+            core_attention=lambda q, k, v: self._run_core(core, q, k, v),
+            stats=self.cp_stats,
+        )
+
     def _context_parallel_masked(self, query, key, value, attention_mask) -> torch.Tensor:
         """``_context_parallel`` under a window, a sparse layout or documents (p2p: the sparse
         ring; a2a: block-sparse attention over the gathered sequence)."""
@@ -263,27 +286,8 @@ class SelfAttention(nn.Module):
         scale = self.core_attention.scale
         if self.cp_comm_type == "a2a":
             pos = torch.arange(s, device=query.device)
-            plans = self._plans(pos, pos, attention_mask)
-            recompute = self.selective_recompute and self.training and torch.is_grad_enabled()
-
-            def sparse(q, k, v):
-                return block_sparse_attention(q, k, v, plans, scale=scale)
-
-            def run_core(q, k, v):  # [b, n/tp/cp, s, d], natural order
-                if recompute:
-                    return checkpoint(sparse, q, k, v, tracker=self.rng_tracker, device=q.device)
-                return sparse(q, k, v)
-
-            return context_parallel_attention(
-                query,
-                key,
-                value,
-                cp_group=self.cp_group,
-                comm_type="a2a",
-                scale=scale,
-                core_attention=run_core,
-                stats=self.cp_stats,
-            )
+            sparse = self._block_sparse(self._plans(pos, pos, attention_mask))
+            return self._all_to_all(query, key, value, sparse)
         if self.cp_comm_type != "p2p":
             raise ValueError(
                 f"cp_comm_type {self.cp_comm_type} has no window, sparse or document mask; use "
@@ -302,23 +306,7 @@ class SelfAttention(nn.Module):
         """query # [b, n/tp, s/cp, d]; key, value # [b, G/tp, s/cp, d] (groups not expanded)."""
         core = self.core_attention
         if self.cp_comm_type == "a2a":
-            recompute = self.selective_recompute and self.training and torch.is_grad_enabled()
-
-            def run_core(q, k, v):  # [b, n/tp/cp, s, d], natural order
-                if recompute:
-                    return checkpoint(core, q, k, v, tracker=self.rng_tracker, device=q.device)
-                return core(q, k, v)
-
-            return context_parallel_attention(
-                query,
-                key,
-                value,
-                cp_group=self.cp_group,
-                comm_type="a2a",
-                scale=core.scale,
-                core_attention=run_core,
-                stats=self.cp_stats,
-            )
+            return self._all_to_all(query, key, value, core)
         p = core.attention_dropout.p if self.training else 0.0
         with tp_rng_region(self.rng_tracker, p > 0):  # the dropout seed, from the TP stream
             return context_parallel_attention(

@@ -187,10 +187,12 @@ def block_backward(
 def merge(
     out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge a block's partial (out, lse) into the running one (online softmax); fp32 out."""
+    """Merge a block's partial (out, lse) into the running one (online softmax); fp32 out. A row
+    with ``lse = -inf`` on either side (no key reached yet / in this block) counts as nothing."""
     new_lse = torch.logaddexp(lse, block_lse)
-    out = out * torch.exp(lse - new_lse).unsqueeze(-1) + block_out.float() * torch.exp(
-        block_lse - new_lse
+    fin = new_lse.masked_fill(new_lse == -torch.inf, 0.0)  # both -inf: exp(-inf - 0) = 0, no NaN
+    out = out * torch.exp(lse - fin).unsqueeze(-1) + block_out.float() * torch.exp(
+        block_lse - fin
     ).unsqueeze(-1)
     return out, new_lse
 

@@ -19,17 +19,19 @@ from megalite.core.groups import group_rank, group_size
 
 @dataclass
 class CommStats:
-    """What one rank's CP attention did since the last ``reset``: bytes sent, seconds blocked in a
-    wait (communication not hidden), seconds computing attention blocks, and the forward
-    attention FLOPs of the unmasked score entries it computed."""
+    """What one rank's CP attention did since the last ``reset``: bytes sent, ring messages sent
+    (``Ring.exchange`` calls), seconds blocked in a wait (communication not hidden), seconds
+    computing attention blocks, and the forward attention FLOPs of the dense blocks it computed
+    (their unmasked score entries)."""
 
     bytes_sent: int = 0
+    sends: int = 0
     wait_s: float = 0.0
     compute_s: float = 0.0
     flops: int = 0
 
     def reset(self) -> None:
-        self.bytes_sent, self.wait_s, self.compute_s, self.flops = 0, 0.0, 0.0, 0
+        self.bytes_sent, self.sends, self.wait_s, self.compute_s, self.flops = 0, 0, 0.0, 0.0, 0
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -37,25 +39,28 @@ def nbytes(t: torch.Tensor) -> int:
 
 
 class Ring:
-    """The cp group seen as a ring: send to ``rank + 1``, receive from ``rank - 1`` (mod size)."""
+    """The cp group seen as a ring: ``exchange`` sends ``distance`` ranks ahead and receives from
+    as many behind (mod size); distance 1 is the neighbour ring."""
 
     def __init__(self, group, stats: CommStats | None = None):
         self.group, self.stats = group, stats
         self.size, self.rank = group_size(group), group_rank(group)
-        if self.size > 1:
-            self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
-            self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
-    def exchange(self, send: torch.Tensor, recv: torch.Tensor, *, tag: int) -> list:
-        """Start sending ``send`` to the next rank and receiving the previous rank's into
-        ``recv``; returns the requests for ``wait``. ``send`` must not change until then."""
+    def _global(self, offset: int) -> int:
+        return dist.get_global_rank(self.group, (self.rank + offset) % self.size)
+
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, *, tag: int, distance: int = 1):
+        """Start sending ``send`` to rank ``rank + distance`` and receiving rank
+        ``rank - distance``'s into ``recv``; returns the requests for ``wait``. ``send`` must not
+        change until then."""
         if self.stats is not None:
             self.stats.bytes_sent += nbytes(send)
+            self.stats.sends += 1
         # one batch: on nccl a lone send and a lone recv on the same peer pair can deadlock (the
         # send waits for a recv queued behind it); tags are ignored there, order matches instead
         ops = [
-            dist.P2POp(dist.isend, send, self.next, self.group, tag),
-            dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
+            dist.P2POp(dist.isend, send, self._global(distance), self.group, tag),
+            dist.P2POp(dist.irecv, recv, self._global(-distance), self.group, tag),
         ]
         return dist.batch_isend_irecv(ops)
 

@@ -1,106 +1,72 @@
 """Ring attention (``cp_comm_type="p2p"``) under any block mask: windows, sparse layouts, documents.
 
-As in ``ring``, K/V blocks travel round the cp ring while queries stay; at step i this rank holds
-the K/V of rank ``src = (r - i) mod CP``. Instead of the causal chunk rule, step i computes the
-blocks of ``plans[src]``: the block plan (``core.attention.masks``) of this rank's query positions
-(and documents) against ``src``'s key positions; a step whose plan keeps no block computes nothing
-(the K/V still pass on). Partial results merge by their log-sum-exp, rows that no key of a step
-reaches counting as nothing. Backward runs the ring again with dK/dV accumulators travelling with
-their blocks, as in ``ring``. Saved: q, k, v, out and lse of the local tokens.
+The ring loop is ``ring``'s; this module gives it a block-sparse ``RingPlan``. At step i this rank
+holds the K/V of rank ``src = (r - i) mod CP`` and computes the blocks of ``plans[src]``: the block
+plan (``core.attention.masks``) of this rank's query positions (and documents) against ``src``'s
+key positions. A step is needed when some rank's queries may read the keys it holds then under
+the mask's band (causality and window) and the chunk rule (``chunking``); documents and layouts
+only hide more, so the band decides for every rank alike, without looking at the data. K/V skip
+the steps no rank needs (``ring``: they jump to the next needed one).
 """
 
 from __future__ import annotations
 
 import torch
 
-from megalite.core.attention.block_sparse import sparse_backward, sparse_forward
-from megalite.core.attention.masks import BlockPlan
-from megalite.core.context_parallel.block_attention import expand_heads, reduce_heads
-from megalite.core.context_parallel.comm import CommStats, Ring
+from megalite.core.attention.masks import BlockPlan, MaskSpec
+from megalite.core.context_parallel.chunking import cp_chunk_ids
+from megalite.core.context_parallel.comm import CommStats
+from megalite.core.context_parallel.ring import RingBlock, RingPlan, run_ring
+from megalite.core.groups import group_rank, group_size
 
-_KV_TAG, _BWD_KV_TAG, _DKV_TAG = 81, 82, 83
-
-
-def _merge(out, lse, block_out, block_lse):
-    """``block_attention.merge`` where either side (or both) may be -inf (no key reached)."""
-    new = torch.logaddexp(lse, block_lse)
-    fin = new.masked_fill(new == -torch.inf, 0.0)
-    out = out * torch.exp(lse - fin).unsqueeze(-1) + block_out * torch.exp(
-        block_lse - fin
-    ).unsqueeze(-1)
-    return out, new
+_ALL = slice(None)
 
 
-def _samples(plans: list[BlockPlan]):
-    for i, plan in enumerate(plans):
-        if plan.num_computed:
-            yield (slice(None) if len(plans) == 1 else slice(i, i + 1)), plan
+def _chunks_meet(q_chunk: int, k_chunk: int, c: int, band: tuple[float, float]) -> bool:
+    """Some key of chunk ``k_chunk`` lies in the band of some query of chunk ``q_chunk`` (chunks
+    of ``c`` tokens): the range of ``k - q`` over the pair meets ``[lo, hi]``."""
+    lo, hi = band
+    base = (k_chunk - q_chunk) * c
+    return max(base - (c - 1), lo) <= min(base + (c - 1), hi)
 
 
-class _SparseRingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, group, plans, scale, heads_per_group, stats):
-        ring = Ring(group, stats)
-        kv = torch.stack((k, v)).contiguous()  # [2, b, g, s/cp, d]
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:3], -torch.inf, dtype=torch.float32, device=q.device)
-        for step in range(ring.size):
-            requests = []
-            if step + 1 < ring.size:
-                incoming = torch.empty_like(kv)
-                requests = ring.exchange(kv, incoming, tag=_KV_TAG)
-            src = (ring.rank - step) % ring.size
-            for sl, plan in _samples(plans[src]):
-                kk = expand_heads(kv[0][sl], heads_per_group)
-                vv = expand_heads(kv[1][sl], heads_per_group)
-                o, o_lse = sparse_forward(q[sl], kk, vv, plan, scale=scale)
-                out[sl], lse[sl] = _merge(out[sl], lse[sl], o, o_lse)
-            if requests:
-                ring.wait(requests)
-                kv = incoming
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.plans, ctx.scale = group, plans, scale
-        ctx.heads_per_group, ctx.stats = heads_per_group, stats
-        return out
+def needed_steps(spec: MaskSpec, seq_length: int, cp_size: int) -> tuple[bool, ...]:
+    """Per ring step: whether any cp rank's queries may read the K/V it holds at that step under
+    ``spec``'s band, the sequence of ``seq_length`` tokens split by the chunk rule."""
+    c = seq_length // (2 * cp_size)
+    needed = [True]  # step 0: the own K/V, nothing travels
+    for step in range(1, cp_size):
+        needed.append(
+            any(
+                _chunks_meet(a, b, c, spec.band)
+                for r in range(cp_size)
+                for a in cp_chunk_ids(cp_size, r)
+                for b in cp_chunk_ids(cp_size, (r - step) % cp_size)
+            )
+        )
+    return tuple(needed)
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        ring, hpg = Ring(ctx.group, ctx.stats), ctx.heads_per_group
-        dout = dout.contiguous()
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        kv = torch.stack((k, v)).contiguous()
-        dkv_requests, dkv_in = [], None
-        for step in range(ring.size):
-            requests = []
-            if step + 1 < ring.size:
-                incoming = torch.empty_like(kv)
-                requests = ring.exchange(kv, incoming, tag=_BWD_KV_TAG)
-            src = (ring.rank - step) % ring.size
-            own = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            for sl, plan in _samples(ctx.plans[src]):
-                args = (dout[sl], q[sl], expand_heads(kv[0][sl], hpg))
-                args += (expand_heads(kv[1][sl], hpg), out[sl], lse[sl], plan)
-                dq_b, dk_b, dv_b = sparse_backward(*args, scale=ctx.scale)
-                dq[sl] += dq_b
-                own[0][sl] = reduce_heads(dk_b, hpg)
-                own[1][sl] = reduce_heads(dv_b, hpg)
-            if dkv_requests:  # the accumulator of the block held now, from the previous rank
-                ring.wait(dkv_requests)
-                own += dkv_in
-            dkv = own
-            if ring.size > 1:
-                dkv_in = torch.empty_like(dkv)
-                dkv_requests = ring.exchange(dkv, dkv_in, tag=_DKV_TAG)
-            if requests:
-                ring.wait(requests)
-                kv = incoming
-        if dkv_requests:
-            ring.wait(dkv_requests)
-            dkv = dkv_in
-        dk, dv = dkv[0].to(k.dtype), dkv[1].to(v.dtype)
-        return dq.to(q.dtype), dk, dv, None, None, None, None, None
+
+def sparse_ring_plan(plans: list[list[BlockPlan]], rank: int, seq_length: int) -> RingPlan:
+    """This rank's ring plan from ``plans[src]`` (one ``BlockPlan`` per sample, or one for every
+    sample) against each cp rank ``src``'s keys; a sample whose plan keeps no block is left out."""
+    size = len(plans)
+    needed = needed_steps(plans[0][0].spec, seq_length, size)
+    blocks = []
+    for step in range(size):
+        per_sample = plans[(rank - step) % size]
+        step_blocks = tuple(
+            RingBlock(samples=_ALL if len(per_sample) == 1 else slice(i, i + 1), sparse=plan)
+            for i, plan in enumerate(per_sample)
+            if plan.num_computed
+        )
+        if step_blocks and not needed[step]:
+            raise ValueError(
+                f"cp rank {rank}'s block plan against rank {(rank - step) % size} keeps blocks "
+                "outside the mask's band: plans must follow the chunk rule (cp_token_indices)"
+            )
+        blocks.append(step_blocks)
+    return RingPlan(tuple(blocks), needed)
 
 
 def sparse_ring_attention(
@@ -113,8 +79,10 @@ def sparse_ring_attention(
     scale: float,
     stats: CommStats | None = None,
 ) -> torch.Tensor:
-    """Attention of this rank's tokens over the whole sequence held by ``cp_group``, computing
-    only the blocks of ``plans[src]`` (per sample, or one for every sample) against cp rank
-    ``src``'s keys. q # [b, n, s/cp, d]; k, v # [b, g, s/cp, d]. Returns # [b, n, s/cp, d]."""
-    n, g = q.shape[1], k.shape[1]
-    return _SparseRingAttention.apply(q, k, v, cp_group, plans, scale, n // g, stats)
+    """Attention of this rank's tokens (its two chunks) over the whole sequence held by
+    ``cp_group``, computing only the blocks of ``plans[src]`` (per sample, or one for every
+    sample) against cp rank ``src``'s keys. q # [b, n, s/cp, d]; k, v # [b, g, s/cp, d]. Returns
+    # [b, n, s/cp, d]."""
+    seq_length = q.shape[2] * group_size(cp_group)
+    plan = sparse_ring_plan(plans, group_rank(cp_group), seq_length)
+    return run_ring(q, k, v, plan, cp_group=cp_group, scale=scale, stats=stats)
