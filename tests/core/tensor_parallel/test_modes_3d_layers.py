@@ -81,9 +81,9 @@ def weight_block(full: torch.Tensor, g: Groups3D, layout: str, *, stride: int = 
     return rows if full.dim() == 1 else rows.chunk(g.q, dim=1)[k_block]
 
 
-def full_tensor(shape, key: str) -> torch.Tensor:
+def full_tensor(shape, key: str, std: float = 0.5) -> torch.Tensor:
     w = torch.empty(shape)
-    init_normal(0.5, seed=7, key=key)(w)
+    init_normal(std, seed=7, key=key)(w)
     return w
 
 
