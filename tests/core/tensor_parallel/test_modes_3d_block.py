@@ -63,11 +63,11 @@ def rope(query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 class Block3D(nn.Module):
     """The layer under test, assembled from the 3D pieces (residual layout in and out)."""
 
-    def __init__(self, g: Groups3D, family: str):
+    def __init__(self, g: Groups3D, family: str, prefix: str | None = None):
         super().__init__()
         f = FAMILIES[family]
         norm = RMSNorm3D if f["rms"] else LayerNorm3D
-        key = lambda name: init_normal(STD, seed=7, key=f"{family}.{name}")
+        key = lambda name: init_normal(STD, seed=7, key=f"{prefix or family}.{name}")
         self.norm1, self.norm2 = norm(H, g), norm(H, g)
         self.attention = SelfAttention3D(
             H,
@@ -94,31 +94,34 @@ class Block3D(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-def full_params(family: str) -> dict[str, torch.Tensor]:
-    """The unsharded parameters; biases and norm weights random (not their zero / one init)."""
-    f = FAMILIES[family]
+def full_params(family: str, prefix: str | None = None) -> dict[str, torch.Tensor]:
+    """The unsharded parameters (keyed by ``prefix``, default the family's name); biases and norm
+    weights random (not their zero / one init)."""
+    f, prefix = FAMILIES[family], prefix or family
     qkv = (HEADS + 2 * f["kv"]) * (H // HEADS)
     fc1 = 2 * FFN if f["swiglu"] else FFN
     shapes = {"qkv": (qkv, H), "proj": (H, H), "fc1": (fc1, H), "fc2": (H, FFN)}
-    p = {f"{n}.weight": full_tensor(shape, f"{family}.{n}", STD) for n, shape in shapes.items()}
+    p = {f"{n}.weight": full_tensor(shape, f"{prefix}.{n}", STD) for n, shape in shapes.items()}
     for n, shape in shapes.items():
         if f["bias"]:
-            p[f"{n}.bias"] = full_tensor(shape[:1], f"{family}.{n}.bias")
+            p[f"{n}.bias"] = full_tensor(shape[:1], f"{prefix}.{n}.bias")
     for n in ("norm1", "norm2"):
-        p[f"{n}.weight"] = 1 + 0.3 * full_tensor((H,), f"{family}.{n}.weight")
+        p[f"{n}.weight"] = 1 + 0.3 * full_tensor((H,), f"{prefix}.{n}.weight")
         if not f["rms"]:
-            p[f"{n}.bias"] = full_tensor((H,), f"{family}.{n}.bias")
+            p[f"{n}.bias"] = full_tensor((H,), f"{prefix}.{n}.bias")
     return p
+
+
+def reference_norm(y: torch.Tensor, p: dict[str, torch.Tensor], name: str, family: str):
+    if FAMILIES[family]["rms"]:
+        return F.rms_norm(y, (H,), p[f"{name}.weight"], eps=1e-5)
+    return F.layer_norm(y, (H,), p[f"{name}.weight"], p[f"{name}.bias"], eps=1e-5)
 
 
 def reference(x: torch.Tensor, p: dict[str, torch.Tensor], family: str) -> torch.Tensor:
     """The layer on one process, on the full parameters."""
     f = FAMILIES[family]
-
-    def norm(y, name):
-        if f["rms"]:
-            return F.rms_norm(y, (H,), p[f"{name}.weight"], eps=1e-5)
-        return F.layer_norm(y, (H,), p[f"{name}.weight"], p[f"{name}.bias"], eps=1e-5)
+    norm = lambda y, name: reference_norm(y, p, name, family)
 
     def linear(y, name):
         return F.linear(y, p[f"{name}.weight"], p.get(f"{name}.bias"))
@@ -147,7 +150,7 @@ def reference(x: torch.Tensor, p: dict[str, torch.Tensor], family: str) -> torch
 
 
 # parameter of Block3D -> (full name, layout the linear takes or None for a norm, stride)
-def _where(family: str) -> dict[str, tuple[str, str | None, int]]:
+def where3d(family: str) -> dict[str, tuple[str, str | None, int]]:
     stride = 2 if FAMILIES[family]["swiglu"] else 1
     out = {}
     for kind in ("weight", "bias"):
@@ -160,7 +163,7 @@ def _where(family: str) -> dict[str, tuple[str, str | None, int]]:
     return out
 
 
-def _block(full: torch.Tensor, g: Groups3D, layout: str | None, stride: int) -> torch.Tensor:
+def block_of(full: torch.Tensor, g: Groups3D, layout: str | None, stride: int) -> torch.Tensor:
     if layout is None:  # a norm's [h]: the residual layout's hidden block
         return full.chunk(g.q)[g.output_rank]
     return weight_block(full, g, layout, stride=stride)
@@ -170,15 +173,15 @@ def _check_block(g: Groups3D, family: str):
     f = FAMILIES[family]
     layer = Block3D(g, family)
     p = {n: t.clone().requires_grad_() for n, t in full_params(family).items()}
-    where = _where(family)
+    where = where3d(family)
     with torch.no_grad():
         for name, param in layer.named_parameters():
             full, layout, stride = where[name]
             if name.endswith("weight") and layout is not None:  # keyed init: must already match
                 torch.testing.assert_close(
-                    param, _block(p[full], g, layout, stride), rtol=0, atol=0
+                    param, block_of(p[full], g, layout, stride), rtol=0, atol=0
                 )
-            param.copy_(_block(p[full], g, layout, stride))
+            param.copy_(block_of(p[full], g, layout, stride))
     x = full_tensor((S, B, H), "x").requires_grad_()
     dy = full_tensor((S, B, H), "dy")
     y_ref = reference(x, p, family)
@@ -196,7 +199,7 @@ def _check_block(g: Groups3D, family: str):
     assert len(names) == len(p)  # every parameter of the oracle has its block here
     for name, param in layer.named_parameters():
         full, layout, stride = where[name]
-        assert rel_err(param.grad, _block(p[full].grad, g, layout, stride)) < TOL, name
+        assert rel_err(param.grad, block_of(p[full].grad, g, layout, stride)) < TOL, name
     qkv = (HEADS + 2 * f["kv"]) * (H // HEADS)
     expected = block3d_bytes(
         S * B, H, FFN, g.q, qkv_size=qkv, bias=f["bias"], swiglu=f["swiglu"], rms=f["rms"]

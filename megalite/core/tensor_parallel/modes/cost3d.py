@@ -36,6 +36,12 @@ def embedding3d_bytes(
     return 2 * (q - 1) / q**3 * (vocab_size + tokens) * hidden_size * elem_bytes
 
 
+def position3d_bytes(seq_length: int, hidden_size: int, q: int, *, elem_bytes: int = 4) -> float:
+    """``PositionEmbedding3D``: its ``[s, h/q]`` rows' grad all-reduced over two sub-axes,
+    4(q-1)/q^2 s h."""
+    return 4 * (q - 1) / q**2 * seq_length * hidden_size * elem_bytes
+
+
 def cross_entropy3d_bytes(
     tokens: int, q: int, *, label_smoothing: bool = False, elem_bytes: int = 4
 ) -> float:

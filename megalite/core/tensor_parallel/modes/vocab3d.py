@@ -9,6 +9,9 @@ reduce-scatter the partial rows over the input group (``[s, b/q^2, h/q]``). Back
 output grad over the input group, scatter-add it into ``[V/q, h/q]``, reduce-scatter over the weight
 group. Every rank holds the whole ``[s, b]`` ids (they are small), as under 1D TP.
 
+``PositionEmbedding3D`` holds GPT-2's learned positions as hidden block ``output_rank``
+(``[P, h/q]``), replicated over the other two sub-axes (their grads summed over both).
+
 The output layer is a ``Linear3D(h, V_pad, input_layout="residual")``: its logits are inner layout,
 vocab block ``input_rank``; ``cross_entropy_3d`` runs the 1D vocab-parallel cross-entropy over the
 input group on them. The padded vocabulary ``V_pad`` must divide by q^2
@@ -23,7 +26,7 @@ from torch import nn
 
 from megalite.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.core.tensor_parallel.init import InitMethod, default_init
-from megalite.core.tensor_parallel.modes.comm3d import gather_dim, reduce_scatter_dim
+from megalite.core.tensor_parallel.modes.comm3d import copy_to_group, gather_dim, reduce_scatter_dim
 from megalite.core.tensor_parallel.modes.grid3d import Groups3D
 from megalite.core.tensor_parallel.modes.layers3d import BATCH_DIM, check_divides
 
@@ -90,6 +93,38 @@ class VocabEmbedding3D(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         check_divides(ids.shape[BATCH_DIM], self.groups.q**2, what="batch size")
         return _Embedding3D.apply(ids, self.weight, self.groups)
+
+
+class PositionEmbedding3D(nn.Module):
+    """GPT-2's learned positions: the table ``[max_positions, h]`` held as hidden block
+    ``output_rank`` of q (``[P, h/q]``), replicated over the input and weight sub-axes, whose
+    grads are summed over both in backward. ``forward(s)`` # [s, 1, h/q] is added to a
+    residual-layout activation (the sequence is whole under 3D)."""
+
+    def __init__(
+        self,
+        max_positions: int,
+        hidden_size: int,
+        groups: Groups3D,
+        *,
+        init_method: InitMethod = default_init,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+    ):
+        super().__init__()
+        check_divides(hidden_size, groups.q, what="hidden_size")
+        self.groups = groups
+        full = torch.zeros(max_positions, hidden_size, dtype=torch.float32)
+        init_method(full)
+        block = full.chunk(groups.q, dim=1)[groups.output_rank]
+        self.weight = nn.Parameter(block.to(device=device, dtype=params_dtype).contiguous())
+
+    def forward(self, seq_length: int) -> torch.Tensor:
+        table = copy_to_group(
+            self.weight[:seq_length], self.groups.input_group, what="3d positions"
+        )
+        table = copy_to_group(table, self.groups.weight_group, what="3d positions")
+        return table.unsqueeze(1)
 
 
 def cross_entropy_3d(
