@@ -1,7 +1,8 @@
 """A small GPT under 3D TP at TP 8 (q = 2): embedding (and GPT-2's learned positions), two
 transformer layers, the final norm, the output layer and the mean cross-entropy equal one process,
 the loss and every parameter's grad, for GPT-2's and Llama's layers; the bytes each rank sends in
-the step, counted at the collectives, equal the sum of ``cost3d.py``'s closed forms.
+the step, counted at the collectives, equal the sum of ``cost3d.py``'s closed forms; the grad
+norm, each replicated parameter counted once (``holds_first_copy``), equals the unsharded one.
 
 The model is assembled here from the 3D pieces (a test-only assembly, the shape of the wiring the
 model needs); the oracle is the same network in plain torch (``test_modes_3d_block.reference``)
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -192,6 +194,11 @@ def _gpt_cases(q: int):
         grads = {n: t.grad for n, t in p.items()}
         for name, param in model.named_parameters():
             assert rel_err(param.grad, _block3d(name, grads, g, family)) < TOL, (family, name)
+        # the grad norm, each parameter counted on the first of its copies only
+        sq = sum(t.grad.pow(2).sum() for t in model.parameters() if g.holds_first_copy(t))
+        if q > 1:
+            dist.all_reduce(sq)  # the world is the TP group
+        assert rel_err(sq, sum(t.pow(2).sum() for t in grads.values())) < TOL
     return True
 
 

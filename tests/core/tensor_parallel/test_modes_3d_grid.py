@@ -73,3 +73,14 @@ def test_layout_blocks():
     with pytest.raises(ValueError, match="layout 'rows' must be one of residual, inner"):
         g.hidden_group("rows")
     assert Groups3D.single().batch_block("inner") == 0
+
+
+def test_first_copy_of_a_replicated_parameter():
+    class P:
+        tp3d_replicated_over = ("input", "weight")
+
+    at = lambda t: Groups3D.of({"input": None, "weight": None, "output": None}, 2, t)
+    assert [at(t).holds_first_copy(P) for t in range(8)] == [t in (0, 4) for t in range(8)]
+    P.tp3d_replicated_over = ()
+    assert all(at(t).holds_first_copy(P) for t in range(8))
+    assert Groups3D.hidden_axis("residual") == "output" and Groups3D.row_axis("inner") == "output"

@@ -81,6 +81,25 @@ class Groups3D:
             groups["input"], groups["weight"], groups["output"], q, *(c[a] for a in SUB_AXES_3D)
         )
 
+    @staticmethod
+    def hidden_axis(layout: str) -> str:
+        """The sub-axis over which a ``layout`` activation's hidden dim is split."""
+        return "output" if _check(layout) == "residual" else "input"
+
+    @staticmethod
+    def row_axis(layout: str) -> str:
+        """The sub-axis over which a ``layout`` activation's q batch sub-blocks are spread."""
+        return "input" if _check(layout) == "residual" else "output"
+
+    def coord(self, axis: str) -> int:
+        """This rank's coordinate on sub-axis ``axis``."""
+        return (self.input_rank, self.weight_rank, self.output_rank)[SUB_AXES_3D.index(axis)]
+
+    def holds_first_copy(self, param) -> bool:
+        """Whether this rank holds the copy of a 3D parameter that counts (in a grad norm, say):
+        coordinate 0 on each sub-axis of its ``tp3d_replicated_over``."""
+        return all(self.coord(axis) == 0 for axis in param.tp3d_replicated_over)
+
     def hidden_group(self, layout: str):
         """The group over which a ``layout`` activation's hidden dim is split."""
         return self.output_group if _check(layout) == "residual" else self.input_group

@@ -38,11 +38,16 @@ whole sends ``(q-1)/q T e`` per rank, an all-reduce ``2(q-1)/q T e``), per micro
     LayerNorm3D          8(q-1)/q^3 M e + 8(q-1)/q^2 h e
     RMSNorm3D            4(q-1)/q^3 M e + 4(q-1)/q^2 h e
     VocabEmbedding3D     2(q-1)/q^3 (V h + M h) e
+    PositionEmbedding3D  4(q-1)/q^2 s h e
     cross_entropy_3d     6(q-1)/q^3 M e  (8 with label smoothing)
 
 (``cost3d.py`` computes them; 1D TP moves ~4(p-1)/p M h e per linear pair whatever p.)
 Activation bytes per device: a block's input and output ``M h / q^3`` each; a Linear3D saves its
 gathered input ``M K / q^2`` for backward (q x its own input, the price of not re-gathering it).
+
+Each parameter carries ``tp3d_replicated_over`` (``mark3d``): the sub-axes holding equal copies
+of it (a bias: its input layout's hidden axis; a norm's weight: the other two), so a grad norm
+counts it once (``Groups3D.holds_first_copy``); no grad needs a further reduction over TP.
 
 Initialisation is keyed: each rank builds the full weight from ``init_method`` (seed and name) on
 CPU in fp32 and keeps its block, so the layer equals the unsharded one whatever q.
@@ -64,6 +69,13 @@ from megalite.core.tensor_parallel.modes.comm3d import (
 from megalite.core.tensor_parallel.modes.grid3d import Groups3D, other_layout
 
 BATCH_DIM = 1  # activations are [s, b, h]
+
+
+def mark3d(param: nn.Parameter, replicated_over: tuple[str, ...]) -> nn.Parameter:
+    """Set ``tp3d_replicated_over``: the sub-axes along which ``param`` has equal copies (with
+    equal grads: the layers sum them in backward). ``Groups3D.holds_first_copy`` reads it."""
+    param.tp3d_replicated_over = replicated_over
+    return param
 
 
 def check_divides(value: int, by: int, *, what: str) -> None:
@@ -146,12 +158,13 @@ class Linear3D(nn.Module):
         full = torch.zeros(output_size, input_size, dtype=torch.float32)
         init_method(full)
         block = weight_block3d(full, groups, input_layout, stride=stride)
-        self.weight = nn.Parameter(block.to(device=device, dtype=params_dtype).contiguous())
+        self.weight = mark3d(
+            nn.Parameter(block.to(device=device, dtype=params_dtype).contiguous()), ()
+        )
         self.bias = None
-        if bias:  # zero at init, as Megatron's linear biases
-            self.bias = nn.Parameter(
-                torch.zeros(output_size // (q * q), dtype=params_dtype, device=device)
-            )
+        if bias:  # zero at init, as Megatron's linear biases; equal along the hidden axis
+            zeros = torch.zeros(output_size // (q * q), dtype=params_dtype, device=device)
+            self.bias = mark3d(nn.Parameter(zeros), (groups.hidden_axis(input_layout),))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _Linear3D.apply(
@@ -168,10 +181,14 @@ class _Norm3D(nn.Module):
         check_divides(hidden_size, groups.q, what="hidden_size")
         self.groups, self.layout, self.eps, self.hidden_size = groups, layout, eps, hidden_size
         local = hidden_size // groups.q
-        self.weight = nn.Parameter(torch.ones(local, dtype=params_dtype, device=device))
-        self.bias = (
-            nn.Parameter(torch.zeros(local, dtype=params_dtype, device=device)) if bias else None
+        copies = (groups.row_axis(layout), "weight")
+        self.weight = mark3d(
+            nn.Parameter(torch.ones(local, dtype=params_dtype, device=device)), copies
         )
+        self.bias = None
+        if bias:
+            zeros = torch.zeros(local, dtype=params_dtype, device=device)
+            self.bias = mark3d(nn.Parameter(zeros), copies)
 
     def _replicated(self, p: torch.Tensor) -> torch.Tensor:
         g = self.groups

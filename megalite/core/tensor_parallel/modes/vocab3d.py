@@ -28,7 +28,7 @@ from megalite.core.tensor_parallel.cross_entropy import vocab_parallel_cross_ent
 from megalite.core.tensor_parallel.init import InitMethod, default_init
 from megalite.core.tensor_parallel.modes.comm3d import copy_to_group, gather_dim, reduce_scatter_dim
 from megalite.core.tensor_parallel.modes.grid3d import Groups3D
-from megalite.core.tensor_parallel.modes.layers3d import BATCH_DIM, check_divides
+from megalite.core.tensor_parallel.modes.layers3d import BATCH_DIM, check_divides, mark3d
 
 
 def embedding_block3d(full: torch.Tensor, g: Groups3D) -> torch.Tensor:
@@ -88,7 +88,9 @@ class VocabEmbedding3D(nn.Module):
         full = torch.zeros(num_embeddings, embedding_dim, dtype=torch.float32)
         init_method(full if init_rows is None else full[:init_rows])
         block = embedding_block3d(full, groups)
-        self.weight = nn.Parameter(block.to(device=device, dtype=params_dtype).contiguous())
+        self.weight = mark3d(
+            nn.Parameter(block.to(device=device, dtype=params_dtype).contiguous()), ()
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         check_divides(ids.shape[BATCH_DIM], self.groups.q**2, what="batch size")
@@ -117,7 +119,10 @@ class PositionEmbedding3D(nn.Module):
         full = torch.zeros(max_positions, hidden_size, dtype=torch.float32)
         init_method(full)
         block = full.chunk(groups.q, dim=1)[groups.output_rank]
-        self.weight = nn.Parameter(block.to(device=device, dtype=params_dtype).contiguous())
+        self.weight = mark3d(
+            nn.Parameter(block.to(device=device, dtype=params_dtype).contiguous()),
+            ("input", "weight"),
+        )
 
     def forward(self, seq_length: int) -> torch.Tensor:
         table = copy_to_group(
