@@ -188,7 +188,8 @@ def _gpt_cases(q: int):
         loss.backward()
         sent = sent_bytes()
         RECORDER.disable()
-        assert sent == pytest.approx(_model_bytes(family, q), rel=1e-12)
+        expected = _model_bytes(family, q)
+        assert sent == pytest.approx(expected, rel=1e-12), ("bytes", family, sent, expected)
         assert rel_err(loss, ref_loss.detach()) < TOL, (family, loss.item(), ref_loss.item())
         assert len(list(model.parameters())) == len(p)  # every oracle tensor has its block
         grads = {n: t.grad for n, t in p.items()}
@@ -198,7 +199,7 @@ def _gpt_cases(q: int):
         sq = sum(t.grad.pow(2).sum() for t in model.parameters() if g.holds_first_copy(t))
         if q > 1:
             dist.all_reduce(sq)  # the world is the TP group
-        assert rel_err(sq, sum(t.pow(2).sum() for t in grads.values())) < TOL
+        assert rel_err(sq, sum(t.pow(2).sum() for t in grads.values())) < TOL, "grad norm"
     return True
 
 

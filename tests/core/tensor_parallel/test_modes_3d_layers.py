@@ -6,7 +6,9 @@ with ``chunk`` by this file's ``act_block`` / ``weight_block`` (the layout table
 written out in coordinates), never with a collective. Tolerance: fp32, rtol 1e-5 / atol 1e-6 -- a
 3D layer changes only the order of the sums (a matmul's contraction cut in q partial products).
 Bytes: every collective a layer issues is counted at ``megalite.core.groups`` by the op recorder
-and priced with the ring convention of ``cost3d.py``; the sum equals the closed form.
+and priced with the ring convention of ``cost3d.py``; the sum equals the closed form. A linear's
+activation bytes (what its forward saves for backward, seen by saved-tensor hooks, weights left
+out) equal ``linear3d_activation_bytes``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from megalite.core.tensor_parallel.init import init_normal
 from megalite.core.tensor_parallel.modes.cost3d import (
     cross_entropy3d_bytes,
     embedding3d_bytes,
+    linear3d_activation_bytes,
     linear3d_bytes,
     norm3d_bytes,
 )
@@ -105,6 +108,16 @@ def sent_bytes() -> float:
     return total
 
 
+def _packer(saved: list[torch.Tensor]):
+    """A saved-tensor pack hook that lists what autograd keeps for backward."""
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    return pack
+
+
 def record():
     RECORDER.enable(capacity=4096)
 
@@ -134,8 +147,13 @@ def _check_linear(g, layout, bias, stride):
 
     x_mine = act_block(x.detach(), g, layout).requires_grad_()
     record()
-    y = layer(x_mine)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(_packer(saved), lambda t: t):
+        y = layer(x_mine)
     y.backward(act_block(dy, g, out_layout, stride=stride))
+    weights = {p.data_ptr() for p in layer.parameters()}
+    kept = sum(t.numel() * t.element_size() for t in saved if t.data_ptr() not in weights)
+    assert kept == linear3d_activation_bytes(S * B, K, g.q)
     sent = sent_bytes()
     RECORDER.disable()
     torch.testing.assert_close(y, act_block(y_ref, g, out_layout, stride=stride), **TOL)

@@ -1,4 +1,5 @@
-"""Bytes each rank sends per micro-batch (forward + backward) in the 3D layers, in closed form.
+"""Bytes each rank sends per micro-batch (forward + backward) in the 3D layers, in closed form,
+and the activation bytes a 3D linear keeps for backward.
 
 Convention: a ring all-gather or reduce-scatter over q ranks whose whole (gathered, or not yet
 reduced) tensor holds ``T`` elements sends ``(q-1)/q * T`` elements per rank; an all-reduce of
@@ -19,6 +20,14 @@ def linear3d_bytes(
     if bias:
         out += 2 * (q - 1) / q**2 * n
     return out * elem_bytes
+
+
+def linear3d_activation_bytes(
+    tokens: int, input_size: int, q: int, *, elem_bytes: int = 4
+) -> float:
+    """What a ``Linear3D`` keeps for backward besides its weight: its input gathered over the row
+    group, ``[s, b/q, K/q]``: M K / q^2 (q x the ``M K / q^3`` a rank holds of the input)."""
+    return tokens * input_size / q**2 * elem_bytes
 
 
 def norm3d_bytes(tokens: int, hidden_size: int, q: int, *, rms: bool, elem_bytes: int = 4) -> float:
