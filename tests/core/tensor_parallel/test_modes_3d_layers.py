@@ -1,10 +1,12 @@
 """Every 3D tensor-parallel layer equals its unsharded torch counterpart, at TP 8 (q = 2).
 
-The oracle is torch (``nn.Linear``, ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.Embedding``,
-``F.cross_entropy``) on the full weights, in the same rank process from the same seed; it is sliced
-with ``chunk`` by this file's ``act_block`` / ``weight_block`` (the layout table of ``layers3d.py``
-written out in coordinates), never with a collective. Tolerance: fp32, rtol 1e-5 / atol 1e-6 -- a
-3D layer changes only the order of the sums (a matmul's contraction cut in q partial products).
+The oracle is torch (``nn.Linear``, ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.Embedding``, a
+position table's rows, ``F.cross_entropy``) on the full weights, in the same rank process from the
+same seed; it is sliced with ``chunk`` by this file's ``act_block`` / ``weight_block`` (the layout
+table of ``layers3d.py`` written out in coordinates), never with a collective. Tolerance: fp32,
+rtol 1e-5 / atol 1e-6 -- a 3D layer changes only the order of the sums (a matmul's contraction
+cut in q partial products).
+
 Bytes: every collective a layer issues is counted at ``megalite.core.groups`` by the op recorder
 and priced with the ring convention of ``cost3d.py``; the sum equals the closed form. A linear's
 activation bytes (what its forward saves for backward, seen by saved-tensor hooks, weights left
@@ -28,6 +30,7 @@ from megalite.core.tensor_parallel.modes.cost3d import (
     linear3d_activation_bytes,
     linear3d_bytes,
     norm3d_bytes,
+    position3d_bytes,
 )
 from megalite.core.tensor_parallel.modes.grid3d import (
     SUB_AXES_3D,
@@ -36,7 +39,11 @@ from megalite.core.tensor_parallel.modes.grid3d import (
     other_layout,
 )
 from megalite.core.tensor_parallel.modes.layers3d import LayerNorm3D, Linear3D, RMSNorm3D
-from megalite.core.tensor_parallel.modes.vocab3d import VocabEmbedding3D, cross_entropy_3d
+from megalite.core.tensor_parallel.modes.vocab3d import (
+    PositionEmbedding3D,
+    VocabEmbedding3D,
+    cross_entropy_3d,
+)
 from tests.harness import run_distributed
 from tests.mesh import mesh
 
@@ -225,6 +232,24 @@ def _check_embedding(g):
     assert sent == embedding3d_bytes(S * B, v_pad, K, g.q)
 
 
+def _check_position(g):
+    max_pos = 2 * S
+    pos = PositionEmbedding3D(max_pos, K, g, init_method=init_normal(0.5, seed=7, key="pos"))
+    table = full_tensor((max_pos, K), "pos").requires_grad_()
+    dy = full_tensor((S, B, K), "dy")
+    y_ref = table[:S].unsqueeze(1).expand(S, B, K)  # added to every sequence of the batch
+    y_ref.backward(dy)
+
+    record()
+    y = pos(S)  # [s, 1, h/q], broadcast over this rank's sequences
+    (y.expand(-1, B // g.q**2, -1) * act_block(dy, g, "residual")).sum().backward()
+    sent = sent_bytes()
+    RECORDER.disable()
+    torch.testing.assert_close(y[:, 0], table.detach()[:S].chunk(g.q, dim=1)[g.output_rank], **TOL)
+    torch.testing.assert_close(pos.weight.grad, table.grad.chunk(g.q, dim=1)[g.output_rank], **TOL)
+    assert sent == pytest.approx(position3d_bytes(S, K, g.q), rel=1e-12)
+
+
 def _check_cross_entropy(g, label_smoothing, with_mask):
     v_pad = padded_vocab_size(VOCAB, make_vocab_size_divisible_by=1, tp_size=g.q**2)
     logits = full_tensor((S, B, v_pad), "logits") * 4
@@ -268,6 +293,7 @@ def _all_layer_cases(q):
         for rms in (False, True):
             _check_norm(g, layout, rms)
     _check_embedding(g)
+    _check_position(g)
     for ls in (0.0, 0.1):
         for with_mask in (False, True):
             _check_cross_entropy(g, ls, with_mask)

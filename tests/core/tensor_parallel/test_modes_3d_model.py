@@ -6,17 +6,31 @@ The 3D assembly names its modules as ``GPTModel`` does, so each parameter's bloc
 parameter of the same name (``block_of_named``, chunk only): the mapping a checkpoint reshard
 between 1D and 3D needs. Norm weights and biases are perturbed from their init (ones, zeros) so
 every path shows. Tolerance: norm-wise relative error 1e-5 per tensor (``tests/models``' bar).
+Also: the bytes each rank sends in the step, counted at the collectives by the op recorder, equal
+the sum of ``cost3d.py``'s closed forms; the grad norm with each replicated parameter counted once
+(``Groups3D.holds_first_copy``) equals the one-process grad norm.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from megalite.core.op_record import RECORDER
 from megalite.core.parallel_state import ParallelState
 from megalite.core.tensor_parallel import reduce_from_tp_region
 from megalite.core.tensor_parallel.init import keyed_generator
 from megalite.core.tensor_parallel.modes.block3d import MLP3D, SelfAttention3D
+from megalite.core.tensor_parallel.modes.cost3d import (
+    block3d_bytes,
+    cross_entropy3d_bytes,
+    embedding3d_bytes,
+    linear3d_bytes,
+    norm3d_bytes,
+    position3d_bytes,
+)
 from megalite.core.tensor_parallel.modes.grid3d import Groups3D
 from megalite.core.tensor_parallel.modes.layers3d import LayerNorm3D, Linear3D, RMSNorm3D
 from megalite.core.tensor_parallel.modes.vocab3d import (
@@ -26,7 +40,12 @@ from megalite.core.tensor_parallel.modes.vocab3d import (
 )
 from megalite.models import GPTConfig, GPTModel
 from megalite.models.rotary import apply_rotary, rotary_cos_sin
-from tests.core.tensor_parallel.test_modes_3d_layers import groups3d, weight_block
+from tests.core.tensor_parallel.test_modes_3d_layers import (
+    groups3d,
+    record,
+    sent_bytes,
+    weight_block,
+)
 from tests.harness import run_distributed
 from tests.models.helpers import make_batch, make_config, rel_err
 
@@ -130,6 +149,25 @@ def block_of_named(name: str, full: torch.Tensor, g: Groups3D, c: GPTConfig) -> 
     return weight_block(full, g, "residual", stride=stride)
 
 
+def _model_bytes(c: GPTConfig, q: int) -> float:
+    """``cost3d.py``'s closed forms summed over the model, and the loss's two all-reduces of one
+    element (the sum over the batch blocks)."""
+    m, h, v = c.seq_length * BATCH, c.hidden_size, c.padded_vocab_size(1)
+    rms = c.normalization == "RMSNorm"
+    qkv = (c.num_attention_heads + 2 * c.num_query_groups) * c.kv_channels
+    kinds = dict(qkv_size=qkv, bias=c.add_bias_linear, swiglu=c.swiglu, rms=rms)
+    learned = c.position_embedding_type == "learned_absolute"
+    return (
+        embedding3d_bytes(m, v, h, q)
+        + (position3d_bytes(c.seq_length, h, q) if learned else 0)
+        + c.num_layers * block3d_bytes(m, h, c.ffn_hidden_size, q, **kinds)
+        + norm3d_bytes(m, h, q, rms=rms)
+        + linear3d_bytes(m, h, v, q, bias=False)
+        + cross_entropy3d_bytes(m, q)
+        + 2 * 2 * (q - 1) / q * 4
+    )
+
+
 def _model_cases(q: int):
     g = groups3d(q) if q > 1 else Groups3D.single()
     for family in ("gpt2", "llama"):
@@ -149,12 +187,22 @@ def _model_cases(q: int):
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(block_of_named(name, full[name].detach(), g, c))
+        record()
         loss = model(tokens, labels, weights)
         loss.backward()
+        sent, expected = sent_bytes(), _model_bytes(c, q)
+        RECORDER.disable()
+        assert sent == pytest.approx(expected, rel=1e-12), ("bytes", family, sent, expected)
         assert rel_err(loss, ref.detach()) < TOL, (family, loss.item(), ref.item())
         for name, p in model.named_parameters():
             expected = block_of_named(name, full[name].grad, g, c)
             assert rel_err(p.grad, expected) < TOL, (family, name, rel_err(p.grad, expected))
+        # the grad norm, each parameter counted on the first of its copies only
+        sq = sum(p.grad.pow(2).sum() for p in model.parameters() if g.holds_first_copy(p))
+        if q > 1:
+            dist.all_reduce(sq)  # the world is the TP group
+        ref_sq = sum(p.grad.pow(2).sum() for p in oracle.parameters())
+        assert rel_err(sq, ref_sq) < TOL, ("grad norm", family)
     return True
 
 
