@@ -128,7 +128,9 @@ class OpRecorder:
         self.rank = 0
         self.comm_wait_s = 0.0  # seconds the main thread waited on communication, ever
         self._seq: dict[tuple, int] = {}
-        self._group_keys: dict[int, tuple] = {}
+        # id(group) -> (group, key); the group is held so its id cannot be reused by a new group
+        # while the entry lives (a stale key would name the wrong ranks)
+        self._group_keys: dict[int, tuple[object, tuple]] = {}
         self.lock = threading.Lock()  # the watchdog's snapshot against the main thread's writes
 
     def enable(self, capacity: int = 256, *, rank: int | None = None) -> None:
@@ -136,10 +138,12 @@ class OpRecorder:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.enabled, self.capacity = True, capacity
         self.ring, self.count, self.current, self._seq = [None] * capacity, 0, None, {}
+        self._group_keys = {}
         self.rank = rank if rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
 
     def disable(self) -> None:
         self.enabled, self.ring, self.current, self.capacity = False, [], None, 0
+        self._group_keys = {}
 
     # --- recording ---------------------------------------------------------------------------
 
@@ -149,11 +153,13 @@ class OpRecorder:
         if op in ("send", "recv"):
             src, dst = (self.rank, peer) if op == "send" else (peer, self.rank)
             return ("p2p", src, dst)
-        key = self._group_keys.get(id(group))
-        if key is None:  # the group's name tells apart two groups of the same ranks
-            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
-            key = ("group", group.group_name if group is not None else "", *ranks)
-            self._group_keys[id(group)] = key
+        cached = self._group_keys.get(id(group))
+        if cached is not None and cached[0] is group:
+            return cached[1]
+        # the group's name tells apart two groups of the same ranks
+        ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
+        key = ("group", group.group_name if group is not None else "", *ranks)
+        self._group_keys[id(group)] = (group, key)
         return key
 
     begin = _recording(

@@ -77,7 +77,7 @@ def test_a_skipped_send_is_the_first_divergence():
 def test_different_collectives_and_a_dead_peer():
     a, b = _ranks()
     for r in (a, b):  # no process group in this test: the channel of a 2-rank group, by hand
-        r._group_keys[id(None)] = ("group", "1", 0, 1)
+        r._group_keys[id(None)] = (None, ("group", "1", 0, 1))
     a.begin("all_reduce", axis="dp", what="grad bucket 0.0", shape=(72,))
     b.begin("all_reduce", axis="dp", what="grad bucket 0.1", shape=(64,))
     got = first_divergence({0: a.snapshot(), 1: b.snapshot()})
@@ -121,3 +121,12 @@ def test_a_failed_store_still_reports_this_rank_and_exits():
         lines
     )
     assert lines[2].startswith("rank 1 published nothing"), lines
+
+
+def test_a_group_key_cached_for_a_dead_group_is_not_reused_by_a_new_one():
+    (a, _) = _ranks()
+    # the entry of a group that was freed, whose id the next group (here: None) now has
+    a._group_keys[id(None)] = (object(), ("group", "dead", 0, 1))
+    assert a._channel("all_reduce", None, None) == ("group", "")
+    a.enable(4, rank=0)
+    assert a._group_keys == {}
