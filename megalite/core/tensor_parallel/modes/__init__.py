@@ -5,7 +5,7 @@ The grid and its sub-axes are the mesh's (``megalite.core.mesh_layout.tp_grid_gr
 takes a ``Grid`` (its four groups). 2d is 2.5d with depth 1, so one set of layers serves both.
 """
 
-from megalite.core.tensor_parallel.modes.grid import Grid
+from megalite.core.tensor_parallel.modes.grid import Grid, check_grid_dims
 from megalite.core.tensor_parallel.modes.grid_layers import (
     GridEmbedding,
     GridLayerNorm,
@@ -20,5 +20,6 @@ __all__ = [
     "GridLayerNorm",
     "GridLinear",
     "GridRMSNorm",
+    "check_grid_dims",
     "grid_cross_entropy",
 ]

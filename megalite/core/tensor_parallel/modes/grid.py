@@ -67,3 +67,35 @@ class Grid:
     def batch_block(self) -> int:
         """This rank's block of the batch dim: ``depth_rank * q + row``."""
         return self.depth_rank * self.q + self.row
+
+
+def check_grid_dims(
+    q: int,
+    depth: int,
+    *,
+    hidden_size: int,
+    num_attention_heads: int,
+    num_query_groups: int,
+    ffn_hidden_size: int,
+    micro_batch_size: int,
+) -> None:
+    """The model's dims on a ``depth x q x q`` grid: hidden, heads, query groups and ffn split over
+    q (the vocabulary is padded to a multiple of q); the micro-batch over depth x q. One-line
+    ValueError naming the parameter, the numbers and the fix."""
+    for name, value in (
+        ("hidden_size", hidden_size),
+        ("num_attention_heads", num_attention_heads),
+        ("num_query_groups", num_query_groups),
+        ("ffn_hidden_size", ffn_hidden_size),
+    ):
+        if value % q:
+            raise ValueError(
+                f"{name} {value} is not divisible by the grid side q = {q} of the tensor-parallel "
+                f"grid (it splits {name} into q blocks); use a multiple of {q}"
+            )
+    if micro_batch_size % (depth * q):
+        raise ValueError(
+            f"micro_batch_size {micro_batch_size} is not divisible by tensor_parallel_depth "
+            f"{depth} x q {q} = {depth * q} (the grid splits each micro-batch into depth x q "
+            f"blocks of whole sequences); use a multiple of {depth * q}"
+        )
