@@ -307,6 +307,9 @@ def _check_tp_mode(par: ParallelConfig, m: GPTConfig, *, micro_batch_size: int) 
         (par.context_parallel_size > 1, f"context_parallel_size {par.context_parallel_size}"),
         (m.sequence_parallel, "sequence_parallel (the grid splits activations itself)"),
         (m.num_experts is not None, f"num_experts {m.num_experts} (MoE)"),
+        (m.qk_layernorm, "qk_layernorm"),
+        (m.apply_layernorm_1p, "apply_layernorm_1p"),
+        (mode == "3d", "the GPT model yet (its 3d layers are not built in)"),
     ]
     for on, what in refused:
         if on:
@@ -326,10 +329,6 @@ def _check_tp_mode(par: ParallelConfig, m: GPTConfig, *, micro_batch_size: int) 
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    raise ConfigError(
-        f"tensor_parallel_mode {mode}: the GPT model is not built on the grid yet (its layers "
-        "are, in megalite.core.tensor_parallel.modes); use tensor_parallel_mode 1d"
-    )
 
 
 def with_tokenizer(cfg: PretrainConfig) -> PretrainConfig:

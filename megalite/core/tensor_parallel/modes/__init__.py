@@ -13,13 +13,17 @@ from megalite.core.tensor_parallel.modes.grid_layers import (
     GridRMSNorm,
     grid_cross_entropy,
 )
+from megalite.core.tensor_parallel.modes.mode import GridMode, OneD, tensor_parallel_mode
 
 __all__ = [
     "Grid",
     "GridEmbedding",
     "GridLayerNorm",
     "GridLinear",
+    "GridMode",
+    "OneD",
     "GridRMSNorm",
     "check_grid_dims",
     "grid_cross_entropy",
+    "tensor_parallel_mode",
 ]

@@ -24,7 +24,7 @@ from megalite.core.tensor_parallel.mappings import (
     reduce_scatter_to_sp_region,
 )
 from megalite.core.tensor_parallel.modes.grid import Grid
-from megalite.core.tensor_parallel.modes.summa import grid_linear, sum_over
+from megalite.core.tensor_parallel.modes.summa import grid_linear, grid_vocab_linear, sum_over
 
 
 def _block(full: torch.Tensor, grid: Grid, *, stride: int = 1) -> torch.Tensor:
@@ -35,15 +35,21 @@ def _block(full: torch.Tensor, grid: Grid, *, stride: int = 1) -> torch.Tensor:
     return out if full.dim() == 1 else out.chunk(grid.q, 1)[grid.row]
 
 
-def _parameter(shard: torch.Tensor, *, dtype, device, sharded: bool) -> nn.Parameter:
+def grid_parameter(
+    shard: torch.Tensor, grid: Grid, *, dtype, device, sharded: bool
+) -> nn.Parameter:
+    """A Parameter of this rank's block: ``sharded`` over the q x q grid (a weight: distinct on
+    the TP ranks of depth 0), else one block per grid column (distinct on the first q)."""
     param = nn.Parameter(shard.to(device=device, dtype=dtype).contiguous())
     set_tp_attributes(param, partition_dim=0 if sharded else None)
+    param.distinct_tp_ranks = grid.q * grid.q if sharded else grid.q
     return param
 
 
 class GridLinear(nn.Module):
-    """``y = x W^T + b`` with x ``[s, b/(dq), in/q]`` -> y ``[s, b/(dq), out/q]`` (``grid.py``);
-    the full W ``[out, in]`` and b ``[out]`` are those of ``nn.Linear(in, out)``."""
+    """``y = x W^T + b`` with x ``[s, b/(dq), in/q]`` -> ``(y, None)``, y ``[s, b/(dq), out/q]``
+    (``grid.py``; a pair as the 1d layers return); the full W ``[out, in]`` and b ``[out]`` are
+    those of ``nn.Linear(in, out)``."""
 
     def __init__(
         self,
@@ -63,19 +69,21 @@ class GridLinear(nn.Module):
         self.grid = grid
         full = torch.empty(output_size, input_size, dtype=torch.float32)
         init_method(full)
-        self.weight = _parameter(
-            _block(full, grid, stride=stride), dtype=params_dtype, device=device, sharded=True
+        self.weight = grid_parameter(
+            _block(full, grid, stride=stride), grid, dtype=params_dtype, device=device, sharded=True
         )
         self.bias = None
         if bias:
             zeros = torch.zeros(output_size // grid.q)
-            self.bias = _parameter(zeros, dtype=params_dtype, device=device, sharded=False)
+            self.bias = grid_parameter(
+                zeros, grid, dtype=params_dtype, device=device, sharded=False
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = grid_linear(x, self.weight, self.grid)  # [s, b/(dq), out/q]
-        if self.bias is None:
-            return y
-        return y + copy_to_tp_region(self.bias, self.grid.row_depth_group)
+        if self.bias is not None:
+            y = y + copy_to_tp_region(self.bias, self.grid.row_depth_group)
+        return y, None
 
 
 class _GridNorm(nn.Module):
@@ -86,13 +94,13 @@ class _GridNorm(nn.Module):
         super().__init__()
         self.grid, self.eps, self.hidden_size = grid, eps, hidden_size
         local = divide(hidden_size, grid.q, what="hidden_size")
-        self.weight = _parameter(
-            torch.ones(local), dtype=params_dtype, device=device, sharded=False
+        self.weight = grid_parameter(
+            torch.ones(local), grid, dtype=params_dtype, device=device, sharded=False
         )
         self.bias = None
         if shift:
-            self.bias = _parameter(
-                torch.zeros(local), dtype=params_dtype, device=device, sharded=False
+            self.bias = grid_parameter(
+                torch.zeros(local), grid, dtype=params_dtype, device=device, sharded=False
             )
 
     def _mean(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,7 +190,7 @@ class GridEmbedding(nn.Module):
         full = torch.zeros(self.padded_num_embeddings, embedding_dim)
         init_method(full[:num_embeddings])
         shard = full.chunk(grid.q, 0)[grid.row].chunk(grid.q, 1)[grid.col]
-        self.weight = _parameter(shard, dtype=params_dtype, device=device, sharded=True)
+        self.weight = grid_parameter(shard, grid, dtype=params_dtype, device=device, sharded=True)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         ids = gather_first(ids.t().contiguous(), self.grid.row_group)  # [q b/(dq), s]
@@ -194,6 +202,15 @@ class GridEmbedding(nn.Module):
         out = F.embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0.0)
         out = reduce_scatter_to_sp_region(out, self.grid.row_group)  # [b/(dq), s, h/q]
         return out.transpose(0, 1)
+
+
+class GridVocabOutput(GridEmbedding):
+    """The output layer over the padded vocabulary, in the embedding table's layout (so a tied
+    model passes the word embedding's block as ``weight``): ``(logits, None)``, logits
+    ``[s, b/(dq), V_pad/q]`` of x ``[s, b/(dq), h/q]``, vocab block ``col``."""
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None):
+        return grid_vocab_linear(x, self.weight if weight is None else weight, self.grid), None
 
 
 def grid_cross_entropy(

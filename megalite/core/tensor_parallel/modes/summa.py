@@ -4,6 +4,13 @@
                                    gathered over the grid column (row_group)
                               bwd: dx reduce-scattered over the grid row; dW reduce-scattered over
                                    the grid column, then all-reduced over depth
+    grid_vocab_linear(x, E)   the same product with the weight blocked the other way round (a
+                              vocab-split embedding table E [V/q, h/q], vocab block row, hidden
+                              block col, used as the output layer, tied or not):
+                              fwd: E gathered over the grid column, partial logits
+                                   reduce-scattered over the grid row (vocab block col)
+                              bwd: dy gathered over the grid row; dE reduce-scattered over the
+                                   grid column, then all-reduced over depth
     sum_over(x, group)        fwd: all-reduce   bwd: all-reduce (every rank's output feeds a
                                    different part of the loss, so the grads are summed back)
 
@@ -78,6 +85,33 @@ class _GridLinear(torch.autograd.Function):
 def grid_linear(x: torch.Tensor, weight: torch.Tensor, grid) -> torch.Tensor:
     """``x @ W^T`` on the grid's blocks (module docstring); ``grid``: a ``Grid``."""
     return _GridLinear.apply(x, weight, grid.col_group, grid.row_group, grid.depth_group)
+
+
+class _GridVocabLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, col_group, row_group, depth_group):
+        w_all = _gather_dim(weight, row_group, 0)  # [V, h/q]: every vocab block, hidden col
+        ctx.save_for_backward(x, w_all)
+        ctx.groups = (col_group, row_group, depth_group)
+        partial = x @ w_all.t()  # [s, b/(dq), V]: this hidden block's share
+        return _reduce_scatter_dim(partial, col_group, -1)  # [s, b/(dq), V/q], vocab block col
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w_all = ctx.saved_tensors
+        col_group, row_group, depth_group = ctx.groups
+        dy_all = _gather_dim(dy.contiguous(), col_group, -1)  # [s, b/(dq), V]
+        dx = dy_all @ w_all  # [s, b/(dq), h/q]: whole, no sum needed
+        dw_all = dy_all.reshape(-1, dy_all.shape[-1]).t() @ x.reshape(-1, x.shape[-1])  # [V, h/q]
+        dw = _reduce_scatter_dim(dw_all, row_group, 0)  # [V/q, h/q]
+        dw = _all_reduce(dw.contiguous(), depth_group)
+        return dx, dw, None, None, None
+
+
+def grid_vocab_linear(x: torch.Tensor, weight: torch.Tensor, grid) -> torch.Tensor:
+    """Logits ``x @ E^T`` of x ``[s, b/(dq), h/q]`` against a ``GridEmbedding``'s table block
+    ``[V/q, h/q]`` (module docstring): ``[s, b/(dq), V/q]``, vocab block ``col``."""
+    return _GridVocabLinear.apply(x, weight, grid.col_group, grid.row_group, grid.depth_group)
 
 
 class _SumOver(torch.autograd.Function):
