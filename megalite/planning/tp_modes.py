@@ -1,0 +1,88 @@
+"""Each tensor-parallel mode's communication for one transformer layer, in closed form.
+
+    fwd, bwd = layer_comms(c, mode="2.5d", tp=8, depth=2, micro_batch_size=4, e=4)
+    per_device = bytes_per_device(fwd + bwd)
+
+The ``Comm`` records are those ``measure.comm_log.CommLog`` counts on a rank (an all-gather's
+output, a reduce-scatter's input, an all-reduce's tensor); ``bytes_per_device`` charges each
+with what one device sends in a ring: ``(n - 1) / n`` of the tensor for an all-gather or a
+reduce-scatter over n ranks, twice that for an all-reduce.
+
+With ``T`` tokens per device and each linear ``L`` mapping ``I_L`` to ``O_L`` features (the layer's
+four: qkv, proj, fc1, fc2), one forward and backward of a layer costs per device:
+
+- 1d over p ranks (no sequence parallel): four all-reduces of ``[s, b, h]`` (T = s b):
+  ``4 * 2 (p - 1) / p * T h``
+- 2d (p = q^2) and 2.5d (p = d q^2; 2d is d = 1), T = s b / (d q): per linear the input gathered
+  over the grid row and the weight over the grid column forward, both reduce-scattered backward,
+  and the weight grad all-reduced over depth:
+  ``sum_L [2 (q - 1) / q * (T I_L + O_L I_L / q) + 2 (d - 1) / d * O_L I_L / q^2]``
+  plus the norms' statistics (one all-reduce of ``[T]`` over q per mean each way) and the grads
+  of the biases and norm scales (an all-reduce of ``[O_L / q]`` over d q).
+All times the element size ``e``.
+"""
+
+from __future__ import annotations
+
+from megalite.models.config import GPTConfig
+from megalite.planning.traffic import Comm
+
+
+def _kept(comms: list[Comm]) -> list[Comm]:
+    """Without the collectives over one rank (they return at once, nothing is sent)."""
+    return [x for x in comms if x.n > 1 and x.nbytes > 0]
+
+
+def _linears(c: GPTConfig) -> list[tuple[int, int, bool]]:
+    """(in, out, bias) of a layer's four linears: qkv, proj, fc1, fc2."""
+    n, g, d, h, f = (
+        c.num_attention_heads,
+        c.num_query_groups,
+        c.kv_channels,
+        c.hidden_size,
+        c.ffn_hidden_size,
+    )
+    bias = c.add_bias_linear
+    return [
+        (h, (n + 2 * g) * d, bias or c.add_qkv_bias),
+        (n * d, h, bias),
+        (h, 2 * f if c.swiglu else f, bias),
+        (f, h, bias),
+    ]
+
+
+def layer_comms(
+    c: GPTConfig, *, mode: str, tp: int, depth: int = 1, micro_batch_size: int, e: int
+) -> tuple[list[Comm], list[Comm]]:
+    """(forward, backward) collectives of one transformer layer on one device (module docstring),
+    for 1d (no sequence parallel), 2d and 2.5d."""
+    s, h, b = c.seq_length, c.hidden_size, micro_batch_size
+    if mode == "1d":
+        act = s * b * h * e
+        return _kept([Comm("all_reduce", tp, act, tp, 2)]), _kept(
+            [Comm("all_reduce", tp, act, tp, 2)]
+        )
+    q = round((tp // depth) ** 0.5)
+    tokens = s * b // (depth * q)
+    fwd: list[Comm] = []
+    bwd: list[Comm] = []
+    for i, o, bias in _linears(c):
+        fwd.append(Comm("all_gather", q, tokens * i * e, tp))
+        fwd.append(Comm("all_gather", q, o * i // q * e, tp))
+        bwd.append(Comm("reduce_scatter", q, tokens * i * e, tp))
+        bwd.append(Comm("reduce_scatter", q, o * i // q * e, tp))
+        bwd.append(Comm("all_reduce", depth, o * i // (q * q) * e, tp))
+        if bias:
+            bwd.append(Comm("all_reduce", depth * q, o // q * e, tp))
+    layer_norm = c.normalization == "LayerNorm"
+    stats = 2 * (2 if layer_norm else 1)  # per layer: two norms, a mean (and a variance) each
+    fwd.append(Comm("all_reduce", q, tokens * e, tp, stats))
+    bwd.append(Comm("all_reduce", q, tokens * e, tp, stats))
+    bwd.append(Comm("all_reduce", depth * q, h // q * e, tp, 2 * (2 if layer_norm else 1)))
+    return _kept(fwd), _kept(bwd)
+
+
+def bytes_per_device(comms: list[Comm]) -> float:
+    """What one device sends for ``comms`` in ring collectives (module docstring)."""
+    share = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}
+    return sum(share[x.op] * (x.n - 1) / x.n * x.nbytes * x.count for x in comms)
