@@ -14,9 +14,9 @@ four: qkv, proj, fc1, fc2), one forward and backward of a layer costs per device
 - 1d over p ranks (no sequence parallel): four all-reduces of ``[s, b, h]`` (T = s b):
   ``4 * 2 (p - 1) / p * T h``
 - 2d (p = q^2) and 2.5d (p = d q^2; 2d is d = 1), T = s b / (d q): per linear the input gathered
-  over the grid row and the weight over the grid column forward, both reduce-scattered backward,
-  and the weight grad all-reduced over depth:
-  ``sum_L [2 (q - 1) / q * (T I_L + O_L I_L / q) + 2 (d - 1) / d * O_L I_L / q^2]``
+  over the grid row and the weight over the grid column forward and again backward (only the
+  blocks are saved), their grads reduce-scattered backward, and the weight grad all-reduced over
+  depth: ``sum_L [3 (q - 1) / q * (T I_L + O_L I_L / q) + 2 (d - 1) / d * O_L I_L / q^2]``
   plus the norms' statistics (one all-reduce of ``[T]`` over q per mean each way) and the grads
   of the biases and norm scales (an all-reduce of ``[O_L / q]`` over d q).
 All times the element size ``e``.
@@ -67,8 +67,9 @@ def layer_comms(
     fwd: list[Comm] = []
     bwd: list[Comm] = []
     for i, o, bias in _linears(c):
-        fwd.append(Comm("all_gather", q, tokens * i * e, tp))
-        fwd.append(Comm("all_gather", q, o * i // q * e, tp))
+        for passed in (fwd, bwd):  # the blocks gathered forward and again backward
+            passed.append(Comm("all_gather", q, tokens * i * e, tp))
+            passed.append(Comm("all_gather", q, o * i // q * e, tp))
         bwd.append(Comm("reduce_scatter", q, tokens * i * e, tp))
         bwd.append(Comm("reduce_scatter", q, o * i // q * e, tp))
         bwd.append(Comm("all_reduce", depth, o * i // (q * q) * e, tp))

@@ -85,7 +85,7 @@ def test_bytes_per_device_follow_the_readme_formulas():
         q = round((tp // d) ** 0.5)
         t = s * b / (d * q)
         linears = (
-            2 * (q - 1) / q * (7 * t * h + 12 * h * h / q) + 2 * (d - 1) / d * 12 * h * h / q**2
+            3 * (q - 1) / q * (7 * t * h + 12 * h * h / q) + 2 * (d - 1) / d * 12 * h * h / q**2
         )
         norms = 2 * 2 * 2 * (q - 1) / q * t * 2  # 2 norms x (mean, variance) x fwd and bwd
         small = (

@@ -2,15 +2,16 @@
 
     grid_linear(x, w, grid)   fwd: y = x W^T with x gathered over the grid row (col_group) and W
                                    gathered over the grid column (row_group)
-                              bwd: dx reduce-scattered over the grid row; dW reduce-scattered over
-                                   the grid column, then all-reduced over depth
+                              bwd: x and W gathered again; dx reduce-scattered over the grid row;
+                                   dW reduce-scattered over the grid column, then all-reduced
+                                   over depth
     grid_vocab_linear(x, E)   the same product with the weight blocked the other way round (a
                               vocab-split embedding table E [V/q, h/q], vocab block row, hidden
                               block col, used as the output layer, tied or not):
                               fwd: E gathered over the grid column, partial logits
                                    reduce-scattered over the grid row (vocab block col)
-                              bwd: dy gathered over the grid row; dE reduce-scattered over the
-                                   grid column, then all-reduced over depth
+                              bwd: E gathered again, dy over the grid row; dE reduce-scattered
+                                   over the grid column, then all-reduced over depth
     sum_over(x, group)        fwd: all-reduce   bwd: all-reduce (every rank's output feeds a
                                    different part of the loss, so the grads are summed back)
 
@@ -21,7 +22,9 @@ Shapes on rank (depth, row, col) of a ``d x q x q`` grid (``grid.py``)::
     y = x_row @ W_col^T   [s, b/(dq), out/q]       (batch block depth*q + row, out block col)
 
 Gathering the q blocks at once moves the same bytes as SUMMA's q broadcasts (each rank receives
-the q - 1 blocks it lacks), at the price of holding them all. Backward, with ``dy`` the local
+the q - 1 blocks it lacks), at the price of holding them all while the product runs. Only the
+blocks are saved for backward, which gathers them again (SUMMA broadcasts them again too), so the
+saved activations shrink with the grid as the activations do. Backward, with ``dy`` the local
 block: ``dy @ W_col`` is this rank's share of every in block of dx (a sum over the grid row's out
 blocks): reduce-scatter over col_group. ``dy^T @ x_row`` is this batch block's share of every in
 block of the weight's column: reduce-scatter over row_group sums the q batch blocks of the grid,
@@ -67,14 +70,16 @@ class _GridLinear(torch.autograd.Function):
     def forward(ctx, x, weight, col_group, row_group, depth_group):
         x_row = _gather_dim(x, col_group, -1)  # [s, b/(dq), in]
         w_col = _gather_dim(weight, row_group, 1)  # [out/q, in]
-        ctx.save_for_backward(x_row, w_col)
+        ctx.save_for_backward(x, weight)  # the blocks: gathered again in backward
         ctx.groups = (col_group, row_group, depth_group)
         return x_row @ w_col.t()  # [s, b/(dq), out/q]
 
     @staticmethod
     def backward(ctx, dy):
-        x_row, w_col = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
         col_group, row_group, depth_group = ctx.groups
+        x_row = _gather_dim(x, col_group, -1)  # [s, b/(dq), in]
+        w_col = _gather_dim(weight, row_group, 1)  # [out/q, in]
         dx = _reduce_scatter_dim(dy @ w_col, col_group, -1)  # [s, b/(dq), in/q]
         dw_col = dy.reshape(-1, dy.shape[-1]).t() @ x_row.reshape(-1, x_row.shape[-1])
         dw = _reduce_scatter_dim(dw_col, row_group, 1)  # [out/q, in/q]
@@ -91,15 +96,16 @@ class _GridVocabLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, col_group, row_group, depth_group):
         w_all = _gather_dim(weight, row_group, 0)  # [V, h/q]: every vocab block, hidden col
-        ctx.save_for_backward(x, w_all)
+        ctx.save_for_backward(x, weight)  # the block: gathered again in backward
         ctx.groups = (col_group, row_group, depth_group)
         partial = x @ w_all.t()  # [s, b/(dq), V]: this hidden block's share
         return _reduce_scatter_dim(partial, col_group, -1)  # [s, b/(dq), V/q], vocab block col
 
     @staticmethod
     def backward(ctx, dy):
-        x, w_all = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
         col_group, row_group, depth_group = ctx.groups
+        w_all = _gather_dim(weight, row_group, 0)  # [V, h/q]
         dy_all = _gather_dim(dy.contiguous(), col_group, -1)  # [s, b/(dq), V]
         dx = dy_all @ w_all  # [s, b/(dq), h/q]: whole, no sum needed
         dw_all = dy_all.reshape(-1, dy_all.shape[-1]).t() @ x.reshape(-1, x.shape[-1])  # [V, h/q]
