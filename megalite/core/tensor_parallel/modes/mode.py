@@ -112,22 +112,33 @@ class GridMode:
         self.activation_split = (grid.batch_blocks, grid.q)
 
     def column_linear(self, input_size: int, output_size: int, **kwargs) -> nn.Module:
-        kwargs.pop("sequence_parallel", None)  # refused under a grid by the configuration
+        _refuse_sequence_parallel(kwargs.pop("sequence_parallel", False), self.name)
         return GridLinear(input_size, output_size, grid=self.grid, **kwargs)
 
     def row_linear(self, input_size: int, output_size: int, **kwargs) -> nn.Module:
         return self.column_linear(input_size, output_size, **kwargs)
 
-    def norm(self, kind: str, hidden_size: int, *, eps: float, **kwargs) -> nn.Module:
+    def norm(
+        self,
+        kind: str,
+        hidden_size: int,
+        *,
+        eps: float,
+        sequence_parallel: bool = False,
+        use_fused: bool = True,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+        zero_centered_gamma: bool = False,
+    ) -> nn.Module:
+        """The grid's norm (the PyTorch math: ``use_fused`` has no kernel to choose here)."""
+        _refuse_sequence_parallel(sequence_parallel, self.name)
+        if zero_centered_gamma:
+            raise ValueError(f"tensor_parallel_mode {self.name} has no zero_centered_gamma norm")
         classes = {"LayerNorm": GridLayerNorm, "RMSNorm": GridRMSNorm}
         if kind not in classes:
             raise ValueError(f"normalization must be one of {sorted(classes)}, got {kind!r}")
         return classes[kind](
-            hidden_size,
-            grid=self.grid,
-            eps=eps,
-            params_dtype=kwargs.get("params_dtype", torch.float32),
-            device=kwargs.get("device"),
+            hidden_size, grid=self.grid, eps=eps, params_dtype=params_dtype, device=device
         )
 
     def embedding(self, num_embeddings: int, embedding_dim: int, **kwargs) -> nn.Module:
@@ -177,6 +188,14 @@ class GridMode:
 
     def cross_entropy(self, logits, target, **kwargs) -> torch.Tensor:
         return grid_cross_entropy(logits, target, grid=self.grid, **kwargs)
+
+
+def _refuse_sequence_parallel(sequence_parallel: bool, mode: str) -> None:
+    if sequence_parallel:
+        raise ValueError(
+            f"sequence_parallel does not apply under tensor_parallel_mode {mode} (the grid splits "
+            "the activations itself); turn it off"
+        )
 
 
 def tensor_parallel_mode(ps) -> OneD | GridMode:
