@@ -1,7 +1,12 @@
 """Each tensor-parallel mode's bytes per device per layer: the collectives one transformer layer's
 forward and backward issue on every rank (``CommLog``: op, group size, bytes) are exactly those of
 the closed form ``planning.tp_modes.layer_comms``, for 1d (TP 4), 2d (TP 4) and 2.5d (TP 8,
-depth 2), both families; and the per-device bytes equal the README's formula."""
+depth 2), both families; and the per-device bytes equal the README's formula.
+
+Activations: what a layer's forward saves for backward on a device (saved-tensor hooks,
+``SavedTensorMeter``) under a ``d x q x q`` grid is the unsharded grid layer's (q = d = 1, one
+process) divided by ``d q^2``, except each norm's ``[T, 1]`` statistic, which only the batch
+blocks split (``/ (d q)``)."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import torch
 
 from megalite.core.tensor_parallel.modes import tensor_parallel_mode
 from megalite.measure.comm_log import CommLog
+from megalite.measure.saved_tensors import SavedTensorMeter
 from megalite.models.config import GPTConfig
 from megalite.models.transformer import TransformerLayer
 from megalite.planning.tp_modes import bytes_per_device, layer_comms
@@ -92,3 +98,25 @@ def test_bytes_per_device_follow_the_readme_formulas():
             2 * (d * q - 1) / (d * q) * (3 * h + h + 4 * h + h + 4 * h / 1) / q
         )  # biases, scales
         assert got == pytest.approx((linears + norms + small) * e, rel=1e-12), (mode, tp, d)
+
+
+def _saved_case(family: str, mode: str, tp: int, depth: int) -> int:
+    c = _config(family)
+    ps = mesh(tp, mode=mode, depth=depth)
+    layer = TransformerLayer(c, ps, layer_number=0, rng_tracker=None)
+    batch_split, hidden_split = tensor_parallel_mode(ps).activation_split
+    x = torch.randn(S, B // batch_split, c.hidden_size // hidden_split, requires_grad=True)
+    with SavedTensorMeter(layer.parameters()) as meter:
+        layer(x)
+    return meter.peak
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY))
+def test_saved_activations_per_device_follow_the_grid(family):
+    (whole,) = run_distributed(_saved_case, 1, family, "2d", 1, 1)  # the grid of one
+    stats = 2 * S * B * 4  # two norms' [T, 1] fp32 statistic, T = s b tokens
+    for mode, tp, depth in [("2d", 4, 1), ("2.5d", 8, 2)]:
+        q = round((tp // depth) ** 0.5)
+        expected = (whole - stats) // (depth * q * q) + stats // (depth * q)
+        got = run_distributed(_saved_case, tp, family, mode, tp, depth)
+        assert got == [expected] * tp, (mode, got, expected, whole)
