@@ -2,6 +2,7 @@
 
     fwd, bwd = layer_comms(c, mode="2.5d", tp=8, depth=2, micro_batch_size=4, e=4)
     per_device = bytes_per_device(fwd + bwd)
+    layer_param_elements(c, mode="2d", tp=4)    # a layer's parameters on one device
 
 The ``Comm`` records are those ``measure.comm_log.CommLog`` counts on a rank (an all-gather's
 output, a reduce-scatter's input, an all-reduce's tensor); ``bytes_per_device`` charges each
@@ -87,3 +88,24 @@ def bytes_per_device(comms: list[Comm]) -> float:
     """What one device sends for ``comms`` in ring collectives (module docstring)."""
     share = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}
     return sum(share[x.op] * (x.n - 1) / x.n * x.nbytes * x.count for x in comms)
+
+
+COLUMN_PARALLEL = (True, False, True, False)  # of _linears' qkv, proj, fc1, fc2 under 1d
+
+
+def layer_param_elements(c: GPTConfig, *, mode: str, tp: int, depth: int = 1) -> int:
+    """One transformer layer's parameter elements on one device. 1d over p ranks: the linears'
+    weights and the column-parallel biases split p ways, the row-parallel biases and the norms
+    whole. 2d / 2.5d: weights ``[O/q, I/q]`` (every depth holds the same blocks, so a device holds
+    ``1/q^2`` of them, ``d`` times 1d's share at the same p), biases and norms ``1/q``."""
+    h = c.hidden_size
+    norms = 2 * h * (2 if c.normalization == "LayerNorm" else 1)
+    linears = _linears(c)
+    if mode == "1d":  # qkv and fc1 are column-parallel, proj and fc2 row-parallel
+        biases = [o for _, o, bias in linears if bias]
+        column = sum(o for (_, o, bias), col in zip(linears, COLUMN_PARALLEL) if bias and col)
+        weights = sum(o * i for i, o, _ in linears) // tp
+        return weights + column // tp + (sum(biases) - column) + norms
+    q = round((tp // depth) ** 0.5)
+    weights = sum(o * i for i, o, _ in linears) // (q * q)
+    return weights + sum(o for _, o, bias in linears if bias) // q + norms // q

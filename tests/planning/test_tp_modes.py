@@ -20,7 +20,7 @@ from megalite.measure.comm_log import CommLog
 from megalite.measure.saved_tensors import SavedTensorMeter
 from megalite.models.config import GPTConfig
 from megalite.models.transformer import TransformerLayer
-from megalite.planning.tp_modes import bytes_per_device, layer_comms
+from megalite.planning.tp_modes import bytes_per_device, layer_comms, layer_param_elements
 from megalite.planning.traffic import counts
 from tests.harness import run_distributed
 from tests.mesh import mesh
@@ -120,3 +120,17 @@ def test_saved_activations_per_device_follow_the_grid(family):
         expected = (whole - stats) // (depth * q * q) + stats // (depth * q)
         got = run_distributed(_saved_case, tp, family, mode, tp, depth)
         assert got == [expected] * tp, (mode, got, expected, whole)
+
+
+def _param_case(family: str, mode: str, tp: int, depth: int) -> int:
+    ps = mesh(tp, mode=mode, depth=depth)
+    layer = TransformerLayer(_config(family), ps, layer_number=0, rng_tracker=None)
+    return sum(p.numel() for p in layer.parameters())
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY))
+def test_layer_parameters_per_device_are_the_closed_form(family):
+    for mode, tp, depth in CASES.values():
+        expected = layer_param_elements(_config(family), mode=mode, tp=tp, depth=depth)
+        got = run_distributed(_param_case, tp, family, mode, tp, depth)
+        assert got == [expected] * tp, (mode, got, expected)
