@@ -148,7 +148,9 @@ class GPTModel(nn.Module):
         Returns, on the last stage with labels: the per-token loss # [b, s] fp32 (padding vocabulary
         excluded); on the last stage without labels: logits # [b, s, V_pad/tp] (columns at or past
         ``vocab_size`` are padding); on other stages: hidden states # [s, b, h] ([s/tp, b, h] under
-        sequence parallel).
+        sequence parallel). Under a grid tensor-parallel mode the loss is the whole micro-batch's
+        as well, logits and hidden states this rank's blocks # [b/(dq), s, V_pad/q] and
+        # [s, b/(dq), h/q].
         """
         mode = self.mode  # under a grid: this rank's batch block of the micro-batch
         tokens = None if tokens is None else mode.batch_block(tokens, 0)
