@@ -2,6 +2,7 @@
 
     ps = mesh(tp=2, pp=2)              # on every rank of the harness's world; DP is what is left
     ps = mesh(2, cp=2, ep=2, etp=1)    # context and expert axes by their short names
+    ps = mesh(8, mode="2.5d", depth=2) # a tensor-parallel mode's grid inside each tensor group
 
 The process groups of one layout (``initialize_model_parallel``, Megatron's default rank order
 unless ``order`` says otherwise) on the gloo world ``tests/harness.py`` started, or a world of one
@@ -21,6 +22,8 @@ def mesh(
     cp: int = 1,
     ep: int = 1,
     etp: int | None = None,
+    mode: str = "1d",
+    depth: int = 1,
     **kwargs,
 ) -> ParallelState:
     """TP x CP x (E)P x DP x PP groups; ``kwargs`` (order, device, timeout) pass through."""
@@ -30,5 +33,7 @@ def mesh(
         context_parallel_size=cp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
+        tensor_parallel_mode=mode,
+        tensor_parallel_depth=depth,
         **kwargs,
     )

@@ -216,14 +216,22 @@ def load_checkpoint(
     check_model_compatible(reader.model_config, module.config, where=iter_dir)
     if layer_ranges is None and len(chunks) == 1:
         layer_ranges = module.config.stage_layer_ranges(ps.pp_size)
+    grid = (ps.sizes.tp_mode, ps.sizes.tp_depth)
     same_mp = (
         reader.tp_size == ps.tp_size
+        and (reader.tp_mode, reader.tp_depth) == grid
         and reader.pp_size == ps.pp_size
         and reader.num_chunks == len(chunks)
         and reader.chunk_ranges(ps.pp_rank) == [tuple(m.layer_range) for m in chunks]
         and (layer_ranges is None or reader.layer_ranges == [tuple(x) for x in layer_ranges])
         and reader.meta["layout"]["padded_vocab_size"] == module.padded_vocab_size
     )
+    if not same_mp and grid[0] != "1d":
+        raise CheckpointError(
+            f"checkpoint {iter_dir} ({saved_layout}, tensor_parallel_mode {reader.tp_mode}) "
+            f"cannot be resharded into tensor_parallel_mode {grid[0]} yet: load it under the "
+            "layout it was saved with, or under tensor_parallel_mode 1d"
+        )
     experts = None  # MoE experts come from their own files, by global expert index
     if has_experts(module):
         experts = ExpertReader(iter_dir, reader.layer_ranges)

@@ -62,11 +62,14 @@ def layout_record(
     padded_vocab_size: int,
     distributed_optimizer: bool,
     stage_ranks: list[tuple[int, int]] | None = None,
+    tp_mode: str = "1d",
+    tp_depth: int = 1,
 ) -> dict:
     """``header["layout"]``: the layout a shard was saved under (``layer_ranges``: the layers of
     every stage, by index in the whole model; ``dp_size``: the ranks of the data-parallel group,
     ``ps.size("dp", "cp")``). Several chunks per rank (virtual stages): ``layer_ranges`` lists every
-    GLOBAL stage in stage order and ``stage_ranks`` the (pp rank, chunk) holding each."""
+    GLOBAL stage in stage order and ``stage_ranks`` the (pp rank, chunk) holding each. A grid
+    tensor-parallel mode records ``tp_mode`` and ``tp_depth`` (absent: 1d)."""
     chunks = {}
     if stage_ranks is not None:
         chunks = {
@@ -83,6 +86,7 @@ def layout_record(
         "padded_vocab_size": padded_vocab_size,
         "distributed_optimizer": distributed_optimizer,
         **chunks,
+        **({} if tp_mode == "1d" else {"tp_mode": tp_mode, "tp_depth": tp_depth}),
     }
 
 

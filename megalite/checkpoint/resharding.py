@@ -7,7 +7,8 @@ exp_avg_sq) has the same form as its parameter. Any layout is a pure function of
 
 - TP: a parameter is split along ``dim`` into ``tp_size`` equal chunks, each of ``stride`` stacked
   blocks separately (SwiGLU's ``[gate; up]``); vocabulary rows are zero-padded to the run's padded
-  size first. Replicated parameters (norms, positions, row-parallel biases) are copied.
+  size first. Replicated parameters (norms, positions, row-parallel biases) are copied. A grid
+  tensor-parallel mode (2d, 2.5d) saves blocks of its own (``merge_grid``), read back here.
 - PP: stage ``p`` holds the layers ``stage_layer_ranges(...)[p]``, numbered from 0 locally; the
   first stage the embedding, the last the final norm and output layer. With tied embeddings and
   PP > 1 the last stage's ``output_layer.weight`` is the word embedding (the logical form keeps only
@@ -87,6 +88,29 @@ def merge_tp(shards: list[torch.Tensor], split: TPSplit, *, vocab_size: int) -> 
     return full.narrow(0, 0, vocab_size) if split.vocab else full
 
 
+# A grid tensor-parallel mode (2d, 2.5d; megalite.core.tensor_parallel.modes) saves blocks: TP rank
+# t = col + q * (row + q * depth) holds a linear's weight [out, in] as out block col (of each stride
+# part) x in block row; the vocabulary table [V_pad, h] as rows block row x columns block col; a
+# bias or a norm's scale [n] as block col; the position table [max_pos, h] as columns block col.
+# Every depth holds the same blocks: the ranks of depth 0 (t < q * q) give the whole tensor.
+def merge_grid(
+    shards: list[torch.Tensor], name: str, *, q: int, swiglu: bool, vocab_size: int
+) -> torch.Tensor:
+    """The full logical tensor of ``name`` from its grid blocks (TP rank order; the first
+    ``q * q`` are read), the vocabulary unpadded to ``vocab_size`` rows."""
+    blocks = [[shards[col + q * row] for col in range(q)] for row in range(q)]  # [row][col]
+    if name.endswith(WORD_EMBEDDING) or name == OUTPUT_LAYER:
+        full = torch.cat([torch.cat(cols, dim=1) for cols in blocks], dim=0)
+        return full.narrow(0, 0, vocab_size)
+    if name.endswith("position_embeddings.weight"):
+        return torch.cat(blocks[0], dim=1)
+    stride = 2 if swiglu and ".linear_fc1." in name else 1
+    if name.endswith(".weight") and ".linear_" in name:
+        columns = [torch.cat([blocks[row][col] for row in range(q)], dim=1) for col in range(q)]
+        return merge_tp(columns, TPSplit(0, stride=stride), vocab_size=0)
+    return merge_tp(blocks[0], TPSplit(0, stride=stride), vocab_size=0)  # by column
+
+
 def split_tp(
     full: torch.Tensor, split: TPSplit, *, tp_size: int, tp_rank: int, padded_vocab_size: int
 ) -> torch.Tensor:
@@ -163,6 +187,7 @@ class CheckpointReader:
             raise CheckpointError(f"{first} is not a megalite checkpoint shard (no 'layout')")
         lay = self.meta["layout"]
         self.tp_size, self.pp_size = int(lay["tp_size"]), int(lay["pp_size"])
+        self.tp_mode, self.tp_depth = lay.get("tp_mode", "1d"), int(lay.get("tp_depth", 1))
         self.dp_size = int(lay["dp_size"])
         self.layer_ranges = [tuple(r) for r in lay["layer_ranges"]]
         self.num_chunks = int(lay.get("num_chunks", 1))  # absent in one-chunk layouts
@@ -273,7 +298,14 @@ class CheckpointReader:
                     "(compare its flags with this run's)"
                 )
             shards.append(model[local])
-        return merge_tp(shards, tp_split(name, swiglu=self.swiglu), vocab_size=self.vocab_size)
+        return self._merge(shards, name)
+
+    def _merge(self, shards: list[torch.Tensor], name: str) -> torch.Tensor:
+        """The saved TP shards (rank order) of ``name`` -> its full logical tensor."""
+        if self.tp_mode == "1d":
+            return merge_tp(shards, tp_split(name, swiglu=self.swiglu), vocab_size=self.vocab_size)
+        q = round((self.tp_size // self.tp_depth) ** 0.5)
+        return merge_grid(shards, name, q=q, swiglu=self.swiglu, vocab_size=self.vocab_size)
 
     def has_optimizer(self) -> bool:
         return self.meta.get("optimizer") is not None
@@ -299,12 +331,8 @@ class CheckpointReader:
         s, local = self._locate(name)
         p, c = self.rank_of_stage(s)
         key = self.optimizer_key(c, local)
-        split = tp_split(name, swiglu=self.swiglu)
         per_rank = [self.optimizer_state(t, p)["params"][key] for t in range(self.tp_size)]
-        return {
-            key: merge_tp([r[key] for r in per_rank], split, vocab_size=self.vocab_size)
-            for key in OPTIMIZER_KEYS
-        }
+        return {key: self._merge([r[key] for r in per_rank], name) for key in OPTIMIZER_KEYS}
 
     def optimizer_header(self) -> dict:
         """``{"step": int, "scaler": dict | None}`` of the saved optimizer."""

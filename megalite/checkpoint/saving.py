@@ -88,6 +88,8 @@ def _layout(chunks: list[nn.Module], optimizer, ps: ParallelState, table) -> dic
         padded_vocab_size=module.padded_vocab_size,
         distributed_optimizer=optimizer.is_sharded,
         stage_ranks=stage_ranks if several else None,
+        tp_mode=ps.sizes.tp_mode,
+        tp_depth=ps.sizes.tp_depth,
     )
 
 

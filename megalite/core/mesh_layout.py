@@ -19,6 +19,15 @@ layout where they differ (world 4, PP 2, EP 2: dense pipelines [[0, 1], [2, 3]],
 [[0, 2], [1, 3]]) would put one expert group across two stages: ``mesh_sizes`` refuses it, as
 Megatron-core asserts.
 
+Inside one TP group, the 2D and 2.5D tensor-parallel modes lay their ``tp_size = d x q x q`` ranks
+out as a grid (2D: d = 1) with the column fastest::
+
+    tp_rank = col + q * (row + q * depth)
+
+and their sub-axes ``tp_col``, ``tp_row``, ``tp_depth`` follow the mesh's rule: the group over an
+axis holds the ranks that differ only in that coordinate (``tp_col``: one grid row, its q columns).
+``tp_grid_groups`` lists them for one TP group; 1d builds none, 3d has its own three axes.
+
 ``rank_groups`` builds the same groups, in the same order, as Megatron-core's ``RankGenerator``
 for the same sizes and order, so NCCL topology assumptions of Megatron scripts carry over.
 No process groups here: everything is testable without ranks.
@@ -33,6 +42,11 @@ from math import prod
 AXES = ("tp", "cp", "ep", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 EXPERT_AXES = {"etp": "tp", "ep": "ep", "edp": "dp", "pp": "pp"}  # expert name -> digit it uses
+TP_MODES = ("1d", "2d", "2.5d", "3d")
+# the sub-axes of the tensor group each mode builds (group over an axis: its coordinate varies)
+# (2d is 2.5d with depth 1: its tp_depth groups have one rank, so one set of layers serves both)
+GRID_AXES = ("tp_col", "tp_row", "tp_depth")
+TP_GRID_AXES = {"1d": (), "2d": GRID_AXES, "2.5d": GRID_AXES}
 
 
 def parse_order(order: str) -> list[str]:
@@ -123,6 +137,8 @@ class MeshSizes:
     ep: int = 1
     etp: int = 1
     order: str = DEFAULT_ORDER
+    tp_mode: str = "1d"  # one of TP_MODES: how a layer is split inside the tp group
+    tp_depth: int = 1  # 2.5d: the d stacked q x q grids
 
     @property
     def dp(self) -> int:
@@ -148,8 +164,11 @@ def mesh_sizes(
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: int | None = None,
     order: str = DEFAULT_ORDER,
+    tensor_parallel_mode: str = "1d",
+    tensor_parallel_depth: int = 1,
 ) -> MeshSizes:
-    """Check that both views factor ``world_size``; one-line ValueError naming the numbers."""
+    """Check that both views factor ``world_size`` and that the tensor group fits its mode's grid
+    (``tp_grid_side``); one-line ValueError naming the numbers."""
     etp = expert_tensor_parallel_size
     if etp is None:
         etp = tensor_model_parallel_size
@@ -179,7 +198,18 @@ def mesh_sizes(
                 f"world size {world_size} is not divisible by {view} = {shown} = {prod(factors)}; "
                 f"launch a multiple of {prod(factors)} processes or change the sizes"
             )
-    sizes = MeshSizes(world_size, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, order=order)
+    tp_grid_side(tp, tensor_parallel_mode, tensor_parallel_depth)
+    sizes = MeshSizes(
+        world_size,
+        tp=tp,
+        cp=cp,
+        pp=pp,
+        ep=ep,
+        etp=etp,
+        order=order,
+        tp_mode=tensor_parallel_mode,
+        tp_depth=tensor_parallel_depth,
+    )
     check_order_sizes(order, sizes.dense())
     check_order_sizes(order, sizes.expert())
     check_shared_pipelines(sizes)
@@ -238,3 +268,58 @@ def dense_or_expert(axes: Sequence[str]) -> tuple[str, list[str]]:
     if set(axes) & expert_only:
         return "expert", [EXPERT_AXES[a] for a in axes]
     return "dense", list(axes)
+
+
+def tp_grid_side(tp_size: int, mode: str, depth: int = 1) -> int:
+    """The grid side q of ``mode`` over ``tp_size`` ranks (1d: tp_size): 2d needs q x q ranks,
+    2.5d d x q x q, 3d q x q x q; a one-line ValueError with the nearest fitting sizes otherwise."""
+    if mode not in TP_MODES:
+        raise ValueError(f"tensor_parallel_mode must be one of {', '.join(TP_MODES)}, got {mode!r}")
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"tensor_parallel_depth must be an integer >= 1, got {depth!r}")
+    if mode != "2.5d" and depth != 1:
+        raise ValueError(
+            f"tensor_parallel_depth {depth} applies to tensor_parallel_mode 2.5d only, not {mode}; "
+            "drop it or use 2.5d"
+        )
+    if mode == "1d":
+        return tp_size
+    power, per_grid = (3, 1) if mode == "3d" else (2, depth)
+    q = round((tp_size / per_grid) ** (1 / power))
+    if per_grid * q**power != tp_size:
+        shape = {"2d": "q x q", "2.5d": f"depth {depth} x q x q", "3d": "q x q x q"}[mode]
+        fits = [per_grid * k**power for k in range(1, 9)]
+        raise ValueError(
+            f"tensor_model_parallel_size {tp_size} is not {shape} for tensor_parallel_mode "
+            f"{mode}; use one of {', '.join(str(f) for f in fits[:5])}, ..."
+        )
+    return q
+
+
+def tp_grid_groups(
+    tp_ranks: Sequence[int], mode: str, depth: int = 1
+) -> dict[tuple[str, ...], list[list[int]]]:
+    """The sub-axis groups of one TP group (its global ranks in tp_rank order) under ``mode``:
+    a combination of sub-axes (each of ``TP_GRID_AXES[mode]`` alone, and ``("tp_row",
+    "tp_depth")``, over which a replicated weight's grad is summed) -> its groups, each listing
+    global ranks with the varying coordinates counting up (the fastest first). Grid coordinates:
+    ``tp_rank = col + q * (row + q * depth)`` (module docstring)."""
+    if mode == "3d":  # the hook: 3d's three axes come from their own pure layout
+        raise ValueError("tensor_parallel_mode 3d has no layers yet; use 1d, 2d or 2.5d")
+    q = tp_grid_side(len(tp_ranks), mode, depth)
+    if mode == "1d":
+        return {}
+    coords = [(c, r, k) for k in range(depth) for r in range(q) for c in range(q)]
+    where = dict(zip(coords, tp_ranks))
+    combos = [(axis,) for axis in TP_GRID_AXES[mode]] + [("tp_row", "tp_depth")]
+    out: dict[tuple[str, ...], list[list[int]]] = {}
+    for axes in combos:
+        keys = sorted({_without(c, axes) for c in coords}, key=lambda f: f[::-1])
+        out[axes] = [[where[c] for c in coords if _without(c, axes) == key] for key in keys]
+    return out
+
+
+def _without(coord: tuple[int, int, int], axes: Sequence[str]) -> tuple[int, ...]:
+    """``(col, row, depth)`` with ``axes``' coordinates dropped: the key of their group."""
+    drop = {GRID_AXES.index(a) for a in axes}
+    return tuple(v for i, v in enumerate(coord) if i not in drop)

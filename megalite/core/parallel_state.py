@@ -10,6 +10,8 @@ Megatron's order ``tp-cp-ep-dp-pp`` by default (TP fastest)::
     rank = tp_rank + TP * (cp_rank + CP * (dp_rank + DP * pp_rank))          (dense view, EP = 1)
 
 and an expert view ``etp x ep x edp x pp`` of the same world that shares the pipeline groups.
+Under a 2d or 2.5d tensor-parallel mode the tensor group is also a grid with sub-axes ``tp_col``,
+``tp_row``, ``tp_depth`` (``mesh_layout.tp_grid_groups``): ``ps.group("tp_row")`` and so on.
 ``initialize_model_parallel`` creates every group once (a collective over the world, in the same
 order on every rank) and returns a ``ParallelState``; core modules take the group they communicate
 over as an argument, never a global, and never the implicit world group.
@@ -26,10 +28,12 @@ import torch.distributed as dist
 
 from megalite.core.mesh_layout import (
     DEFAULT_ORDER,
+    TP_GRID_AXES,
     MeshSizes,
     dense_or_expert,
     mesh_sizes,
     rank_groups,
+    tp_grid_groups,
 )
 
 # The axis combinations built at start-up (new_group is a collective, so groups cannot be made on
@@ -46,6 +50,8 @@ DENSE_GROUPS = (
     ("tp", "dp", "cp"),
 )
 EXPERT_GROUPS = (("etp",), ("ep",), ("edp",), ("etp", "ep"), ("etp", "ep", "pp"))
+# the sub-axes of a 2d / 2.5d tensor group (built only under those modes; groups of one in single())
+GRID_GROUPS = (("tp_col",), ("tp_row",), ("tp_depth",), ("tp_row", "tp_depth"))
 
 
 class ParallelState:
@@ -145,15 +151,25 @@ class ParallelState:
         s = self.sizes
         return (
             f"ParallelState(rank {self.global_rank} of {self.world_size}: tp {s.tp} cp {s.cp} "
-            f"dp {s.dp} pp {s.pp} | etp {s.etp} ep {s.ep} edp {s.edp}, order {s.order})"
+            f"dp {s.dp} pp {s.pp} | etp {s.etp} ep {s.ep} edp {s.edp}, order {s.order}"
+            f"{self._grid_text()})"
         )
+
+    def _grid_text(self) -> str:
+        """``, tp mode 2.5d (depth 2 x row 2 x col 2)`` under a grid mode; empty under 1d."""
+        s = self.sizes
+        if s.tp_mode == "1d":
+            return ""
+        axes = [a for a in ("tp_depth", "tp_row", "tp_col") if a in TP_GRID_AXES[s.tp_mode]]
+        shown = " x ".join(f"{a[3:]} {self.size(a)}" for a in axes)
+        return f", tp mode {s.tp_mode} ({shown})"
 
     @classmethod
     def single(cls, device: torch.device | None = None) -> ParallelState:
         """A mesh of one whose groups are None (no communication): for single-process oracles,
         also inside a multi-rank test."""
         device = device or torch.device("cpu")
-        keys = [frozenset(a) for a in DENSE_GROUPS + EXPERT_GROUPS]
+        keys = [frozenset(a) for a in DENSE_GROUPS + EXPERT_GROUPS + GRID_GROUPS]
         return cls(
             sizes=MeshSizes(1),
             global_rank=0,
@@ -194,6 +210,9 @@ def all_group_ranks(sizes: MeshSizes) -> dict[frozenset, list[list[int]]]:
         view, digits = dense_or_expert(axes)
         view_sizes = sizes.dense() if view == "dense" else sizes.expert()
         out[frozenset(axes)] = rank_groups(sizes.world_size, view_sizes, sizes.order, digits)
+    for tp_ranks in out[frozenset({"tp"})]:  # the grid inside each tensor group (none under 1d)
+        for axes, groups in tp_grid_groups(tp_ranks, sizes.tp_mode, sizes.tp_depth).items():
+            out.setdefault(frozenset(axes), []).extend(groups)
     return out
 
 
@@ -210,6 +229,8 @@ def initialize_model_parallel(
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: int | None = None,
     order: str = DEFAULT_ORDER,
+    tensor_parallel_mode: str = "1d",
+    tensor_parallel_depth: int = 1,
     device: torch.device | None = None,
     timeout: timedelta | None = None,
 ) -> ParallelState:
@@ -236,6 +257,8 @@ def initialize_model_parallel(
         expert_model_parallel_size=expert_model_parallel_size,
         expert_tensor_parallel_size=expert_tensor_parallel_size,
         order=order,
+        tensor_parallel_mode=tensor_parallel_mode,
+        tensor_parallel_depth=tensor_parallel_depth,
     )
     backend = dist.get_backend()
     made: dict[tuple, dict[tuple, object]] = {}  # one process group per distinct partition

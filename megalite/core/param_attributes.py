@@ -8,6 +8,10 @@ torch's ``Parameter`` has no fields for them, so the layers set plain attributes
                            summed over TP
     expert_parallel        an MoE expert's weight: replicated over the expert data-parallel
                            group, not the dense one
+    distinct_tp_ranks      under a grid tensor-parallel mode (2d, 2.5d): the TP ranks 0 .. n-1
+                           hold the distinct blocks of the parameter, the others copies of them
+                           (q x q for a weight, replicated over depth; q for a bias or a norm
+                           scale, one block per grid column)
 
 A parameter no megalite layer built (a plain ``nn.Linear``, a test's tensor) carries none of them
 and reads as False here; that is why these reads have a default.
@@ -31,3 +35,8 @@ def is_sequence_parallel(param: torch.Tensor) -> bool:
 def is_expert_param(param: torch.Tensor) -> bool:
     """An MoE expert's parameter: its grads are reduced over the expert DP group."""
     return bool(getattr(param, "expert_parallel", False))
+
+
+def distinct_tp_ranks(param: torch.Tensor) -> int | None:
+    """Under a grid mode, how many leading TP ranks hold distinct blocks; None elsewhere."""
+    return getattr(param, "distinct_tp_ranks", None)

@@ -35,7 +35,7 @@ from megalite.core.context_parallel import (
 from megalite.core.context_parallel.sparse_ring import sparse_ring_attention
 from megalite.core.norms import build_norm
 from megalite.core.parallel_state import ParallelState
-from megalite.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalite.core.tensor_parallel.modes import tensor_parallel_mode
 from megalite.core.tensor_parallel.random import RNGStatesTracker, checkpoint
 from megalite.models.attention_mask import block_plans, layer_mask_spec
 from megalite.models.common import tp_rng_region, weight_init
@@ -145,7 +145,8 @@ class SelfAttention(nn.Module):
         prefix = f"decoder.layers.{layer_number}.self_attention"
         d, n, g = config.kv_channels, config.num_attention_heads, config.num_query_groups
         self.head_dim, self.heads_per_group = d, n // g
-        self.local_groups = g // ps.tp_size
+        mode = tensor_parallel_mode(ps)  # its linears; groups split over its split_size
+        self.local_groups = g // mode.split_size
         self.selective_recompute = config.recompute_granularity == "selective"
         self.rng_tracker = rng_tracker
         self.cp_group, self.cp_size, self.cp_rank = ps.cp_group, ps.cp_size, ps.cp_rank
@@ -155,14 +156,13 @@ class SelfAttention(nn.Module):
         self.attention_block_size = config.attention_block_size
         self._plan_cache: dict[tuple, BlockPlan] = {}
         common = dict(
-            tp_group=ps.tp_group,
             bias=config.add_bias_linear,
             sequence_parallel=config.sequence_parallel,
             params_dtype=config.params_dtype,
             device=device,
         )
         qkv_bias = config.add_bias_linear or config.add_qkv_bias  # add_qkv_bias: Qwen2's
-        self.linear_qkv = ColumnParallelLinear(
+        self.linear_qkv = mode.column_linear(
             config.hidden_size,
             (n + 2 * g) * d,
             init_method=weight_init(config, f"{prefix}.linear_qkv.weight"),
@@ -174,10 +174,9 @@ class SelfAttention(nn.Module):
         if config.qk_layernorm:  # one norm over each head's d channels for queries, one for keys
             self.q_layernorm = _head_norm(config, replicated_over_tp=ps.tp_size > 1, device=device)
             self.k_layernorm = _head_norm(config, replicated_over_tp=ps.tp_size > 1, device=device)
-        self.linear_proj = RowParallelLinear(
+        self.linear_proj = mode.row_linear(
             n * d,
             config.hidden_size,
-            input_is_parallel=True,
             init_method=weight_init(config, f"{prefix}.linear_proj.weight", scaled=True),
             **common,
         )

@@ -11,6 +11,12 @@ embedding (pipeline parallel) the tied weight is a copy initialised from the emb
 ``shared_embedding_or_output_weight()`` returns the weight whose grad the training loop all-reduces
 over the embedding group to keep the copies equal.
 
+Tensor-parallel modes (``tensor_parallel_mode(ps)``): every layer comes from the mode. Under a grid
+(2d, 2.5d) a rank computes its batch block of the micro-batch (``mode.batch_block``) with hidden
+states ``[s, b/(dq), h/q]`` between stages, the output layer shares the embedding table's layout,
+and the per-token loss is gathered back to the whole micro-batch (``mode.gather_batch``), so the
+training loop sees what it sees under 1d.
+
 Vocabulary padding: only the real ``vocab_size`` rows of the word embedding and the output layer are
 initialised (padding rows are zero) and the loss masks the padding columns, so any padding (any TP
 size) computes the same function as the unpadded model.
@@ -22,10 +28,9 @@ import torch
 from torch import nn
 
 from megalite.core.parallel_state import ParallelState
-from megalite.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megalite.core.tensor_parallel.layers import ColumnParallelLinear
+from megalite.core.tensor_parallel.modes import tensor_parallel_mode
 from megalite.core.tensor_parallel.random import RNGStatesTracker
-from megalite.models.common import first_rows, weight_init
+from megalite.models.common import weight_init
 from megalite.models.config import GPTConfig
 from megalite.models.embedding import Embedding
 from megalite.models.rotary import local_position_ids, rotary_cos_sin
@@ -57,7 +62,8 @@ class GPTModel(nn.Module):
         device: torch.device | None = None,
     ):
         super().__init__()
-        config.validate(tp_size=ps.tp_size, pp_size=ps.pp_size)
+        self.mode = tensor_parallel_mode(ps)
+        config.validate(tp_size=self.mode.split_size, pp_size=ps.pp_size)
         if layer_range is None:
             layer_range = config.stage_layer_ranges(ps.pp_size)[ps.pp_rank]
         start, end = layer_range
@@ -69,7 +75,7 @@ class GPTModel(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_range = (start, end)
         self.tied = not config.untie_embeddings_and_output_weights
-        self.padded_vocab_size = config.padded_vocab_size(ps.tp_size)
+        self.padded_vocab_size = config.padded_vocab_size(self.mode.split_size)
         self.sequence_parallel_factor = ps.tp_size if config.sequence_parallel else 1
         self.input_tensor: torch.Tensor | None = None
         self._embedding_owner: GPTModel | None = None  # see borrow_embedding
@@ -88,19 +94,17 @@ class GPTModel(nn.Module):
         )
         self.output_layer = self._build_output_layer(ps, device) if post_process else None
 
-    def _build_output_layer(
-        self, ps: ParallelState, device: torch.device | None
-    ) -> ColumnParallelLinear:
+    def _build_output_layer(self, ps: ParallelState, device: torch.device | None) -> nn.Module:
         c = self.config
         borrowed = self.tied and self.pre_process  # uses the word embedding's weight
         key = WORD_EMBEDDING_KEY if self.tied else "output_layer.weight"
-        layer = ColumnParallelLinear(
-            c.hidden_size,
+        layer = self.mode.output_layer(
+            c.vocab_size,
             self.padded_vocab_size,
-            tp_group=ps.tp_group,
-            bias=False,
+            c.hidden_size,
             sequence_parallel=c.sequence_parallel,
-            init_method=_no_init if borrowed else first_rows(weight_init(c, key), c.vocab_size),
+            make_vocab_size_divisible_by=c.make_vocab_size_divisible_by,
+            init_method=_no_init if borrowed else weight_init(c, key),
             params_dtype=c.params_dtype,
             device=device,
         )
@@ -144,8 +148,17 @@ class GPTModel(nn.Module):
         Returns, on the last stage with labels: the per-token loss # [b, s] fp32 (padding vocabulary
         excluded); on the last stage without labels: logits # [b, s, V_pad/tp] (columns at or past
         ``vocab_size`` are padding); on other stages: hidden states # [s, b, h] ([s/tp, b, h] under
-        sequence parallel).
+        sequence parallel). Under a grid tensor-parallel mode the loss is the whole micro-batch's
+        as well, logits and hidden states this rank's blocks # [b/(dq), s, V_pad/q] and
+        # [s, b/(dq), h/q].
         """
+        mode = self.mode  # under a grid: this rank's batch block of the micro-batch
+        tokens = None if tokens is None else mode.batch_block(tokens, 0)
+        labels = None if labels is None else mode.batch_block(labels, 0)
+        if position_ids is not None and position_ids.shape[0] > 1:
+            position_ids = mode.batch_block(position_ids, 0)
+        if attention_mask is not None:
+            attention_mask = mode.batch_block(attention_mask, 0)
         if self.pre_process:
             seq_length, device = tokens.shape[1], tokens.device
         else:
@@ -186,11 +199,10 @@ class GPTModel(nn.Module):
         logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, V_pad/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
-        loss = vocab_parallel_cross_entropy(
+        loss = mode.cross_entropy(
             logits,
             labels.t(),
-            tp_group=self.tp_group,
             vocab_size=self.config.vocab_size,
             label_smoothing=self.config.label_smoothing,
-        )  # [s, b] fp32
-        return loss.t().contiguous()
+        )  # [s, b] fp32 ([s, b/(dq)] on a grid)
+        return mode.gather_batch(loss, -1).t().contiguous()

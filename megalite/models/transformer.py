@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megalite.core.norms import build_norm
 from megalite.core.parallel_state import ParallelState
+from megalite.core.tensor_parallel.modes import tensor_parallel_mode
 from megalite.core.tensor_parallel.random import RNGStatesTracker, checkpoint
 from megalite.models.attention import SelfAttention
 from megalite.models.common import tp_rng_region
@@ -35,8 +35,9 @@ from megalite.models.config import GPTConfig
 from megalite.models.moe_layer import build_mlp  # MoE or dense, per layer
 
 
-def _norm(config: GPTConfig, device: torch.device | None) -> nn.Module:
-    return build_norm(
+def _norm(config: GPTConfig, ps: ParallelState, device: torch.device | None) -> nn.Module:
+    """The hidden-state norm of the tensor-parallel mode (a grid's splits the hidden dim)."""
+    return tensor_parallel_mode(ps).norm(
         config.normalization,
         config.hidden_size,
         eps=config.norm_epsilon,
@@ -65,11 +66,11 @@ class TransformerLayer(nn.Module):
         self.layer_number = layer_number
         self.sequence_parallel = config.sequence_parallel
         self.rng_tracker = rng_tracker
-        self.input_layernorm = _norm(config, device)
+        self.input_layernorm = _norm(config, ps, device)
         self.self_attention = SelfAttention(
             config, ps, layer_number=layer_number, rng_tracker=rng_tracker, device=device
         )
-        self.pre_mlp_layernorm = _norm(config, device)
+        self.pre_mlp_layernorm = _norm(config, ps, device)
         self.mlp = build_mlp(config, ps, layer_number=layer_number, device=device)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
 
@@ -118,7 +119,7 @@ class TransformerBlock(nn.Module):
             )
             for number in range(start, end)
         )
-        self.final_layernorm = _norm(config, device) if post_process else None
+        self.final_layernorm = _norm(config, ps, device) if post_process else None
 
     def forward(
         self,

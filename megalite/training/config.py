@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from megalite.core.mesh_layout import MeshSizes, check_shared_pipelines
 from megalite.core.pipeline_parallel.stages import stage_layer_ranges
+from megalite.core.tensor_parallel.modes import check_grid_dims
 from megalite.data.config import DataConfig
 from megalite.data.tokenizers import Tokenizer, build_tokenizer
 from megalite.errors import ConfigError, at_least
@@ -173,7 +174,8 @@ class PretrainConfig:
         par, m, t = self.parallel, self.model, self.training
         par.validate()
         par.resolve_grad_dtype(bf16=m.precision_name == "bf16")
-        tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+        _check_tp_mode(par, m, micro_batch_size=t.micro_batch_size)
+        tp, pp = par.tp_split_size, par.pipeline_model_parallel_size
         try:  # the first/last stage counts apply to a training run even on one stage
             stage_layer_ranges(
                 m.num_layers,
@@ -294,6 +296,39 @@ def _check_cp(par: ParallelConfig, m: GPTConfig) -> None:
             f"(cp_comm_type a2a splits the heads); use cp_comm_type p2p or a multiple of "
             f"{tp * cp} heads"
         )
+
+
+def _check_tp_mode(par: ParallelConfig, m: GPTConfig, *, micro_batch_size: int) -> None:
+    """A 2d / 2.5d / 3d tensor group: the features it refuses, the dims its grid splits."""
+    mode = par.tensor_parallel_mode
+    if mode == "1d":
+        return
+    refused = [
+        (par.context_parallel_size > 1, f"context_parallel_size {par.context_parallel_size}"),
+        (m.sequence_parallel, "sequence_parallel (the grid splits activations itself)"),
+        (m.num_experts is not None, f"num_experts {m.num_experts} (MoE)"),
+        (m.qk_layernorm, "qk_layernorm"),
+        (m.apply_layernorm_1p, "apply_layernorm_1p"),
+        (mode == "3d", "the GPT model yet (its 3d layers are not built in)"),
+    ]
+    for on, what in refused:
+        if on:
+            raise ConfigError(
+                f"tensor_parallel_mode {mode} does not combine with {what}; use "
+                "tensor_parallel_mode 1d or drop it"
+            )
+    try:
+        check_grid_dims(
+            par.tp_split_size,
+            par.tensor_parallel_depth,
+            hidden_size=m.hidden_size,
+            num_attention_heads=m.num_attention_heads,
+            num_query_groups=m.num_query_groups,
+            ffn_hidden_size=m.ffn_hidden_size,
+            micro_batch_size=micro_batch_size,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def with_tokenizer(cfg: PretrainConfig) -> PretrainConfig:

@@ -16,6 +16,7 @@ import argparse
 from megalite.core.attention.sparse_layouts import SPARSE_LAYOUTS
 from megalite.core.context_parallel import CP_COMM_TYPES
 from megalite.core.distributed import STRATEGIES
+from megalite.core.mesh_layout import TP_MODES
 from megalite.core.moe.config import (
     DISPATCHERS,
     DROP_POLICIES,
@@ -138,6 +139,13 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
 def _parallel_flags(p: argparse.ArgumentParser) -> None:
     par = FlagGroup(p, "parallelism", ParallelConfig, GPTConfig)
     par.add("--tensor-model-parallel-size", type=int)
+    par.add(
+        "--tensor-parallel-mode",
+        choices=TP_MODES,
+        help="how layers split inside the tensor group: 1d (Megatron), 2d (q x q), "
+        "2.5d (depth x q x q), 3d (q x q x q)",
+    )
+    par.add("--tensor-parallel-depth", type=int, help="2.5d: the stacked q x q grids (d)")
     par.add("--pipeline-model-parallel-size", type=int)
     par.add("--pipeline-schedule", choices=SCHEDULES)
     for flag in (

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megalite.core.distributed import STRATEGIES
+from megalite.core.mesh_layout import tp_grid_side
 from megalite.core.pipeline_parallel.generators import SCHEDULES
 from megalite.errors import ConfigError
 
@@ -18,6 +19,10 @@ DEVICES = ("auto", "cpu", "cuda")
 @dataclass
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
+    # how a layer is split inside the tensor group: 1d (Megatron's), 2d (q x q grid), 2.5d
+    # (tensor_parallel_depth x q x q), 3d (q x q x q); the group's size stays the device count
+    tensor_parallel_mode: str = "1d"
+    tensor_parallel_depth: int = 1
     pipeline_model_parallel_size: int = 1
     pipeline_schedule: str = "1f1b"  # one of core.pipeline_parallel.generators.SCHEDULES
     # virtual pipeline stages (several model chunks per rank; Megatron's flags) and p2p overlap
@@ -59,6 +64,14 @@ class ParallelConfig:
     def rank_order(self) -> str:
         """The mesh's axis order, fastest first (Megatron's default, or its alternative)."""
         return "tp-cp-ep-pp-dp" if self.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp"
+
+    @property
+    def tp_split_size(self) -> int:
+        """What a layer's heads, ffn and vocabulary are split into: the tensor group's size under
+        1d, the grid side q under 2d, 2.5d and 3d (valid after ``validate``)."""
+        return tp_grid_side(
+            self.tensor_model_parallel_size, self.tensor_parallel_mode, self.tensor_parallel_depth
+        )
 
     @property
     def model_parallel_size(self) -> int:
@@ -172,6 +185,14 @@ class ParallelConfig:
         ):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        try:  # the tensor group's size against its mode's grid
+            tp_grid_side(
+                self.tensor_model_parallel_size,
+                self.tensor_parallel_mode,
+                self.tensor_parallel_depth,
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.pipeline_schedule not in SCHEDULES:
             raise ConfigError(
                 f"pipeline_schedule must be one of {', '.join(SCHEDULES)}, got "

@@ -173,8 +173,9 @@ def _exit_signal_handler(cfg: PretrainConfig) -> ExitSignalHandler | None:
 
 
 def mesh_for(par, **kwargs) -> ParallelState:
-    """The process groups of a run's parallel config (``cfg.parallel``): tp, pp, cp and the expert
-    view, in its rank order; ``kwargs`` (device, timeout) pass to ``initialize_model_parallel``."""
+    """The process groups of a run's parallel config (``cfg.parallel``): tp (with its mode's
+    grid), pp, cp and the expert view, in its rank order; ``kwargs`` (device, timeout) pass to
+    ``initialize_model_parallel``."""
     kwargs.setdefault("order", par.rank_order)
     return initialize_model_parallel(
         par.tensor_model_parallel_size,
@@ -182,6 +183,8 @@ def mesh_for(par, **kwargs) -> ParallelState:
         context_parallel_size=par.context_parallel_size,
         expert_model_parallel_size=par.expert_model_parallel_size,
         expert_tensor_parallel_size=par.expert_tensor_parallel_size,
+        tensor_parallel_mode=par.tensor_parallel_mode,
+        tensor_parallel_depth=par.tensor_parallel_depth,
         **kwargs,
     )
 

@@ -30,6 +30,7 @@ from megalite.core.moe import routers_of, set_aux_loss_scale, update_expert_bias
 from megalite.core.parallel_state import ParallelState
 from megalite.core.pipeline_parallel.forward_backward import get_forward_backward_func
 from megalite.core.pipeline_parallel.model_chunk import ModelChunk
+from megalite.core.tensor_parallel.modes import tensor_parallel_mode
 from megalite.models.moe_layer import read_moe_stats
 from megalite.training import checkpoint_io
 from megalite.training.checkpoint_io import exit_duration_reached
@@ -125,14 +126,16 @@ class Trainer:
         self.model: list[ModelChunk] = schedule_chunks(model)
         # MoE routers, found once; none in a dense model
         self.routers = routers_of([chunk.module for chunk in self.model])
+        # a grid tensor-parallel mode cuts the activations between stages along b and h
+        batch_split, hidden_split = tensor_parallel_mode(ps).activation_split
         self.forward_backward_func = get_forward_backward_func(
             ps,
             pipeline_schedule=effective_schedule(cfg),
             microbatch_group_size=cfg.parallel.microbatch_group_size_per_virtual_pipeline_stage,
             overlap_p2p=not cfg.parallel.no_overlap_p2p_communication,
             seq_length=cfg.model.seq_length // ps.cp_size,  # context parallel: [s/cp(/tp), b, h]
-            micro_batch_size=cfg.training.micro_batch_size,
-            hidden_size=cfg.model.hidden_size,
+            micro_batch_size=cfg.training.micro_batch_size // batch_split,
+            hidden_size=cfg.model.hidden_size // hidden_split,
             sequence_parallel=cfg.model.sequence_parallel,
             dtype=cfg.model.params_dtype,
         )

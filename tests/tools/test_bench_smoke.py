@@ -29,6 +29,7 @@ SLOW = {  # more than ~20 s of CPU on 2 cores: run by the whole suite, skipped b
     "bench_gpt_step.py",
     "bench_pipeline_sim.py",
     "bench_planner.py",
+    "bench_tp_modes.py",
 }
 
 

@@ -1,0 +1,96 @@
+"""``--tensor-parallel-mode`` / ``--tensor-parallel-depth``: 1d by default (today's run), and each
+wrong combination refused in one line that names the flags and numbers, before any process group
+(``parse_args`` only validates)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megalite.training.arguments import parse_args
+from megalite.training.config import ConfigError
+from tests.training.common import BASE
+
+
+def _parse(extra: str, world: int):
+    return parse_args(BASE + extra.split(), env={"RANK": "0", "WORLD_SIZE": str(world)})
+
+
+def test_default_is_1d():
+    cfg = _parse("--tensor-model-parallel-size 2", 2)
+    assert (cfg.parallel.tensor_parallel_mode, cfg.parallel.tensor_parallel_depth) == ("1d", 1)
+
+
+BAD = [
+    (
+        "--tensor-model-parallel-size 2 --tensor-parallel-mode 2d",
+        2,
+        "--tensor-model-parallel-size 2 is not q x q for --tensor-parallel-mode 2d; use one of 1, "
+        "4, 9",
+    ),
+    (
+        "--tensor-model-parallel-size 4 --tensor-parallel-mode 2.5d --tensor-parallel-depth 2",
+        4,
+        "--tensor-model-parallel-size 4 is not depth 2 x q x q for --tensor-parallel-mode 2.5d",
+    ),
+    (
+        "--tensor-model-parallel-size 4 --tensor-parallel-mode 3d",
+        4,
+        "--tensor-model-parallel-size 4 is not q x q x q for --tensor-parallel-mode 3d",
+    ),
+    (
+        "--tensor-model-parallel-size 4 --tensor-parallel-depth 2",
+        4,
+        "--tensor-parallel-depth 2 applies to --tensor-parallel-mode 2.5d only",
+    ),
+    (
+        "--tensor-model-parallel-size 4 --tensor-parallel-mode 2d --sequence-parallel",
+        4,
+        "--tensor-parallel-mode 2d does not combine with --sequence-parallel",
+    ),
+    (
+        "--tensor-model-parallel-size 4 --tensor-parallel-mode 2d --context-parallel-size 2",
+        8,
+        "--tensor-parallel-mode 2d does not combine with --context-parallel-size 2",
+    ),
+    (
+        "--tensor-model-parallel-size 4 --tensor-parallel-mode 2d --num-experts 4",
+        4,
+        "--tensor-parallel-mode 2d does not combine with --num-experts 4 (MoE)",
+    ),
+    (
+        "--tensor-model-parallel-size 4 --tensor-parallel-mode 2d --hidden-size 33 "
+        "--num-attention-heads 3",
+        4,
+        "--hidden-size 33 is not divisible by the grid side q = 2",
+    ),
+    (
+        "--tensor-model-parallel-size 9 --tensor-parallel-mode 2d --hidden-size 36 "
+        "--num-attention-heads 4",
+        9,
+        "--num-attention-heads 4 is not divisible by the grid side q = 3",
+    ),
+    (
+        "--tensor-model-parallel-size 4 --tensor-parallel-mode 2d --group-query-attention "
+        "--num-query-groups 1",
+        4,
+        "--num-query-groups 1 is not divisible by the grid side q = 2",
+    ),
+    (
+        "--tensor-model-parallel-size 4 --tensor-parallel-mode 2d --ffn-hidden-size 33",
+        4,
+        "--ffn-hidden-size 33 is not divisible by the grid side q = 2",
+    ),
+    (
+        "--tensor-model-parallel-size 8 --tensor-parallel-mode 2.5d --tensor-parallel-depth 2",
+        8,
+        "--micro-batch-size 2 is not divisible by --tensor-parallel-depth 2 x q 2 = 4",
+    ),
+]
+
+
+@pytest.mark.parametrize("extra, world, message", BAD)
+def test_wrong_combinations_are_refused_in_one_line(extra, world, message):
+    with pytest.raises(ConfigError) as err:
+        _parse(extra, world)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
