@@ -80,8 +80,6 @@ class ParamStore:
             os.makedirs(spec.directory, exist_ok=True)
             if not os.access(spec.directory, os.W_OK):
                 raise ValueError(f"param offload directory {spec.directory} is not writable")
-            if spec.host_bytes < 2 * 8:
-                raise ValueError(f"param offload host_bytes {spec.host_bytes} holds no element")
 
     def adopt(self, name: str, shard: torch.Tensor) -> torch.Tensor | ParamFile:
         """Move ``shard`` (flat, on the device) to its home; returns what holds it now."""
@@ -104,6 +102,11 @@ class ParamStore:
         """The ``role`` staging buffer as ``dtype`` elements: half of ``host_bytes``."""
         buf = self._staging.get(role)
         if buf is None:
+            if self.spec.host_bytes // 2 < dtype.itemsize:
+                raise ValueError(
+                    f"param offload host_bytes {self.spec.host_bytes} hold no {dtype} element in "
+                    "each of its two staging buffers"
+                )
             buf = torch.empty(self.spec.host_bytes // 2, dtype=torch.uint8, pin_memory=self.pinned)
             self._staging[role] = buf
         return buf[: buf.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
