@@ -9,6 +9,10 @@ offload.
   are equal), and the params' file holds the params.
 - bf16 (DP 2, GPT-2): each offload equals bf16 ZeRO-3 without offload within 1e-6.
 - flags: invalid combinations are refused in one line naming the flags.
+- the memory report (DP 2, GPT-2; params and optimizer on the host in bf16, in files in bf16 and
+  fp32): nothing of the model state on the device; params, grads and optimizer state on the host
+  or disk at their theory (fp32 params in files are the master file: counted once), equal to the
+  bytes counted from the storages and files.
 """
 
 from __future__ import annotations
@@ -16,9 +20,12 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 import torch.distributed as dist
 
+from megalite.core.optimizer.memory_report import log_model_state_memory
 from megalite.training.config import ConfigError
+from megalite.training.pretrain import build_run
 from tests.harness import run_distributed
 from tests.mesh import mesh
 from tests.training.common import FAMILIES, assert_close_rel, config, train_losses
@@ -119,3 +126,62 @@ def test_flags_refuse_invalid_param_offload_in_one_line(tmp_path):
         assert words in str(e.value) and "\n" not in str(e.value), (flags, str(e.value))
     par = config("--zero-stage", "3", "--optimizer-cpu-offload").parallel
     assert par.grad_offload and not par.param_offload
+
+
+def memory_case(tmp: str) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cases = {
+        "cpu bf16": ("--bf16", "--param-cpu-offload", "--optimizer-cpu-offload"),
+        "nvme bf16": (
+            "--bf16",
+            *offloads(tmp, rank)["param nvme + optimizer nvme (grads on the host)"],
+        ),
+        "nvme fp32": offloads(f"{tmp}/fp32", rank)[
+            "param nvme + optimizer nvme (grads on the host)"
+        ],
+    }
+    out = {}
+    for name, flags in cases.items():
+        cfg = config(*FAMILIES["gpt2"], *ZERO3, *flags, world_size=world, rank=rank)
+        ps = mesh(1, 1)
+        try:
+            run = build_run(cfg, ps, torch.device("cpu"), resume=False)
+            model, opt = run.trainer.model[0].grad_wrapper, run.trainer.optimizer
+            s = log_model_state_memory(model, opt, ps)[rank]
+            files = [f.path for f in model.param_store.files]
+            counted = {
+                "params_disk": sum(os.path.getsize(p) for p in files),
+                "params_host": sum(t.untyped_storage().nbytes() for t in model.param_store.host),
+                "grads_host": sum(b.data.untyped_storage().nbytes() for b in model.grad_buffers),
+            }
+        finally:
+            ps.destroy()
+        out[name] = (s, counted)
+    return out
+
+
+def test_memory_report_shows_params_grads_and_optimizer_in_each_tier(tmp_path):
+    dp = 2
+    for rank_out in run_distributed(memory_case, dp, str(tmp_path), timeout=900):
+        for name, (s, counted) in rank_out.items():
+            phi, p = s.num_params, (2 if "bf16" in name else 4)
+            pad = 4 * 18 * (phi // 3000 + 16)  # < dp elements per bucket, 18 bytes each
+            steps = 4 * 64
+            assert s.stage == 3 and s.params == 0 and s.grads == 0, (name, s)  # all offloaded
+            assert s.master + s.optimizer <= steps, (name, s)  # step counters only
+            assert abs(s.total - s.theory) <= pad + steps, (name, s)
+            assert counted["grads_host"] == s.grads_host, (name, s)
+            assert abs(s.grads_host - 4 * phi / dp) <= pad, (name, s)
+            if name == "cpu bf16":
+                assert counted["params_host"] == s.params_host and s.params_disk == 0, (name, s)
+                assert abs(s.params_host - p * phi / dp) <= pad, (name, s)
+                assert abs(s.host - 12 * phi / dp) <= pad and s.disk == 0, (name, s)
+                off = s.params_host + s.grads_host + s.host
+            else:  # fp32 params in files are the master file: counted once, as params
+                assert counted["params_disk"] == s.params_disk, (name, s)
+                assert abs(s.params_disk - p * phi / dp) <= pad, (name, s)
+                master = 4 if p == 2 else 0
+                assert abs(s.disk - (8 + master) * phi / dp) <= pad, (name, s)
+                assert s.params_host <= 2 * int(0.001 * 2**20), (name, s)  # the staging bound
+                off = s.params_disk + s.grads_host + s.disk
+            assert abs(off - s.theory_off) <= pad, (name, off, s.theory_off)

@@ -170,11 +170,13 @@ class ParamStore:
 
     # --- accounting -------------------------------------------------------------------------------
 
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The host shards, or the staging buffers allocated so far."""
+        return self.host + list(self._staging.values())
+
     @property
     def host_bytes(self) -> int:
-        """Host bytes: the host shards, or the staging buffers allocated so far."""
-        tensors = self.host + list(self._staging.values())
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.host_tensors())
 
     @property
     def disk_bytes(self) -> int:
