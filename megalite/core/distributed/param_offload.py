@@ -73,13 +73,17 @@ class ParamStore:
         self.pinned = device.type == "cuda" and spec is not None
         self.files: list[ParamFile] = []
         self.host: list[torch.Tensor] = []
-        self._staging: dict[str, torch.Tensor] = {}  # "read" / "write", allocated at first use
+        self._staging: dict[str, torch.Tensor] = {}  # files: "read" / "write", half the bound each
         self._reader: ThreadPoolExecutor | None = None
         self._in_flight: list[Future] = []
         if self.place == "disk":
             os.makedirs(spec.directory, exist_ok=True)
             if not os.access(spec.directory, os.W_OK):
                 raise ValueError(f"param offload directory {spec.directory} is not writable")
+            for role in ("read", "write"):  # allocated once: the host bytes are known up front
+                self._staging[role] = torch.empty(
+                    spec.host_bytes // 2, dtype=torch.uint8, pin_memory=self.pinned
+                )
 
     def adopt(self, name: str, shard: torch.Tensor) -> torch.Tensor | ParamFile:
         """Move ``shard`` (flat, on the device) to its home; returns what holds it now."""
@@ -100,15 +104,12 @@ class ParamStore:
 
     def _buffer(self, role: str, dtype: torch.dtype) -> torch.Tensor:
         """The ``role`` staging buffer as ``dtype`` elements: half of ``host_bytes``."""
-        buf = self._staging.get(role)
-        if buf is None:
-            if self.spec.host_bytes // 2 < dtype.itemsize:
-                raise ValueError(
-                    f"param offload host_bytes {self.spec.host_bytes} hold no {dtype} element in "
-                    "each of its two staging buffers"
-                )
-            buf = torch.empty(self.spec.host_bytes // 2, dtype=torch.uint8, pin_memory=self.pinned)
-            self._staging[role] = buf
+        buf = self._staging[role]
+        if buf.numel() < dtype.itemsize:
+            raise ValueError(
+                f"param offload host_bytes {self.spec.host_bytes} hold no {dtype} element in "
+                "each of its two staging buffers"
+            )
         return buf[: buf.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
 
     def read_into(self, shard: torch.Tensor | ParamFile, lo: int, out: torch.Tensor) -> None:
@@ -171,7 +172,7 @@ class ParamStore:
     # --- accounting -------------------------------------------------------------------------------
 
     def host_tensors(self) -> list[torch.Tensor]:
-        """The host shards, or the staging buffers allocated so far."""
+        """The host shards, or the two staging buffers."""
         return self.host + list(self._staging.values())
 
     @property

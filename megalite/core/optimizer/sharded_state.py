@@ -9,9 +9,9 @@ is cut at ``cut`` (``offload.fraction`` of the shard, the run's ``optimizer_offl
     [cut, numel)    on the device; fp32 params are their own masters there (the param buffer's
                     shard, or ZeRO-3's param shard, is updated in place)
 
-ZeRO-3 with its param shard offloaded (``param_shard`` on the host, or a ``ParamFile``): fp32 params
-on the host are their own offloaded masters (one copy), and fp32 params in a file are the master
-file of the NVMe state; a param file needs the whole state offloaded (``cut == numel``).
+ZeRO-3 with its param shard offloaded (``params_offloaded``: on the host, or a ``ParamFile``):
+fp32 params on the host are their own offloaded masters (one copy), and fp32 params in a file are
+the master file of the NVMe state; a param file needs the whole state offloaded (``cut == numel``).
 
 Without offload ``cut`` is 0: the whole shard on the device. ``param_at`` / ``master_at`` /
 ``state_at`` take shard coordinates; a piece (part of one parameter in one bucket) never crosses
@@ -61,6 +61,7 @@ class ShardState:
         param_shard: torch.Tensor | ParamFile | None = None,
         offload: OffloadSpec | None = None,
         name: str = "b0",
+        params_offloaded: bool = False,
     ):
         self.param_data, self.grad_buffer = param_data, grad_buffer
         self.param_shard = param_shard  # ZeRO-3: the flat param shard (param_data is None)
@@ -76,9 +77,8 @@ class ShardState:
                 f"parameters offloaded to files need the whole optimizer state offloaded "
                 f"(offload fraction 1): {self.cut} of {self.numel} elements are"
             )
-        f32_params_off = (  # the param shard is on the host or in a file and is fp32: the master
-            param_shard is not None and self.param_dtype == torch.float32
-        ) and (self.param_file is not None or param_shard.device.type == "cpu")
+        # the param shard is offloaded (host or file) and fp32: it is the offloaded master
+        f32_params_off = params_offloaded and self.param_dtype == torch.float32
         self.store: NvmeStore | None = None
         self.host: dict[str, torch.Tensor] = {}
         n_dev, f32 = self.numel - self.cut, torch.float32
