@@ -150,8 +150,8 @@ class ParamStore:
 
     def write(self, shard: torch.Tensor | ParamFile, lo: int, values: torch.Tensor) -> None:
         """``values`` (any device, rounded to the shard's dtype) -> ``shard[lo : ...]``."""
-        if not isinstance(shard, ParamFile):
-            shard[lo : lo + values.numel()].copy_(values, non_blocking=self.pinned)
+        if not isinstance(shard, ParamFile):  # blocking: the host may read the shard next
+            shard[lo : lo + values.numel()].copy_(values)
             return
         self.drain()
         buf = self._buffer("write", shard.dtype)
