@@ -243,8 +243,7 @@ def model_state_bytes(
     out = ModelStateBytes(0, 0, 0, 0, 0, 0, stage=list(ZERO_RUNGS).index(r.name))
     params_off = r.shard_params and param_place != "device"
     grads_off = r.shard_params and offload_fraction == 1.0  # the wrapper's grad_offload
-    if param_place == "disk":
-        out.params_host = 2 * (param_host_bytes // 2)  # the read and write staging buffers
+    staging = 0  # param files: the read and write staging buffers, each of this many bytes
     theory = theory_off = 0.0
     for expert in (False, True):
         mine = [p for p in specs if p.expert == expert]
@@ -273,6 +272,7 @@ def model_state_bytes(
                 out.params_host += shard * p_bytes
             elif param_place == "disk":
                 out.params_disk += shard * p_bytes
+                staging = max(staging, min(param_host_bytes // 2, shard * p_bytes))
             else:
                 out.params += shard * p_bytes
             out.master += (shard - cut) * master_bytes
@@ -305,6 +305,7 @@ def model_state_bytes(
         theory_off += (param_theory if params_off else 0) + (grad_theory if grads_off else 0)
         theory += optim * (1 - offload_fraction)
         theory_off += optim * offload_fraction
+    out.params_host += 2 * staging
     out.theory, out.theory_off = round(theory), round(theory_off)
     return out
 

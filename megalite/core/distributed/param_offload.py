@@ -11,11 +11,11 @@
 A ``ParamFile`` holds one flat shard of ``numel`` elements of the param dtype in one file
 (``<directory>/<prefix>.param``). Reads and writes go through host staging buffers of at most
 ``host_bytes`` in all (a read buffer for the reader thread, a write buffer for the caller: each
-half the bound), chunk by chunk, with ``readinto`` / ``write`` (no mmap, so file pages stay in the
-page cache, not in the process). On CUDA the staging buffers are pinned and each chunk is copied
-to or from the device. ZeRO-3 brings the unit it gathers next from the file on the reader thread
-while the current unit computes (one unit ahead); whoever writes waits for reads in flight first
-(``drain``).
+half the bound, or the largest shard's bytes if that is less), chunk by chunk, with ``readinto`` /
+``write`` (no mmap, so file pages stay in the page cache, not in the process). On CUDA the staging
+buffers are pinned and each chunk is copied to or from the device. ZeRO-3 brings the unit it
+gathers next from the file on the reader thread while the current unit computes (one unit ahead);
+whoever writes waits for reads in flight first (``drain``).
 """
 
 from __future__ import annotations
@@ -73,17 +73,14 @@ class ParamStore:
         self.pinned = device.type == "cuda" and spec is not None
         self.files: list[ParamFile] = []
         self.host: list[torch.Tensor] = []
-        self._staging: dict[str, torch.Tensor] = {}  # files: "read" / "write", half the bound each
+        # files: "read" / "write" staging, each half the bound (or the largest shard, if smaller)
+        self._staging: dict[str, torch.Tensor] = {}
         self._reader: ThreadPoolExecutor | None = None
         self._in_flight: list[Future] = []
         if self.place == "disk":
             os.makedirs(spec.directory, exist_ok=True)
             if not os.access(spec.directory, os.W_OK):
                 raise ValueError(f"param offload directory {spec.directory} is not writable")
-            for role in ("read", "write"):  # allocated once: the host bytes are known up front
-                self._staging[role] = torch.empty(
-                    spec.host_bytes // 2, dtype=torch.uint8, pin_memory=self.pinned
-                )
 
     def adopt(self, name: str, shard: torch.Tensor) -> torch.Tensor | ParamFile:
         """Move ``shard`` (flat, on the device) to its home; returns what holds it now."""
@@ -94,6 +91,10 @@ class ParamStore:
             host.copy_(shard)
             self.host.append(host)
             return host
+        need = min(self.spec.host_bytes // 2, shard.numel() * shard.element_size())
+        for role in ("read", "write"):  # each: half the bound, or the largest shard if smaller
+            if role not in self._staging or self._staging[role].numel() < need:
+                self._staging[role] = torch.empty(need, dtype=torch.uint8, pin_memory=self.pinned)
         path = os.path.join(self.spec.directory, f"{self.prefix}_{name}.param")
         file = ParamFile(self, path, shard.numel(), shard.dtype)
         self.files.append(file)
@@ -103,7 +104,7 @@ class ParamStore:
     # --- streaming --------------------------------------------------------------------------------
 
     def _buffer(self, role: str, dtype: torch.dtype) -> torch.Tensor:
-        """The ``role`` staging buffer as ``dtype`` elements: half of ``host_bytes``."""
+        """The ``role`` staging buffer as ``dtype`` elements."""
         buf = self._staging[role]
         if buf.numel() < dtype.itemsize:
             raise ValueError(
