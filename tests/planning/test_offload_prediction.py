@@ -1,5 +1,5 @@
 """The planner's model-state bytes under ZeRO-3 offload against measurement, byte for byte, on
-every rank of a DP 2 world (TP 1 and TP2 x DP2 for Llama): params on the host or in files
+every rank of a DP 2 world (GPT-2, and Llama in bf16 with files): params on the host or in files
 (fp32 and bf16), with the optimizer state on the host or in files (grads then on the host), and the
 optimizer offloaded without the params. Every field of ``memory_report.ModelStateBytes`` but the
 theory is compared: device, host and disk bytes of params, grads and optimizer state.
