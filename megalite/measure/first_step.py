@@ -47,6 +47,8 @@ def uncovered_features(cfg: PretrainConfig) -> list[str]:
     par, out = cfg.parallel, []
     if par.optimizer_offload_dir is not None:
         out.append("--optimizer-offload-dir (NVMe offload)")
+    if par.param_offload:
+        out.append("--param-cpu-offload / --param-offload-dir (the transfers' time)")
     if par.context_parallel_size > 1 and cfg.model.cp_comm_type not in CP_MODELLED:
         out.append(f"--cp-comm-type {cfg.model.cp_comm_type}")
     if par.pipeline_model_parallel_size > 1 and effective_schedule(cfg) not in MODELLED_SCHEDULES:

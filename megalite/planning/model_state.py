@@ -12,7 +12,11 @@ fp32 grads (Megatron's default under bf16), ``18`` for DDP, ``6 + 12/N`` for ZeR
 ``optim``), ``2 + 16/N`` for ZeRO-2 (``optim_grads``), ``18/N`` for ZeRO-3
 (``optim_grads_params``); with bf16 grads (``--grad-reduce-in-bf16``) 16, ``4 + 12/N``,
 ``2 + 14/N`` and ``16/N``; CPU offload
-(``offload_fraction``) moves that share of the sharded master + Adam state to host memory.
+(``offload_fraction``) moves that share of the sharded master + Adam state to host memory, or
+(``optimizer_place="disk"``) to files streamed through the NVMe store's four host buffers.
+ZeRO-3's parameter offload (``param_place``) moves the param shards to the host, or to files with
+two staging buffers on the host (fp32 params in files are the master file: not counted twice), and
+with the whole optimizer state offloaded the grad shards live on the host (``grads_host``).
 """
 
 from __future__ import annotations
@@ -209,6 +213,10 @@ def model_state_bytes(
     edp: int | None = None,
     edp_rank: int = 0,
     offload_fraction: float = 0.0,
+    optimizer_place: str = "host",
+    optimizer_host_bytes: int = 256 << 20,
+    param_place: str = "device",
+    param_host_bytes: int = 256 << 20,
 ) -> ModelStateBytes:
     """The bytes ``memory_report.model_state_bytes`` measures on the rank (``pp_rank``,
     ``dp_rank``), before the first step (Adam moments and one 4-byte step counter per optimized
@@ -217,7 +225,10 @@ def model_state_bytes(
     ``bucket_size``: elements per grad bucket (``ParallelConfig.bucket_size``).
     ``grads_in_fp32``: the grad buffers' dtype (``accumulate_allreduce_grads_in_fp32``); None:
     Megatron's default for ``precision`` (fp32 grads for bf16 params, else the params' dtype).
-    ``offload_fraction``: the share of each optimizer shard held on the host (``host``)."""
+    ``offload_fraction``: the share of each optimizer shard offloaded, to ``optimizer_place``
+    (``host``, or ``disk``: files streamed through ``optimizer_host_bytes``). ``param_place``:
+    ZeRO-3's param shards on the ``device``, the ``host``, or ``disk`` (files streamed through
+    ``param_host_bytes`` of staging)."""
     r = ZERO_RUNGS[rung]
     if not r.available:
         raise NotImplementedError(f"ZeRO rung {rung} is not implemented yet")
@@ -230,6 +241,9 @@ def model_state_bytes(
     g_bytes = 4 if grads_in_fp32 else p_bytes
     master_bytes = 0 if p_bytes == 4 else 4
     out = ModelStateBytes(0, 0, 0, 0, 0, 0, stage=list(ZERO_RUNGS).index(r.name))
+    params_off = r.shard_params and param_place != "device"
+    grads_off = r.shard_params and offload_fraction == 1.0  # the wrapper's grad_offload
+    staging = 0  # param files: the read and write staging buffers, each of this many bytes
     theory = theory_off = 0.0
     for expert in (False, True):
         mine = [p for p in specs if p.expert == expert]
@@ -252,24 +266,46 @@ def model_state_bytes(
         if r.shard_optimizer:
             shard = layout.numel // d
             cut = round(offload_fraction * shard)
-            out.params += shard * p_bytes if r.shard_params else layout.numel * p_bytes
+            if not r.shard_params:
+                out.params += layout.numel * p_bytes
+            elif param_place == "host":
+                out.params_host += shard * p_bytes
+            elif param_place == "disk":
+                out.params_disk += shard * p_bytes
+                staging = max(staging, min(param_host_bytes // 2, shard * p_bytes))
+            else:
+                out.params += shard * p_bytes
             out.master += (shard - cut) * master_bytes
-            # one step counter per piece, a piece cut in two at the offload boundary
+            # one step counter per piece in memory, a piece cut in two at the offload boundary
+            # (the pieces in files have none: their step is streamed)
+            in_memory = cut and optimizer_place != "disk"
             pieces = _pieces(layout, d, rank, cut) + (
-                _pieces(layout, d, rank, 0, cut) if cut else 0
+                _pieces(layout, d, rank, 0, cut) if in_memory else 0
             )
             out.optimizer += 2 * (shard - cut) * 4 + 4 * pieces
-            out.host += 3 * cut * 4  # fp32 masters and both Adam moments
+            masters_are_params = params_off and p_bytes == 4  # the param shard is the master
+            if cut and optimizer_place == "disk":  # the files, and four host buffers of a chunk
+                out.disk += (2 if masters_are_params and param_place == "disk" else 3) * cut * 4
+                out.host += 4 * max(1, min(cut, optimizer_host_bytes // 24)) * 4
+            else:  # fp32 masters and both Adam moments
+                out.host += (2 if masters_are_params else 3) * cut * 4
         else:
             out.params += total * p_bytes
             out.master += total * master_bytes
             out.optimizer += sum(2 * n * 4 + 4 for n in numels)
-        out.grads += (layout.numel // d if r.shard_grads else layout.numel) * g_bytes
+        grads = (layout.numel // d if r.shard_grads else layout.numel) * g_bytes
+        if grads_off:
+            out.grads_host += grads
+        else:
+            out.grads += grads
         optim = total * (master_bytes + 8) / (d if r.shard_optimizer else 1)
-        theory += total * p_bytes / (d if r.shard_params else 1)
-        theory += total * g_bytes / (d if r.shard_grads else 1)
+        param_theory = total * p_bytes / (d if r.shard_params else 1)
+        grad_theory = total * g_bytes / (d if r.shard_grads else 1)
+        theory += (0 if params_off else param_theory) + (0 if grads_off else grad_theory)
+        theory_off += (param_theory if params_off else 0) + (grad_theory if grads_off else 0)
         theory += optim * (1 - offload_fraction)
         theory_off += optim * offload_fraction
+    out.params_host += 2 * staging
     out.theory, out.theory_off = round(theory), round(theory_off)
     return out
 

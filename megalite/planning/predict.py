@@ -32,7 +32,9 @@ class Layout:
     ep: int = 1  # expert parallel (MoE)
     vp: int = 1  # model chunks per pipeline rank (interleaved, zb-h1; the V schedules: 2)
     etp: int | None = None  # expert tensor parallel (None: tp)
-    offload_fraction: float = 0.0  # of the sharded optimizer state, on the host
+    offload_fraction: float = 0.0  # of the sharded optimizer state, off the device
+    optimizer_offload: str = "host"  # where that share lives: host | disk (files)
+    param_offload: str = "device"  # ZeRO-3's param shards: device | host | disk (files)
     microbatch_group_size: int | None = None  # interleaved: micro-batches per group (None: pp)
 
     @property
@@ -69,6 +71,8 @@ class Layout:
         if self.offload_fraction:
             out += ["--optimizer-cpu-offload"]
             out += ["--optimizer-offload-fraction", str(self.offload_fraction)]
+        if self.param_offload == "host":  # files need a directory: the user adds it
+            out.append("--param-cpu-offload")
         if self.recompute == "selective":
             out += ["--recompute-granularity", "selective"]
         elif self.recompute:  # full: every layer; "block<N>": the first N layers of each chunk
@@ -96,6 +100,8 @@ class Layout:
             parts.append(f"rc-{self.recompute}")
         if self.offload_fraction:
             parts.append(f"offload{self.offload_fraction:g}")
+        if self.param_offload != "device":
+            parts.append(f"params-{self.param_offload}")
         return " ".join(parts)
 
 
@@ -116,6 +122,14 @@ def layout_of(cfg: PretrainConfig, *, dp: int) -> Layout:
         vp=num_model_chunks(cfg),
         etp=par.expert_tensor_parallel_size,
         offload_fraction=par.optimizer_offload_fraction if par.offload else 0.0,
+        optimizer_offload="disk" if par.optimizer_offload_dir is not None else "host",
+        param_offload=(
+            "disk"
+            if par.param_offload_dir is not None
+            else "host"
+            if par.param_cpu_offload
+            else "device"
+        ),
         microbatch_group_size=par.microbatch_group_size_per_virtual_pipeline_stage,
     )
 
@@ -148,6 +162,7 @@ def predict_memory(
     ep_rank: int = 0,
     routing: Routing = BALANCED,
     memo: dict | None = None,
+    offload_host_bytes: tuple[int, int] = (256 << 20, 256 << 20),
 ) -> list[RankMemory]:
     """Every pipeline rank's prediction (on DP ranks ``dp_ranks``, default 0 only, of the dense
     dp x cp group; ``edp_rank`` of the expert DP group, ``ep_rank`` of the expert-parallel one,
@@ -155,10 +170,11 @@ def predict_memory(
     layout's model options (sequence parallel, recompute) set. ``memo``: a dict kept across
     calls for one model (the same flags but the layout's), precision, bucket size and device:
     activations do not depend on the ZeRO rung or offload, model state not on the micro-batch
-    size or recompute, so layouts differing only there share them."""
+    size or recompute, so layouts differing only there share them. ``offload_host_bytes``: the
+    host bounds of the optimizer's and the params' file streams (``--*-offload-host-memory-mb``)."""
     m = global_batch_size // (layout.micro_batch_size * layout.dp)
     memo = {} if memo is None else memo
-    acts_key = replace(layout, rung="no_shard", offload_fraction=0.0)
+    acts_key = replace(layout, rung="no_shard", offload_fraction=0.0, param_offload="device")
     state_key = replace(layout, micro_batch_size=1, recompute=None)
     out = []
     for pp_rank in range(layout.pp):
@@ -184,7 +200,7 @@ def predict_memory(
             )
         acts = memo[key]
         for dp_rank in dp_ranks or [0]:
-            key = ("state", state_key, pp_rank, dp_rank, edp_rank)
+            key = ("state", state_key, pp_rank, dp_rank, edp_rank, offload_host_bytes)
             if key not in memo:
                 memo[key] = model_state_bytes(
                     cfg,
@@ -204,6 +220,10 @@ def predict_memory(
                     edp=layout.edp,
                     edp_rank=edp_rank,
                     offload_fraction=layout.offload_fraction,
+                    optimizer_place=layout.optimizer_offload,
+                    optimizer_host_bytes=offload_host_bytes[0],
+                    param_place=layout.param_offload,
+                    param_host_bytes=offload_host_bytes[1],
                 )
             out.append(RankMemory(pp_rank, dp_rank, memo[key], acts))
     return out
@@ -234,4 +254,8 @@ def predict_for_config(
         grads_in_fp32=par.accumulate_allreduce_grads_in_fp32,
         dp_ranks=dp_ranks,
         device=device,
+        offload_host_bytes=(
+            int(par.optimizer_offload_host_memory_mb * 2**20),
+            int(par.param_offload_host_memory_mb * 2**20),
+        ),
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from megalite.core.distributed import DistributedDataParallel, wrapper_class
+from megalite.core.distributed import DistributedDataParallel, ParamOffloadSpec, wrapper_class
 from megalite.core.optimizer import (
     ConstantLossScaler,
     DynamicLossScaler,
@@ -95,6 +95,17 @@ def offload_spec(par) -> OffloadSpec | None:
     )
 
 
+def param_offload_spec(par) -> ParamOffloadSpec | None:
+    """``--param-cpu-offload`` / ``--param-offload-dir`` as a ``ParamOffloadSpec`` (None: ZeRO-3's
+    param shards stay on the device)."""
+    if not par.param_offload:
+        return None
+    return ParamOffloadSpec(
+        directory=par.param_offload_dir,
+        host_bytes=int(par.param_offload_host_memory_mb * 2**20),
+    )
+
+
 def gpt_units(model: GPTModel) -> tuple[list, dict]:
     """ZeRO-3's gather units of a GPT stage, forward order: the embedding, each transformer
     layer, the final norm, the output layer; and the output layer's extra (the tied word embedding
@@ -121,11 +132,14 @@ def wrap_and_build_optimizer(
     overlap_param_gather: bool = False,
     units=None,
     unit_extras=None,
+    param_offload: ParamOffloadSpec | None = None,
+    grad_offload: bool = False,
     **optimizer_options,
 ) -> tuple[DistributedDataParallel, MixedPrecisionOptimizer]:
     """The data-parallel wrapper of ``module`` for the rung ``strategy`` (``no_shard``: DDP,
     ``optim``: ZeRO-1, ``optim_grads``: ZeRO-2, ``optim_grads_params``: ZeRO-3 gathering
-    ``units`` / ``unit_extras``, default: ``gpt_units`` for a GPTModel) and its optimizer
+    ``units`` / ``unit_extras``, default: ``gpt_units`` for a GPTModel, its shards where
+    ``param_offload`` says, its grad shards on the host with ``grad_offload``) and its optimizer
     (``build_optimizer``'s keywords in ``optimizer_options``). Dense parameters are reduced over
     ``ps.group("dp", "cp")``, expert ones (``expert_parallel``) over ``ps.group("edp")``; the grad
     norm over ``ps.mp_group`` and ``ps.group("etp", "ep", "pp")``."""
@@ -139,7 +153,12 @@ def wrap_and_build_optimizer(
     if strategy == "optim_grads_params":
         if units is None and isinstance(module, GPTModel):
             units, unit_extras = gpt_units(module)
-        wrapper_options.update(units=units, unit_extras=unit_extras)
+        wrapper_options.update(
+            units=units,
+            unit_extras=unit_extras,
+            param_offload=param_offload,
+            grad_offload=grad_offload,
+        )
     model = wrapper_class(strategy)(
         module,
         dp_group=ps.group("dp", "cp"),
@@ -188,6 +207,8 @@ def setup_model_and_optimizer(
         ),
         overlap_grad_reduce=par.overlap_grad_reduce,
         overlap_param_gather=par.overlap_param_gather,
+        param_offload=param_offload_spec(par),
+        grad_offload=par.grad_offload,
         lr=opt.lr,
         weight_decay=opt.weight_decay,
         adam_beta1=opt.adam_beta1,

@@ -227,6 +227,18 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         help="bound on the host buffers that stream the NVMe state (MiB)",
     )
+    z.switch(
+        "--param-cpu-offload", help="ZeRO-3: the parameter shards on the host, streamed per unit"
+    )
+    z.add(
+        "--param-offload-dir",
+        help="ZeRO-Infinity: the parameter shards in files under DIR, read one unit ahead",
+    )
+    z.add(
+        "--param-offload-host-memory-mb",
+        type=float,
+        help="bound on the host buffers that stream the parameter files (MiB)",
+    )
 
 
 def _optimizer_flags(p: argparse.ArgumentParser) -> None:

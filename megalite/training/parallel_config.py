@@ -6,6 +6,7 @@ buckets and optimizer offload, context and expert parallelism, the device. It va
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from megalite.core.distributed import STRATEGIES
@@ -56,6 +57,10 @@ class ParallelConfig:
     optimizer_offload_fraction: float = 1.0  # share of the optimizer state offloaded
     optimizer_offload_dir: str | None = None  # NVMe: the offloaded state in files there
     optimizer_offload_host_memory_mb: float = 256.0  # host buffer bound of the NVMe stream
+    # ZeRO-Infinity: ZeRO-3's parameter shards on the host, or in files (validate_zero)
+    param_cpu_offload: bool = False
+    param_offload_dir: str | None = None
+    param_offload_host_memory_mb: float = 256.0  # host staging bound of the param file stream
     # the expert view of the mesh (etp x ep x edp x pp); ETP None = the TP size
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None
@@ -122,6 +127,17 @@ class ParallelConfig:
     def offload(self) -> bool:
         return self.optimizer_cpu_offload or self.optimizer_offload_dir is not None
 
+    @property
+    def param_offload(self) -> bool:
+        return self.param_cpu_offload or self.param_offload_dir is not None
+
+    @property
+    def grad_offload(self) -> bool:
+        """ZeRO-3 with the whole optimizer state offloaded: the reduced grad shards go to the
+        host, where the step reads them (no grad shard of the model on the device)."""
+        whole = self.offload and self.optimizer_offload_fraction == 1.0
+        return whole and self.sharding_strategy() == "optim_grads_params"
+
     def validate_zero(self) -> None:
         """The rung and offload flags agree (one line each otherwise); sets
         ``use_distributed_optimizer`` for every sharded rung."""
@@ -165,8 +181,35 @@ class ParallelConfig:
                 f"optimizer_offload_host_memory_mb must be > 0, got "
                 f"{self.optimizer_offload_host_memory_mb}"
             )
+        self._validate_param_offload(strategy)
         if strategy != "no_shard":
             self.use_distributed_optimizer = True
+
+    def _validate_param_offload(self, strategy: str) -> None:
+        if not self.param_offload:
+            return
+        if strategy != "optim_grads_params":
+            raise ConfigError(
+                "param_cpu_offload / param_offload_dir offload ZeRO-3's parameter shards: add "
+                f"zero_stage 3 (data_parallel_sharding_strategy optim_grads_params), not {strategy}"
+            )
+        if self.param_offload_host_memory_mb <= 0:
+            raise ConfigError(
+                f"param_offload_host_memory_mb must be > 0, got {self.param_offload_host_memory_mb}"
+            )
+        if self.param_offload_dir is None:
+            return
+        if not (self.offload and self.optimizer_offload_fraction == 1.0):
+            raise ConfigError(
+                "param_offload_dir needs the whole optimizer state offloaded (fp32 masters there "
+                "are the param files): add optimizer_offload_dir or optimizer_cpu_offload with "
+                f"optimizer_offload_fraction 1 (got {self.optimizer_offload_fraction})"
+            )
+        if not _writable_dir(self.param_offload_dir):
+            raise ConfigError(
+                f"param_offload_dir {self.param_offload_dir} is not a writable directory (nor can "
+                "it be created); give a directory this user can write"
+            )
 
     def bucket_size(self, dp_size: int | None = None, stage_numel: int | None = None) -> int:
         """Elements per grad bucket: ``ddp_bucket_size``, else max(40M, 1M x ``dp_size``)."""
@@ -242,3 +285,13 @@ class ParallelConfig:
                     f"model-parallel size {mp} x context_parallel_size {cp} = {mp * cp}; launch a "
                     f"multiple of {mp * cp} processes or change the sizes"
                 )
+
+
+def _writable_dir(path: str) -> bool:
+    """``path`` is a writable directory, or can be created (its nearest existing parent is)."""
+    while not os.path.exists(path):
+        parent = os.path.dirname(os.path.abspath(path))
+        if parent == os.path.abspath(path):
+            return False
+        path = parent
+    return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)

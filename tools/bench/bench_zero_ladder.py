@@ -5,6 +5,7 @@ DeepSpeed ZeRO-2/3 and torch FSDP2 on the same model; and ZeRO-3's communication
     /tmp/venv-ds/bin/python tools/bench/bench_zero_ladder.py        # with DeepSpeed importable
     python tools/bench/bench_zero_ladder.py --volume                # bytes sent, ZeRO-3 vs DDP
     python tools/bench/bench_zero_ladder.py --tiny                  # a seconds-long smoke run
+    python tools/bench/bench_zero_ladder.py --kinds zero3-infinity-cpu,deepspeed-zero3-offload
 
 The same GPT-2 (megalite's ``GPTModel`` on ``ParallelState.single()``, fp32, seed-identical) on
 two gloo ranks, one thread each. Every set-up runs in a fresh 2-process world of its own (so the
@@ -12,6 +13,12 @@ peak RSS is its own), one after the other, ``--rounds`` times in round-robin ord
 the medians over rounds of each round's median step time (the slower rank's), and per rank:
 megalite's model-state bytes (``memory_report``) and the process's peak RSS growth over the
 step loop's baseline (params + grads + optimizer + activations + buffers, all set-ups alike).
+
+ZeRO-Infinity rows: megalite ZeRO-3 with params and optimizer state on the host
+(``zero3-infinity-cpu``) or in files under ``--offload-dir`` (``zero3-infinity-nvme``, the host
+staging bounded by 64 MiB), beside DeepSpeed ZeRO-3 with ``offload_param`` and
+``offload_optimizer`` on the CPU (``deepspeed-zero3-offload``, the client torch AdamW). Their
+"model state" is device + host bytes (on CPU both are RAM); files are not counted.
 
 A step: zero-grad, forward + backward of one micro-batch per rank, grad sync, clipping at 1.0,
 AdamW, param sync. Peers: ``deepspeed.initialize`` with ``zero_optimization.stage`` 2 / 3 and
@@ -40,7 +47,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from megalite.core.distributed import wrapper_class  # noqa: E402
+from megalite.core.distributed import ParamOffloadSpec, wrapper_class  # noqa: E402
 from megalite.core.optimizer import OffloadSpec, build_optimizer  # noqa: E402
 from megalite.core.optimizer.memory_report import model_state_bytes  # noqa: E402
 from megalite.core.parallel_state import ParallelState  # noqa: E402
@@ -49,15 +56,33 @@ from megalite.training.components import gpt_units  # noqa: E402
 
 DP = 2
 LR, WD, CLIP = 1e-4, 0.01, 1.0
+FILES_HOST_BYTES = 64 << 20  # the host buffers of each file stream (params, optimizer)
+# kind: (strategy, optimizer offload: None | "host" | "disk", param offload: None | host | disk)
 MEGALITE = {
-    "ddp": ("no_shard", None),
-    "zero1": ("optim", None),
-    "zero2": ("optim_grads", None),
-    "zero3": ("optim_grads_params", None),
-    "zero2-offload": ("optim_grads", OffloadSpec(fraction=1.0)),
-    "zero3-offload": ("optim_grads_params", OffloadSpec(fraction=1.0)),
+    "ddp": ("no_shard", None, None),
+    "zero1": ("optim", None, None),
+    "zero2": ("optim_grads", None, None),
+    "zero3": ("optim_grads_params", None, None),
+    "zero2-offload": ("optim_grads", "host", None),
+    "zero3-offload": ("optim_grads_params", "host", None),
+    "zero3-infinity-cpu": ("optim_grads_params", "host", "host"),
+    "zero3-infinity-nvme": ("optim_grads_params", "disk", "disk"),
 }
-PEERS = ("fsdp2", "deepspeed-zero2", "deepspeed-zero3")
+PEERS = ("fsdp2", "deepspeed-zero2", "deepspeed-zero3", "deepspeed-zero3-offload")
+
+
+def offload_specs(
+    optim: str | None, param: str | None, directory: str
+) -> tuple[OffloadSpec | None, ParamOffloadSpec | None]:
+    """The optimizer's and the params' offload of a megalite kind (files under ``directory``)."""
+    rank = dist.get_rank()
+    opt = None if optim is None else OffloadSpec(fraction=1.0)
+    if optim == "disk":
+        opt = OffloadSpec(directory=f"{directory}/optim{rank}", host_bytes=FILES_HOST_BYTES)
+    par = None if param is None else ParamOffloadSpec()
+    if param == "disk":
+        par = ParamOffloadSpec(directory=f"{directory}/param{rank}", host_bytes=FILES_HOST_BYTES)
+    return opt, par
 
 
 def config(args) -> GPTConfig:
@@ -81,11 +106,13 @@ def build(kind: str, cfg: GPTConfig, args):
     tokens = torch.randint(0, cfg.vocab_size, (args.micro_batch, cfg.seq_length), generator=g)
     labels = torch.randint(0, cfg.vocab_size, (args.micro_batch, cfg.seq_length), generator=g)
     if kind in MEGALITE:
-        strategy, offload = MEGALITE[kind]
+        strategy, optim_place, param_place = MEGALITE[kind]
+        offload, param_offload = offload_specs(optim_place, param_place, args.offload_dir)
         extra = {}
         if strategy == "optim_grads_params":
             units, extras = gpt_units(module)
-            extra = {"units": units, "unit_extras": extras}
+            extra = {"units": units, "unit_extras": extras, "param_offload": param_offload}
+            extra["grad_offload"] = offload is not None
         model = wrapper_class(strategy)(
             module, dp_group=dist.group.WORLD, bucket_size=args.bucket, **extra
         )
@@ -118,7 +145,10 @@ def build(kind: str, cfg: GPTConfig, args):
         return step, None
     import deepspeed
 
-    stage = int(kind[-1])
+    stage = 3 if kind.startswith("deepspeed-zero3") else 2
+    zero = {"stage": stage, "reduce_bucket_size": args.bucket}
+    if kind == "deepspeed-zero3-offload":  # ZeRO-Infinity on the CPU, the client optimizer
+        zero.update(offload_param={"device": "cpu"}, offload_optimizer={"device": "cpu"})
     engine, *_ = deepspeed.initialize(
         model=module,
         optimizer=torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=WD),
@@ -126,8 +156,9 @@ def build(kind: str, cfg: GPTConfig, args):
             "train_micro_batch_size_per_gpu": args.micro_batch,
             "gradient_accumulation_steps": 1,
             "gradient_clipping": CLIP,
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": args.bucket},
+            "zero_optimization": zero,
             "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False,
             "steps_per_print": 10**9,
         },
     )
@@ -163,7 +194,9 @@ def run_kind(kind: str, args) -> tuple:
     times = [timed(step) for _ in range(args.steps)]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     s = state_bytes() if state_bytes else None
-    return kind, statistics.median(times), peak, None if s is None else s.total + s.host
+    if s is None:
+        return kind, statistics.median(times), peak, None
+    return kind, statistics.median(times), peak, s.total + s.host + s.params_host + s.grads_host
 
 
 # --- communication volume -------------------------------------------------------------------------
@@ -242,6 +275,11 @@ def main() -> None:
     p.add_argument("--volume", action="store_true")
     p.add_argument("--tiny", action="store_true", help="2 layers, hidden 64: a smoke run")
     p.add_argument("--kinds", default=None, help="comma-separated subset")
+    p.add_argument(
+        "--offload-dir",
+        default=os.path.join(tempfile.gettempdir(), "megalite-bench-offload"),
+        help="the files of zero3-infinity-nvme",
+    )
     args = p.parse_args()
     if args.tiny:
         args.layers, args.hidden, args.vocab, args.seq, args.rounds, args.steps = (
@@ -285,7 +323,7 @@ def main() -> None:
         state_txt = f"{state / 2**20:8.1f}" if state is not None else "       -"
         ratio = " ".join(
             f"{med[k] / med[b]:.2f}x {b}"
-            for b in ("deepspeed-zero2", "deepspeed-zero3")
+            for b in ("deepspeed-zero2", "deepspeed-zero3", "deepspeed-zero3-offload")
             if b in med
         )
         print(

@@ -40,13 +40,16 @@ exit copies this rank's part back into the shards.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megalite.core.distributed.data_parallel import BucketKey
-from megalite.core.distributed.grad_buffer import GradBuffer
+from megalite.core.distributed.grad_buffer import Bucket, GradBuffer
+from megalite.core.distributed.param_offload import ParamFile, ParamOffloadSpec, ParamStore
 from megalite.core.distributed.shard_collectives import all_gather_shard
 from megalite.core.distributed.zero2_data_parallel import Zero2DataParallel
 
@@ -70,8 +73,9 @@ def _in_backward() -> bool:
 class Zero3DataParallel(Zero2DataParallel):
     """ZeRO-3 (module docstring). Arguments as ``Zero1DataParallel`` (``overlap_param_gather`` is
     refused: ZeRO-3 always gathers per unit before use), plus ``units`` (forward order; default
-    ``default_units``), ``unit_extras`` ({unit: params it reads but does not own}) and
-    ``prefetch``."""
+    ``default_units``), ``unit_extras`` ({unit: params it reads but does not own}),
+    ``prefetch``, ``param_offload`` (the param shards on the host or in files) and
+    ``grad_offload`` (the reduced grad shards on the host)."""
 
     zero_stage = 3  # the rung of the ladder (memory report)
 
@@ -83,6 +87,8 @@ class Zero3DataParallel(Zero2DataParallel):
         unit_extras: dict[nn.Module, list[nn.Parameter]] | None = None,
         prefetch: bool = True,
         overlap_param_gather: bool = False,
+        param_offload: ParamOffloadSpec | None = None,
+        grad_offload: bool = False,
         **kwargs,
     ):
         if overlap_param_gather:
@@ -102,7 +108,17 @@ class Zero3DataParallel(Zero2DataParallel):
         for p in trainable:
             self._unit_of.setdefault(p, self._rest_unit)
         self.bucket_groups = self._groups_by_unit
+        self.param_offload, self.grad_offload = param_offload, grad_offload
         super().__init__(module, **kwargs)
+        self.host_grads: list[torch.Tensor] = []  # grad_offload: the grad shards' host homes
+        if grad_offload:
+            for buffer in self.grad_buffers:
+                buffer.data = torch.zeros(
+                    buffer.data.numel(),
+                    dtype=buffer.data.dtype,
+                    pin_memory=buffer.data.device.type == "cuda",
+                )
+                self.host_grads.append(buffer.data)
         self._unit_keys: list[list[BucketKey]] = [[] for _ in range(len(self.units) + 1)]
         for key, bucket in self._buckets.items():
             self._unit_keys[self._unit_of[bucket.params[0]]].append(key)
@@ -114,6 +130,7 @@ class Zero3DataParallel(Zero2DataParallel):
             )
         self._resident = set(self._full)
         self._gather_works: dict[BucketKey, list] = {}
+        self._reading: dict[BucketKey, object] = {}  # file reads in flight (storage allocated)
         self._param_peak, self._gathered_depth = 0, 0
         for key in list(self._full):
             self._release(key)
@@ -131,7 +148,12 @@ class Zero3DataParallel(Zero2DataParallel):
     # --- storage ----------------------------------------------------------------------------------
 
     def _init_param_storage(self) -> None:
-        """Per buffer: the flat shard; per bucket: a full tensor the params view (then released)."""
+        """Per buffer: the flat shard (moved to ``param_store``'s home); per bucket: a full tensor
+        the params view (then released)."""
+        device = next(iter(self.buffers_by_key.values())).data.device
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        prefix = f"rank{rank}_zero3_{os.getpid()}_{id(self):x}"
+        self.param_store = ParamStore(self.param_offload, device=device, prefix=prefix)
         self.param_shards = {}
         self._full: dict[BucketKey, torch.Tensor] = {}
         for b, (key, buffer) in enumerate(self.buffers_by_key.items()):
@@ -146,31 +168,49 @@ class Zero3DataParallel(Zero2DataParallel):
                 lo, hi, s = buffer.segments[bucket.index]
                 shard[s : s + hi - lo].copy_(full[lo - bucket.offset : hi - bucket.offset])
                 self._full[b, bucket.index] = full
-            self.param_shards[key] = shard
+            self.param_shards[key] = self.param_store.adopt(f"b{b}", shard)
 
-    def param_shard_of(self, buffer: GradBuffer) -> torch.Tensor:
+    def param_shard_of(self, buffer: GradBuffer) -> torch.Tensor | ParamFile:
         key = next(k for k, v in self.buffers_by_key.items() if v is buffer)
         return self.param_shards[key]
 
     def buffer_pairs(self) -> list[tuple[None, GradBuffer]]:
         return [(None, g) for g in self.grad_buffers]
 
-    def _own_part(self, key: BucketKey) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this rank's part of ``full[key]``, its place in the param shard)."""
+    def _own_part(self, key: BucketKey) -> tuple[torch.Tensor, torch.Tensor | ParamFile, int]:
+        """(this rank's part of ``full[key]``, the param shard holding it, its offset there)."""
         buffer = self.grad_buffers[key[0]]
         bucket = self._buckets[key]
         lo, hi, s = buffer.segments[bucket.index]
         shard = self.param_shards[list(self.buffers_by_key)[key[0]]]
-        return self._full[key][lo - bucket.offset : hi - bucket.offset], shard[s : s + hi - lo]
+        return self._full[key][lo - bucket.offset : hi - bucket.offset], shard, s
+
+    def _allocate(self, key: BucketKey) -> None:
+        full = self._full[key]
+        full.untyped_storage().resize_(full.numel() * full.element_size())
+
+    def _start_reads(self, keys: Iterable[BucketKey]) -> None:
+        """Files: this rank's part of each unit bucket read on the reader thread (the prefetch;
+        the all-gather starts at the unit's use)."""
+        for key in keys:
+            if key in self._resident or key in self._reading:
+                continue
+            self._allocate(key)
+            mine, shard, s = self._own_part(key)
+            self._reading[key] = self.param_store.prefetch(shard, s, mine)
+        self._param_peak = max(self._param_peak, self.gathered_bytes())
 
     def _gather(self, keys: Iterable[BucketKey], *, async_op: bool = False) -> None:
         for key in keys:
             if key in self._resident:
                 continue
+            if key in self._reading:
+                self._reading.pop(key).result()
+            else:
+                self._allocate(key)
+                mine, shard, s = self._own_part(key)
+                self.param_store.read_into(shard, s, mine)
             full = self._full[key]
-            full.untyped_storage().resize_(full.numel() * full.element_size())
-            mine, shard = self._own_part(key)
-            mine.copy_(shard)
             group = self._buckets[key].dp_group
             self._gather_works[key] = all_gather_shard(full, group, async_op=async_op)
             self._resident.add(key)
@@ -182,6 +222,9 @@ class Zero3DataParallel(Zero2DataParallel):
                 work.wait()
 
     def _release(self, key: BucketKey) -> None:
+        if key in self._reading:  # a prefetch not used: drop it
+            self._reading.pop(key).result()
+            self._full[key].untyped_storage().resize_(0)
         if key in self._persistent or key not in self._resident:
             return
         self._wait([key])
@@ -189,8 +232,10 @@ class Zero3DataParallel(Zero2DataParallel):
         self._resident.discard(key)
 
     def gathered_bytes(self) -> int:
-        """Bytes of whole unit buckets resident now (persistent bucket included)."""
-        return sum(self._full[k].numel() * self._full[k].element_size() for k in self._resident)
+        """Bytes of whole unit buckets resident now (persistent bucket included, and those a file
+        read is filling)."""
+        keys = self._resident | set(self._reading)
+        return sum(self._full[k].numel() * self._full[k].element_size() for k in keys)
 
     @property
     def param_peak_bytes(self) -> int:
@@ -209,9 +254,16 @@ class Zero3DataParallel(Zero2DataParallel):
             self._gather(keys)
             self._wait(keys)
             if self.prefetch and not _in_backward() and i + 1 < len(self.units):
-                self._gather(self._unit_keys[i + 1], async_op=True)
+                self._prefetch(self._unit_keys[i + 1])
 
         return pre_forward
+
+    def _prefetch(self, keys: list[BucketKey]) -> None:
+        """The next unit: its file reads (param shards in files), else its all-gather."""
+        if self.param_store.place == "disk":
+            self._start_reads(keys)
+        else:
+            self._gather(keys, async_op=True)
 
     def _make_post_forward(self, i: int):
         def post_forward(module, args, output):
@@ -232,7 +284,7 @@ class Zero3DataParallel(Zero2DataParallel):
             self._gather(keys)
             self._wait(keys)
             if self.prefetch and i > 0:
-                self._gather(self._unit_keys[i - 1], async_op=True)
+                self._prefetch(self._unit_keys[i - 1])
 
         return pre_backward
 
@@ -240,11 +292,18 @@ class Zero3DataParallel(Zero2DataParallel):
         super()._bucket_complete(key)
         self._release(key)  # every param of the bucket has its grad: no backward op reads it
 
+    def _add_shard(self, bucket: Bucket) -> None:
+        """As ZeRO-2; with ``grad_offload`` the reduced shard is copied to its host home."""
+        buffer = self.buffer_of(bucket.params[0])
+        staged, shard = buffer.shard_of_bucket(bucket)
+        shard.add_(staged.to(shard.device))
+        buffer.unstage(bucket)
+
     # --- the step and whole-parameter access ------------------------------------------------------
 
     def finish_grad_sync(self) -> None:
         super().finish_grad_sync()
-        for key in list(self._resident):
+        for key in [*self._resident, *self._reading]:
             self._release(key)
 
     def gather_params(self) -> None:
@@ -256,7 +315,10 @@ class Zero3DataParallel(Zero2DataParallel):
         self._wait(resident)
 
     def finish_param_sync(self) -> None:
+        """No all-gather in flight, and no file read (the optimizer may write the shards next)."""
         self._wait(list(self._gather_works))
+        for key in list(self._reading):
+            self._release(key)
 
     @contextlib.contextmanager
     def gathered_params(self) -> Iterator[None]:
@@ -279,8 +341,8 @@ class Zero3DataParallel(Zero2DataParallel):
             self._gathered_depth -= 1
             with torch.no_grad():
                 for key in keys:
-                    mine, shard = self._own_part(key)
-                    shard.copy_(mine)
+                    mine, shard, s = self._own_part(key)
+                    self.param_store.write(shard, s, mine)
             for key in keys:
                 self._release(key)
 

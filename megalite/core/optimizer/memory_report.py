@@ -22,8 +22,12 @@ per element; stage ``z`` divides by ``N`` the first ``z`` of (optimizer, grads, 
 Under bf16 params the grads are fp32 by default (``accumulate_allreduce_grads_in_fp32``, as
 Megatron's, g = 4): 18P, 6P + 12P/N, 2P + 16P/N, 18P/N. DeepSpeed's figures are the bf16-grad
 case (``grad_reduce_in_bf16``: p = g = 2, k = 12): 16P, 4P + 12P/N, 2P + 14P/N, 16P/N.
-With offload, ``fraction`` of the optimizer part moves to the host (or disk). Measured bytes
-exceed the theory only by bucket padding (< N elements per bucket) and the step counters.
+With offload, ``fraction`` of the optimizer part moves to the host (or disk); ZeRO-3's parameter
+offload moves its ``p P/N`` to the host (or disk: fp32 params in files are the master file, so
+their bytes are counted once, as params), and with the whole optimizer state offloaded its
+``g P/N`` grad shards go to the host. ``theory`` is the device part, ``theory_off`` the rest.
+Measured bytes exceed the theory only by bucket padding (< N elements per bucket), the step
+counters and the units kept whole (the persistent bucket of parameters in no unit).
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ from dataclasses import astuple, dataclass
 import torch
 import torch.distributed as dist
 
-from megalite.core.distributed import STRATEGIES, DistributedDataParallel
+from megalite.core.distributed import STRATEGIES, DistributedDataParallel, Zero3DataParallel
+from megalite.core.distributed.param_offload import ParamFile
 from megalite.core.groups import group_size
 from megalite.core.optimizer.mixed_precision import MixedPrecisionOptimizer
 from megalite.core.parallel_state import ParallelState
@@ -48,7 +53,8 @@ MIB = 2**20
 @dataclass
 class ModelStateBytes:
     """Bytes on one rank; ``theory`` is the device formula of the module docstring, ``theory_off``
-    the offloaded optimizer state's (host or disk)."""
+    the offloaded state's (host or disk). ``host`` / ``disk``: the optimizer state's;
+    ``params_host`` / ``params_disk`` / ``grads_host``: ZeRO-3's offloaded shards."""
 
     params: int
     grads: int
@@ -61,6 +67,9 @@ class ModelStateBytes:
     buffers: int = 0
     theory_off: int = 0
     stage: int = 0
+    params_host: int = 0
+    params_disk: int = 0
+    grads_host: int = 0
 
     @property
     def total(self) -> int:
@@ -84,17 +93,27 @@ def model_state_bytes(
     """Measure ``model`` (a data-parallel wrapper, any rung) and ``optimizer`` (either optimizer:
     ``master_params`` and the inner ``optimizer``) on this rank; ``dp_size`` for the theory."""
     params = [p for p in model.parameters() if p.requires_grad]
-    shards = list(model.param_shards.values())  # ZeRO-3's
-    param_st = _storages([*params, *shards])
-    grad_st = _storages([b.data for b in model.grad_buffers])
+    store = model.param_store if isinstance(model, Zero3DataParallel) else None
+    host_grads = model.host_grads if isinstance(model, Zero3DataParallel) else []
+    shards = [s for s in model.param_shards.values() if not isinstance(s, ParamFile)]
+    params_host_st = {}
+    if store is not None and store.place != "device":  # the shards (or the file staging)
+        params_host_st = _storages(store.host_tensors())
+        shards = []
+    param_st = _storages([*params, *shards], exclude=set(params_host_st))
+    grads_host_st = _storages(host_grads)
+    grad_st = _storages([b.data for b in model.grad_buffers], exclude=set(grads_host_st))
     states = optimizer.buffers if optimizer.is_sharded else []  # ShardState per buffer
     host_tensors = [t for sb in states for t in sb.host.values()]
     host_tensors += [t for sb in states if sb.store is not None for t in sb.store.buffers.values()]
-    host_st = _storages(host_tensors)
+    host_st = _storages(host_tensors, exclude=set(params_host_st) | set(grads_host_st))
+    param_files = {f.path for f in (store.files if store is not None else [])}
     stores = [sb.store for sb in states if sb.store is not None]
-    disk = sum(os.path.getsize(path) for store in stores for path in store.paths.values())
-    master_st = _storages(optimizer.master_params, exclude=set(param_st) | set(host_st))
-    seen = set(param_st) | set(master_st) | set(host_st)
+    optim_files = {path for s in stores for path in s.paths.values()} - param_files
+    disk = sum(os.path.getsize(path) for path in optim_files)
+    off_st = set(host_st) | set(params_host_st)
+    master_st = _storages(optimizer.master_params, exclude=set(param_st) | off_st)
+    seen = set(param_st) | set(master_st) | off_st
     inner = optimizer.optimizer
     state_tensors, lazy = [], 0
     for master in optimizer.master_params:
@@ -110,15 +129,18 @@ def model_state_bytes(
     fraction = 0.0
     if states and states[0].numel:
         fraction = sum(sb.cut for sb in states) / sum(sb.numel for sb in states)
+    params_off = store is not None and store.place != "device"
     num_params, theory, theory_off = 0, 0.0, 0.0
     for p in params:
         n, p_size = p.numel(), p.element_size()
         g_size = model.buffer_of(p).grad_dtype.itemsize
         k = 8 + (0 if p.dtype == torch.float32 else 4)
         num_params += n
-        theory += n * p_size / (dp_size if stage >= 3 else 1)
-        theory += n * g_size / (dp_size if stage >= 2 else 1)
+        param_bytes = n * p_size / (dp_size if stage >= 3 else 1)
+        grad_bytes = n * g_size / (dp_size if stage >= 2 else 1)
         optim = n * k / (dp_size if stage >= 1 else 1)
+        theory += (0 if params_off else param_bytes) + (0 if host_grads else grad_bytes)
+        theory_off += (param_bytes if params_off else 0) + (grad_bytes if host_grads else 0)
         theory += optim * (1 - fraction)
         theory_off += optim * fraction
     return ModelStateBytes(
@@ -133,6 +155,9 @@ def model_state_bytes(
         buffers=buffers,
         theory_off=round(theory_off),
         stage=stage,
+        params_host=sum(params_host_st.values()),
+        params_disk=sum(os.path.getsize(path) for path in param_files),
+        grads_host=sum(grads_host_st.values()),
     )
 
 
@@ -178,7 +203,7 @@ def log_model_state_memory(
         theory_formula(model, dp_size=ps.size("dp", "cp")),
     )
     for r, s in rows:
-        off = f" [+ host {s.host / MIB:.2f}, disk {s.disk / MIB:.2f}]" if s.host or s.disk else ""
+        off = _offloaded(s)
         theory_off = f" + {s.theory_off / MIB:.2f} off" if s.theory_off else ""
         logger.info(
             "  rank %d: %.2f + %.2f + %.2f + %.2f + %.2f = %.2f MiB%s "
@@ -186,6 +211,18 @@ def log_model_state_memory(
             *(r, *_mib_columns(s), off, s.theory / MIB, theory_off, s.num_params),
         )
     return [s for _, s in rows]
+
+
+def _offloaded(s: ModelStateBytes) -> str:
+    """`` [+ host params a / grads b / optimizer c, disk params d / optimizer e]`` (MiB), or
+    nothing when nothing is offloaded."""
+    host = (s.params_host, s.grads_host, s.host)
+    disk = (s.params_disk, s.disk)
+    if not any(host) and not any(disk):
+        return ""
+    h = " / ".join(f"{n} {b / MIB:.2f}" for n, b in zip(("params", "grads", "optimizer"), host))
+    d = " / ".join(f"{n} {b / MIB:.2f}" for n, b in zip(("params", "optimizer"), disk))
+    return f" [+ host {h}, disk {d}]"
 
 
 def _mib_columns(s: ModelStateBytes) -> list[float]:

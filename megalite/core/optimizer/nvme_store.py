@@ -7,10 +7,11 @@
         store.save(lo, hi)
 
 One flat fp32 file per state (``<prefix>.master``, ``.exp_avg``, ``.exp_avg_sq``) of ``numel``
-elements; the host holds four fp32 buffers of ``chunk`` elements (the three states and the grad),
-allocated once, plus two chunk-sized temporaries of the AdamW update: ``24 chunk <= host_bytes``.
-Reads and writes go through ``readinto`` / ``write`` on the buffers' memory (no mmap, so the page
-cache, not the process, holds file pages).
+elements (``existing``: a key's file that already holds it, e.g. fp32 ZeRO-3 params offloaded to a
+file are their own masters); the host holds four fp32 buffers of ``chunk`` elements (the three
+states and the grad), allocated once, plus two chunk-sized temporaries of the AdamW update:
+``24 chunk <= host_bytes``. Reads and writes go through ``readinto`` / ``write`` on the buffers'
+memory (no mmap, so the page cache, not the process, holds file pages).
 
 On CUDA (``device``) the four buffers are pinned, so their device copies are DMA transfers that
 return at once (``non_blocking``); the store fences the current stream before the host touches a
@@ -38,6 +39,7 @@ class NvmeStore:
         *,
         host_bytes: int,
         device: torch.device | str | None = None,
+        existing: dict[str, str] | None = None,
     ):
         self.numel = numel
         self.device = torch.device(device if device is not None else "cpu")
@@ -47,9 +49,11 @@ class NvmeStore:
             raise ValueError(f"the NVMe host buffer bound {host_bytes} B holds no element")
         os.makedirs(directory, exist_ok=True)
         self.paths = {k: os.path.join(directory, f"{prefix}.{k}") for k in KEYS}
-        for path in self.paths.values():
-            with open(path, "wb") as f:
-                f.truncate(numel * 4)  # zeros (sparse until written)
+        for key, path in self.paths.items():
+            if key not in (existing or {}):
+                with open(path, "wb") as f:
+                    f.truncate(numel * 4)  # zeros (sparse until written)
+        self.paths.update(existing or {})
         self.buffers = {k: self._buffer() for k in (*KEYS, "grad")}
         self._staged = False  # a non-blocking copy into a buffer may still be in flight
 
@@ -65,6 +69,7 @@ class NvmeStore:
 
     @property
     def disk_bytes(self) -> int:
+        """Bytes of the state files (those adopted through ``existing`` included)."""
         return 3 * self.numel * 4
 
     @property

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from megalite.core.distributed.zero1_data_parallel import Zero1DataParallel
+from megalite.core.distributed.zero3_data_parallel import Zero3DataParallel
 from megalite.core.optimizer import sharded_state_format as ckpt
 from megalite.core.optimizer.full_state_format import check_full_state
 from megalite.core.optimizer.loss_scaler import LossScaler
@@ -116,6 +117,8 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
                 dp_rank=g.dp_rank,
                 param_shard=model.param_shard_of(g),
                 offload=offload,
+                params_offloaded=isinstance(model, Zero3DataParallel)
+                and model.param_store.place != "device",
                 name=f"opt{id(self):x}_b{b}",
             )
             for b, (d, g) in enumerate(model.buffer_pairs())

@@ -9,6 +9,10 @@ is cut at ``cut`` (``offload.fraction`` of the shard, the run's ``optimizer_offl
     [cut, numel)    on the device; fp32 params are their own masters there (the param buffer's
                     shard, or ZeRO-3's param shard, is updated in place)
 
+ZeRO-3 with its param shard offloaded (``params_offloaded``: on the host, or a ``ParamFile``):
+fp32 params on the host are their own offloaded masters (one copy), and fp32 params in a file are
+the master file of the NVMe state; a param file needs the whole state offloaded (``cut == numel``).
+
 Without offload ``cut`` is 0: the whole shard on the device. ``param_at`` / ``master_at`` /
 ``state_at`` take shard coordinates; a piece (part of one parameter in one bucket) never crosses
 a segment or ``cut`` (the optimizer splits them there).
@@ -25,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.core.distributed.grad_buffer import GradBuffer
+from megalite.core.distributed.param_offload import ParamFile
 from megalite.core.optimizer.full_state_format import ADAM_KEYS
 from megalite.core.optimizer.nvme_store import NvmeStore
 
@@ -53,18 +58,27 @@ class ShardState:
         *,
         dp_size: int,
         dp_rank: int,
-        param_shard: torch.Tensor | None = None,
+        param_shard: torch.Tensor | ParamFile | None = None,
         offload: OffloadSpec | None = None,
         name: str = "b0",
+        params_offloaded: bool = False,
     ):
         self.param_data, self.grad_buffer = param_data, grad_buffer
         self.param_shard = param_shard  # ZeRO-3: the flat param shard (param_data is None)
+        self.param_file = param_shard if isinstance(param_shard, ParamFile) else None
         self.segments = grad_buffer.layout.shard_segments(dp_size, dp_rank)
         self._shard_starts = [s for _, _, s in self.segments]
         self.numel = sum(hi - lo for lo, hi, _ in self.segments)
         ref = param_data if param_shard is None else param_shard
         self.param_dtype, self.device = ref.dtype, ref.device
         self.cut = 0 if offload is None else round(offload.fraction * self.numel)
+        if self.param_file is not None and self.cut != self.numel:
+            raise ValueError(
+                f"parameters offloaded to files need the whole optimizer state offloaded "
+                f"(offload fraction 1): {self.cut} of {self.numel} elements are"
+            )
+        # the param shard is offloaded (host or file) and fp32: it is the offloaded master
+        f32_params_off = params_offloaded and self.param_dtype == torch.float32
         self.store: NvmeStore | None = None
         self.host: dict[str, torch.Tensor] = {}
         n_dev, f32 = self.numel - self.cut, torch.float32
@@ -76,21 +90,28 @@ class ShardState:
         self.exp_avg_sq = torch.zeros(n_dev, dtype=f32, device=self.device)
         if self.cut and offload.directory is not None:
             prefix = f"rank{_global_rank()}_{name}_{os.getpid()}"
+            adopt = f32_params_off and self.param_file is not None
             self.store = NvmeStore(
                 offload.directory,
                 prefix,
                 self.cut,
                 host_bytes=int(offload.host_bytes),
                 device=self.device,
+                existing={"master": self.param_file.path} if adopt else None,
             )
-            for a, b in self.store.chunks(0, self.cut):  # the masters, streamed in
+            for a, b in self.store.chunks(0, 0 if adopt else self.cut):  # the masters, streamed in
                 self.store.stage("master", self._param_range(a, b))
                 self.store.save(a, b, keys=("master",))
         elif self.cut:
             pin = self.device.type == "cuda"
             for key in STATE_KEYS:
+                if key == "master" and f32_params_off:
+                    self.host[key] = param_shard[: self.cut]  # the params are the masters
+                    continue
                 self.host[key] = torch.zeros(self.cut, dtype=f32, pin_memory=pin)
-            self.host["master"].copy_(self._param_range(0, self.cut))
+            if not f32_params_off:
+                self.host["master"].copy_(self._param_range(0, self.cut))
+        self.masters_are_params = f32_params_off
         self.grad_flat: torch.Tensor | None = None  # fp32 copy of 16-bit grads during step()
 
     # --- where things are (shard coordinates) -----------------------------------------------------
@@ -99,7 +120,10 @@ class ShardState:
         return self.segments[bisect.bisect_right(self._shard_starts, shard_lo) - 1]
 
     def param_at(self, shard_lo: int, n: int) -> torch.Tensor:
-        """The model params (param dtype) of shard elements ``[shard_lo, shard_lo + n)``."""
+        """The model params (param dtype) of shard elements ``[shard_lo, shard_lo + n)`` (not for
+        a param file: ``_param_range`` / ``copy_to_params`` stream it)."""
+        if self.param_file is not None:
+            raise ValueError("the param shard is in a file: read or write it through ParamFile")
         if self.param_shard is not None:
             return self.param_shard[shard_lo : shard_lo + n]
         lo, _, s = self._segment(shard_lo)
@@ -107,6 +131,8 @@ class ShardState:
 
     def _param_range(self, a: int, b: int) -> torch.Tensor:
         """Params of shard ``[a, b)`` as fp32, across segments (a copy)."""
+        if self.param_file is not None:  # the flat shard is contiguous in shard coordinates
+            return self.param_file.read(a, b).float()
         parts = []
         for lo, hi, s in self.segments:
             x, y = max(a, s), min(b, s + hi - lo)
@@ -204,6 +230,11 @@ class ShardState:
 
     def copy_to_params(self, start: int, values: torch.Tensor) -> None:
         """``values`` (fp32, shard elements from ``start``) into the params, per segment."""
+        if self.masters_are_params and start < self.cut:
+            return  # the offloaded masters are the params themselves (written in place)
+        if self.param_file is not None:
+            self.param_file.write(start, values)
+            return
         end = start + values.numel()
         for lo, hi, s in self.segments:
             x, y = max(start, s), min(end, s + hi - lo)
