@@ -63,6 +63,10 @@ RUNS["llama-zero1-offload"] = (
     "llama",
     "--use-distributed-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.5".split(),
 )
+RUNS["llama-zero3-infinity"] = (
+    "llama",
+    "--zero-stage 3 --optimizer-cpu-offload --param-cpu-offload".split(),
+)
 RUNS["moe-alltoall"] = ("moe", "--moe-token-dispatcher-type alltoall".split())
 RUNS["moe-allgather-zero1"] = (
     "moe",

@@ -47,10 +47,22 @@ def _recorded(
     return out
 
 
+def _host_on_nccl(x: torch.Tensor, group) -> bool:
+    """``x`` lives on the host but ``group`` is nccl's, which takes only CUDA tensors (offloaded
+    grads and their norms)."""
+    return x.device.type == "cpu" and group is not None and dist.get_backend(group) == "nccl"
+
+
 def all_reduce_tensor(
     x: torch.Tensor, group, *, op=dist.ReduceOp.SUM, what: str | None = None
 ) -> None:
-    """``dist.all_reduce`` (``op``, default sum) of ``x`` over ``group``, in place."""
+    """``dist.all_reduce`` (``op``, default sum) of ``x`` over ``group``, in place; a host tensor
+    on an nccl group goes through the current CUDA device."""
+    if _host_on_nccl(x, group):
+        on_device = x.to(torch.device("cuda", torch.cuda.current_device()))
+        _recorded("all_reduce", dist.all_reduce, on_device, group, what, False, on_device, op=op)
+        x.copy_(on_device)
+        return
     _recorded("all_reduce", dist.all_reduce, x, group, what, False, x, op=op)
 
 
