@@ -10,8 +10,10 @@ reports how many tensors its chunks moved, so a setting that offloaded nothing w
 
 from __future__ import annotations
 
+import pytest
 import torch.distributed as dist
 
+from megalite.errors import ConfigError
 from megalite.training.forward_step import make_forward_step
 from tests.harness import run_distributed
 from tests.mesh import mesh
@@ -74,3 +76,11 @@ def test_tp2_sp_dp2_and_pp2_dp2_equal_no_offload():
     layouts = [(f"{f} tp2 sp dp2", FAMILIES[f], 2, 1, 1) for f in FAMILIES]
     layouts += [(f"{f} pp2 dp2", FAMILIES[f], 1, 2, 1) for f in FAMILIES]
     _check(run_distributed(_case, 4, layouts, timeout=600))
+
+
+def test_bad_num_layers_name_the_flags():
+    with pytest.raises(ConfigError, match="--cpu-offloading-num-layers must be an integer >= 0"):
+        config("--cpu-offloading", "--cpu-offloading-num-layers", "-1")
+    pp2 = ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]
+    with pytest.raises(ConfigError, match="--cpu-offloading-num-layers 3 exceeds the 2 layers"):
+        config(*pp2, "--cpu-offloading", "--cpu-offloading-num-layers", "3", world_size=2)
