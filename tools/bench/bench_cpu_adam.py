@@ -7,7 +7,8 @@
 One shard of fp32 optimizer state on the host, cut into a GPT's parameters (per layer the QKV,
 projection and two MLP matrices of hidden 1024 and their biases and norms, as many layers as fit;
 the same pieces for every row), AdamW (lr 1e-3, weight decay 0.1 on the matrices, 0 on the rest),
-the same grads each step. Rows, each the median seconds of ``--runs`` steps after one warm-up:
+the same grads each step. Rows, each the median seconds of ``--runs`` steps after one warm-up,
+taken in rounds of one step of every row:
 
 - ``megalite``: ``ShardedOptimizer``'s host step (``_step_on_host``) with the whole shard
   offloaded (``OffloadSpec(fraction=1)``): torch's fused CPU Adam over the host pieces;
@@ -175,18 +176,26 @@ ROWS = {
 }
 
 
-def measure(name: str, shapes, runs: int) -> tuple[float, list[torch.Tensor]] | str:
-    try:
-        step, params = ROWS[name](shapes)
-    except Exception as e:  # deepspeed missing or its op not buildable: say why, keep the rest
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
-    step()  # warm-up (and DeepSpeed's first-use build)
-    times = []
+def measure(shapes, runs: int) -> dict[str, tuple[float, list[torch.Tensor]] | str]:
+    """Every row set up at once, then ``runs`` rounds of one step of each in turn (round-robin
+    spreads the drift of a shared machine over all rows); per row the median and its params."""
+    steps, params, out = {}, {}, {}
+    for name, setup in ROWS.items():
+        try:
+            steps[name], params[name] = setup(shapes)
+        except Exception as e:  # deepspeed missing or its op not buildable: say why, keep the rest
+            out[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
+    for step in steps.values():
+        step()  # warm-up (and DeepSpeed's first-use build)
+    times = {name: [] for name in steps}
     for _ in range(runs):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), [p.detach().clone() for p in params()]
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+    for name in steps:
+        out[name] = statistics.median(times[name]), [p.detach() for p in params[name]()]
+    return out
 
 
 def main() -> None:
@@ -202,14 +211,12 @@ def main() -> None:
     for numel in args.numel:
         shapes = piece_shapes(int(numel), args.hidden)
         print(f"\nshard of {int(numel):,} fp32 elements in {len(shapes)} pieces, {args.runs} runs")
-        results = {}
-        for name in ROWS:
-            results[name] = measure(name, shapes, args.runs)
-            gc.collect()
+        results = measure(shapes, args.runs)
         ref_time, ref_params = results["torch-single"]
         fused_time = results["torch-fused"][0]
         print(f"{'row':<14} {'median s':>10} {'/ fused':>8} {'/ single':>9} {'max |dp|':>10}")
-        for name, result in results.items():
+        for name in ROWS:
+            result = results[name]
             if isinstance(result, str):
                 print(f"{name:<14} not run: {result}")
                 continue
