@@ -6,7 +6,9 @@ CUDA). Each test states which kernel must serve, and fails if a silent fallback 
 - context parallelism's block attention takes the memory-efficient kernel with the log-sum-exp
   (forward and backward), not the matmul block, and matches the matmul block;
 - the offloaded ZeRO step (host masters, device grads copied with ``non_blocking``) on a world of
-  one with nccl gives the same params as the all-on-device step.
+  one with nccl gives the same params as the all-on-device step;
+- activation offload (pinned host copies on a side stream, reloaded with a prefetch of the next
+  layer) gives bitwise the loss and grads of the run without it, twice in a row.
 """
 
 from __future__ import annotations
@@ -90,3 +92,29 @@ def test_offloaded_step_equals_the_device_step_on_cuda():
     assert len(plain) == 3
     for a, b in zip(off, plain):
         assert abs(a - b) <= 1e-5 * abs(b), (off, plain)
+
+
+def test_activation_offload_on_cuda_equals_no_offload():
+    from megalite.core.parallel_state import ParallelState
+    from megalite.models import GPTModel
+    from tests.models.helpers import make_batch, make_config
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    results = []
+    for n in (0, 2):
+        config = make_config(
+            "llama", num_layers=3, cpu_offloading=n > 0, cpu_offloading_num_layers=n
+        )
+        torch.manual_seed(0)
+        model = GPTModel(config, ParallelState.single(device), device=device)
+        tokens, labels, weights = (t.to(device) for t in make_batch(config))
+        for _ in range(2):  # a second step reuses the side stream and the pinned blocks
+            model.zero_grad()
+            loss = model(tokens, None, labels)
+            (loss * weights).sum().backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters()]))
+        if n:
+            moved = model.decoder.activation_offload.moved_bytes
+            assert set(moved) == {0, 1} and all(moved.values()), moved
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))

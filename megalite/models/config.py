@@ -67,6 +67,8 @@ class GPTConfig:
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
+    cpu_offloading: bool = False  # saved activations of the first layers of each chunk on the host
+    cpu_offloading_num_layers: int = 0  # how many (Megatron's --cpu-offloading-num-layers)
     decoder_first_pipeline_num_layers: int | None = None  # uneven pipeline: first stage's layers
     decoder_last_pipeline_num_layers: int | None = None  # uneven pipeline: last stage's layers
     sequence_parallel: bool = False
@@ -187,6 +189,7 @@ class GPTConfig:
         _check_sizes(self)
         _check_parallel(self, tp_size=tp_size, pp_size=pp_size)
         _check_recompute(self)
+        _check_offload(self, pp_size=pp_size)
         _check_megatron_math(self)
         check_moe(self, tp_size=tp_size)
         check_mask(self)
@@ -292,6 +295,22 @@ def _check_recompute(c: GPTConfig) -> None:
         )
     if g == "full" and (not isinstance(c.recompute_num_layers, int) or c.recompute_num_layers < 1):
         raise ValueError(f"recompute_num_layers must be >= 1, got {c.recompute_num_layers!r}")
+
+
+def _check_offload(c: GPTConfig, *, pp_size: int) -> None:
+    """``cpu_offloading_num_layers`` N counts layers of each model chunk: 0 <= N <= the fewest
+    layers a pipeline stage holds (virtual chunks are checked when they are built)."""
+    n = c.cpu_offloading_num_layers
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"cpu_offloading_num_layers must be an integer >= 0, got {n!r}")
+    if not c.cpu_offloading:
+        return
+    fewest = min(end - start for start, end in c.stage_layer_ranges(pp_size))
+    if n > fewest:
+        raise ValueError(
+            f"cpu_offloading_num_layers {n} exceeds the {fewest} layers of a model chunk "
+            f"(num_layers {c.num_layers} over pp_size {pp_size}); use at most {fewest}"
+        )
 
 
 def _check_megatron_math(c: GPTConfig) -> None:

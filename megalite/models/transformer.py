@@ -19,6 +19,13 @@ Recompute (``recompute_granularity``, ``recompute_method``):
   memory-hungry part (see ``attention.SelfAttention``).
 All go through ``tensor_parallel.random.checkpoint``, which replays the default and tracker RNG
 states, so dropout masks in the recomputation equal the forward's.
+
+Activation offload (``cpu_offloading``, ``cpu_offloading_num_layers`` N, by
+``core.activation_offload``): the saved activations of the block's first N layers live on the
+host between forward and backward. Under full recompute a recomputed layer saves only its
+checkpoint's inputs: those are what move (a uniform chunk moves when its first layer is among the
+first N); a layer of ``block`` past ``recompute_num_layers`` keeps its activations, and moves them
+when it is among the first N.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megalite.core.activation_offload import ActivationOffload
 from megalite.core.parallel_state import ParallelState
 from megalite.core.tensor_parallel.modes import tensor_parallel_mode
 from megalite.core.tensor_parallel.random import RNGStatesTracker, checkpoint
@@ -120,6 +128,23 @@ class TransformerBlock(nn.Module):
             for number in range(start, end)
         )
         self.final_layernorm = _norm(config, ps, device) if post_process else None
+        self.offload_num_layers = config.cpu_offloading_num_layers if config.cpu_offloading else 0
+        if self.offload_num_layers > len(self.layers):
+            n = len(self.layers)
+            raise ValueError(
+                f"cpu_offloading_num_layers {self.offload_num_layers} exceeds the {n} layers "
+                f"[{start}, {end}) of this model chunk; use at most {n}"
+            )
+        self.activation_offload = ActivationOffload() if self.offload_num_layers else None
+
+    def _offloaded(self, i: int, run, *args, **kwargs):
+        """``run(*args, **kwargs)``; what it saves for backward is kept on the host when local
+        layer ``i`` is among the first ``cpu_offloading_num_layers``."""
+        if self.activation_offload is None or i >= self.offload_num_layers:
+            return run(*args, **kwargs)
+        key = self.layers[i].layer_number
+        with self.activation_offload.region(key=key, params=self.layers[i].parameters()):
+            return run(*args, **kwargs)
 
     def forward(
         self,
@@ -128,11 +153,13 @@ class TransformerBlock(nn.Module):
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         cos, sin = rotary if rotary is not None else (None, None)
+        if self.activation_offload is not None:
+            self.activation_offload.new_forward()
         if self.recompute_granularity == "full" and self.training and torch.is_grad_enabled():
             hidden = self._recomputed_forward(hidden, cos, sin, attention_mask)
         else:
-            for layer in self.layers:
-                hidden = layer(hidden, cos, sin, attention_mask)
+            for i, layer in enumerate(self.layers):
+                hidden = self._offloaded(i, layer, hidden, cos, sin, attention_mask)
         if self.final_layernorm is not None:
             hidden = self.final_layernorm(hidden)
         return hidden
@@ -147,19 +174,19 @@ class TransformerBlock(nn.Module):
 
     def _recomputed_forward(self, hidden, cos, sin, attention_mask=None) -> torch.Tensor:
         n, per = len(self.layers), self.recompute_num_layers
-        tracker, device = self.rng_tracker, hidden.device
+        where = {"tracker": self.rng_tracker, "device": hidden.device}
         if self.recompute_method == "uniform":
             for start in range(0, n, per):
                 run = self._chunk(start, min(start + per, n))
-                hidden = checkpoint(
-                    run, hidden, cos, sin, attention_mask, tracker=tracker, device=device
+                hidden = self._offloaded(
+                    start, checkpoint, run, hidden, cos, sin, attention_mask, **where
                 )
             return hidden
         for i, layer in enumerate(self.layers):  # block
             if i < per:
-                hidden = checkpoint(
-                    layer, hidden, cos, sin, attention_mask, tracker=tracker, device=device
+                hidden = self._offloaded(
+                    i, checkpoint, layer, hidden, cos, sin, attention_mask, **where
                 )
             else:
-                hidden = layer(hidden, cos, sin, attention_mask)
+                hidden = self._offloaded(i, layer, hidden, cos, sin, attention_mask)
         return hidden

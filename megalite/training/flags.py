@@ -103,6 +103,14 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     )
     m.add("--recompute-method", choices=RECOMPUTE_METHODS)
     m.add("--recompute-num-layers", type=int)
+    m.switch(
+        "--cpu-offloading", help="saved activations of the first layers of a chunk on the host"
+    )
+    m.add(
+        "--cpu-offloading-num-layers",
+        type=int,
+        help="N: the first N transformer layers of each model chunk (with --cpu-offloading)",
+    )
     kernels = "use the PyTorch reference instead of the Triton kernels"
     for flag in ("--no-fused-kernels", "--no-masked-softmax-fusion", "--no-persist-layer-norm"):
         m.plain(flag, dest="no_fused_kernels", action="store_true", help=kernels)

@@ -29,7 +29,12 @@ from megalite.core.optimizer import sharded_state_format as ckpt
 from megalite.core.optimizer.full_state_format import check_full_state
 from megalite.core.optimizer.loss_scaler import LossScaler
 from megalite.core.optimizer.mixed_precision import MixedPrecisionOptimizer, StepGrads
-from megalite.core.optimizer.sharded_state import OffloadSpec, ShardState, adamw_chunk
+from megalite.core.optimizer.sharded_state import (
+    OffloadSpec,
+    ShardState,
+    adam_on_host,
+    adamw_chunk,
+)
 
 
 @dataclass
@@ -178,6 +183,7 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
                 "exp_avg_sq": sb.state_at("exp_avg_sq", s, n),
             }
         self.steps = 0
+        self._host_grads: dict[int, torch.Tensor] = {}  # id(piece) -> its grad, during step()
         self._agree_on_experts()
 
     @property
@@ -218,17 +224,36 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         return StepGrads(segments, counted, zeros, counted_expert, zeros_expert)
 
     def _before_inner_step(self) -> None:
-        """Offloaded to the host: the unscaled, clipped grads copied next to their masters."""
-        for pc, g in zip(self.pieces, self._piece_grads):
-            if pc.where == "host":
-                pc.master.grad = g.to(pc.master.device, non_blocking=True)
-        if self._device.type == "cuda" and any(pc.where == "host" for pc in self.pieces):
+        """Offloaded to the host: the unscaled, clipped grads copied next to their masters (the
+        inner optimizer skips these pieces: no ``.grad``; ``_step_on_host`` steps them)."""
+        self._host_grads = {
+            id(pc): g.to(pc.master.device, non_blocking=True)
+            for pc, g in zip(self.pieces, self._piece_grads)
+            if pc.where == "host"
+        }
+        if self._device.type == "cuda" and self._host_grads:
             torch.cuda.current_stream(self._device).synchronize()  # the host step reads them next
 
     def _update_model_params(self) -> None:
         self.steps += 1
+        self._step_on_host()
         self._step_on_disk()
         self.update_model_params(include_disk=False)
+
+    @torch.no_grad()
+    def _step_on_host(self) -> None:
+        """The host pieces, one ``adam_on_host`` call per param group."""
+        for i, group in enumerate(self.optimizer.param_groups):
+            pieces = [pc for pc in self.pieces if pc.where == "host" and pc.group == i]
+            if not pieces:
+                continue
+            adam_on_host(
+                [pc.master for pc in pieces],
+                [self._host_grads[id(pc)] for pc in pieces],
+                [self.optimizer.state[pc.master] for pc in pieces],
+                group,
+            )
+        self._host_grads = {}
 
     @torch.no_grad()
     def _step_on_disk(self) -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.optim.adam import adam
 
 from megalite.core.distributed.grad_buffer import GradBuffer
 from megalite.core.distributed.param_offload import ParamFile
@@ -263,6 +264,38 @@ def adamw_chunk(p, g, m, v, *, step: int, lr, weight_decay, betas, eps) -> None:
     bias_correction2_sqrt = math.sqrt(1 - beta2**step)
     denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
     p.addcdiv_(m, denom, value=-lr / bias_correction1)
+
+
+@torch.no_grad()
+def adam_on_host(
+    masters: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], group: dict
+) -> None:
+    """One update of host-resident fp32 masters by torch's fused CPU Adam kernel: one vectorised,
+    threaded pass over the state, several times torch's default single-tensor loop on CPU
+    (``tools/bench/bench_cpu_adam.py``); the result is within a few ulp of it (the offload tests
+    hold it to the unsharded step at 1e-6). ``group``: the inner torch optimizer's param group
+    (AdamW or Adam, amsgrad, maximize as set there); ``states``: its per-master state, whose
+    ``step`` tensors the kernel advances."""
+    amsgrad = group["amsgrad"]
+    adam(
+        masters,
+        grads,
+        [st["exp_avg"] for st in states],
+        [st["exp_avg_sq"] for st in states],
+        [st.setdefault("max_exp_avg_sq", torch.zeros_like(st["exp_avg_sq"])) for st in states]
+        if amsgrad
+        else [],
+        [st["step"] for st in states],
+        fused=True,
+        decoupled_weight_decay=group["decoupled_weight_decay"],
+        amsgrad=amsgrad,
+        beta1=group["betas"][0],
+        beta2=group["betas"][1],
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=group["maximize"],
+    )
 
 
 def _global_rank() -> int:
