@@ -28,7 +28,6 @@ run; only the ratios within one run mean anything.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
 import sys
