@@ -29,6 +29,7 @@ class MegatronReader(CheckpointReader):
     """The common part of both Megatron formats: sizes and settings from the saved ``args``."""
 
     format = ""
+    tp_mode, tp_depth = "1d", 1  # Megatron's tensor parallelism is 1d
 
     def _init_from_args(self, iter_dir: str, args, *, iteration: int, scheduler: dict | None):
         self.iter_dir = iter_dir
