@@ -37,8 +37,10 @@ kept in ``P2PCommunicator.loss_names``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -150,6 +152,72 @@ def per_chunk_iterators(data_iterator: Sequence[Iterator | None]) -> list[Iterat
     return out
 
 
+class _Post(NamedTuple):
+    """One ``PostedOp`` resolved for this run: the peer's global rank, the keys it moves."""
+
+    op: PostedOp
+    send: bool
+    to: int  # global rank at the other end
+    tag: int
+    message: tuple[str, int, int]  # (kind, micro-batch, receiving stage)
+    out_key: tuple[int, int]  # (micro-batch, chunk) of the tensor sent or received
+
+
+class _Plan:
+    """One rank's ``posting_plan`` resolved once for a communicator: per item, a compute
+    ``Action`` with the chunks that run it inside ``no_sync`` (every chunk but those whose grads
+    it touches last), or the ops of one batch with their peers' global ranks. It depends only on
+    the program, the layout, this rank and the communicator, so a run keeps it between steps."""
+
+    def __init__(
+        self,
+        program: Sequence[Action | P2PBatch],
+        layout: StageLayout,
+        pp_rank: int,
+        p2p: P2PCommunicator,
+    ):
+        plan = posting_plan(program, layout, pp_rank, tagged=p2p.tagged)
+        last: dict[int, int] = {}  # chunk -> index of its last B, I or W
+        for i, a in enumerate(plan):
+            if isinstance(a, Action) and a.op in ("B", "I", "W"):
+                last[a.chunk] = i
+        # (True, action, chunks under no_sync) or (False, ops, the forward-only ops)
+        self.items: list[tuple] = []
+        for i, item in enumerate(plan):
+            if isinstance(item, Action):
+                synced = tuple(k for k in range(layout.num_chunks) if last.get(k) != i)
+                self.items.append((True, item, synced))
+                continue
+            ops = tuple(
+                _Post(
+                    op,
+                    op.send,
+                    p2p.global_rank(op.peer, pp_rank),
+                    op.tag,
+                    (op.kind, op.microbatch, op.stage),
+                    (op.microbatch, op.chunk),
+                )
+                for op in item
+            )
+            self.items.append((False, ops, tuple(o for o in ops if o.op.kind == "F")))
+
+
+def plan_for(
+    program: Sequence[Action | P2PBatch], layout: StageLayout, pp_rank: int, p2p: P2PCommunicator
+) -> _Plan:
+    """``program``'s ``_Plan``, kept on ``p2p`` for the next steps when the program is a tuple
+    (the schedules' programs are, and are the same object every step); a list is resolved anew."""
+    if not isinstance(program, tuple):
+        return _Plan(program, layout, pp_rank, p2p)
+    key = (id(program), layout, pp_rank)
+    kept = p2p.plans.get(key)
+    if kept is None or kept[0] is not program:
+        if len(p2p.plans) >= 64:  # programs of a long-gone shape: start over
+            p2p.plans.clear()
+        kept = p2p.plans[key] = (program, _Plan(program, layout, pp_rank, p2p))
+    return kept[1]
+
+
 class _Run:
     """One step of one rank: the tensors in flight between its actions, and the actions."""
 
@@ -173,63 +241,77 @@ class _Run:
         self.m, self.p2p = num_microbatches, p2p
         self.forward_only, self.grad_scale_func = forward_only, grad_scale_func
         self.timeline = timeline
+        self.recording = RECORDER.enabled  # fixed for the step: no recorder calls when off
+        # chunks with a grad wrapper: only their no_sync() does anything
+        self.wrapped = {chunk.index for chunk in model if chunk.grad_wrapper is not None}
         S = layout.num_stages
         self.stages = [layout.stage(pp_rank, c) for c in range(len(self.model))]
         self.is_loss = [s == S - 1 for s in self.stages]
+        # where a chunk's output / input grad goes: True when the next / previous stage is a
+        # chunk of this rank (the turn of a V: handed over in memory, not sent)
+        self.output_stays = [s < S - 1 and layout.place(s + 1)[0] == pp_rank for s in self.stages]
+        self.grad_stays = [s > 0 and layout.place(s - 1)[0] == pp_rank for s in self.stages]
         self.inputs: dict[tuple[int, int], torch.Tensor | None] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.input_grads: dict[tuple[int, int], torch.Tensor | None] = {}
         self.mailbox: dict[tuple[str, int, int], torch.Tensor] = {}  # (kind, mb, stage)
-        # (kind, mb, stage) -> (work, buffer, record); sends: (work, output key, record)
+        # (kind, mb, stage) -> (work, buffer, record); sends: (work, output key, record), oldest
+        # first (a backend completes one peer's sends in posting order)
         self.recvs: dict[tuple[str, int, int], tuple[object, torch.Tensor, object]] = {}
-        self.sends: list[tuple[object, tuple[int, int] | None, object]] = []
+        self.sends: collections.deque = collections.deque()
         self.to_send: dict[tuple[int, int], torch.Tensor] = {}
         self.losses: dict[int, dict] = {}
         self.stores = [WeightGradStore() for _ in self.model]
 
     # --- communication ------------------------------------------------------------------------
 
-    def _poll_sends(self, wait: bool = False) -> None:
-        keep = []
-        for work, key, rec in self.sends:
-            if wait:
-                RECORDER.wait(rec)
-                work.wait()
-            if wait or work.is_completed():
-                RECORDER.end(rec)
-                if key is not None and key in self.outputs:
-                    self.outputs[key] = release_output(self.outputs[key])
-            else:
-                keep.append((work, key, rec))
-        self.sends = keep
+    def _poll_sends(self) -> None:
+        """Release the outputs of the sends known done, oldest first; stop at the first that is
+        not (the later ones are posted behind it)."""
+        sends = self.sends
+        while sends and sends[0][0].is_completed():
+            self._sent(*sends.popleft())
 
-    def _post(self, ops: tuple[PostedOp, ...]) -> None:
+    def _wait_sends(self) -> None:
+        sends = self.sends
+        while sends:
+            work, key, rec = sends.popleft()
+            if self.recording:
+                RECORDER.wait(rec)
+            work.wait()
+            self._sent(work, key, rec)
+
+    def _sent(self, work, key: tuple[int, int] | None, rec) -> None:
+        if self.recording:
+            RECORDER.end(rec)
+        if key is not None and key in self.outputs:
+            self.outputs[key] = release_output(self.outputs[key])
+
+    def _post(self, ops: tuple[_Post, ...]) -> None:
         """One ``batch_isend_irecv`` of ``ops``, in their order."""
-        if self.forward_only:
-            ops = tuple(op for op in ops if op.kind == "F")
         if not ops:
             return
-        p2p_ops, frees, bufs, recs = [], [], [], []
+        p2p = self.p2p
+        p2p_ops, frees, bufs = [], [], []
         for op in ops:
-            to = self.p2p.global_rank(op.peer, self.rank)
             if op.send:
-                if op.kind == "F":
-                    tensor = self.to_send.pop((op.microbatch, op.chunk))
-                    free = (op.microbatch, op.chunk)  # released once the send is done
-                    self.p2p.validate(tensor, "send to the next stage")
+                if op.op.kind == "F":
+                    tensor = self.to_send.pop(op.out_key)
+                    free = op.out_key  # released once the send is done
+                    p2p.validate(tensor, "send to the next stage")
                 else:
-                    tensor, free = self.input_grads.pop((op.microbatch, op.chunk)), None
-                    self.p2p.validate(tensor, "send back")
-                tensor = tensor.detach().contiguous()
+                    tensor, free = self.input_grads.pop(op.out_key), None
+                    p2p.validate(tensor, "send back")
                 frees.append(free)
                 bufs.append(None)
-                p2p_ops.append(dist.P2POp(dist.isend, tensor, to, self.p2p.group, op.tag))
+                tensor = tensor.detach().contiguous()
+                p2p_ops.append(dist.P2POp(dist.isend, tensor, op.to, p2p.group, op.tag))
             else:
-                buf = self.p2p.empty()
+                buf = p2p.receive_buffers.take()
                 frees.append(None)
                 bufs.append(buf)
-                p2p_ops.append(dist.P2POp(dist.irecv, buf, to, self.p2p.group, op.tag))
-            recs.append(self._record(op, to))
+                p2p_ops.append(dist.P2POp(dist.irecv, buf, op.to, p2p.group, op.tag))
+        recs = [self._record(op) for op in ops] if self.recording else [None] * len(ops)
         works = dist.batch_isend_irecv(p2p_ops)
         if len(works) != len(ops):  # nccl: one work for the whole batch
             works = [_AllOf(works)] * len(ops)
@@ -237,48 +319,48 @@ class _Run:
             if op.send:
                 self.sends.append((work, free, rec))
             else:
-                self.recvs[(op.kind, op.microbatch, op.stage)] = (work, buf, rec)
-        if not self.p2p.overlap:  # synchronous p2p: the whole batch, now
+                self.recvs[op.message] = (work, buf, rec)
+        if not p2p.overlap:  # synchronous p2p: the whole batch, now
             for op in ops:
                 if not op.send:
-                    self._take_into_mailbox(op.kind, op.microbatch, op.stage)
-            self._poll_sends(wait=True)
+                    self.mailbox[op.message] = self._take(op.message)
+            self._wait_sends()
 
-    def _take(self, kind: str, mb: int, stage: int) -> torch.Tensor:
-        key = (kind, mb, stage)
+    def _take(self, key: tuple[str, int, int]) -> torch.Tensor:
+        """The tensor of message ``key`` (kind, micro-batch, receiving stage), waited for."""
         if key in self.mailbox:
             return self.mailbox.pop(key)
         if key not in self.recvs:
             raise RuntimeError(
-                f"pipeline rank {self.rank} needs {kind} of micro-batch {mb} at stage {stage} but "
-                "no receive was posted: run the lists of actions.p2p_program / with_p2p"
+                f"pipeline rank {self.rank} needs {key[0]} of micro-batch {key[1]} at stage "
+                f"{key[2]} but no receive was posted: run the lists of actions.p2p_program / "
+                "with_p2p"
             )
         work, buf, rec = self.recvs.pop(key)
-        label = "recv" if self.timeline is not None else None
-        RECORDER.wait(rec)
-        with self.timeline.span(label) if label else contextlib.nullcontext():
+        if self.recording:
+            RECORDER.wait(rec)
+        if self.timeline is not None:
+            with self.timeline.span("recv"):
+                work.wait()
+        else:
             work.wait()
-        RECORDER.end(rec)
+        if self.recording:
+            RECORDER.end(rec)
         return buf
 
-    def _record(self, op: PostedOp, to: int):
-        """The recorder's record of a posted message (None when the recorder is off)."""
-        if not RECORDER.enabled:
-            return None
+    def _record(self, op: _Post):
+        """The recorder's record of a posted message."""
         return RECORDER.post(
             "send" if op.send else "recv",
             axis="pp",
-            what="activation" if op.kind == "F" else "grad",
-            peer=to,
+            what="activation" if op.op.kind == "F" else "grad",
+            peer=op.to,
             shape=self.p2p.shape,
-            stage=op.stage,
-            microbatch=op.microbatch,
-            action="F" if op.kind == "F" else "B",
-            chunk=op.chunk,
+            stage=op.op.stage,
+            microbatch=op.op.microbatch,
+            action="F" if op.op.kind == "F" else "B",
+            chunk=op.op.chunk,
         )
-
-    def _take_into_mailbox(self, kind: str, mb: int, stage: int) -> None:
-        self.mailbox[(kind, mb, stage)] = self._take(kind, mb, stage)
 
     # --- compute ------------------------------------------------------------------------------
 
@@ -290,7 +372,7 @@ class _Run:
     def forward(self, a: Action) -> None:
         mb, c = a.microbatch, a.chunk
         s = self.stages[c]
-        x = None if s == 0 else self._take("F", mb, s)
+        x = None if s == 0 else self._take(("F", mb, s))
         if x is not None and not self.forward_only:
             x.requires_grad_()
         grad_ctx = torch.no_grad() if self.forward_only else contextlib.nullcontext()
@@ -306,17 +388,16 @@ class _Run:
         if not self.forward_only:
             self.inputs[(mb, c)] = x
             self.outputs[(mb, c)] = output
-        if s < self.layout.num_stages - 1:
-            if self.layout.place(s + 1)[0] == self.rank:  # the turn of a V: same rank
-                self.mailbox[("F", mb, s + 1)] = output.detach()
-            else:
-                self.to_send[(mb, c)] = output
+        if self.output_stays[c]:  # the turn of a V: same rank
+            self.mailbox[("F", mb, s + 1)] = output.detach()
+        elif not self.is_loss[c]:
+            self.to_send[(mb, c)] = output
 
     def backward(self, a: Action) -> None:
         mb, c = a.microbatch, a.chunk
         s = self.stages[c]
         x, output = self.inputs.pop((mb, c)), self.outputs.pop((mb, c))
-        grad = None if self.is_loss[c] else self._take("B", mb, s)
+        grad = None if self.is_loss[c] else self._take(("B", mb, s))
         defer = self.stores[c].defer((mb, c)) if a.op == "I" else contextlib.nullcontext()
         with self._span(a), defer:
             if grad is None:  # the loss stage: the output is the scaled loss
@@ -326,7 +407,7 @@ class _Run:
             else:
                 backward_freed_output(output, grad)
         input_grad = None if x is None else x.grad
-        if s > 0 and self.layout.place(s - 1)[0] == self.rank:
+        if self.grad_stays[c]:
             self.mailbox[("B", mb, s - 1)] = input_grad
         else:
             self.input_grads[(mb, c)] = input_grad
@@ -337,21 +418,18 @@ class _Run:
 
     # --- the list -----------------------------------------------------------------------------
 
-    def run(self, plan: list[Action | tuple[PostedOp, ...]]) -> list[dict]:
-        last: dict[int, int] = {}
-        for i, a in enumerate(plan):
-            if isinstance(a, Action) and a.op in ("B", "I", "W"):
-                last[a.chunk] = i
+    def run(self, plan: _Plan) -> list[dict]:
         for chunk, store in zip(self.model, self.stores):
             attach_weight_grad_store(chunk.module, store)
         try:
-            for i, item in enumerate(plan):
-                self._poll_sends()
-                if isinstance(item, Action):
-                    self._step(i, item, last)
+            for is_compute, item, extra in plan.items:
+                if self.sends:
+                    self._poll_sends()
+                if is_compute:
+                    self._step(item, extra)
                 else:
-                    self._post(item)
-            self._poll_sends(wait=True)
+                    self._post(extra if self.forward_only else item)
+            self._wait_sends()
         finally:
             for chunk in self.model:
                 attach_weight_grad_store(chunk.module, None)
@@ -359,21 +437,29 @@ class _Run:
             raise RuntimeError("the action list left weight grads queued: an I without its W")
         return [self.losses[mb] for mb in sorted(self.losses)]
 
-    def _step(self, i: int, a: Action, last: dict[int, int]) -> None:
-        rec = RECORDER.begin(
-            "compute",
-            stage=self.stages[a.chunk],
-            microbatch=a.microbatch,
-            action=a.op,
-            chunk=a.chunk,
-        )
+    def _step(self, a: Action, synced: tuple[int, ...]) -> None:
+        """Run compute action ``a``; ``synced``: the chunks it runs inside ``no_sync`` (B, I, W)."""
+        rec = None
+        if self.recording:
+            rec = RECORDER.begin(
+                "compute",
+                stage=self.stages[a.chunk],
+                microbatch=a.microbatch,
+                action=a.op,
+                chunk=a.chunk,
+            )
         if a.op == "F":
             self.forward(a)
         elif not self.forward_only:  # B, I or W
-            synced = [chunk for k, chunk in enumerate(self.model) if last.get(k) != i]
-            with no_sync(synced):
-                (self.weight if a.op == "W" else self.backward)(a)
-        RECORDER.end(rec)
+            run = self.weight if a.op == "W" else self.backward
+            held = [self.model[k] for k in synced if k in self.wrapped]
+            if held:
+                with no_sync(held):
+                    run(a)
+            else:
+                run(a)
+        if self.recording:
+            RECORDER.end(rec)
 
 
 def execute(
@@ -413,5 +499,5 @@ def execute(
         grad_scale_func=grad_scale_func,
         timeline=timeline,
     )
-    losses = run.run(posting_plan(actions, layout, pp_rank, tagged=p2p.tagged))
+    losses = run.run(plan_for(actions, layout, pp_rank, p2p))
     return p2p.losses_to_last_rank(losses, layout, pp_rank, num_microbatches)

@@ -18,6 +18,8 @@ elsewhere (``losses_to_last_rank``), by the names it keeps in ``loss_names``.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 
@@ -29,6 +31,57 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 class StageShapeMismatch(RuntimeError):
     pass
+
+
+# the counts telling whether anything but the pool holds a buffer (old torch lacks them: no reuse)
+_CAN_REUSE = hasattr(torch.Tensor, "_use_count") and hasattr(torch._C, "_storage_Use_Count")
+
+
+class ReceiveBuffers:
+    """Receive buffers of one shape and dtype, reused once nothing but this pool holds them.
+
+    A received activation becomes the input of a forward: the autograd graph saves it (or a view
+    of it) until the micro-batch's backward (or its W) is done, the stage's own code may keep it,
+    and the grad received for an output may be kept by a ``WeightGradStore`` until W. So a buffer
+    is handed out again only when no Python reference but the pool's, no other holder of its
+    tensor (a saved variable) and no other tensor on its storage (a view) remain; otherwise a new
+    one is allocated. Steps of one schedule then receive into the same few buffers (as many as the
+    step ever held at once). ``allocated``: buffers made so far."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.buffers: list[torch.Tensor] = []
+        self.allocated = 0
+        probe = [torch.empty(0)]
+        self._alone = self._refs(probe, 0)  # references to a buffer held by the pool alone
+
+    @staticmethod
+    def _refs(buffers: list[torch.Tensor], i: int) -> int:
+        return sys.getrefcount(buffers[i])
+
+    def _free(self, i: int) -> bool:
+        if self._refs(self.buffers, i) > self._alone:  # a Python reference elsewhere
+            return False
+        buf = self.buffers[i]
+        storage = buf.untyped_storage()
+        # the tensor: held by the pool alone; its storage: by the tensor and ``storage`` alone
+        return buf._use_count() == 1 and torch._C._storage_Use_Count(storage._cdata) == 2
+
+    def take(self) -> torch.Tensor:
+        """A buffer of the declared shape and dtype for a receive: a free one, else a new one."""
+        if _CAN_REUSE:
+            for i in range(len(self.buffers)):
+                if self._free(i):
+                    buf = self.buffers[i]
+                    if buf.requires_grad:  # it was a forward's input: a fresh leaf again
+                        buf.grad = None
+                        buf.requires_grad_(False)
+                    return buf
+        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        self.allocated += 1
+        if _CAN_REUSE:
+            self.buffers.append(buf)
+        return buf
 
 
 class P2PCommunicator:
@@ -60,6 +113,9 @@ class P2PCommunicator:
         self.group = group
         self.loss_names: list[str] | None = None
         self._checked = False
+        self.receive_buffers = ReceiveBuffers(self.shape, dtype, device)
+        # the executor's resolved posting plans of this run's programs (``executor.plan_for``)
+        self.plans: dict = {}
 
     # --- the consistency check --------------------------------------------------------------------
 
@@ -118,10 +174,6 @@ class P2PCommunicator:
             f"pipeline rank {me} must reach rank {target}, which is not a neighbour: build the "
             "P2PCommunicator with pp_ranks"
         )
-
-    def empty(self) -> torch.Tensor:
-        """A receive buffer of the declared shape and dtype."""
-        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
 
     def validate(self, t: torch.Tensor, what: str) -> None:
         """A one-line StageShapeMismatch unless ``t`` has the declared shape and dtype."""
