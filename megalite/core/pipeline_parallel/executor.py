@@ -40,23 +40,16 @@ from __future__ import annotations
 import collections
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch.autograd import Variable
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from megalite.core.op_record import RECORDER
-from megalite.core.pipeline_parallel.actions import (
-    Action,
-    P2PBatch,
-    PostedOp,
-    StageLayout,
-    posting_plan,
-)
+from megalite.core.pipeline_parallel.actions import Action, P2PBatch, StageLayout
 from megalite.core.pipeline_parallel.model_chunk import ModelChunk, check_model_chunks
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
+from megalite.core.pipeline_parallel.posting import Plan, Post, plan_for
 from megalite.core.pipeline_parallel.timeline import Timeline
 from megalite.core.tensor_parallel.layers import WeightGradStore, attach_weight_grad_store
 
@@ -101,20 +94,6 @@ def no_sync(model: Sequence[ModelChunk]) -> contextlib.ExitStack:
     return stack
 
 
-class _AllOf:
-    """The works of a batch as one (nccl returns one work per batch, gloo one per op)."""
-
-    def __init__(self, works):
-        self.works = list(works)
-
-    def wait(self):
-        for w in self.works:
-            w.wait()
-
-    def is_completed(self):
-        return all(w.is_completed() for w in self.works)
-
-
 class _SharedBatches:
     """Chunks given the same iterator each see every micro-batch once: the first to ask reads
     it, the others replay it."""
@@ -150,72 +129,6 @@ def per_chunk_iterators(data_iterator: Sequence[Iterator | None]) -> list[Iterat
             for c in chunks:
                 out[c] = shared.view()
     return out
-
-
-class _Post(NamedTuple):
-    """One ``PostedOp`` resolved for this run: the peer's global rank, the keys it moves."""
-
-    op: PostedOp
-    send: bool
-    to: int  # global rank at the other end
-    tag: int
-    message: tuple[str, int, int]  # (kind, micro-batch, receiving stage)
-    out_key: tuple[int, int]  # (micro-batch, chunk) of the tensor sent or received
-
-
-class _Plan:
-    """One rank's ``posting_plan`` resolved once for a communicator: per item, a compute
-    ``Action`` with the chunks that run it inside ``no_sync`` (every chunk but those whose grads
-    it touches last), or the ops of one batch with their peers' global ranks. It depends only on
-    the program, the layout, this rank and the communicator, so a run keeps it between steps."""
-
-    def __init__(
-        self,
-        program: Sequence[Action | P2PBatch],
-        layout: StageLayout,
-        pp_rank: int,
-        p2p: P2PCommunicator,
-    ):
-        plan = posting_plan(program, layout, pp_rank, tagged=p2p.tagged)
-        last: dict[int, int] = {}  # chunk -> index of its last B, I or W
-        for i, a in enumerate(plan):
-            if isinstance(a, Action) and a.op in ("B", "I", "W"):
-                last[a.chunk] = i
-        # (True, action, chunks under no_sync) or (False, ops, the forward-only ops)
-        self.items: list[tuple] = []
-        for i, item in enumerate(plan):
-            if isinstance(item, Action):
-                synced = tuple(k for k in range(layout.num_chunks) if last.get(k) != i)
-                self.items.append((True, item, synced))
-                continue
-            ops = tuple(
-                _Post(
-                    op,
-                    op.send,
-                    p2p.global_rank(op.peer, pp_rank),
-                    op.tag,
-                    (op.kind, op.microbatch, op.stage),
-                    (op.microbatch, op.chunk),
-                )
-                for op in item
-            )
-            self.items.append((False, ops, tuple(o for o in ops if o.op.kind == "F")))
-
-
-def plan_for(
-    program: Sequence[Action | P2PBatch], layout: StageLayout, pp_rank: int, p2p: P2PCommunicator
-) -> _Plan:
-    """``program``'s ``_Plan``, kept on ``p2p`` for the next steps when the program is a tuple
-    (the schedules' programs are, and are the same object every step); a list is resolved anew."""
-    if not isinstance(program, tuple):
-        return _Plan(program, layout, pp_rank, p2p)
-    key = (id(program), layout, pp_rank)
-    kept = p2p.plans.get(key)
-    if kept is None or kept[0] is not program:
-        if len(p2p.plans) >= 64:  # programs of a long-gone shape: start over
-            p2p.plans.clear()
-        kept = p2p.plans[key] = (program, _Plan(program, layout, pp_rank, p2p))
-    return kept[1]
 
 
 class _Run:
@@ -287,39 +200,33 @@ class _Run:
         if key is not None and key in self.outputs:
             self.outputs[key] = release_output(self.outputs[key])
 
-    def _post(self, ops: tuple[_Post, ...]) -> None:
-        """One ``batch_isend_irecv`` of ``ops``, in their order."""
+    def _post(self, ops: tuple[Post, ...]) -> None:
+        """One batch of ``ops``, posted in their order (``P2PCommunicator.post``)."""
         if not ops:
             return
         p2p = self.p2p
-        p2p_ops, frees, bufs = [], [], []
+        batch, frees = [], []
         for op in ops:
             if op.send:
-                if op.op.kind == "F":
+                if op.kind == "F":
                     tensor = self.to_send.pop(op.out_key)
-                    free = op.out_key  # released once the send is done
+                    frees.append(op.out_key)  # released once the send is done
                     p2p.validate(tensor, "send to the next stage")
                 else:
-                    tensor, free = self.input_grads.pop(op.out_key), None
+                    tensor = self.input_grads.pop(op.out_key)
+                    frees.append(None)
                     p2p.validate(tensor, "send back")
-                frees.append(free)
-                bufs.append(None)
-                tensor = tensor.detach().contiguous()
-                p2p_ops.append(dist.P2POp(dist.isend, tensor, op.to, p2p.group, op.tag))
+                batch.append((True, tensor.detach().contiguous(), op.to, op.tag))
             else:
-                buf = p2p.receive_buffers.take()
-                frees.append(None)
-                bufs.append(buf)
-                p2p_ops.append(dist.P2POp(dist.irecv, buf, op.to, p2p.group, op.tag))
+                frees.append(p2p.receive_buffers.take())
+                batch.append((False, frees[-1], op.to, op.tag))
         recs = [self._record(op) for op in ops] if self.recording else [None] * len(ops)
-        works = dist.batch_isend_irecv(p2p_ops)
-        if len(works) != len(ops):  # nccl: one work for the whole batch
-            works = [_AllOf(works)] * len(ops)
-        for op, work, free, buf, rec in zip(ops, works, frees, bufs, recs):
+        works = p2p.post(batch)
+        for op, work, free, rec in zip(ops, works, frees, recs):
             if op.send:
                 self.sends.append((work, free, rec))
-            else:
-                self.recvs[op.message] = (work, buf, rec)
+            else:  # free: the receive buffer
+                self.recvs[op.message] = (work, free, rec)
         if not p2p.overlap:  # synchronous p2p: the whole batch, now
             for op in ops:
                 if not op.send:
@@ -348,18 +255,18 @@ class _Run:
             RECORDER.end(rec)
         return buf
 
-    def _record(self, op: _Post):
+    def _record(self, op: Post):
         """The recorder's record of a posted message."""
         return RECORDER.post(
             "send" if op.send else "recv",
             axis="pp",
-            what="activation" if op.op.kind == "F" else "grad",
+            what="activation" if op.kind == "F" else "grad",
             peer=op.to,
             shape=self.p2p.shape,
-            stage=op.op.stage,
-            microbatch=op.op.microbatch,
-            action="F" if op.op.kind == "F" else "B",
-            chunk=op.op.chunk,
+            stage=op.message[2],
+            microbatch=op.message[1],
+            action="F" if op.kind == "F" else "B",
+            chunk=op.out_key[1],
         )
 
     # --- compute ------------------------------------------------------------------------------
@@ -375,15 +282,13 @@ class _Run:
         x = None if s == 0 else self._take(("F", mb, s))
         if x is not None and not self.forward_only:
             x.requires_grad_()
-        grad_ctx = torch.no_grad() if self.forward_only else contextlib.nullcontext()
-        with self._span(a), grad_ctx:
-            stage = self.model[c].module
-            stage.set_input_tensor(x)
-            output, loss_func = self.forward_step_func(self.data_iterator[c], stage)
-            if self.is_loss[c]:
-                loss, reported = loss_func(output)
-                self.losses[mb] = reported
-                output = loss / self.m
+        stage = self.model[c].module
+        if self.timeline is None and not self.forward_only:  # the hot path: no context to enter
+            output = self._forward(stage, mb, c, x)
+        else:
+            grad_ctx = torch.no_grad() if self.forward_only else contextlib.nullcontext()
+            with self._span(a), grad_ctx:
+                output = self._forward(stage, mb, c, x)
         stage.set_input_tensor(None)
         if not self.forward_only:
             self.inputs[(mb, c)] = x
@@ -393,24 +298,42 @@ class _Run:
         elif not self.is_loss[c]:
             self.to_send[(mb, c)] = output
 
+    def _forward(self, stage: torch.nn.Module, mb: int, c: int, x: torch.Tensor | None):
+        """The chunk's output for micro-batch ``mb`` (on the loss stage: its loss / m)."""
+        stage.set_input_tensor(x)
+        output, loss_func = self.forward_step_func(self.data_iterator[c], stage)
+        if self.is_loss[c]:
+            loss, reported = loss_func(output)
+            self.losses[mb] = reported
+            output = loss / self.m
+        return output
+
     def backward(self, a: Action) -> None:
         mb, c = a.microbatch, a.chunk
         s = self.stages[c]
         x, output = self.inputs.pop((mb, c)), self.outputs.pop((mb, c))
         grad = None if self.is_loss[c] else self._take(("B", mb, s))
-        defer = self.stores[c].defer((mb, c)) if a.op == "I" else contextlib.nullcontext()
-        with self._span(a), defer:
-            if grad is None:  # the loss stage: the output is the scaled loss
-                if self.grad_scale_func is not None:
-                    output = self.grad_scale_func(output)
-                output.backward()
-            else:
-                backward_freed_output(output, grad)
+        if a.op == "I":  # the chunk's linear layers defer their weight grads to W
+            with self._span(a), self.stores[c].defer((mb, c)):
+                self._backward(output, grad)
+        elif self.timeline is not None:
+            with self._span(a):
+                self._backward(output, grad)
+        else:
+            self._backward(output, grad)
         input_grad = None if x is None else x.grad
         if self.grad_stays[c]:
             self.mailbox[("B", mb, s - 1)] = input_grad
         else:
             self.input_grads[(mb, c)] = input_grad
+
+    def _backward(self, output: torch.Tensor | GradientEdge, grad: torch.Tensor | None) -> None:
+        if grad is None:  # the loss stage: the output is the scaled loss
+            if self.grad_scale_func is not None:
+                output = self.grad_scale_func(output)
+            output.backward()
+        else:
+            backward_freed_output(output, grad)
 
     def weight(self, a: Action) -> None:
         with self._span(a):
@@ -418,7 +341,7 @@ class _Run:
 
     # --- the list -----------------------------------------------------------------------------
 
-    def run(self, plan: _Plan) -> list[dict]:
+    def run(self, plan: Plan) -> list[dict]:
         for chunk, store in zip(self.model, self.stores):
             attach_weight_grad_store(chunk.module, store)
         try:
@@ -452,7 +375,7 @@ class _Run:
             self.forward(a)
         elif not self.forward_only:  # B, I or W
             run = self.weight if a.op == "W" else self.backward
-            held = [self.model[k] for k in synced if k in self.wrapped]
+            held = [self.model[k] for k in synced if k in self.wrapped] if self.wrapped else None
             if held:
                 with no_sync(held):
                     run(a)

@@ -12,7 +12,11 @@ object holds what they share for a run: the group, the declared shape and dtype,
 global ranks of the pipeline group in stage order: an interleaved schedule's wrap-around reaches a
 non-neighbour), ``overlap`` (whether a posted receive may wait until its consumer runs),
 ``tagged`` (False posts every message with tag 0: matched by posting order alone, as nccl matches
-them; a test mode for gloo). It also hands the losses to the last rank when the loss stage lives
+them; a test mode for gloo), ``batched`` (how ``post`` posts a batch: one ``batch_isend_irecv``,
+which nccl coalesces into one grouped launch; or, where the backend posts a batch op by op anyway
+(gloo: what ``batch_isend_irecv`` does there), each op straight on the process group, without the
+per-op Python checks; the default: batched unless the device is the CPU), the pool of receive
+buffers (``ReceiveBuffers``). It also hands the losses to the last rank when the loss stage lives
 elsewhere (``losses_to_last_rank``), by the names it keeps in ``loss_names``.
 """
 
@@ -84,6 +88,20 @@ class ReceiveBuffers:
         return buf
 
 
+class _AllOf:
+    """The works of a batch as one (nccl returns one work per batch, gloo one per op)."""
+
+    def __init__(self, works):
+        self.works = list(works)
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+
+    def is_completed(self):
+        return all(w.is_completed() for w in self.works)
+
+
 class P2PCommunicator:
     """What the pipeline stages of one run exchange, and with whom.
 
@@ -105,6 +123,7 @@ class P2PCommunicator:
         pp_ranks: list[int] | None = None,
         overlap: bool = True,
         tagged: bool = True,
+        batched: bool | None = None,
     ):
         self.prev_rank, self.next_rank = prev_rank, next_rank
         self.pp_ranks, self.overlap = (list(pp_ranks) if pp_ranks else None), overlap
@@ -113,7 +132,9 @@ class P2PCommunicator:
         self.group = group
         self.loss_names: list[str] | None = None
         self._checked = False
+        self.batched = device.type != "cpu" if batched is None else batched
         self.receive_buffers = ReceiveBuffers(self.shape, dtype, device)
+        self._group_ranks: dict[int, int] = {}  # global rank -> rank in ``group`` (``post``)
         # the executor's resolved posting plans of this run's programs (``executor.plan_for``)
         self.plans: dict = {}
 
@@ -174,6 +195,27 @@ class P2PCommunicator:
             f"pipeline rank {me} must reach rank {target}, which is not a neighbour: build the "
             "P2PCommunicator with pp_ranks"
         )
+
+    def post(self, batch: list[tuple[bool, torch.Tensor, int, int]]) -> list:
+        """Post ``batch``, ``(send, tensor, global peer, tag)`` in that order, as one batch; a work
+        per op (a batch's one work, repeated, where nccl returns one)."""
+        if self.batched:
+            works = dist.batch_isend_irecv(
+                [
+                    dist.P2POp(dist.isend if send else dist.irecv, t, peer, self.group, tag)
+                    for send, t, peer, tag in batch
+                ]
+            )
+            return works if len(works) == len(batch) else [_AllOf(works)] * len(batch)
+        group = self.group if self.group is not None else dist.group.WORLD
+        ranks = self._group_ranks
+        works = []
+        for send, t, peer, tag in batch:  # batch_isend_irecv's loop on such a backend
+            if peer not in ranks:
+                ranks[peer] = dist.get_group_rank(group, peer)
+            post = group.send if send else group.recv
+            works.append(post([t], ranks[peer], tag))
+        return works
 
     def validate(self, t: torch.Tensor, what: str) -> None:
         """A one-line StageShapeMismatch unless ``t`` has the declared shape and dtype."""
