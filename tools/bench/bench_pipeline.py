@@ -226,7 +226,11 @@ def main() -> None:
         args.pp, args.m, args.steps, args.microbatches = args.pp or 2, 4, 1, [2, 4]
     if args.all:
         ratios = run_all(
-            pp=args.pp or 4, m=args.m, steps=args.steps, timeline_dir=args.timeline_dir
+            pp=args.pp or 4,
+            m=args.m,
+            steps=args.steps,
+            timeline_dir=args.timeline_dir,
+            quick=args.tiny,
         )
         bad = {k: round(r, 3) for k, r in ratios.items() if abs(r - 1) > 0.15}
         if args.check and bad:

@@ -12,15 +12,19 @@ layers deferring their weight grads into a ``WeightGradStore`` keyed by the micr
 computes them.
 
 Communication: ``actions`` is this rank's ``actions.p2p_program`` (compute actions and
-``P2PBatch`` es); each batch is posted as ONE ``batch_isend_irecv`` of the ops
-``actions.posting_plan`` lists, in that order (``p2p_program``'s docstring says why this is
-deadlock-free and FIFO-correct on nccl, which ignores tags). Sends are never waited for: once a
-send is done the executor drops its reference to the sent output and keeps only the output's
-autograd edge (``release_output``; the next stage has a copy). On gloo a send reports done only
-once waited for, so with overlap the release comes at the end of the step (no saving on CPU);
-nccl's works report it as it happens. With overlap a received tensor is waited for by its
-consumer; without (``P2PCommunicator(overlap=False)``) the whole batch is waited for right after
-posting. Messages carry a tag per (direction, micro-batch, stage) for gloo;
+``P2PBatch`` es); each batch is posted as ONE batch (``P2PCommunicator.post``: one
+``batch_isend_irecv`` on nccl) of the ops ``actions.posting_plan`` lists, in that order
+(``p2p_program``'s docstring says why this is deadlock-free and FIFO-correct on nccl, which ignores
+tags). The plan is resolved once per program and communicator (``posting.plan_for``), and the
+receive buffers come from the communicator's pool, reused once nothing holds them
+(``p2p.ReceiveBuffers``); per action the hot path does no string formatting, enters no context
+and calls no recorder unless a timeline or the recorder is on. Sends are never waited for: once a
+send is done (polled oldest first) the executor drops its reference to the sent output and keeps
+only the output's autograd edge (``release_output``; the next stage has a copy). On gloo a send
+reports done only once waited for, so with overlap the release comes at the end of the step (no
+saving on CPU); nccl's works report it as it happens. With overlap a received tensor is waited
+for by its consumer; without (``P2PCommunicator(overlap=False)``) the whole batch is waited for
+right after posting. Messages carry a tag per (direction, micro-batch, stage) for gloo;
 ``P2PCommunicator(tagged=False)`` sends all with tag 0, as nccl would see them (the tests run
 that on gloo, which then matches by posting order). A plain SEND / RECV action (a flat list of
 ``with_p2p``) is posted as a batch of one.
@@ -47,6 +51,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from megalite.core.op_record import RECORDER
 from megalite.core.pipeline_parallel.actions import Action, P2PBatch, StageLayout
+from megalite.core.pipeline_parallel.data_iterators import per_chunk_iterators
 from megalite.core.pipeline_parallel.model_chunk import ModelChunk, check_model_chunks
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.core.pipeline_parallel.posting import Plan, Post, plan_for
@@ -92,43 +97,6 @@ def no_sync(model: Sequence[ModelChunk]) -> contextlib.ExitStack:
     for chunk in model:
         stack.enter_context(chunk.no_sync())
     return stack
-
-
-class _SharedBatches:
-    """Chunks given the same iterator each see every micro-batch once: the first to ask reads
-    it, the others replay it."""
-
-    def __init__(self, source: Iterator, readers: int):
-        self.source, self.readers = source, readers
-        self.cache: dict[int, list] = {}  # index -> [item, readers left]
-        self.read = 0
-
-    def view(self) -> Iterator:
-        index = 0
-        while True:
-            if index == self.read:
-                self.cache[index] = [next(self.source), self.readers]
-                self.read += 1
-            entry = self.cache[index]
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self.cache[index]
-            yield entry[0]
-            index += 1
-
-
-def per_chunk_iterators(data_iterator: Sequence[Iterator | None]) -> list[Iterator | None]:
-    groups: dict[int, list[int]] = {}
-    for c, it in enumerate(data_iterator):
-        if it is not None:
-            groups.setdefault(id(it), []).append(c)
-    out = list(data_iterator)
-    for chunks in groups.values():
-        if len(chunks) > 1:
-            shared = _SharedBatches(data_iterator[chunks[0]], len(chunks))
-            for c in chunks:
-                out[c] = shared.view()
-    return out
 
 
 class _Run:
