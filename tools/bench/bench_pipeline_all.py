@@ -19,6 +19,7 @@ run), and the simulator's prediction from costs profiled in the same run:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -89,7 +90,9 @@ class Chunk(nn.Module):
         return self.blocks(x if self.first else self.input_tensor)
 
 
+@functools.lru_cache(maxsize=4)
 def _data(m):
+    """The step's inputs and targets, made once (outside every timed step, as for torch's)."""
     g = torch.Generator().manual_seed(0)
     return (
         torch.randn(m, MICRO_BATCH, HIDDEN, generator=g),
