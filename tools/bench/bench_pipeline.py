@@ -26,6 +26,7 @@ one 1F1B and one GPipe step as JSON and SVG (see tools/pipeline_timeline.py).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -77,7 +78,9 @@ class Stack(nn.Module):
         return self.blocks(x)
 
 
+@functools.lru_cache(maxsize=8)
 def _data(m):
+    """The step's inputs and targets, made once (outside every timed step, as for torch's)."""
     g = torch.Generator().manual_seed(0)
     return (
         torch.randn(m * MICRO_BATCH, HIDDEN, generator=g),
@@ -226,7 +229,11 @@ def main() -> None:
         args.pp, args.m, args.steps, args.microbatches = args.pp or 2, 4, 1, [2, 4]
     if args.all:
         ratios = run_all(
-            pp=args.pp or 4, m=args.m, steps=args.steps, timeline_dir=args.timeline_dir
+            pp=args.pp or 4,
+            m=args.m,
+            steps=args.steps,
+            timeline_dir=args.timeline_dir,
+            quick=args.tiny,
         )
         bad = {k: round(r, 3) for k, r in ratios.items() if abs(r - 1) > 0.15}
         if args.check and bad:

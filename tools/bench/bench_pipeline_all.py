@@ -6,8 +6,9 @@ run), and the simulator's prediction from costs profiled in the same run:
 
 - F / I / W of every global stage, each rank timing its chunks ALONE in turn
   (``profiling.profile_chunk``, one profile per stage count: 4 and 8 stages at PP 4), the p2p
-  latency from a ping-pong, the executor's own time per action from a timed 1F1B step, and the
-  cores the ranks really get (all computing at once; PP 4 on a 2-core machine shares them);
+  latency from a ping-pong, the executor's own time per action (``executor_seconds_per_action``:
+  the main thread's CPU time outside compute and receive waits in 1F1B steps, mean over ranks), and
+  the cores the ranks really get (all computing at once; PP 4 on a 2-core machine shares them);
 - "predicted" replays each schedule's action list with those costs and that core sharing
   (``simulate(..., cores=c)``): its step over the predicted 1F1B step is printed beside the
   MEASURED step over the measured 1F1B step, so "faster than 1F1B by about what the simulator
@@ -18,6 +19,7 @@ run), and the simulator's prediction from costs profiled in the same run:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -36,6 +38,7 @@ from megalite.core.pipeline_parallel.generators import generate, layout_of
 from megalite.core.pipeline_parallel.model_chunk import ModelChunk
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.core.pipeline_parallel.profiling import (
+    executor_seconds_per_action,
     gather_stage_costs,
     p2p_latency,
     profile_chunk,
@@ -87,7 +90,9 @@ class Chunk(nn.Module):
         return self.blocks(x if self.first else self.input_tensor)
 
 
+@functools.lru_cache(maxsize=4)
 def _data(m):
+    """The step's inputs and targets, made once (outside every timed step, as for torch's)."""
     g = torch.Generator().manual_seed(0)
     return (
         torch.randn(m, MICRO_BATCH, HIDDEN, generator=g),
@@ -159,11 +164,13 @@ def _timed(step, steps, chunks):
     return statistics.median(samples)
 
 
-def _worker(rank, pp, m, steps, init_file, timeline_dir, q):
+def _worker(rank, pp, m, steps, init_file, timeline_dir, q, quick=False):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=pp)
     out = {}
-    profile = _profile_all(pp, m, rank)  # before any step: fresh chunks, untouched by torch's
+    profile = _profile_all(
+        pp, m, rank, quick
+    )  # before any step: fresh chunks, untouched by torch's
     for schedule, v in CASES:
         torch.manual_seed(rank)
         layout = layout_of(schedule, pp, v)
@@ -195,15 +202,23 @@ def _worker(rank, pp, m, steps, init_file, timeline_dir, q):
         gathered = [None] * pp
         dist.all_gather_object(gathered, (spans, end - base))
         out[schedule] = (ours, theirs, [g[0] for g in gathered], [g[1] for g in gathered])
+        if schedule == "1f1b":  # the executor's own CPU per action, mean over ranks
+            n = len(with_p2p(generate(schedule, pp_size=pp, num_microbatches=m), layout)[rank])
+            cpu = executor_seconds_per_action(lambda tl, a=args: _megalite(*a, timeline=tl), n)
+            mean = torch.tensor([cpu / pp])
+            dist.all_reduce(mean)
+            profile["per_action"] = float(mean)
     if rank == 0:
         q.put((out, profile))
     dist.destroy_process_group()
     del timeline_dir
 
 
-def _profile_all(pp, m, rank) -> dict:
+def _profile_all(pp, m, rank, quick=False) -> dict:
     """Stage costs (per stage count), p2p latency, effective cores: see the module docstring.
-    Fresh chunks of the benchmark's shapes, profiled before any step is timed."""
+    Fresh chunks of the benchmark's shapes, profiled before any step is timed. ``quick``: fewer
+    repetitions (a smoke run)."""
+    repeats = dict(repeats=3, warmup=1) if quick else {}
     xs, ys = _data(m)
     batches = list(zip(xs, ys))
     stages, cases, all_chunks = {}, {}, {}
@@ -229,17 +244,18 @@ def _profile_all(pp, m, rank) -> dict:
                     first=s == 0,
                     loss=s == layout.num_stages - 1,
                     num_microbatches=m,
+                    **repeats,
                 )
         dist.barrier()
         stages[n] = gather_stage_costs(mine)
-    latency = p2p_latency((MICRO_BATCH, HIDDEN), list(range(pp)))
+    latency = p2p_latency((MICRO_BATCH, HIDDEN), list(range(pp)), repeats=3 if quick else 11)
     # the cores the ranks get when all compute at once: work done at the alone-costs per second
     layout = layout_of("1f1b", pp, 1)
     chunk, s = all_chunks["1f1b"][0], layout.stage(rank, 0)
     unit = sum(stages[pp][s])
     dist.barrier()
     t0, done = time.perf_counter(), 0
-    while time.perf_counter() - t0 < 0.4:
+    while time.perf_counter() - t0 < (0.1 if quick else 0.4):
         profile_chunk(
             chunk,
             _forward_step,
@@ -258,23 +274,16 @@ def _profile_all(pp, m, rank) -> dict:
     return {"stages": stages, "latency": latency, "cores": min(float(pp), float(rate))}
 
 
-def _per_action(spans, ends, lists, cores, pp) -> float:
-    """The executor's own time per action in a measured step (outside every compute span and
-    receive wait), mean over ranks, as CPU work: divided by the core-sharing stretch."""
-    outside = [
-        (end - sum(e - s for _, s, e in rank_spans)) / len(actions)
-        for rank_spans, end, actions in zip(spans, ends, lists)
-    ]
-    return max(0.0, sum(outside) / len(outside)) / max(1.0, pp / cores)
-
-
-def run_all(*, pp: int, m: int, steps: int, timeline_dir: str | None) -> dict[str, float]:
-    """Run and print every schedule; returns predicted / measured step per schedule."""
+def run_all(
+    *, pp: int, m: int, steps: int, timeline_dir: str | None, quick: bool = False
+) -> dict[str, float]:
+    """Run and print every schedule; returns predicted / measured step per schedule. ``quick``:
+    fewer profiling repetitions (a smoke run)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     init_file = os.path.join(tempfile.mkdtemp(), "rdzv")
     procs = [
-        ctx.Process(target=_worker, args=(r, pp, m, steps, init_file, timeline_dir, q))
+        ctx.Process(target=_worker, args=(r, pp, m, steps, init_file, timeline_dir, q, quick))
         for r in range(pp)
     ]
     for p in procs:
@@ -290,15 +299,14 @@ def run_all(*, pp: int, m: int, steps: int, timeline_dir: str | None) -> dict[st
         )
         for schedule, v in CASES
     }
-    _, _, spans, ends = out["1f1b"]
-    per_action = _per_action(spans, ends, lists[("1f1b", 1)], cores, pp)
+    per_action = profile["per_action"]
     one = profile["stages"][pp]
     print(
         f"pp={pp} m={m}, {BLOCKS} MLP blocks of h={HIDDEN}, micro-batch {MICRO_BATCH}, "
         f"medians of {steps} steps; stage 0 alone: F {one[0][0] * 1e3:.2f} ms, I "
         f"{one[0][1] * 1e3:.2f} ms, W {one[0][2] * 1e3:.2f} ms; p2p {latency * 1e6:.0f} us; "
         f"effective cores {cores:.2f} of {len(os.sched_getaffinity(0))}; executor "
-        f"{per_action * 1e6:.0f} us/action"
+        f"{per_action * 1e6:.0f} us/action (CPU)"
     )
     shared = max(1.0, cores) if cores < pp else None  # the model needs a core at least
     sims, ideal = {}, {}

@@ -57,6 +57,7 @@ from megalite.core.pipeline_parallel.generators import V_SHAPED, generate, layou
 from megalite.core.pipeline_parallel.model_chunk import ModelChunk  # noqa: E402
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator  # noqa: E402
 from megalite.core.pipeline_parallel.profiling import (  # noqa: E402
+    executor_seconds_per_action,
     gather_stage_costs,
     p2p_latency,
     profile_chunk,
@@ -142,7 +143,7 @@ def measure(
         first = cases[0]
         n = layout_of(first[0], pp, first[1]).num_stages
         cores = _effective_cores(first, chunks[first], batches, shape, ps, stages[n])
-        per_action = _executor_overhead(first, chunks[first], p2p, batches, ps) / (pp / cores)
+        per_action = _executor_overhead(first, chunks[first], p2p, batches, ps)
         for case in cases:
             if per_case_cores:  # the load drifts within a run: the cores just before each step
                 n = layout_of(case[0], pp, case[1]).num_stages
@@ -202,15 +203,17 @@ def _effective_cores(case, chunks, batches, shape, ps, stages, window=0.4) -> fl
 
 
 def _executor_overhead(case, chunks, p2p, batches, ps) -> float:
-    """The executor's own time per action (outside every compute span and receive wait) in a
-    short step of ``case`` at m = pp, mean over ranks."""
-    tl = Timeline()
+    """The executor's own CPU time per action (``executor_seconds_per_action``: outside every
+    compute span and receive wait) in short steps of ``case`` at m = pp, mean over ranks."""
     m = ps.pp_size
-    start, end = _step(*case, chunks, p2p, batches[:m], ps, timeline=tl)
     layout = layout_of(case[0], ps.pp_size, case[1])
     compute = generate(case[0], pp_size=m, num_microbatches=m, num_chunks=case[1])
     n = len(with_p2p(compute, layout)[ps.pp_rank])
-    mine = torch.tensor([(end - start - sum(e - s for _, s, e in tl.spans)) / n])
+
+    def step(timeline):
+        _step(*case, chunks, p2p, batches[:m], ps, timeline=timeline)
+
+    mine = torch.tensor([executor_seconds_per_action(step, n)])
     dist.all_reduce(mine, group=ps.pp_group)
     return float(mine) / ps.pp_size
 
@@ -407,7 +410,7 @@ def main() -> None:
         first = next(iter(rows.values()))
         share += (
             f"; measured: {first['cores']:.2f} effective cores, executor "
-            f"{first['per_action'] * 1e6:.0f} us/action"
+            f"{first['per_action'] * 1e6:.0f} us/action (CPU)"
         )
         print(
             f"PP {pp}, m {args.m}, GPT {model['num_layers']} layers h {model['hidden_size']} seq "

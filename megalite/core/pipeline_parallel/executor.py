@@ -12,15 +12,19 @@ layers deferring their weight grads into a ``WeightGradStore`` keyed by the micr
 computes them.
 
 Communication: ``actions`` is this rank's ``actions.p2p_program`` (compute actions and
-``P2PBatch`` es); each batch is posted as ONE ``batch_isend_irecv`` of the ops
-``actions.posting_plan`` lists, in that order (``p2p_program``'s docstring says why this is
-deadlock-free and FIFO-correct on nccl, which ignores tags). Sends are never waited for: once a
-send is done the executor drops its reference to the sent output and keeps only the output's
-autograd edge (``release_output``; the next stage has a copy). On gloo a send reports done only
-once waited for, so with overlap the release comes at the end of the step (no saving on CPU);
-nccl's works report it as it happens. With overlap a received tensor is waited for by its
-consumer; without (``P2PCommunicator(overlap=False)``) the whole batch is waited for right after
-posting. Messages carry a tag per (direction, micro-batch, stage) for gloo;
+``P2PBatch`` es); each batch is posted as ONE batch (``P2PCommunicator.post``: one
+``batch_isend_irecv`` on nccl) of the ops ``actions.posting_plan`` lists, in that order
+(``p2p_program``'s docstring says why this is deadlock-free and FIFO-correct on nccl, which ignores
+tags). The plan is resolved once per program and communicator (``posting.plan_for``), and the
+receive buffers come from the communicator's pool, reused once nothing holds them
+(``p2p.ReceiveBuffers``); per action the hot path does no string formatting, enters no context
+and calls no recorder unless a timeline or the recorder is on. Sends are never waited for: once a
+send is done (polled oldest first) the executor drops its reference to the sent output and keeps
+only the output's autograd edge (``release_output``; the next stage has a copy). On gloo a send
+reports done only once waited for, so with overlap the release comes at the end of the step (no
+saving on CPU); nccl's works report it as it happens. With overlap a received tensor is waited
+for by its consumer; without (``P2PCommunicator(overlap=False)``) the whole batch is waited for
+right after posting. Messages carry a tag per (direction, micro-batch, stage) for gloo;
 ``P2PCommunicator(tagged=False)`` sends all with tag 0, as nccl would see them (the tests run
 that on gloo, which then matches by posting order). A plain SEND / RECV action (a flat list of
 ``with_p2p``) is posted as a batch of one.
@@ -37,24 +41,20 @@ kept in ``P2PCommunicator.loss_names``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 from torch.autograd import Variable
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from megalite.core.op_record import RECORDER
-from megalite.core.pipeline_parallel.actions import (
-    Action,
-    P2PBatch,
-    PostedOp,
-    StageLayout,
-    posting_plan,
-)
+from megalite.core.pipeline_parallel.actions import Action, P2PBatch, StageLayout
+from megalite.core.pipeline_parallel.data_iterators import per_chunk_iterators
 from megalite.core.pipeline_parallel.model_chunk import ModelChunk, check_model_chunks
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
+from megalite.core.pipeline_parallel.posting import Plan, Post, plan_for
 from megalite.core.pipeline_parallel.timeline import Timeline
 from megalite.core.tensor_parallel.layers import WeightGradStore, attach_weight_grad_store
 
@@ -99,57 +99,6 @@ def no_sync(model: Sequence[ModelChunk]) -> contextlib.ExitStack:
     return stack
 
 
-class _AllOf:
-    """The works of a batch as one (nccl returns one work per batch, gloo one per op)."""
-
-    def __init__(self, works):
-        self.works = list(works)
-
-    def wait(self):
-        for w in self.works:
-            w.wait()
-
-    def is_completed(self):
-        return all(w.is_completed() for w in self.works)
-
-
-class _SharedBatches:
-    """Chunks given the same iterator each see every micro-batch once: the first to ask reads
-    it, the others replay it."""
-
-    def __init__(self, source: Iterator, readers: int):
-        self.source, self.readers = source, readers
-        self.cache: dict[int, list] = {}  # index -> [item, readers left]
-        self.read = 0
-
-    def view(self) -> Iterator:
-        index = 0
-        while True:
-            if index == self.read:
-                self.cache[index] = [next(self.source), self.readers]
-                self.read += 1
-            entry = self.cache[index]
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self.cache[index]
-            yield entry[0]
-            index += 1
-
-
-def per_chunk_iterators(data_iterator: Sequence[Iterator | None]) -> list[Iterator | None]:
-    groups: dict[int, list[int]] = {}
-    for c, it in enumerate(data_iterator):
-        if it is not None:
-            groups.setdefault(id(it), []).append(c)
-    out = list(data_iterator)
-    for chunks in groups.values():
-        if len(chunks) > 1:
-            shared = _SharedBatches(data_iterator[chunks[0]], len(chunks))
-            for c in chunks:
-                out[c] = shared.view()
-    return out
-
-
 class _Run:
     """One step of one rank: the tensors in flight between its actions, and the actions."""
 
@@ -173,112 +122,120 @@ class _Run:
         self.m, self.p2p = num_microbatches, p2p
         self.forward_only, self.grad_scale_func = forward_only, grad_scale_func
         self.timeline = timeline
+        self.recording = RECORDER.enabled  # fixed for the step: no recorder calls when off
+        # chunks with a grad wrapper: only their no_sync() does anything
+        self.wrapped = {chunk.index for chunk in model if chunk.grad_wrapper is not None}
         S = layout.num_stages
         self.stages = [layout.stage(pp_rank, c) for c in range(len(self.model))]
         self.is_loss = [s == S - 1 for s in self.stages]
+        # where a chunk's output / input grad goes: True when the next / previous stage is a
+        # chunk of this rank (the turn of a V: handed over in memory, not sent)
+        self.output_stays = [s < S - 1 and layout.place(s + 1)[0] == pp_rank for s in self.stages]
+        self.grad_stays = [s > 0 and layout.place(s - 1)[0] == pp_rank for s in self.stages]
         self.inputs: dict[tuple[int, int], torch.Tensor | None] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.input_grads: dict[tuple[int, int], torch.Tensor | None] = {}
         self.mailbox: dict[tuple[str, int, int], torch.Tensor] = {}  # (kind, mb, stage)
-        # (kind, mb, stage) -> (work, buffer, record); sends: (work, output key, record)
+        # (kind, mb, stage) -> (work, buffer, record); sends: (work, output key, record), oldest
+        # first (a backend completes one peer's sends in posting order)
         self.recvs: dict[tuple[str, int, int], tuple[object, torch.Tensor, object]] = {}
-        self.sends: list[tuple[object, tuple[int, int] | None, object]] = []
+        self.sends: collections.deque = collections.deque()
         self.to_send: dict[tuple[int, int], torch.Tensor] = {}
         self.losses: dict[int, dict] = {}
         self.stores = [WeightGradStore() for _ in self.model]
 
     # --- communication ------------------------------------------------------------------------
 
-    def _poll_sends(self, wait: bool = False) -> None:
-        keep = []
-        for work, key, rec in self.sends:
-            if wait:
-                RECORDER.wait(rec)
-                work.wait()
-            if wait or work.is_completed():
-                RECORDER.end(rec)
-                if key is not None and key in self.outputs:
-                    self.outputs[key] = release_output(self.outputs[key])
-            else:
-                keep.append((work, key, rec))
-        self.sends = keep
+    def _poll_sends(self) -> None:
+        """Release the outputs of the sends known done, oldest first; stop at the first that is
+        not (the later ones are posted behind it)."""
+        sends = self.sends
+        while sends and sends[0][0].is_completed():
+            self._sent(*sends.popleft())
 
-    def _post(self, ops: tuple[PostedOp, ...]) -> None:
-        """One ``batch_isend_irecv`` of ``ops``, in their order."""
-        if self.forward_only:
-            ops = tuple(op for op in ops if op.kind == "F")
+    def _wait_sends(self) -> None:
+        sends = self.sends
+        while sends:
+            work, key, rec = sends.popleft()
+            if self.recording:
+                RECORDER.wait(rec)
+            work.wait()
+            self._sent(work, key, rec)
+
+    def _sent(self, work, key: tuple[int, int] | None, rec) -> None:
+        if self.recording:
+            RECORDER.end(rec)
+        if key is not None and key in self.outputs:
+            self.outputs[key] = release_output(self.outputs[key])
+
+    def _post(self, ops: tuple[Post, ...]) -> None:
+        """One batch of ``ops``, posted in their order (``P2PCommunicator.post``)."""
         if not ops:
             return
-        p2p_ops, frees, bufs, recs = [], [], [], []
+        p2p = self.p2p
+        batch, frees = [], []
         for op in ops:
-            to = self.p2p.global_rank(op.peer, self.rank)
             if op.send:
                 if op.kind == "F":
-                    tensor = self.to_send.pop((op.microbatch, op.chunk))
-                    free = (op.microbatch, op.chunk)  # released once the send is done
-                    self.p2p.validate(tensor, "send to the next stage")
+                    tensor = self.to_send.pop(op.out_key)
+                    frees.append(op.out_key)  # released once the send is done
+                    p2p.validate(tensor, "send to the next stage")
                 else:
-                    tensor, free = self.input_grads.pop((op.microbatch, op.chunk)), None
-                    self.p2p.validate(tensor, "send back")
-                tensor = tensor.detach().contiguous()
-                frees.append(free)
-                bufs.append(None)
-                p2p_ops.append(dist.P2POp(dist.isend, tensor, to, self.p2p.group, op.tag))
+                    tensor = self.input_grads.pop(op.out_key)
+                    frees.append(None)
+                    p2p.validate(tensor, "send back")
+                batch.append((True, tensor.detach().contiguous(), op.to, op.tag))
             else:
-                buf = self.p2p.empty()
-                frees.append(None)
-                bufs.append(buf)
-                p2p_ops.append(dist.P2POp(dist.irecv, buf, to, self.p2p.group, op.tag))
-            recs.append(self._record(op, to))
-        works = dist.batch_isend_irecv(p2p_ops)
-        if len(works) != len(ops):  # nccl: one work for the whole batch
-            works = [_AllOf(works)] * len(ops)
-        for op, work, free, buf, rec in zip(ops, works, frees, bufs, recs):
+                frees.append(p2p.receive_buffers.take())
+                batch.append((False, frees[-1], op.to, op.tag))
+        recs = [self._record(op) for op in ops] if self.recording else [None] * len(ops)
+        works = p2p.post(batch)
+        for op, work, free, rec in zip(ops, works, frees, recs):
             if op.send:
                 self.sends.append((work, free, rec))
-            else:
-                self.recvs[(op.kind, op.microbatch, op.stage)] = (work, buf, rec)
-        if not self.p2p.overlap:  # synchronous p2p: the whole batch, now
+            else:  # free: the receive buffer
+                self.recvs[op.message] = (work, free, rec)
+        if not p2p.overlap:  # synchronous p2p: the whole batch, now
             for op in ops:
                 if not op.send:
-                    self._take_into_mailbox(op.kind, op.microbatch, op.stage)
-            self._poll_sends(wait=True)
+                    self.mailbox[op.message] = self._take(op.message)
+            self._wait_sends()
 
-    def _take(self, kind: str, mb: int, stage: int) -> torch.Tensor:
-        key = (kind, mb, stage)
+    def _take(self, key: tuple[str, int, int]) -> torch.Tensor:
+        """The tensor of message ``key`` (kind, micro-batch, receiving stage), waited for."""
         if key in self.mailbox:
             return self.mailbox.pop(key)
         if key not in self.recvs:
             raise RuntimeError(
-                f"pipeline rank {self.rank} needs {kind} of micro-batch {mb} at stage {stage} but "
-                "no receive was posted: run the lists of actions.p2p_program / with_p2p"
+                f"pipeline rank {self.rank} needs {key[0]} of micro-batch {key[1]} at stage "
+                f"{key[2]} but no receive was posted: run the lists of actions.p2p_program / "
+                "with_p2p"
             )
         work, buf, rec = self.recvs.pop(key)
-        label = "recv" if self.timeline is not None else None
-        RECORDER.wait(rec)
-        with self.timeline.span(label) if label else contextlib.nullcontext():
+        if self.recording:
+            RECORDER.wait(rec)
+        if self.timeline is not None:
+            with self.timeline.span("recv"):
+                work.wait()
+        else:
             work.wait()
-        RECORDER.end(rec)
+        if self.recording:
+            RECORDER.end(rec)
         return buf
 
-    def _record(self, op: PostedOp, to: int):
-        """The recorder's record of a posted message (None when the recorder is off)."""
-        if not RECORDER.enabled:
-            return None
+    def _record(self, op: Post):
+        """The recorder's record of a posted message."""
         return RECORDER.post(
             "send" if op.send else "recv",
             axis="pp",
             what="activation" if op.kind == "F" else "grad",
-            peer=to,
+            peer=op.to,
             shape=self.p2p.shape,
-            stage=op.stage,
-            microbatch=op.microbatch,
+            stage=op.message[2],
+            microbatch=op.message[1],
             action="F" if op.kind == "F" else "B",
-            chunk=op.chunk,
+            chunk=op.out_key[1],
         )
-
-    def _take_into_mailbox(self, kind: str, mb: int, stage: int) -> None:
-        self.mailbox[(kind, mb, stage)] = self._take(kind, mb, stage)
 
     # --- compute ------------------------------------------------------------------------------
 
@@ -290,46 +247,61 @@ class _Run:
     def forward(self, a: Action) -> None:
         mb, c = a.microbatch, a.chunk
         s = self.stages[c]
-        x = None if s == 0 else self._take("F", mb, s)
+        x = None if s == 0 else self._take(("F", mb, s))
         if x is not None and not self.forward_only:
             x.requires_grad_()
-        grad_ctx = torch.no_grad() if self.forward_only else contextlib.nullcontext()
-        with self._span(a), grad_ctx:
-            stage = self.model[c].module
-            stage.set_input_tensor(x)
-            output, loss_func = self.forward_step_func(self.data_iterator[c], stage)
-            if self.is_loss[c]:
-                loss, reported = loss_func(output)
-                self.losses[mb] = reported
-                output = loss / self.m
+        stage = self.model[c].module
+        if self.timeline is None and not self.forward_only:  # the hot path: no context to enter
+            output = self._forward(stage, mb, c, x)
+        else:
+            grad_ctx = torch.no_grad() if self.forward_only else contextlib.nullcontext()
+            with self._span(a), grad_ctx:
+                output = self._forward(stage, mb, c, x)
         stage.set_input_tensor(None)
         if not self.forward_only:
             self.inputs[(mb, c)] = x
             self.outputs[(mb, c)] = output
-        if s < self.layout.num_stages - 1:
-            if self.layout.place(s + 1)[0] == self.rank:  # the turn of a V: same rank
-                self.mailbox[("F", mb, s + 1)] = output.detach()
-            else:
-                self.to_send[(mb, c)] = output
+        if self.output_stays[c]:  # the turn of a V: same rank
+            self.mailbox[("F", mb, s + 1)] = output.detach()
+        elif not self.is_loss[c]:
+            self.to_send[(mb, c)] = output
+
+    def _forward(self, stage: torch.nn.Module, mb: int, c: int, x: torch.Tensor | None):
+        """The chunk's output for micro-batch ``mb`` (on the loss stage: its loss / m)."""
+        stage.set_input_tensor(x)
+        output, loss_func = self.forward_step_func(self.data_iterator[c], stage)
+        if self.is_loss[c]:
+            loss, reported = loss_func(output)
+            self.losses[mb] = reported
+            output = loss / self.m
+        return output
 
     def backward(self, a: Action) -> None:
         mb, c = a.microbatch, a.chunk
         s = self.stages[c]
         x, output = self.inputs.pop((mb, c)), self.outputs.pop((mb, c))
-        grad = None if self.is_loss[c] else self._take("B", mb, s)
-        defer = self.stores[c].defer((mb, c)) if a.op == "I" else contextlib.nullcontext()
-        with self._span(a), defer:
-            if grad is None:  # the loss stage: the output is the scaled loss
-                if self.grad_scale_func is not None:
-                    output = self.grad_scale_func(output)
-                output.backward()
-            else:
-                backward_freed_output(output, grad)
+        grad = None if self.is_loss[c] else self._take(("B", mb, s))
+        if a.op == "I":  # the chunk's linear layers defer their weight grads to W
+            with self._span(a), self.stores[c].defer((mb, c)):
+                self._backward(output, grad)
+        elif self.timeline is not None:
+            with self._span(a):
+                self._backward(output, grad)
+        else:
+            self._backward(output, grad)
         input_grad = None if x is None else x.grad
-        if s > 0 and self.layout.place(s - 1)[0] == self.rank:
+        if self.grad_stays[c]:
             self.mailbox[("B", mb, s - 1)] = input_grad
         else:
             self.input_grads[(mb, c)] = input_grad
+
+    def _backward(self, output: torch.Tensor | GradientEdge, grad: torch.Tensor | None) -> None:
+        if grad is None:  # the loss stage: the output is the scaled loss
+            if self.grad_scale_func is not None:
+                output = self.grad_scale_func(output)
+            output.backward()
+        else:
+            backward_freed_output(output, grad)
 
     def weight(self, a: Action) -> None:
         with self._span(a):
@@ -337,21 +309,18 @@ class _Run:
 
     # --- the list -----------------------------------------------------------------------------
 
-    def run(self, plan: list[Action | tuple[PostedOp, ...]]) -> list[dict]:
-        last: dict[int, int] = {}
-        for i, a in enumerate(plan):
-            if isinstance(a, Action) and a.op in ("B", "I", "W"):
-                last[a.chunk] = i
+    def run(self, plan: Plan) -> list[dict]:
         for chunk, store in zip(self.model, self.stores):
             attach_weight_grad_store(chunk.module, store)
         try:
-            for i, item in enumerate(plan):
-                self._poll_sends()
-                if isinstance(item, Action):
-                    self._step(i, item, last)
+            for is_compute, item, extra in plan.items:
+                if self.sends:
+                    self._poll_sends()
+                if is_compute:
+                    self._step(item, extra)
                 else:
-                    self._post(item)
-            self._poll_sends(wait=True)
+                    self._post(extra if self.forward_only else item)
+            self._wait_sends()
         finally:
             for chunk in self.model:
                 attach_weight_grad_store(chunk.module, None)
@@ -359,21 +328,29 @@ class _Run:
             raise RuntimeError("the action list left weight grads queued: an I without its W")
         return [self.losses[mb] for mb in sorted(self.losses)]
 
-    def _step(self, i: int, a: Action, last: dict[int, int]) -> None:
-        rec = RECORDER.begin(
-            "compute",
-            stage=self.stages[a.chunk],
-            microbatch=a.microbatch,
-            action=a.op,
-            chunk=a.chunk,
-        )
+    def _step(self, a: Action, synced: tuple[int, ...]) -> None:
+        """Run compute action ``a``; ``synced``: the chunks it runs inside ``no_sync`` (B, I, W)."""
+        rec = None
+        if self.recording:
+            rec = RECORDER.begin(
+                "compute",
+                stage=self.stages[a.chunk],
+                microbatch=a.microbatch,
+                action=a.op,
+                chunk=a.chunk,
+            )
         if a.op == "F":
             self.forward(a)
         elif not self.forward_only:  # B, I or W
-            synced = [chunk for k, chunk in enumerate(self.model) if last.get(k) != i]
-            with no_sync(synced):
-                (self.weight if a.op == "W" else self.backward)(a)
-        RECORDER.end(rec)
+            run = self.weight if a.op == "W" else self.backward
+            held = [self.model[k] for k in synced if k in self.wrapped] if self.wrapped else None
+            if held:
+                with no_sync(held):
+                    run(a)
+            else:
+                run(a)
+        if self.recording:
+            RECORDER.end(rec)
 
 
 def execute(
@@ -413,5 +390,5 @@ def execute(
         grad_scale_func=grad_scale_func,
         timeline=timeline,
     )
-    losses = run.run(posting_plan(actions, layout, pp_rank, tagged=p2p.tagged))
+    losses = run.run(plan_for(actions, layout, pp_rank, p2p))
     return p2p.losses_to_last_rank(losses, layout, pp_rank, num_microbatches)

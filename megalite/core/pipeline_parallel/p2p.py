@@ -12,11 +12,17 @@ object holds what they share for a run: the group, the declared shape and dtype,
 global ranks of the pipeline group in stage order: an interleaved schedule's wrap-around reaches a
 non-neighbour), ``overlap`` (whether a posted receive may wait until its consumer runs),
 ``tagged`` (False posts every message with tag 0: matched by posting order alone, as nccl matches
-them; a test mode for gloo). It also hands the losses to the last rank when the loss stage lives
+them; a test mode for gloo), ``batched`` (how ``post`` posts a batch: one ``batch_isend_irecv``,
+which nccl coalesces into one grouped launch; or, where the backend posts a batch op by op anyway
+(gloo: what ``batch_isend_irecv`` does there), each op straight on the process group, without the
+per-op Python checks; the default: batched unless the device is the CPU), the pool of receive
+buffers (``ReceiveBuffers``). It also hands the losses to the last rank when the loss stage lives
 elsewhere (``losses_to_last_rank``), by the names it keeps in ``loss_names``.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.distributed as dist
@@ -29,6 +35,71 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 class StageShapeMismatch(RuntimeError):
     pass
+
+
+# the counts telling whether anything but the pool holds a buffer (old torch lacks them: no reuse)
+_CAN_REUSE = hasattr(torch.Tensor, "_use_count") and hasattr(torch._C, "_storage_Use_Count")
+
+
+class ReceiveBuffers:
+    """Receive buffers of one shape and dtype, reused once nothing but this pool holds them.
+
+    A received activation becomes the input of a forward: the autograd graph saves it (or a view
+    of it) until the micro-batch's backward (or its W) is done, the stage's own code may keep it,
+    and the grad received for an output may be kept by a ``WeightGradStore`` until W. So a buffer
+    is handed out again only when no Python reference but the pool's, no other holder of its
+    tensor (a saved variable) and no other tensor on its storage (a view) remain; otherwise a new
+    one is allocated. Steps of one schedule then receive into the same few buffers (as many as the
+    step ever held at once). ``allocated``: buffers made so far."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.buffers: list[torch.Tensor] = []
+        self.allocated = 0
+        probe = [torch.empty(0)]
+        self._alone = self._refs(probe, 0)  # references to a buffer held by the pool alone
+
+    @staticmethod
+    def _refs(buffers: list[torch.Tensor], i: int) -> int:
+        return sys.getrefcount(buffers[i])
+
+    def _free(self, i: int) -> bool:
+        if self._refs(self.buffers, i) > self._alone:  # a Python reference elsewhere
+            return False
+        buf = self.buffers[i]
+        storage = buf.untyped_storage()
+        # the tensor: held by the pool alone; its storage: by the tensor and ``storage`` alone
+        return buf._use_count() == 1 and torch._C._storage_Use_Count(storage._cdata) == 2
+
+    def take(self) -> torch.Tensor:
+        """A buffer of the declared shape and dtype for a receive: a free one, else a new one."""
+        if _CAN_REUSE:
+            for i in range(len(self.buffers)):
+                if self._free(i):
+                    buf = self.buffers[i]
+                    if buf.requires_grad:  # it was a forward's input: a fresh leaf again
+                        buf.grad = None
+                        buf.requires_grad_(False)
+                    return buf
+        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        self.allocated += 1
+        if _CAN_REUSE:
+            self.buffers.append(buf)
+        return buf
+
+
+class _AllOf:
+    """The works of a batch as one (nccl returns one work per batch, gloo one per op)."""
+
+    def __init__(self, works):
+        self.works = list(works)
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+
+    def is_completed(self):
+        return all(w.is_completed() for w in self.works)
 
 
 class P2PCommunicator:
@@ -52,6 +123,7 @@ class P2PCommunicator:
         pp_ranks: list[int] | None = None,
         overlap: bool = True,
         tagged: bool = True,
+        batched: bool | None = None,
     ):
         self.prev_rank, self.next_rank = prev_rank, next_rank
         self.pp_ranks, self.overlap = (list(pp_ranks) if pp_ranks else None), overlap
@@ -60,6 +132,11 @@ class P2PCommunicator:
         self.group = group
         self.loss_names: list[str] | None = None
         self._checked = False
+        self.batched = device.type != "cpu" if batched is None else batched
+        self.receive_buffers = ReceiveBuffers(self.shape, dtype, device)
+        self._group_ranks: dict[int, int] = {}  # global rank -> rank in ``group`` (``post``)
+        # the executor's resolved posting plans of this run's programs (``executor.plan_for``)
+        self.plans: dict = {}
 
     # --- the consistency check --------------------------------------------------------------------
 
@@ -119,9 +196,26 @@ class P2PCommunicator:
             "P2PCommunicator with pp_ranks"
         )
 
-    def empty(self) -> torch.Tensor:
-        """A receive buffer of the declared shape and dtype."""
-        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+    def post(self, batch: list[tuple[bool, torch.Tensor, int, int]]) -> list:
+        """Post ``batch``, ``(send, tensor, global peer, tag)`` in that order, as one batch; a work
+        per op (a batch's one work, repeated, where nccl returns one)."""
+        if self.batched:
+            works = dist.batch_isend_irecv(
+                [
+                    dist.P2POp(dist.isend if send else dist.irecv, t, peer, self.group, tag)
+                    for send, t, peer, tag in batch
+                ]
+            )
+            return works if len(works) == len(batch) else [_AllOf(works)] * len(batch)
+        group = self.group if self.group is not None else dist.group.WORLD
+        ranks = self._group_ranks
+        works = []
+        for send, t, peer, tag in batch:  # batch_isend_irecv's loop on such a backend
+            if peer not in ranks:
+                ranks[peer] = dist.get_group_rank(group, peer)
+            post = group.send if send else group.recv
+            works.append(post([t], ranks[peer], tag))
+        return works
 
     def validate(self, t: torch.Tensor, what: str) -> None:
         """A one-line StageShapeMismatch unless ``t`` has the declared shape and dtype."""

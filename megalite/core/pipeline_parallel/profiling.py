@@ -12,6 +12,11 @@ deferring their weight grads into a ``WeightGradStore`` (as an ``I`` action does
 weight grads (a ``W``). The first ``warmup`` repetitions are dropped, the median of the rest is
 returned as seconds ``(F, I, W)``. The chunk's grads are cleared afterwards.
 
+``executor_seconds_per_action`` is the executor's own CPU time per action: the main thread's CPU
+time over a step minus its CPU time inside the step's spans (compute and receive waits), per
+action (the simulator's ``Costs.per_action``). CPU time, not wall time: a rank descheduled on a
+loaded machine spends no CPU, so the figure measures the executor's work, not the machine's load.
+
 ``p2p_latency`` is half the median round trip of one activation between neighbouring pipeline
 ranks (each pair in turn, the others waiting at a barrier); ``gather_stage_costs`` shares every
 rank's per-stage numbers so each rank holds the list ``Costs(stages=...)`` takes.
@@ -27,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalite.core.pipeline_parallel.timeline import Timeline
 from megalite.core.tensor_parallel.layers import WeightGradStore, attach_weight_grad_store
 
 
@@ -80,6 +86,29 @@ def profile_chunk(
         chunk.zero_grad(set_to_none=True)
     kept = times[warmup:]
     return tuple(statistics.median(t[i] for t in kept) for i in range(3))  # type: ignore[return-value]
+
+
+def executor_seconds_per_action(
+    step: Callable[[Timeline], object], num_actions: int, *, repeats: int = 3
+) -> float:
+    """Median over ``repeats`` steps of the main thread's CPU seconds per action outside every
+    span: ``step(timeline)`` runs one step of the executor recording into ``timeline`` (a
+    ``Timeline`` on ``time.thread_time``); ``num_actions``: this rank's actions in the step (its
+    ``with_p2p`` list: compute, sends and receives)."""
+    if repeats < 1 or num_actions < 1:
+        raise ValueError(
+            f"executor_seconds_per_action: repeats ({repeats}) and num_actions ({num_actions}) "
+            "must be >= 1"
+        )
+    samples = []
+    for _ in range(repeats):
+        timeline = Timeline(clock=time.thread_time)
+        start = time.thread_time()
+        step(timeline)
+        total = time.thread_time() - start
+        inside = sum(end - begin for _, begin, end in timeline.spans)
+        samples.append(max(0.0, total - inside) / num_actions)
+    return statistics.median(samples)
 
 
 def gather_stage_costs(

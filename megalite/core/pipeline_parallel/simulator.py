@@ -49,7 +49,7 @@ class Costs:
     backward_input: float | list[float] = 1.0
     backward_weight: float | list[float] = 1.0
     p2p: float = 0.0
-    per_action: float = 0.0  # the executor's own time per action (Python, posting a send)
+    per_action: float = 0.0  # executor CPU per action (profiling.executor_seconds_per_action)
     # per global stage (F, I, W); when given it replaces the per-chunk values above
     stages: list[tuple[float, float, float]] | None = None
 

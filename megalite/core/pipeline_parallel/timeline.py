@@ -10,21 +10,25 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from html import escape
 
 
 class Timeline:
-    def __init__(self) -> None:
-        self.spans: list[tuple[str, float, float]] = []  # (label, start, end), perf_counter seconds
+    """Spans read on ``clock``: wall time by default; ``time.thread_time`` gives the main thread's
+    CPU time in each span (``profiling.executor_seconds_per_action``)."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.spans: list[tuple[str, float, float]] = []  # (label, start, end), seconds of clock
 
     @contextlib.contextmanager
     def span(self, label: str) -> Iterator[None]:
-        start = time.perf_counter()
+        start = self.clock()
         try:
             yield
         finally:
-            self.spans.append((label, start, time.perf_counter()))
+            self.spans.append((label, start, self.clock()))
 
     def busy_seconds(self, labels: tuple[str, ...] = ("forward", "backward")) -> float:
         return sum(end - start for label, start, end in self.spans if label.split()[0] in labels)
