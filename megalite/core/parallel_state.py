@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from megalite.core.mesh_layout import (
     DEFAULT_ORDER,
+    GRID3D_AXES,
     TP_GRID_AXES,
     MeshSizes,
     dense_or_expert,
@@ -50,8 +51,11 @@ DENSE_GROUPS = (
     ("tp", "dp", "cp"),
 )
 EXPERT_GROUPS = (("etp",), ("ep",), ("edp",), ("etp", "ep"), ("etp", "ep", "pp"))
-# the sub-axes of a 2d / 2.5d tensor group (built only under those modes; groups of one in single())
-GRID_GROUPS = (("tp_col",), ("tp_row",), ("tp_depth",), ("tp_row", "tp_depth"))
+# the sub-axes of a 2d / 2.5d / 3d tensor group (built only under those modes; groups of one in
+# single())
+GRID_GROUPS = (("tp_col",), ("tp_row",), ("tp_depth",), ("tp_row", "tp_depth")) + tuple(
+    (a,) for a in GRID3D_AXES
+)
 
 
 class ParallelState:
@@ -160,7 +164,8 @@ class ParallelState:
         s = self.sizes
         if s.tp_mode == "1d":
             return ""
-        axes = [a for a in ("tp_depth", "tp_row", "tp_col") if a in TP_GRID_AXES[s.tp_mode]]
+        shown_order = ("tp_depth", "tp_row", "tp_col", *reversed(GRID3D_AXES))  # slowest first
+        axes = [a for a in shown_order if a in TP_GRID_AXES[s.tp_mode]]
         shown = " x ".join(f"{a[3:]} {self.size(a)}" for a in axes)
         return f", tp mode {s.tp_mode} ({shown})"
 
