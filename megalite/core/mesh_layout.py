@@ -26,7 +26,9 @@ out as a grid (2D: d = 1) with the column fastest::
 
 and their sub-axes ``tp_col``, ``tp_row``, ``tp_depth`` follow the mesh's rule: the group over an
 axis holds the ranks that differ only in that coordinate (``tp_col``: one grid row, its q columns).
-``tp_grid_groups`` lists them for one TP group; 1d builds none, 3d has its own three axes.
+``tp_grid_groups`` lists them for one TP group; 1d builds none. 3d's cube has its own three axes
+``tp_input``, ``tp_weight``, ``tp_output`` (``tp_rank = input + q * (weight + q * output)``, the
+layout of ``tensor_parallel.modes.grid3d``).
 
 ``rank_groups`` builds the same groups, in the same order, as Megatron-core's ``RankGenerator``
 for the same sizes and order, so NCCL topology assumptions of Megatron scripts carry over.

@@ -11,7 +11,8 @@ Megatron's order ``tp-cp-ep-dp-pp`` by default (TP fastest)::
 
 and an expert view ``etp x ep x edp x pp`` of the same world that shares the pipeline groups.
 Under a 2d or 2.5d tensor-parallel mode the tensor group is also a grid with sub-axes ``tp_col``,
-``tp_row``, ``tp_depth`` (``mesh_layout.tp_grid_groups``): ``ps.group("tp_row")`` and so on.
+``tp_row``, ``tp_depth`` (``mesh_layout.tp_grid_groups``): ``ps.group("tp_row")`` and so on;
+under 3d a cube with sub-axes ``tp_input``, ``tp_weight``, ``tp_output``.
 ``initialize_model_parallel`` creates every group once (a collective over the world, in the same
 order on every rank) and returns a ``ParallelState``; core modules take the group they communicate
 over as an argument, never a global, and never the implicit world group.
