@@ -26,7 +26,9 @@ out as a grid (2D: d = 1) with the column fastest::
 
 and their sub-axes ``tp_col``, ``tp_row``, ``tp_depth`` follow the mesh's rule: the group over an
 axis holds the ranks that differ only in that coordinate (``tp_col``: one grid row, its q columns).
-``tp_grid_groups`` lists them for one TP group; 1d builds none, 3d has its own three axes.
+``tp_grid_groups`` lists them for one TP group; 1d builds none. 3d's cube has its own three axes
+``tp_input``, ``tp_weight``, ``tp_output`` (``tp_rank = input + q * (weight + q * output)``, the
+layout of ``tensor_parallel.modes.grid3d``).
 
 ``rank_groups`` builds the same groups, in the same order, as Megatron-core's ``RankGenerator``
 for the same sizes and order, so NCCL topology assumptions of Megatron scripts carry over.
@@ -39,6 +41,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
 
+from megalite.core.tensor_parallel.modes.grid3d import SUB_AXES_3D, grid3d_groups
+
 AXES = ("tp", "cp", "ep", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 EXPERT_AXES = {"etp": "tp", "ep": "ep", "edp": "dp", "pp": "pp"}  # expert name -> digit it uses
@@ -46,7 +50,8 @@ TP_MODES = ("1d", "2d", "2.5d", "3d")
 # the sub-axes of the tensor group each mode builds (group over an axis: its coordinate varies)
 # (2d is 2.5d with depth 1: its tp_depth groups have one rank, so one set of layers serves both)
 GRID_AXES = ("tp_col", "tp_row", "tp_depth")
-TP_GRID_AXES = {"1d": (), "2d": GRID_AXES, "2.5d": GRID_AXES}
+GRID3D_AXES = tuple(f"tp_{a}" for a in SUB_AXES_3D)  # tp_input, tp_weight, tp_output
+TP_GRID_AXES = {"1d": (), "2d": GRID_AXES, "2.5d": GRID_AXES, "3d": GRID3D_AXES}
 
 
 def parse_order(order: str) -> list[str]:
@@ -304,9 +309,10 @@ def tp_grid_groups(
     "tp_depth")``, over which a replicated weight's grad is summed) -> its groups, each listing
     global ranks with the varying coordinates counting up (the fastest first). Grid coordinates:
     ``tp_rank = col + q * (row + q * depth)`` (module docstring)."""
-    if mode == "3d":  # the hook: 3d's three axes come from their own pure layout
-        raise ValueError("tensor_parallel_mode 3d has no layers yet; use 1d, 2d or 2.5d")
     q = tp_grid_side(len(tp_ranks), mode, depth)
+    if mode == "3d":  # its own three axes, from the cube's pure layout (``grid3d.py``)
+        cube = grid3d_groups(tp_ranks, q)
+        return {(f"tp_{axis}",): cube[axis] for axis in SUB_AXES_3D}
     if mode == "1d":
         return {}
     coords = [(c, r, k) for k in range(depth) for r in range(q) for c in range(q)]

@@ -11,7 +11,8 @@ Megatron's order ``tp-cp-ep-dp-pp`` by default (TP fastest)::
 
 and an expert view ``etp x ep x edp x pp`` of the same world that shares the pipeline groups.
 Under a 2d or 2.5d tensor-parallel mode the tensor group is also a grid with sub-axes ``tp_col``,
-``tp_row``, ``tp_depth`` (``mesh_layout.tp_grid_groups``): ``ps.group("tp_row")`` and so on.
+``tp_row``, ``tp_depth`` (``mesh_layout.tp_grid_groups``): ``ps.group("tp_row")`` and so on;
+under 3d a cube with sub-axes ``tp_input``, ``tp_weight``, ``tp_output``.
 ``initialize_model_parallel`` creates every group once (a collective over the world, in the same
 order on every rank) and returns a ``ParallelState``; core modules take the group they communicate
 over as an argument, never a global, and never the implicit world group.
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 from megalite.core.mesh_layout import (
     DEFAULT_ORDER,
+    GRID3D_AXES,
     TP_GRID_AXES,
     MeshSizes,
     dense_or_expert,
@@ -50,8 +52,11 @@ DENSE_GROUPS = (
     ("tp", "dp", "cp"),
 )
 EXPERT_GROUPS = (("etp",), ("ep",), ("edp",), ("etp", "ep"), ("etp", "ep", "pp"))
-# the sub-axes of a 2d / 2.5d tensor group (built only under those modes; groups of one in single())
-GRID_GROUPS = (("tp_col",), ("tp_row",), ("tp_depth",), ("tp_row", "tp_depth"))
+# the sub-axes of a 2d / 2.5d / 3d tensor group (built only under those modes; groups of one in
+# single())
+GRID_GROUPS = (("tp_col",), ("tp_row",), ("tp_depth",), ("tp_row", "tp_depth")) + tuple(
+    (a,) for a in GRID3D_AXES
+)
 
 
 class ParallelState:
@@ -160,7 +165,8 @@ class ParallelState:
         s = self.sizes
         if s.tp_mode == "1d":
             return ""
-        axes = [a for a in ("tp_depth", "tp_row", "tp_col") if a in TP_GRID_AXES[s.tp_mode]]
+        shown_order = ("tp_depth", "tp_row", "tp_col", *reversed(GRID3D_AXES))  # slowest first
+        axes = [a for a in shown_order if a in TP_GRID_AXES[s.tp_mode]]
         shown = " x ".join(f"{a[3:]} {self.size(a)}" for a in axes)
         return f", tp mode {s.tp_mode} ({shown})"
 

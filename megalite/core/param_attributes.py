@@ -8,16 +8,19 @@ torch's ``Parameter`` has no fields for them, so the layers set plain attributes
                            summed over TP
     expert_parallel        an MoE expert's weight: replicated over the expert data-parallel
                            group, not the dense one
-    distinct_tp_ranks      under a grid tensor-parallel mode (2d, 2.5d): the TP ranks 0 .. n-1
-                           hold the distinct blocks of the parameter, the others copies of them
-                           (q x q for a weight, replicated over depth; q for a bias or a norm
-                           scale, one block per grid column)
+    distinct_tp_ranks      under a grid tensor-parallel mode (2d, 2.5d, 3d): the TP ranks that
+                           hold the distinct blocks of the parameter (a range or tuple), the
+                           others copies of them (2d: the first q x q for a weight, replicated
+                           over depth, the first q for a bias or a norm scale; 3d: coordinate
+                           0 on each sub-axis of its ``tp3d_replicated_over``)
 
 A parameter no megalite layer built (a plain ``nn.Linear``, a test's tensor) carries none of them
 and reads as False here; that is why these reads have a default.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -37,6 +40,6 @@ def is_expert_param(param: torch.Tensor) -> bool:
     return bool(getattr(param, "expert_parallel", False))
 
 
-def distinct_tp_ranks(param: torch.Tensor) -> int | None:
-    """Under a grid mode, how many leading TP ranks hold distinct blocks; None elsewhere."""
+def distinct_tp_ranks(param: torch.Tensor) -> Sequence[int] | None:
+    """Under a grid mode, the TP ranks that hold its distinct blocks; None elsewhere."""
     return getattr(param, "distinct_tp_ranks", None)

@@ -66,7 +66,8 @@ class Embedding(nn.Module):
         """tokens, position_ids: # [b, s] -> # [s, b, h] ([s/tp, b, h] under sequence parallel)."""
         x = self.word_embeddings(tokens.t())  # [s(/tp), b, h]
         if self.position_embeddings is not None:
-            positions = position_ids.t().expand(tokens.shape[1], tokens.shape[0])  # [s, b]
+            # [s, b] (x's batch: under 3d a block of the whole ids' b)
+            positions = position_ids.t().expand(tokens.shape[1], x.shape[1])
             if self.sequence_parallel and self.tp_size > 1:
                 positions = positions.chunk(self.tp_size, dim=0)[self.tp_rank]
             table = self.mode.replicated(self.position_embeddings.weight)

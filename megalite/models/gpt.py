@@ -150,15 +150,19 @@ class GPTModel(nn.Module):
         ``vocab_size`` are padding); on other stages: hidden states # [s, b, h] ([s/tp, b, h] under
         sequence parallel). Under a grid tensor-parallel mode the loss is the whole micro-batch's
         as well, logits and hidden states this rank's blocks # [b/(dq), s, V_pad/q] and
-        # [s, b/(dq), h/q].
+        # [s, b/(dq), h/q]; under 3d # [b/q^2, s, V_pad/q] and # [s, b/q^2, h/q] (``mode3d.py``'s
+        layouts: the logits' batch block is not the hidden states').
         """
         mode = self.mode  # under a grid: this rank's batch block of the micro-batch
         tokens = None if tokens is None else mode.batch_block(tokens, 0)
         labels = None if labels is None else mode.batch_block(labels, 0)
+        rope_positions = None  # per-sample positions: the blocks the embedding and attention hold
         if position_ids is not None and position_ids.shape[0] > 1:
             position_ids = mode.batch_block(position_ids, 0)
+            rope_positions = mode.attention_block(position_ids, 0)
+            position_ids = mode.residual_block(position_ids, 0)
         if attention_mask is not None:
-            attention_mask = mode.batch_block(attention_mask, 0)
+            attention_mask = mode.attention_block(mode.batch_block(attention_mask, 0), 0)
         if self.pre_process:
             seq_length, device = tokens.shape[1], tokens.device
         else:
@@ -178,7 +182,7 @@ class GPTModel(nn.Module):
         rotary = None
         if self.config.position_embedding_type == "rope":
             rotary = rotary_cos_sin(
-                position_ids,
+                position_ids if rope_positions is None else rope_positions,
                 head_dim=self.config.kv_channels,
                 base=self.config.rotary_base,
                 dtype=hidden.dtype,

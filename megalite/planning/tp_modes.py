@@ -20,6 +20,9 @@ four: qkv, proj, fc1, fc2), one forward and backward of a layer costs per device
   depth: ``sum_L [3 (q - 1) / q * (T I_L + O_L I_L / q) + 2 (d - 1) / d * O_L I_L / q^2]``
   plus the norms' statistics (one all-reduce of ``[T]`` over q per mean each way) and the grads
   of the biases and norm scales (an all-reduce of ``[O_L / q]`` over d q).
+- 3d (p = q^3), M = s b tokens: per linear ``(q - 1) / q^3 (2 M I_L + 2 M O_L + 3 O_L I_L)``
+  (``cost3d.linear3d_bytes``), plus the norms' statistics and scale grads and the biases'
+  gathers (``_layer_comms_3d``).
 All times the element size ``e``.
 """
 
@@ -56,13 +59,15 @@ def layer_comms(
     c: GPTConfig, *, mode: str, tp: int, depth: int = 1, micro_batch_size: int, e: int
 ) -> tuple[list[Comm], list[Comm]]:
     """(forward, backward) collectives of one transformer layer on one device (module docstring),
-    for 1d (no sequence parallel), 2d and 2.5d."""
+    for 1d (no sequence parallel), 2d, 2.5d and 3d."""
     s, h, b = c.seq_length, c.hidden_size, micro_batch_size
     if mode == "1d":
         act = s * b * h * e
         return _kept([Comm("all_reduce", tp, act, tp, 2)]), _kept(
             [Comm("all_reduce", tp, act, tp, 2)]
         )
+    if mode == "3d":
+        return _layer_comms_3d(c, tp=tp, tokens=s * b, e=e)
     q = round((tp // depth) ** 0.5)
     tokens = s * b // (depth * q)
     fwd: list[Comm] = []
@@ -81,6 +86,35 @@ def layer_comms(
     fwd.append(Comm("all_reduce", q, tokens * e, tp, stats))
     bwd.append(Comm("all_reduce", q, tokens * e, tp, stats))
     bwd.append(Comm("all_reduce", depth * q, h // q * e, tp, 2 * (2 if layer_norm else 1)))
+    return _kept(fwd), _kept(bwd)
+
+
+def _layer_comms_3d(c: GPTConfig, *, tp: int, tokens: int, e: int) -> tuple[list, list]:
+    """3d (p = q^3, ``layers3d.py``): per linear ``[M, I] -> [M, O]`` the input's rows and the
+    weight gathered over q forward (``M I / q^2``, ``O I / q^2``), the output reduce-scattered
+    (``M O / q^2``); backward the output grad and the weight gathered again, the input's and the
+    weight's grads reduce-scattered, a bias ``[O / q]`` gathered forward and its grad
+    reduce-scattered. A norm all-reduces its statistics ``[M / q^2]`` (one per mean) forward and
+    backward, and its scales' grads ``[h / q]`` over two sub-axes of q."""
+    q = round(tp ** (1 / 3))
+    m = tokens // (q * q)  # a rank's block of the tokens; its gathered rows hold q m
+    fwd: list[Comm] = []
+    bwd: list[Comm] = []
+    for i, o, bias in _linears(c):
+        fwd.append(Comm("all_gather", q, m * i * e, tp))
+        fwd.append(Comm("all_gather", q, o * i // (q * q) * e, tp))
+        fwd.append(Comm("reduce_scatter", q, m * o * e, tp))
+        bwd.append(Comm("all_gather", q, m * o * e, tp))
+        bwd.append(Comm("all_gather", q, o * i // (q * q) * e, tp))
+        bwd.append(Comm("reduce_scatter", q, m * i * e, tp))
+        bwd.append(Comm("reduce_scatter", q, o * i // (q * q) * e, tp))
+        if bias:
+            fwd.append(Comm("all_gather", q, o // q * e, tp))
+            bwd.append(Comm("reduce_scatter", q, o // q * e, tp))
+    per_norm = 2 if c.normalization == "LayerNorm" else 1  # means; scales (LayerNorm: + bias)
+    fwd.append(Comm("all_reduce", q, m * e, tp, 2 * per_norm))
+    bwd.append(Comm("all_reduce", q, m * e, tp, 2 * per_norm))
+    bwd.append(Comm("all_reduce", q, c.hidden_size // q * e, tp, 2 * 2 * per_norm))
     return _kept(fwd), _kept(bwd)
 
 
@@ -106,6 +140,10 @@ def layer_param_elements(c: GPTConfig, *, mode: str, tp: int, depth: int = 1) ->
         column = sum(o for (_, o, bias), col in zip(linears, COLUMN_PARALLEL) if bias and col)
         weights = sum(o * i for i, o, _ in linears) // tp
         return weights + column // tp + (sum(biases) - column) + norms
+    if mode == "3d":  # weights [O/q^2, I/q], biases [O/q^2], norm scales [h/q]
+        q = round(tp ** (1 / 3))
+        weights = sum(o * i for i, o, _ in linears) // q**3
+        return weights + sum(o for _, o, bias in linears if bias) // (q * q) + norms // q
     q = round((tp // depth) ** 0.5)
     weights = sum(o * i for i, o, _ in linears) // (q * q)
     return weights + sum(o for _, o, bias in linears if bias) // q + norms // q

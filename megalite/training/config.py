@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from megalite.core.mesh_layout import MeshSizes, check_shared_pipelines
 from megalite.core.pipeline_parallel.stages import stage_layer_ranges
-from megalite.core.tensor_parallel.modes import check_grid_dims
+from megalite.core.tensor_parallel.modes import check_cube_dims, check_grid_dims
 from megalite.data.config import DataConfig
 from megalite.data.tokenizers import Tokenizer, build_tokenizer
 from megalite.errors import ConfigError, at_least
@@ -309,7 +309,6 @@ def _check_tp_mode(par: ParallelConfig, m: GPTConfig, *, micro_batch_size: int) 
         (m.num_experts is not None, f"num_experts {m.num_experts} (MoE)"),
         (m.qk_layernorm, "qk_layernorm"),
         (m.apply_layernorm_1p, "apply_layernorm_1p"),
-        (mode == "3d", "the GPT model yet (its 3d layers are not built in)"),
     ]
     for on, what in refused:
         if on:
@@ -318,6 +317,17 @@ def _check_tp_mode(par: ParallelConfig, m: GPTConfig, *, micro_batch_size: int) 
                 "tensor_parallel_mode 1d or drop it"
             )
     try:
+        if mode == "3d":
+            check_cube_dims(
+                par.tp_split_size,
+                hidden_size=m.hidden_size,
+                num_attention_heads=m.num_attention_heads,
+                num_query_groups=m.num_query_groups,
+                kv_channels=m.kv_channels,
+                ffn_hidden_size=m.ffn_hidden_size,
+                micro_batch_size=micro_batch_size,
+            )
+            return
         check_grid_dims(
             par.tp_split_size,
             par.tensor_parallel_depth,

@@ -112,3 +112,34 @@ def test_grid_groups_built_on_8_ranks():
         assert got["sizes"][("tp_depth",)] == 1
         for axes in [("tp_col",), ("tp_row",), ("tp_row", "tp_depth")]:
             assert got[axes] == next(g for g in WORLD8_TP4_2D_PP2[axes] if rank in g)
+
+
+# 3d: tp_rank = input + q (weight + q output); two tensor groups [0..7], [8..15] of 2 x 2 x 2
+WORLD16_TP8_3D_PP2 = {
+    ("tp_input",): [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]],
+    ("tp_weight",): [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]],
+    ("tp_output",): [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]],
+}
+
+
+def test_cube_groups_by_hand():
+    sizes = mesh_sizes(
+        16, tensor_model_parallel_size=8, pipeline_model_parallel_size=2, tensor_parallel_mode="3d"
+    )
+    groups = all_group_ranks(sizes)
+    for axes, expected in WORLD16_TP8_3D_PP2.items():
+        assert groups[frozenset(axes)] == expected, axes
+    assert frozenset({"tp_row"}) not in groups
+
+
+def _cube_case():
+    ps = mesh(8, mode="3d")
+    axes = ["tp_input", "tp_weight", "tp_output"]
+    return {a: sorted(dist.get_process_group_ranks(ps.group(a))) for a in axes}, repr(ps)
+
+
+def test_cube_groups_built_on_8_ranks():
+    for rank, (got, text) in enumerate(run_distributed(_cube_case, 8)):
+        for (axis,), groups in WORLD16_TP8_3D_PP2.items():
+            assert got[axis] == next(g for g in groups if rank in g), (rank, axis)
+        assert text.endswith("tp mode 3d (output 2 x weight 2 x input 2))")

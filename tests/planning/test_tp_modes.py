@@ -1,7 +1,8 @@
 """Each tensor-parallel mode's bytes per device per layer: the collectives one transformer layer's
 forward and backward issue on every rank (``CommLog``: op, group size, bytes) are exactly those of
-the closed form ``planning.tp_modes.layer_comms``, for 1d (TP 4), 2d (TP 4) and 2.5d (TP 8,
-depth 2), both families; and the per-device bytes equal the README's formula.
+the closed form ``planning.tp_modes.layer_comms``, for 1d (TP 4), 2d (TP 4), 2.5d (TP 8,
+depth 2) and 3d (TP 8, q = 2), both families; and the per-device bytes equal the README's formula
+(3d: ``cost3d``'s).
 
 Activations: what a layer's forward saves for backward on a device (saved-tensor hooks,
 ``SavedTensorMeter``) under a ``d x q x q`` grid is the unsharded grid layer's (q = d = 1, one
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from megalite.core.tensor_parallel.modes import tensor_parallel_mode
+from megalite.core.tensor_parallel.modes.cost3d import block3d_bytes
 from megalite.measure.comm_log import CommLog
 from megalite.measure.saved_tensors import SavedTensorMeter
 from megalite.models.config import GPTConfig
@@ -63,7 +65,7 @@ def _layer_case(family: str, mode: str, tp: int, depth: int) -> Counter:
     return log.counts()
 
 
-CASES = {"1d": ("1d", 4, 1), "2d": ("2d", 4, 1), "2.5d": ("2.5d", 8, 2)}
+CASES = {"1d": ("1d", 4, 1), "2d": ("2d", 4, 1), "2.5d": ("2.5d", 8, 2), "3d": ("3d", 8, 1)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY))
@@ -98,6 +100,27 @@ def test_bytes_per_device_follow_the_readme_formulas():
             2 * (d * q - 1) / (d * q) * (3 * h + h + 4 * h + h + 4 * h / 1) / q
         )  # biases, scales
         assert got == pytest.approx((linears + norms + small) * e, rel=1e-12), (mode, tp, d)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY))
+def test_3d_layer_bytes_are_cost3d_closed_form(family):
+    """The 3d layer's collectives (checked against a real step above) send what ``cost3d``'s
+    closed form for a transformer block says, at q = 2 for two micro-batch sizes."""
+    c = _config(family)
+    qkv = (c.num_attention_heads + 2 * c.num_query_groups) * c.kv_channels
+    for q, b in [(2, B), (2, 8)]:
+        comms = sum(layer_comms(c, mode="3d", tp=q**3, micro_batch_size=b, e=4), [])
+        expected = block3d_bytes(
+            S * b,
+            c.hidden_size,
+            c.ffn_hidden_size,
+            q,
+            qkv_size=qkv,
+            bias=c.add_bias_linear,
+            swiglu=c.swiglu,
+            rms=c.normalization == "RMSNorm",
+        )
+        assert bytes_per_device(comms) == pytest.approx(expected, rel=1e-12), (family, q)
 
 
 def _saved_case(family: str, mode: str, tp: int, depth: int) -> int:

@@ -85,7 +85,48 @@ BAD = [
         8,
         "--micro-batch-size 2 is not divisible by --tensor-parallel-depth 2 x q 2 = 4",
     ),
+    (
+        "--tensor-model-parallel-size 8 --tensor-parallel-mode 3d",
+        8,
+        "--micro-batch-size 2 is not divisible by 4 under --tensor-parallel-mode 3d",
+    ),
+    (
+        "--tensor-model-parallel-size 8 --tensor-parallel-mode 3d --micro-batch-size 4 "
+        "--sequence-parallel",
+        8,
+        "--tensor-parallel-mode 3d does not combine with --sequence-parallel",
+    ),
+    (
+        "--tensor-model-parallel-size 8 --tensor-parallel-mode 3d --micro-batch-size 4 "
+        "--hidden-size 34 --num-attention-heads 2",
+        8,
+        "--hidden-size 34 is not divisible by 4 under --tensor-parallel-mode 3d",
+    ),
+    (
+        "--tensor-model-parallel-size 8 --tensor-parallel-mode 3d --micro-batch-size 4 "
+        "--num-attention-heads 1",
+        8,
+        "--num-attention-heads 1 is not divisible by 2 under --tensor-parallel-mode 3d",
+    ),
+    (
+        "--tensor-model-parallel-size 8 --tensor-parallel-mode 3d --micro-batch-size 4 "
+        "--group-query-attention --num-query-groups 1",
+        8,
+        "--num-query-groups 1 is not divisible by 2 under --tensor-parallel-mode 3d",
+    ),
+    (
+        "--tensor-model-parallel-size 8 --tensor-parallel-mode 3d --micro-batch-size 4 "
+        "--ffn-hidden-size 66",
+        8,
+        "--ffn-hidden-size 66 is not divisible by 4 under --tensor-parallel-mode 3d",
+    ),
 ]
+
+
+def test_3d_is_accepted_with_tied_embeddings():
+    cfg = _parse("--tensor-model-parallel-size 8 --tensor-parallel-mode 3d --micro-batch-size 4", 8)
+    assert cfg.parallel.tensor_parallel_mode == "3d" and cfg.parallel.tp_split_size == 2
+    assert not cfg.model.untie_embeddings_and_output_weights
 
 
 @pytest.mark.parametrize("extra, world, message", BAD)

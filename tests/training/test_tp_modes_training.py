@@ -70,6 +70,9 @@ LAYOUTS = {  # name -> (mode, tp, depth, pp, zero1, world)
     "2.5d-tp8": ("2.5d", 8, 2, 1, False, 8),
     "2.5d-tp2-pp2": ("2.5d", 2, 2, 2, False, 4),
     "2.5d-tp2-dp2-zero1": ("2.5d", 2, 2, 1, True, 4),
+    "3d-tp8": ("3d", 8, 1, 1, False, 8),
+    "3d-tp1-pp2": ("3d", 1, 1, 2, False, 2),
+    "3d-tp1-dp2-zero1": ("3d", 1, 1, 1, True, 2),
 }
 
 

@@ -5,8 +5,9 @@ The global norm is that of the unsharded model, each parameter counted once
 
 - a TP-sharded parameter (``tensor_model_parallel``) contributes its shard from every TP rank;
 - a TP-replicated parameter (norm weights, row-parallel biases) only from TP rank 0;
-- a parameter of a grid mode (2d, 2.5d) from the TP ranks that hold its distinct blocks
-  (``distinct_tp_ranks``: the first q x q for a weight, the first q for a bias or a norm scale);
+- a parameter of a grid mode (2d, 2.5d, 3d) from the TP ranks that hold its distinct blocks
+  (``distinct_tp_ranks``; 2d: the first q x q for a weight, the first q for a bias or a norm
+  scale; 3d: coordinate 0 on each sub-axis it is replicated along);
 - a parameter listed in ``duplicates`` (the last stage's copy of a tied word embedding when PP > 1)
   not at all;
 
@@ -47,7 +48,7 @@ def param_is_counted(
     if is_expert_param(param):
         return is_tensor_parallel(param) or expert_tp_rank == 0
     if distinct_tp_ranks(param) is not None:
-        return tp_rank < distinct_tp_ranks(param)
+        return tp_rank in distinct_tp_ranks(param)
     return is_tensor_parallel(param) or tp_rank == 0
 
 

@@ -52,6 +52,14 @@ def grid3d_groups(tp_ranks: Sequence[int], q: int) -> dict[str, list[list[int]]]
     return out
 
 
+def first_copy_ranks(replicated_over: Sequence[str], q: int) -> tuple[int, ...]:
+    """The TP ranks holding the counted copy of a parameter replicated along ``replicated_over``:
+    coordinate 0 on each of those sub-axes (all q^3 ranks for a parameter split over the cube)."""
+    return tuple(
+        r for r in range(q**3) if all(grid3d_coords(r, q)[a] == 0 for a in replicated_over)
+    )
+
+
 @dataclass(frozen=True)
 class Groups3D:
     """What a 3D layer communicates over: the three sub-axis process groups of this rank (``None``

@@ -42,7 +42,7 @@ def grid_parameter(
     the TP ranks of depth 0), else one block per grid column (distinct on the first q)."""
     param = nn.Parameter(shard.to(device=device, dtype=dtype).contiguous())
     set_tp_attributes(param, partition_dim=0 if sharded else None)
-    param.distinct_tp_ranks = grid.q * grid.q if sharded else grid.q
+    param.distinct_tp_ranks = range(grid.q * grid.q if sharded else grid.q)
     return param
 
 

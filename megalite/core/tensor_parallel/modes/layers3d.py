@@ -66,15 +66,18 @@ from megalite.core.tensor_parallel.modes.comm3d import (
     gather_dim,
     reduce_scatter_dim,
 )
-from megalite.core.tensor_parallel.modes.grid3d import Groups3D, other_layout
+from megalite.core.tensor_parallel.modes.grid3d import Groups3D, first_copy_ranks, other_layout
 
 BATCH_DIM = 1  # activations are [s, b, h]
 
 
-def mark3d(param: nn.Parameter, replicated_over: tuple[str, ...]) -> nn.Parameter:
+def mark3d(param: nn.Parameter, replicated_over: tuple[str, ...], groups: Groups3D) -> nn.Parameter:
     """Set ``tp3d_replicated_over``: the sub-axes along which ``param`` has equal copies (with
-    equal grads: the layers sum them in backward). ``Groups3D.holds_first_copy`` reads it."""
+    equal grads: the layers sum them in backward); ``Groups3D.holds_first_copy`` reads it. Also
+    ``distinct_tp_ranks`` (``param_attributes``), the grid modes' one rule for the grad norm: the
+    TP ranks holding the first copy."""
     param.tp3d_replicated_over = replicated_over
+    param.distinct_tp_ranks = first_copy_ranks(replicated_over, groups.q)
     return param
 
 
@@ -159,12 +162,12 @@ class Linear3D(nn.Module):
         init_method(full)
         block = weight_block3d(full, groups, input_layout, stride=stride)
         self.weight = mark3d(
-            nn.Parameter(block.to(device=device, dtype=params_dtype).contiguous()), ()
+            nn.Parameter(block.to(device=device, dtype=params_dtype).contiguous()), (), groups
         )
         self.bias = None
         if bias:  # zero at init, as Megatron's linear biases; equal along the hidden axis
             zeros = torch.zeros(output_size // (q * q), dtype=params_dtype, device=device)
-            self.bias = mark3d(nn.Parameter(zeros), (groups.hidden_axis(input_layout),))
+            self.bias = mark3d(nn.Parameter(zeros), (groups.hidden_axis(input_layout),), groups)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _Linear3D.apply(
@@ -183,12 +186,12 @@ class _Norm3D(nn.Module):
         local = hidden_size // groups.q
         copies = (groups.row_axis(layout), "weight")
         self.weight = mark3d(
-            nn.Parameter(torch.ones(local, dtype=params_dtype, device=device)), copies
+            nn.Parameter(torch.ones(local, dtype=params_dtype, device=device)), copies, groups
         )
         self.bias = None
         if bias:
             zeros = torch.zeros(local, dtype=params_dtype, device=device)
-            self.bias = mark3d(nn.Parameter(zeros), copies)
+            self.bias = mark3d(nn.Parameter(zeros), copies, groups)
 
     def _replicated(self, p: torch.Tensor) -> torch.Tensor:
         g = self.groups

@@ -1,12 +1,14 @@
 """A tensor-parallel mode as one small object: the layers a model builds under it, its groups,
 and how it cuts a micro-batch. A model asks ``tensor_parallel_mode(ps)`` and builds every layer
-through it, so a new mode (3d) is one more class here.
+through it; 3d is ``Mode3D`` (``mode3d.py``).
 
     mode = tensor_parallel_mode(ps)
     mode.column_linear(h, 3 * h, ...), mode.row_linear(...)   -> modules, forward x -> (y, None)
     mode.norm("RMSNorm", h, ...), mode.embedding(V, h, ...)
     mode.output_layer(V, V_pad, h, ...), mode.cross_entropy(logits, target, ...)
     mode.batch_block(t, dim), mode.gather_batch(loss)         the micro-batch in and out
+    mode.residual_block(t, dim), mode.attention_block(t, dim) of a batch_block'd tensor, the
+        blocks the residual stream and attention hold (per-sample positions, attention masks)
 
 ``split_size`` is what heads, query groups, ffn and the vocabulary are split into (the TP size
 under 1d, the grid side q under 2d / 2.5d); ``activation_split`` what the ``[s, b, h]``
@@ -36,6 +38,7 @@ from megalite.core.tensor_parallel.modes.grid_layers import (
     GridVocabOutput,
     grid_cross_entropy,
 )
+from megalite.core.tensor_parallel.modes.mode3d import Mode3D
 
 
 class OneD:
@@ -92,6 +95,12 @@ class OneD:
         return param
 
     def batch_block(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t
+
+    def residual_block(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t
+
+    def attention_block(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         return t
 
     def gather_batch(self, t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -151,7 +160,7 @@ class GridMode:
 
     def mark_hidden_block(self, param: torch.Tensor) -> None:
         """A parameter ``hidden_block`` cut: distinct on the first q TP ranks (one per column)."""
-        param.distinct_tp_ranks = self.grid.q
+        param.distinct_tp_ranks = range(self.grid.q)
 
     def replicated(self, param: torch.Tensor) -> torch.Tensor:
         """A parameter held by the d x q ranks of one grid column block, as the forward uses it:
@@ -161,6 +170,14 @@ class GridMode:
     def batch_block(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's batch block (``depth * q + row``) of a whole micro-batch along ``dim``."""
         return t.chunk(self.grid.batch_blocks, dim)[self.grid.batch_block]
+
+    def residual_block(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """The batch block the residual stream holds: ``batch_block``'s (applied already)."""
+        return t
+
+    def attention_block(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """The batch block attention computes: ``batch_block``'s (applied already)."""
+        return t
 
     def gather_batch(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """The whole micro-batch from every rank's batch block along ``dim`` (the last one):
@@ -198,11 +215,13 @@ def _refuse_sequence_parallel(sequence_parallel: bool, mode: str) -> None:
         )
 
 
-def tensor_parallel_mode(ps) -> OneD | GridMode:
+def tensor_parallel_mode(ps) -> OneD | GridMode | Mode3D:
     """The mode of a ``ParallelState``'s tensor group (its ``sizes.tp_mode``)."""
     mode = ps.sizes.tp_mode
     if mode == "1d":
         return OneD(ps.tp_group)
     if mode in ("2d", "2.5d"):
         return GridMode(Grid.of(ps), mode)
-    raise ValueError(f"tensor_parallel_mode {mode} has no model layers yet; use 1d, 2d or 2.5d")
+    if mode == "3d":
+        return Mode3D.of(ps)
+    raise ValueError(f"tensor_parallel_mode must be one of 1d, 2d, 2.5d, 3d, got {mode!r}")

@@ -89,7 +89,7 @@ class VocabEmbedding3D(nn.Module):
         init_method(full if init_rows is None else full[:init_rows])
         block = embedding_block3d(full, groups)
         self.weight = mark3d(
-            nn.Parameter(block.to(device=device, dtype=params_dtype).contiguous()), ()
+            nn.Parameter(block.to(device=device, dtype=params_dtype).contiguous()), (), groups
         )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -122,6 +122,7 @@ class PositionEmbedding3D(nn.Module):
         self.weight = mark3d(
             nn.Parameter(block.to(device=device, dtype=params_dtype).contiguous()),
             ("input", "weight"),
+            groups,
         )
 
     def forward(self, seq_length: int) -> torch.Tensor:
