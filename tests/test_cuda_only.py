@@ -44,7 +44,7 @@ def test_bf16_sdpa_attention_uses_flash_or_efficient_kernels():
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_cp_block_attention_takes_the_efficient_kernel_on_cuda(monkeypatch, causal):
-    from megalite.core.context_parallel import block_attention as ba
+    from megalite.core.attention import block_attention as ba
 
     q, k, v = _qkv(s=128)
     scale = q.shape[-1] ** -0.5

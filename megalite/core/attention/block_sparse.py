@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from megalite.core.attention.block_attention import block_backward, block_forward
 from megalite.core.attention.masks import BlockPlan
-from megalite.core.context_parallel.block_attention import block_backward, block_forward
 
 # Score entries per kernel call (bounds the gathered K/V and the mask held at once).
 DEFAULT_MAX_ENTRIES = 1 << 22

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megalite.core.context_parallel.block_attention import (
+from megalite.core.attention.block_attention import (
     block_backward,
     block_flops,
     block_forward,

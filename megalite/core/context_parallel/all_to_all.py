@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from megalite.core.context_parallel.block_attention import expand_heads
+from megalite.core.attention.block_attention import expand_heads
 from megalite.core.context_parallel.chunking import rank_major_to_natural
 from megalite.core.context_parallel.comm import CommStats, WaitTimer, nbytes
 from megalite.core.groups import group_size

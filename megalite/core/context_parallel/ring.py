@@ -35,9 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from megalite.core.attention.block_sparse import sparse_backward, sparse_forward
-from megalite.core.attention.masks import BlockPlan
-from megalite.core.context_parallel.block_attention import (
+from megalite.core.attention.block_attention import (
     block_backward,
     block_flops,
     block_forward,
@@ -45,6 +43,8 @@ from megalite.core.context_parallel.block_attention import (
     merge,
     reduce_heads,
 )
+from megalite.core.attention.block_sparse import sparse_backward, sparse_forward
+from megalite.core.attention.masks import BlockPlan
 from megalite.core.context_parallel.comm import CommStats, Ring, Timer
 from megalite.core.groups import group_rank, group_size
 

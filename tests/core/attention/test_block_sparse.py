@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megalite.core.attention import block_attention as ba
 from megalite.core.attention import block_sparse as bs
 from megalite.core.attention.masks import MaskSpec, build_block_plan
 from megalite.core.attention.sparse_layouts import build_layout
-from megalite.core.context_parallel import block_attention as ba
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 S, BLOCK = 45, 8

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalite.core.context_parallel import block_attention as ba
+from megalite.core.attention import block_attention as ba
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
