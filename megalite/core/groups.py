@@ -50,7 +50,12 @@ def _recorded(
 def _host_on_nccl(x: torch.Tensor, group) -> bool:
     """``x`` lives on the host but ``group`` is nccl's, which takes only CUDA tensors (offloaded
     grads and their norms)."""
-    return x.device.type == "cpu" and group is not None and dist.get_backend(group) == "nccl"
+    return (
+        x.device.type == "cpu"
+        and group is not None
+        and torch.cuda.is_initialized()  # a CPU-only run never asks for the backend
+        and dist.get_backend(group) == "nccl"
+    )
 
 
 def all_reduce_tensor(

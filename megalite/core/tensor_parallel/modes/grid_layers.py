@@ -90,7 +90,17 @@ class _GridNorm(nn.Module):
     """The scale (and shift) of a norm over a hidden dim split over the grid row: ``[h/q]``,
     column block ``col``, replicated over the d x q ranks of ``row_depth_group``."""
 
-    def __init__(self, hidden_size, *, grid, eps, shift, params_dtype, device):
+    has_shift = False  # LayerNorm's bias
+
+    def __init__(
+        self,
+        hidden_size: int,
+        *,
+        grid: Grid,
+        eps: float = 1e-5,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+    ):
         super().__init__()
         self.grid, self.eps, self.hidden_size = grid, eps, hidden_size
         local = divide(hidden_size, grid.q, what="hidden_size")
@@ -98,7 +108,7 @@ class _GridNorm(nn.Module):
             torch.ones(local), grid, dtype=params_dtype, device=device, sharded=False
         )
         self.bias = None
-        if shift:
+        if self.has_shift:
             self.bias = grid_parameter(
                 torch.zeros(local), grid, dtype=params_dtype, device=device, sharded=False
             )
@@ -117,18 +127,7 @@ class GridLayerNorm(_GridNorm):
     """LayerNorm over the hidden dim of ``[s, b/(dq), h/q]``: mean and variance summed over the
     grid row (``col_group``)."""
 
-    def __init__(
-        self,
-        hidden_size: int,
-        *,
-        grid: Grid,
-        eps: float = 1e-5,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | None = None,
-    ):
-        super().__init__(
-            hidden_size, grid=grid, eps=eps, shift=True, params_dtype=params_dtype, device=device
-        )
+    has_shift = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         centred = x - self._mean(x)
@@ -139,19 +138,6 @@ class GridLayerNorm(_GridNorm):
 class GridRMSNorm(_GridNorm):
     """RMSNorm over the hidden dim of ``[s, b/(dq), h/q]``: the mean square summed over the grid
     row (``col_group``)."""
-
-    def __init__(
-        self,
-        hidden_size: int,
-        *,
-        grid: Grid,
-        eps: float = 1e-5,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | None = None,
-    ):
-        super().__init__(
-            hidden_size, grid=grid, eps=eps, shift=False, params_dtype=params_dtype, device=device
-        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._scale(x * torch.rsqrt(self._mean(x * x) + self.eps))

@@ -179,7 +179,18 @@ class _Norm3D(nn.Module):
     """Shared by the norms: the weight (and bias) ``[h/q]``, this rank's hidden block, replicated
     over the two sub-axes that split the rows; their grads are summed over both in backward."""
 
-    def __init__(self, hidden_size, groups, *, eps, layout, bias, params_dtype, device):
+    has_bias = False  # LayerNorm's shift
+
+    def __init__(
+        self,
+        hidden_size: int,
+        groups: Groups3D,
+        *,
+        eps: float = 1e-5,
+        layout: str = "residual",
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+    ):
         super().__init__()
         check_divides(hidden_size, groups.q, what="hidden_size")
         self.groups, self.layout, self.eps, self.hidden_size = groups, layout, eps, hidden_size
@@ -189,7 +200,7 @@ class _Norm3D(nn.Module):
             nn.Parameter(torch.ones(local, dtype=params_dtype, device=device)), copies, groups
         )
         self.bias = None
-        if bias:
+        if self.has_bias:
             zeros = torch.zeros(local, dtype=params_dtype, device=device)
             self.bias = mark3d(nn.Parameter(zeros), copies, groups)
 
@@ -207,25 +218,7 @@ class _Norm3D(nn.Module):
 class LayerNorm3D(_Norm3D):
     """LayerNorm over a hidden dim split in q blocks. Input and output # [s, b/q^2, h/q]."""
 
-    def __init__(
-        self,
-        hidden_size: int,
-        groups: Groups3D,
-        *,
-        eps: float = 1e-5,
-        layout: str = "residual",
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | None = None,
-    ):
-        super().__init__(
-            hidden_size,
-            groups,
-            eps=eps,
-            layout=layout,
-            bias=True,
-            params_dtype=params_dtype,
-            device=device,
-        )
+    has_bias = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         centred = x - self._hidden_sum(x) / self.hidden_size
@@ -236,26 +229,6 @@ class LayerNorm3D(_Norm3D):
 
 class RMSNorm3D(_Norm3D):
     """RMSNorm over a hidden dim split in q blocks. Input and output # [s, b/q^2, h/q]."""
-
-    def __init__(
-        self,
-        hidden_size: int,
-        groups: Groups3D,
-        *,
-        eps: float = 1e-5,
-        layout: str = "residual",
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | None = None,
-    ):
-        super().__init__(
-            hidden_size,
-            groups,
-            eps=eps,
-            layout=layout,
-            bias=False,
-            params_dtype=params_dtype,
-            device=device,
-        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mean_sq = self._hidden_sum(x * x) / self.hidden_size
