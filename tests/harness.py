@@ -165,6 +165,9 @@ class WorkerPool:
             else:
                 errors[rank] = payload
         if errors or len(outs) < self.world_size:
+            # a rank that died (killed, out of memory) reports nothing: its peers only see a closed
+            # socket, so name it and its exit code beside their errors
+            dead = {r: p.exitcode for r, p in enumerate(self._procs) if not p.is_alive()}
             self.close(kill=True)
             if errors:
                 first = min(errors)
@@ -178,6 +181,11 @@ class WorkerPool:
                 raise DistributedCaseError(
                     f"{fn.__name__} failed on rank {first} of {self.world_size}"
                     + (f" (also on ranks {others})" if others else "")
+                    + (
+                        f"; rank(s) {sorted(dead)} had died (exit codes {list(dead.values())})"
+                        if dead
+                        else ""
+                    )
                     + f":{summary}\n\nrank {first}:\n{errors[first]}"
                 )
             silent = sorted(set(range(self.world_size)) - set(outs))

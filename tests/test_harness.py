@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -31,6 +32,13 @@ def _block_on_rank_zero():
         time.sleep(BLOCK_S)
 
 
+def _die_on_rank_one_after_rank_zero_fails():
+    if dist.get_rank() == 1:  # a rank killed (out of memory, SIGKILL) sends no traceback
+        time.sleep(0.5)
+        os._exit(9)
+    raise ConnectionError("closed by peer, as a peer of a dead rank sees it")
+
+
 def test_results_come_back_in_rank_order():
     out = run_distributed(_sum_of_ranks, 4, 10)
     assert out == [(r, 4 * 10 + 0 + 1 + 2 + 3) for r in range(4)]
@@ -48,3 +56,10 @@ def test_blocked_rank_fails_within_timeout():
     # after BLOCK_S and raise nothing
     with pytest.raises(DistributedCaseError, match=r"rank\(s\) \[0\] of 2 did not finish"):
         run_distributed(_block_on_rank_zero, 2, timeout=3)
+
+
+def test_a_dead_rank_is_named_beside_its_peers_errors():
+    with pytest.raises(
+        DistributedCaseError, match=r"rank\(s\) \[1\] had died \(exit codes \[9\]\)"
+    ):
+        run_distributed(_die_on_rank_one_after_rank_zero_fails, 2)
