@@ -227,4 +227,18 @@ def tensor_shape(t: torch.Tensor | list[torch.Tensor]) -> tuple[int, ...]:
     return tuple(t[0].shape if isinstance(t, (list, tuple)) else t.shape)
 
 
+class RecordedWork:
+    """Works of one recorded asynchronous op (a collective made of several sends and receives):
+    ``wait`` marks the main thread blocked on the record, waits on every work, then ends it."""
+
+    def __init__(self, works: list, rec: OpRecord | None, recorder: OpRecorder):
+        self.works, self.rec, self.recorder = works, rec, recorder
+
+    def wait(self) -> None:
+        self.recorder.wait(self.rec)
+        for work in self.works:
+            work.wait()
+        self.recorder.end(self.rec)
+
+
 RECORDER = OpRecorder()

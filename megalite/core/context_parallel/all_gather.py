@@ -24,6 +24,7 @@ from megalite.core.attention.block_attention import (
 from megalite.core.context_parallel.chunking import cp_chunk_ids, rank_major_to_natural
 from megalite.core.context_parallel.comm import CommStats, Timer, WaitTimer, nbytes
 from megalite.core.groups import group_rank, group_size, reduce_scatter_tensor
+from megalite.core.op_record import RECORDER
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -36,7 +37,11 @@ class _GatherSequence(torch.autograd.Function):
         size = group_size(group)
         pieces = [torch.empty_like(x) for _ in range(size)]
         with WaitTimer(stats):
+            rec = RECORDER.begin(
+                "all_gather", group=group, axis="cp", what="keys and values", shape=x.shape
+            )
             dist.all_gather(pieces, x.contiguous(), group=group)
+            RECORDER.end(rec)
         if stats is not None:
             stats.bytes_sent += (size - 1) * nbytes(x)
         return torch.cat(pieces, dim=-2)
@@ -47,7 +52,9 @@ class _GatherSequence(torch.autograd.Function):
         send = torch.stack(grad.chunk(size, dim=-2)).contiguous()  # [cp, ...]
         out = torch.empty_like(send[0])
         with WaitTimer(ctx.stats):
-            reduce_scatter_tensor(out.view(-1), send.view(-1), ctx.group)
+            reduce_scatter_tensor(
+                out.view(-1), send.view(-1), ctx.group, what="key and value grads"
+            )
         if ctx.stats is not None:
             ctx.stats.bytes_sent += (size - 1) * nbytes(out)
         return out, None, None

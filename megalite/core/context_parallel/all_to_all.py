@@ -15,12 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from megalite.core.attention.block_attention import expand_heads
 from megalite.core.context_parallel.chunking import rank_major_to_natural
 from megalite.core.context_parallel.comm import CommStats, WaitTimer, nbytes
-from megalite.core.groups import group_size
+from megalite.core.groups import all_to_all_tensor, group_size
 
 
 def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int, stats) -> torch.Tensor:
@@ -30,7 +29,7 @@ def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int, stats
     send = torch.stack(x.chunk(size, dim=scatter_dim)).contiguous()  # [cp, ...] piece i -> rank i
     recv = torch.empty_like(send)
     with WaitTimer(stats):  # blocking: all of it is waiting
-        dist.all_to_all_single(recv, send, group=group)
+        all_to_all_tensor(recv, send, None, None, group, what="attention (cp all-to-all)")
     if stats is not None:
         stats.bytes_sent += nbytes(send) * (size - 1) // size
     return torch.cat(recv.unbind(0), dim=gather_dim)

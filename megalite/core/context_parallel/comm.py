@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.core.groups import group_rank, group_size
+from megalite.core.op_record import RECORDER, RecordedWork
 
 
 @dataclass
@@ -49,25 +50,38 @@ class Ring:
     def _global(self, offset: int) -> int:
         return dist.get_global_rank(self.group, (self.rank + offset) % self.size)
 
-    def exchange(self, send: torch.Tensor, recv: torch.Tensor, *, tag: int, distance: int = 1):
+    def exchange(
+        self,
+        send: torch.Tensor,
+        recv: torch.Tensor,
+        *,
+        tag: int,
+        distance: int = 1,
+        what: str | None = None,
+    ) -> RecordedWork:
         """Start sending ``send`` to rank ``rank + distance`` and receiving rank
         ``rank - distance``'s into ``recv``; returns the requests for ``wait``. ``send`` must not
-        change until then."""
+        change until then. ``what`` names the message for the op recorder (a send and a receive,
+        posted here, waited on in ``wait``)."""
         if self.stats is not None:
             self.stats.bytes_sent += nbytes(send)
             self.stats.sends += 1
+        ahead, behind = self._global(distance), self._global(-distance)
+        sent = RECORDER.post("send", axis="cp", what=what, peer=ahead, shape=send.shape)
+        received = RECORDER.post("recv", axis="cp", what=what, peer=behind, shape=recv.shape)
         # one batch: on nccl a lone send and a lone recv on the same peer pair can deadlock (the
         # send waits for a recv queued behind it); tags are ignored there, order matches instead
         ops = [
-            dist.P2POp(dist.isend, send, self._global(distance), self.group, tag),
-            dist.P2POp(dist.irecv, recv, self._global(-distance), self.group, tag),
+            dist.P2POp(dist.isend, send, ahead, self.group, tag),
+            dist.P2POp(dist.irecv, recv, behind, self.group, tag),
         ]
-        return dist.batch_isend_irecv(ops)
+        works = dist.batch_isend_irecv(ops)
+        RECORDER.end(sent)  # a send is recorded as done once posted: the receive is waited on
+        return RecordedWork(works, received, RECORDER)
 
-    def wait(self, requests: list) -> None:
+    def wait(self, requests: RecordedWork) -> None:
         start = time.perf_counter()
-        for req in requests:
-            req.wait()
+        requests.wait()
         if self.stats is not None:
             self.stats.wait_s += time.perf_counter() - start
 

@@ -108,7 +108,9 @@ class _RingAttention(torch.autograd.Function):
             if j + 1 < len(steps):  # the next needed block travels while this one computes
                 incoming = torch.empty_like(kv)
                 hop = steps[j + 1] - step
-                requests = ring.exchange(kv, incoming, tag=_KV_TAG, distance=hop)
+                requests = ring.exchange(
+                    kv, incoming, tag=_KV_TAG, distance=hop, what="keys and values (forward)"
+                )
             src = (ring.rank - step) % ring.size
             with Timer(stats):
                 for block in plan.blocks[step]:
@@ -156,7 +158,9 @@ class _RingAttention(torch.autograd.Function):
             requests = []
             if j + 1 < len(steps):
                 incoming = torch.empty_like(kv)
-                requests = ring.exchange(kv, incoming, tag=_BWD_KV_TAG, distance=hop)
+                requests = ring.exchange(
+                    kv, incoming, tag=_BWD_KV_TAG, distance=hop, what="keys and values (backward)"
+                )
             src = (ring.rank - step) % ring.size
             own = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             with Timer(ctx.stats):
@@ -183,7 +187,9 @@ class _RingAttention(torch.autograd.Function):
             dkv = own
             if hop < ring.size:  # pass it on (a jump of CP ranks: it is home already)
                 dkv_in = torch.empty_like(dkv)
-                dkv_requests = ring.exchange(dkv, dkv_in, tag=_DKV_TAG, distance=hop)
+                dkv_requests = ring.exchange(
+                    dkv, dkv_in, tag=_DKV_TAG, distance=hop, what="key and value grads"
+                )
             else:
                 dkv_requests = []
             if requests:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.core.groups import all_gather_tensor, group_rank, group_size, reduce_scatter_tensor
+from megalite.core.op_record import RECORDER, RecordedWork
 
 PIECE = 1 << 21  # elements per exchanged piece on gloo (8 MiB of fp32)
 
@@ -150,14 +151,20 @@ def start_reduce_scatter_shard(data: torch.Tensor, group) -> PendingReduceScatte
     return PendingReduceScatter(dist.batch_isend_irecv(ops), finish)
 
 
-def all_gather_shard(data: torch.Tensor, group, *, async_op: bool = False) -> list:
+def all_gather_shard(
+    data: torch.Tensor, group, *, async_op: bool = False, what: str | None = None
+) -> list:
     """In place: shard ``r`` of ``data`` [n] <- rank ``r``'s shard, for every rank ``r`` of
-    ``group``. With ``async_op`` returns the works to ``wait()`` on (else an empty list)."""
+    ``group``. With ``async_op`` returns the works to ``wait()`` on (else an empty list).
+    ``what`` names the buffer for the op recorder (one ``all_gather`` record on the group's
+    channel, also on gloo where it is made of sends and receives)."""
     size = group_size(group)
     if size == 1:
         return []
     rank = group_rank(group)
     if _is_gloo(group):
+        record = RECORDER.post if async_op else RECORDER.begin
+        rec = record("all_gather", group=group, axis="dp", what=what, shape=data.shape)
         shards = data.chunk(size)
         ops = []
         for j in range(size):
@@ -165,12 +172,11 @@ def all_gather_shard(data: torch.Tensor, group, *, async_op: bool = False) -> li
                 peer = dist.get_global_rank(group, j)
                 ops.append(dist.P2POp(dist.isend, shards[rank], peer, group))
                 ops.append(dist.P2POp(dist.irecv, shards[j], peer, group))
-        works = dist.batch_isend_irecv(ops)
+        works = RecordedWork(dist.batch_isend_irecv(ops), rec, RECORDER)
         if async_op:
-            return works
-        for work in works:
-            work.wait()
+            return [works]
+        works.wait()
         return []
     lo, hi = shard_bounds(data.numel(), size, rank)
-    work = all_gather_tensor(data, data[lo:hi], group, async_op=async_op)
+    work = all_gather_tensor(data, data[lo:hi], group, async_op=async_op, what=what)
     return [work] if async_op else []

@@ -238,10 +238,13 @@ class Zero1DataParallel(DistributedDataParallel):
                 continue
             numel = self.grad_buffers[key[0]].layout.buckets[key[1]].numel
             view = param_data[bucket.offset : bucket.offset + numel]
+            what = f"params of bucket {key[0]}.{key[1]}"
             if self.overlap_param_gather:
-                self._gathering[key] = all_gather_shard(view, bucket.dp_group, async_op=True)
+                self._gathering[key] = all_gather_shard(
+                    view, bucket.dp_group, async_op=True, what=what
+                )
             else:
-                all_gather_shard(view, bucket.dp_group)
+                all_gather_shard(view, bucket.dp_group, what=what)
 
     def _buffer_key(self, key: BucketKey) -> BufferKey:
         return list(self.buffers_by_key)[key[0]]

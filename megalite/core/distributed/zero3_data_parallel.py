@@ -212,9 +212,18 @@ class Zero3DataParallel(Zero2DataParallel):
                 self.param_store.read_into(shard, s, mine)
             full = self._full[key]
             group = self._buckets[key].dp_group
-            self._gather_works[key] = all_gather_shard(full, group, async_op=async_op)
+            self._gather_works[key] = all_gather_shard(
+                full, group, async_op=async_op, what=self._gather_what(key)
+            )
             self._resident.add(key)
         self._param_peak = max(self._param_peak, self.gathered_bytes())
+
+    def _gather_what(self, key: BucketKey) -> str:
+        """What the op recorder calls bucket ``key``'s gather: its unit (the module the hooks
+        gather for; the last is the parameters outside every unit) and bucket."""
+        unit = self._unit_of[self._buckets[key].params[0]]
+        name = "the rest" if unit == self._rest_unit else f"unit {unit}"
+        return f"params of {name} (bucket {key[0]}.{key[1]})"
 
     def _wait(self, keys: Iterable[BucketKey]) -> None:
         for key in keys:
