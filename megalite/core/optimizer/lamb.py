@@ -83,10 +83,12 @@ class Lamb(torch.optim.Optimizer):
         return state
 
     def updates(
-        self, *, update_moments: bool = True
+        self, *, update_moments: bool = True, variance_updates: int | None = None
     ) -> list[tuple[dict, torch.Tensor, torch.Tensor]]:
         """``(group, param, r)`` for every parameter with a grad (``r`` before the trust ratio);
-        with ``update_moments`` the step and both moments advance first (LAMB's own step)."""
+        with ``update_moments`` the step and both moments advance first (LAMB's own step).
+        ``variance_updates``: the updates a frozen variance had (its bias correction's count;
+        default the step's)."""
         out = []
         for group in self.param_groups:
             b1, b2 = group["betas"]
@@ -100,7 +102,8 @@ class Lamb(torch.optim.Optimizer):
                     state["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
                 t = float(state["step"])
                 m_hat = state["exp_avg"] / (1 - b1**t)
-                v_hat = state["exp_avg_sq"] / (1 - b2**t)
+                k = t if variance_updates is None else float(variance_updates)
+                v_hat = state["exp_avg_sq"] / (1 - b2**k)
                 r = m_hat / (v_hat.sqrt() + group["eps"])
                 if group["weight_decay"]:
                     r = r + group["weight_decay"] * p

@@ -127,7 +127,8 @@ def _oracle(n: int, steps: int) -> list[list[torch.Tensor]]:
                     state = adam.state[p]
                     state["exp_avg"] = mean[offset : offset + p.numel()].view_as(p).clone()
                     offset += p.numel()
-                    denom = (state["exp_avg_sq"] / (1 - 0.999**t)).sqrt() + 1e-8
+                    # v frozen after FREEZE updates, with the bias correction of its last
+                    denom = (state["exp_avg_sq"] / (1 - 0.999**FREEZE)).sqrt() + 1e-8
                     p.mul_(1 - LR * decay[p])
                     p.sub_(LR / (1 - 0.9**t) * state["exp_avg"] / denom)
         out.append([p.detach().clone() for p in model.parameters()])
@@ -237,3 +238,43 @@ def _skip_case() -> list[bool]:
 
 def test_overflow_on_one_rank_skips_on_every_rank() -> None:
     assert run_distributed(_skip_case, 2) == [[True, False], [True, False]]
+
+
+def test_zero_one_adam_variance_counts_its_own_updates_in_one_process() -> None:
+    """0/1 Adam on one rank (the compressed all-reduce of a group of one is still sign and scale
+    with error feedback) against a hand-written oracle: the variance moves only at its steps (1,
+    3, 7 here) and its bias correction counts those updates, not the steps."""
+    torch.manual_seed(0)
+    w0, grads = torch.randn(7), [torch.randn(7) for _ in range(9)]
+    p = nn.Parameter(w0.clone())
+    b1, b2, lr, eps = 0.9, 0.999, 0.1, 1e-8
+    opt = ZeroOneAdam(
+        [p],
+        lr=lr,
+        betas=(b1, b2),
+        eps=eps,
+        weight_decay=0.0,
+        var_freeze_step=9,
+        var_update_scaler=1,
+        local_step_scaler=1,
+        local_step_clipper=1,
+        dp_group=None,
+    )
+    w, m, v, k = w0.clone(), torch.zeros(7), torch.zeros(7), 0
+    worker, server = [torch.zeros(7)], [torch.zeros(chunk_numel(7, 1))]
+    for t, g in enumerate(grads, start=1):
+        full = opt.phase_of(t) == PHASE_FULL
+        p.grad = g.clone()
+        opt.step()
+        m = b1 * m + (1 - b1) * g
+        lr_t = lr / (1 - b1**t)
+        if full:
+            v, k = b2 * v + (1 - b2) * g * g, k + 1
+        denom = (v / (1 - b2**k)).sqrt() + eps
+        if full:
+            w = w - lr_t * m / denom
+        else:
+            u = reference_allreduce([lr_t * m], worker, server)
+            w, m = w - u / denom, u / lr_t
+        torch.testing.assert_close(p.detach(), w, rtol=1e-5, atol=1e-6, msg=f"step {t}")
+    assert k == 3 and opt.var_updates == 3

@@ -1,4 +1,6 @@
-"""LAMB equals a hand-written LAMB; 1-bit LAMB's warm-up equals LAMB bitwise.
+"""LAMB equals a hand-written LAMB; 1-bit LAMB's warm-up equals LAMB bitwise, and its compressed
+phase equals a hand-written 1-bit LAMB (momentum through the compressed all-reduce's definition,
+variance and trust ratio frozen).
 
 One process, a two-linear model, 5 steps of lr 0.05 on fixed batches, through ``build_optimizer``
 (masters, megalite's groups: matrices decayed, biases not). The hand-written LAMB below follows
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megalite.core.distributed.compressed_allreduce import chunk_numel, reference_allreduce
 from megalite.core.optimizer import build_optimizer
 from megalite.core.optimizer.compressed import CompressionSpec
 
@@ -50,7 +53,44 @@ def _hand_lamb(model: nn.Module) -> list[float]:
     return seen
 
 
-def _megalite(optimizer: str) -> nn.Module:
+def _hand_onebit_lamb(model: nn.Module, freeze: int) -> None:
+    """LAMB for ``freeze`` steps keeping ``coeff = 0.9 coeff + 0.1 trust``; then the momentum of
+    the local grad through the compressed all-reduce (one process: sign and scale with error
+    feedback), the variance frozen with its bias correction, the trust ratio the frozen coeff."""
+    params = sorted(model.parameters(), key=lambda p: p.ndim == 1)  # the optimizer's groups
+    state = {p: (torch.zeros_like(p), torch.zeros_like(p)) for p in params}
+    coeff: dict = {}
+    numel = sum(p.numel() for p in params)
+    worker, server = [torch.zeros(numel)], [torch.zeros(chunk_numel(numel, 1))]
+    for step in range(1, STEPS + 1):
+        _grads(model, step)
+        with torch.no_grad():
+            for p in params:
+                m, _ = state[p]
+                m.copy_(B1 * m + (1 - B1) * p.grad)
+            if step > freeze:
+                mean = reference_allreduce([torch.cat([state[p][0].reshape(-1) for p in params])],
+                                           worker, server)  # fmt: skip
+                offset = 0
+                for p in params:
+                    state[p][0].copy_(mean[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
+            for p in params:
+                m, v = state[p]
+                if step <= freeze:
+                    v.copy_(B2 * v + (1 - B2) * p.grad * p.grad)
+                k = min(step, freeze)
+                r = (m / (1 - B1**step)) / ((v / (1 - B2**k)).sqrt() + EPS)
+                r = r + (WD if p.ndim > 1 else 0.0) * p
+                if step <= freeze:
+                    trust = min(max((p.norm() / r.norm()).item(), MIN_TRUST), MAX_TRUST)
+                    coeff[p] = 0.9 * coeff.get(p, trust) + 0.1 * trust
+                    p.sub_(LR * trust * r)
+                else:
+                    p.sub_(LR * min(max(coeff[p], MIN_TRUST), MAX_TRUST) * r)
+
+
+def _megalite(optimizer: str, freeze: int = STEPS) -> nn.Module:
     model = _model()
     opt = build_optimizer(
         model,
@@ -60,7 +100,7 @@ def _megalite(optimizer: str) -> nn.Module:
         adam_eps=EPS,
         clip_grad=0.0,
         lamb_trust_ratio=(MIN_TRUST, MAX_TRUST),
-        compression=CompressionSpec(freeze_step=STEPS),
+        compression=CompressionSpec(freeze_step=freeze),
     )
     for step in range(1, STEPS + 1):
         _grads(model, step)
@@ -80,3 +120,11 @@ def test_lamb_equals_hand_written() -> None:
 def test_onebit_lamb_warmup_is_lamb_bitwise() -> None:
     for a, b in zip(_megalite("onebit-lamb").parameters(), _megalite("lamb").parameters()):
         assert torch.equal(a, b)
+
+
+def test_onebit_lamb_compressed_phase_equals_hand_written() -> None:
+    want = _model()
+    _hand_onebit_lamb(want, freeze=2)
+    got = _megalite("onebit-lamb", freeze=2)
+    for a, b in zip(got.parameters(), want.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
