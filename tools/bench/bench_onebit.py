@@ -4,6 +4,7 @@ DP 4 on CPU/gloo: adam vs onebit-adam vs zero-one-adam, lamb vs onebit-lamb.
     python tools/bench/bench_onebit.py --data-dir runs/quickstart-X   # the quickstart's corpus
     python tools/bench/bench_onebit.py --steps 300 --freeze 50         # builds the corpus itself
     python tools/bench/bench_onebit.py --tiny        # mock data, adam vs onebit-adam in-process
+    python tools/bench/bench_onebit.py --corpus /tmp/onebit-corpus-X --bases adam   # one pair
 
 Each optimizer trains the same small GPT (``pretrain``, the real loop) from the same seed on the
 same data, one run after another, in a fresh 4-rank world each. The corpus is the quickstart's
@@ -162,6 +163,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="mock data, a few steps: a smoke run")
     p.add_argument("--data-dir", help="a quickstart run's output (data/ and tokenizer/)")
+    p.add_argument("--corpus", help="a folder an earlier run of this bench built (reused)")
+    p.add_argument("--bases", default="adam,lamb", help="which pairs to run: adam, lamb or both")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--freeze", type=int, default=50)
     p.add_argument("--layers", type=int, default=2)
@@ -176,10 +179,18 @@ def main() -> None:
     elif a.data_dir:
         d = a.data_dir
         data = data_flags(f"{d}/data/stdlib_text_document", f"{d}/tokenizer/stdlib.model")
+    elif a.corpus:
+        data = data_flags(f"{a.corpus}/stdlib_text_document", f"{a.corpus}/stdlib.model")
     else:
-        data = build_corpus(tempfile.mkdtemp(prefix="onebit-corpus-"))
+        folder = tempfile.mkdtemp(prefix="onebit-corpus-")
+        print(f"corpus: {folder} (reuse it with --corpus)")
+        data = build_corpus(folder)
     curves, walls = {}, {}
-    pairs = {"adam": ("onebit-adam",)} if a.tiny else PAIRS
+    bases = a.bases.split(",")
+    unknown = sorted(set(bases) - set(PAIRS))
+    if unknown:
+        raise SystemExit(f"--bases {a.bases}: {unknown} unknown; choose from {sorted(PAIRS)}")
+    pairs = {"adam": ("onebit-adam",)} if a.tiny else {b: PAIRS[b] for b in bases}
     for base, compressed in pairs.items():
         for name in (base, *compressed):
             flags = [*_model_flags(a), *data, *_optimizer_flags(name, a.freeze)]
