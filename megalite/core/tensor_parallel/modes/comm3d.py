@@ -87,7 +87,7 @@ class _CopyToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        return _all_reduce(dy, ctx.group, ctx.what), None, None
+        return _all_reduce(dy.float(), ctx.group, ctx.what).to(dy.dtype), None, None
 
 
 def all_reduce_sum(x: torch.Tensor, group, *, what: str = "") -> torch.Tensor:
@@ -98,5 +98,17 @@ def all_reduce_sum(x: torch.Tensor, group, *, what: str = "") -> torch.Tensor:
 
 def copy_to_group(x: torch.Tensor, group, *, what: str = "") -> torch.Tensor:
     """Forward: identity. Backward: the sum of the grads over ``group`` (a parameter replicated
-    over ``group``, each copy seeing different rows: every copy gets the whole grad)."""
+    over ``group``, each copy seeing different rows: every copy gets the whole grad), in fp32
+    as every sum of a weight grad over samples (``reduce_scatter_grad``)."""
     return _CopyToGroup.apply(x, group, what) if group_size(group) > 1 else x
+
+
+def reduce_scatter_grad(
+    x: torch.Tensor, dim: int, group, *, stride: int = 1, what: str = ""
+) -> torch.Tensor:
+    """``reduce_scatter_dim`` of a weight grad, summed in fp32 and returned in ``x``'s dtype: the
+    ranks hold the grads of different samples, which the data-parallel reduction too adds in
+    fp32; in bf16 / fp16 each partial sum would round again."""
+    if group_size(group) == 1:
+        return x
+    return reduce_scatter_dim(x.float(), dim, group, stride=stride, what=what).to(x.dtype)

@@ -5,8 +5,8 @@ Every layer equals its unsharded counterpart on the full weights: a weight is in
 from its keyed ``init_method`` (``tensor_parallel/init.py``) and the rank keeps its block, so any
 grid starts from the single-process numbers. Parameters replicated over some of the grid (a bias,
 a norm's scale: one column block held by the d x q ranks of ``row_depth_group``; the embedding
-over depth) enter the forward through ``copy_to_tp_region`` on that group, so their grads are
-summed there inside the backward and every replica holds the full gradient.
+over depth) enter the forward through ``replicated_param`` on that group, so their grads are
+summed there (in fp32) inside the backward and every replica holds the full gradient.
 """
 
 from __future__ import annotations
@@ -19,12 +19,16 @@ from megalite.core.tensor_parallel.cross_entropy import vocab_parallel_cross_ent
 from megalite.core.tensor_parallel.init import InitMethod, default_init
 from megalite.core.tensor_parallel.layers import divide, padded_vocab_size, set_tp_attributes
 from megalite.core.tensor_parallel.mappings import (
-    copy_to_tp_region,
     gather_first,
     reduce_scatter_to_sp_region,
 )
 from megalite.core.tensor_parallel.modes.grid import Grid
-from megalite.core.tensor_parallel.modes.summa import grid_linear, grid_vocab_linear, sum_over
+from megalite.core.tensor_parallel.modes.summa import (
+    grid_linear,
+    grid_vocab_linear,
+    replicated_param,
+    sum_over,
+)
 
 
 def _block(full: torch.Tensor, grid: Grid, *, stride: int = 1) -> torch.Tensor:
@@ -82,7 +86,7 @@ class GridLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = grid_linear(x, self.weight, self.grid)  # [s, b/(dq), out/q]
         if self.bias is not None:
-            y = y + copy_to_tp_region(self.bias, self.grid.row_depth_group)
+            y = y + replicated_param(self.bias, self.grid.row_depth_group)
         return y, None
 
 
@@ -117,30 +121,37 @@ class _GridNorm(nn.Module):
         """The mean over the whole hidden dim of ``x`` ``[..., h/q]``: ``[..., 1]``."""
         return sum_over(x.sum(-1, keepdim=True), self.grid.col_group) / self.hidden_size
 
-    def _scale(self, y: torch.Tensor) -> torch.Tensor:
+    def _params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         group = self.grid.row_depth_group
-        y = y * copy_to_tp_region(self.weight, group)
-        return y if self.bias is None else y + copy_to_tp_region(self.bias, group)
+        bias = None if self.bias is None else replicated_param(self.bias, group)
+        return replicated_param(self.weight, group), bias
 
 
 class GridLayerNorm(_GridNorm):
     """LayerNorm over the hidden dim of ``[s, b/(dq), h/q]``: mean and variance summed over the
-    grid row (``col_group``)."""
+    grid row (``col_group``). In fp32 whatever ``x``'s dtype, scale and shift included, the
+    output cast back (``F.layer_norm``'s arithmetic: in fp16 the backward of statistics taken in
+    fp16 overflows under loss scaling)."""
 
     has_shift = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        centred = x - self._mean(x)
+        x32 = x.float()
+        centred = x32 - self._mean(x32)
         var = self._mean(centred * centred)
-        return self._scale(centred * torch.rsqrt(var + self.eps))
+        weight, bias = self._params()
+        y = centred * torch.rsqrt(var + self.eps) * weight.float() + bias.float()
+        return y.to(x.dtype)
 
 
 class GridRMSNorm(_GridNorm):
     """RMSNorm over the hidden dim of ``[s, b/(dq), h/q]``: the mean square summed over the grid
-    row (``col_group``)."""
+    row (``col_group``); normalised in fp32, cast back, then scaled (``fusions.rms_norm``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._scale(x * torch.rsqrt(self._mean(x * x) + self.eps))
+        x32 = x.float()
+        y = x32 * torch.rsqrt(self._mean(x32 * x32) + self.eps)
+        return self._params()[0] * y.to(x.dtype)
 
 
 class GridEmbedding(nn.Module):
@@ -184,7 +195,7 @@ class GridEmbedding(nn.Module):
             ids >= self.vocab_start + self.num_embeddings_per_partition
         )
         local = (ids - self.vocab_start).masked_fill(outside, 0)
-        weight = copy_to_tp_region(self.weight, self.grid.depth_group)
+        weight = replicated_param(self.weight, self.grid.depth_group)
         out = F.embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0.0)
         out = reduce_scatter_to_sp_region(out, self.grid.row_group)  # [b/(dq), s, h/q]
         return out.transpose(0, 1)

@@ -65,6 +65,7 @@ from megalite.core.tensor_parallel.modes.comm3d import (
     copy_to_group,
     gather_dim,
     reduce_scatter_dim,
+    reduce_scatter_grad,
 )
 from megalite.core.tensor_parallel.modes.grid3d import Groups3D, first_copy_ranks, other_layout
 
@@ -124,11 +125,11 @@ class _Linear3D(torch.autograd.Function):
             dx = reduce_scatter_dim(dy_rows @ w, BATCH_DIM, row_group, what="3d input grad")
         if ctx.needs_input_grad[1]:
             dw_part = dy_rows.flatten(0, 1).t() @ x_rows.flatten(0, 1)  # [N/q, K/q]
-            dw = reduce_scatter_dim(
+            dw = reduce_scatter_grad(
                 dw_part, 0, g.weight_group, stride=stride, what="3d weight grad"
             )
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = reduce_scatter_dim(
+            db = reduce_scatter_grad(
                 dy_rows.sum(dim=(0, 1)), 0, g.weight_group, stride=stride, what="3d bias grad"
             )
         return dx, dw, db, None, None, None
@@ -221,15 +222,19 @@ class LayerNorm3D(_Norm3D):
     has_bias = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        centred = x - self._hidden_sum(x) / self.hidden_size
+        x32 = x.float()  # in fp32, scale and shift included, as F.layer_norm computes
+        centred = x32 - self._hidden_sum(x32) / self.hidden_size
         var = self._hidden_sum(centred * centred) / self.hidden_size
         y = centred * torch.rsqrt(var + self.eps)
-        return y * self._replicated(self.weight) + self._replicated(self.bias)
+        y = y * self._replicated(self.weight).float() + self._replicated(self.bias).float()
+        return y.to(x.dtype)
 
 
 class RMSNorm3D(_Norm3D):
     """RMSNorm over a hidden dim split in q blocks. Input and output # [s, b/q^2, h/q]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mean_sq = self._hidden_sum(x * x) / self.hidden_size
-        return x * torch.rsqrt(mean_sq + self.eps) * self._replicated(self.weight)
+        x32 = x.float()  # normalised in fp32, cast back, then scaled, as fusions.rms_norm
+        mean_sq = self._hidden_sum(x32 * x32) / self.hidden_size
+        y = (x32 * torch.rsqrt(mean_sq + self.eps)).to(x.dtype)
+        return self._replicated(self.weight) * y

@@ -28,7 +28,7 @@ from megalite.core.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from megalite.core.tensor_parallel.mappings import copy_to_tp_region, gather_from_tp_region
+from megalite.core.tensor_parallel.mappings import gather_from_tp_region
 from megalite.core.tensor_parallel.modes.grid import Grid
 from megalite.core.tensor_parallel.modes.grid_layers import (
     GridEmbedding,
@@ -39,6 +39,7 @@ from megalite.core.tensor_parallel.modes.grid_layers import (
     grid_cross_entropy,
 )
 from megalite.core.tensor_parallel.modes.mode3d import Mode3D
+from megalite.core.tensor_parallel.modes.summa import replicated_param
 
 
 class OneD:
@@ -165,7 +166,7 @@ class GridMode:
     def replicated(self, param: torch.Tensor) -> torch.Tensor:
         """A parameter held by the d x q ranks of one grid column block, as the forward uses it:
         its grad is summed over them in the backward."""
-        return copy_to_tp_region(param, self.grid.row_depth_group)
+        return replicated_param(param, self.grid.row_depth_group)
 
     def batch_block(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's batch block (``depth * q + row``) of a whole micro-batch along ``dim``."""

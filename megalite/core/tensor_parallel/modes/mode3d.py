@@ -22,7 +22,12 @@ from torch import nn
 
 from megalite.core.tensor_parallel.layers import padded_vocab_size
 from megalite.core.tensor_parallel.mappings import gather_from_tp_region
-from megalite.core.tensor_parallel.modes.comm3d import copy_to_group, gather_dim, reduce_scatter_dim
+from megalite.core.tensor_parallel.modes.comm3d import (
+    copy_to_group,
+    gather_dim,
+    reduce_scatter_dim,
+    reduce_scatter_grad,
+)
 from megalite.core.tensor_parallel.modes.grid3d import SUB_AXES_3D, Groups3D, first_copy_ranks
 from megalite.core.tensor_parallel.modes.layers3d import (
     BATCH_DIM,
@@ -61,7 +66,7 @@ class _VocabOutput3D(torch.autograd.Function):
         w = gather_dim(table, 1, g.weight_group, what="3d output table")
         dx = reduce_scatter_dim(dy_rows @ w, BATCH_DIM, g.input_group, what="3d input grad")
         dw = dy_rows.flatten(0, 1).t() @ x_rows.flatten(0, 1)  # [V/q, h/q]
-        dtable = reduce_scatter_dim(dw, 1, g.weight_group, what="3d output table grad")
+        dtable = reduce_scatter_grad(dw, 1, g.weight_group, what="3d output table grad")
         return dx, dtable, None
 
 

@@ -26,7 +26,12 @@ from torch import nn
 
 from megalite.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.core.tensor_parallel.init import InitMethod, default_init
-from megalite.core.tensor_parallel.modes.comm3d import copy_to_group, gather_dim, reduce_scatter_dim
+from megalite.core.tensor_parallel.modes.comm3d import (
+    copy_to_group,
+    gather_dim,
+    reduce_scatter_dim,
+    reduce_scatter_grad,
+)
 from megalite.core.tensor_parallel.modes.grid3d import Groups3D
 from megalite.core.tensor_parallel.modes.layers3d import BATCH_DIM, check_divides, mark3d
 
@@ -59,7 +64,7 @@ class _Embedding3D(torch.autograd.Function):
         dy_rows = dy_rows * in_range.unsqueeze(-1)  # [s, b/q, h/q]
         dtable = torch.zeros(ctx.table_shape, dtype=dy.dtype, device=dy.device)
         dtable.index_add_(0, local_ids.reshape(-1), dy_rows.reshape(-1, dy_rows.shape[-1]))
-        dw = reduce_scatter_dim(dtable, 1, g.weight_group, what="3d embedding grad")
+        dw = reduce_scatter_grad(dtable, 1, g.weight_group, what="3d embedding grad")
         return None, dw, None
 
 
