@@ -73,6 +73,10 @@ def _worker(
         fn, args, kwargs = task
         try:
             out = fn(*args, **kwargs)
+            # every rank is past the case's group creations before any destroys a group whose
+            # sockets another rank may still be connecting (``initialize_model_parallel``'s
+            # barrier covers the groups a mesh makes; this one those a case makes itself)
+            dist.barrier()
             _destroy_subgroups(dist)
             results.put(("ok", rank, (out, _thread_count())))
         except BaseException:  # noqa: BLE001 - reported to the parent with the rank

@@ -285,6 +285,13 @@ def initialize_model_parallel(
     emb_groups = [dist.new_group(g, backend=backend, timeout=timeout) for g in embedding]
     mine = [emb_groups[i] for i, g in enumerate(embedding) if rank in g]
     pp_ranks = groups[frozenset({"pp"})][1]
+    if backend == "gloo" and world_size > 1:
+        # gloo connects every pair of a group while the group is made, and a rank returns from
+        # new_group once its own pairs are up: without this barrier a rank that finishes early
+        # and destroys its groups (a mesh built and dropped, no collective between) closes
+        # sockets a slower rank still needs for a group it is connecting ("Connection closed by
+        # peer" in connectFullMesh, seen in 1 of 5 runs of a mesh-only test on a loaded machine)
+        dist.barrier(group=dist.group.WORLD)
     return ParallelState(
         sizes=sizes,
         global_rank=rank,
