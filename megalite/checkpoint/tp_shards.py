@@ -46,7 +46,6 @@ from megalite.core.tensor_parallel.modes.vocab3d import embedding_block3d
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
-GRID_MODES = ("2d", "2.5d")
 _COLUMN = ("linear_qkv", "linear_fc1")  # 3d input layout "residual"
 _ROW = ("linear_proj", "linear_fc2")  # 3d input layout "inner"
 
@@ -273,7 +272,7 @@ def merge_shards(
     """The TP shards of ``name`` (rank order) saved under ``tp`` -> its full logical tensor."""
     if tp.mode == "1d":
         return merge_tp(shards, tp_split(name, swiglu=swiglu), vocab_size=vocab_size)
-    merge = merge_grid if tp.mode in GRID_MODES else merge_cube
+    merge = merge_cube if tp.mode == "3d" else merge_grid  # 2d, 2.5d
     full = merge(shards, name, q=tp.q, swiglu=swiglu)
     return full.narrow(0, 0, vocab_size) if is_vocab(name) else full
 
@@ -296,5 +295,5 @@ def split_shard(
         )
     if is_vocab(name):
         full = pad_vocab(full, padded_vocab_size)
-    split = split_grid if tp.mode in GRID_MODES else split_cube
+    split = split_cube if tp.mode == "3d" else split_grid  # 2d, 2.5d
     return split(full, name, q=tp.q, tp_rank=tp_rank, swiglu=swiglu).contiguous()
