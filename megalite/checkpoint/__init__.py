@@ -14,6 +14,7 @@ The native format, bottom up (each imports only those above it):
 
 - ``files``: paths, crash-safe writes, the tracker file.
 - ``records``: RNG states and the recorded model config.
+- ``tp_shards``: how each tensor-parallel mode (1d, 2d, 2.5d, 3d) cuts a logical tensor, and back.
 - ``resharding``: the layout-independent (logical) form and ``CheckpointReader``.
 - ``experts``: MoE experts by global expert index; ``chunks``: several model chunks per rank.
 - ``saving`` / ``loading``: ``save_checkpoint`` / ``load_checkpoint`` of megalite's own files.

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from megalite.checkpoint.files import CheckpointError, load_file, save_file
-from megalite.checkpoint.resharding import TPSplit, merge_tp, split_tp, stage_of
+from megalite.checkpoint.resharding import stage_of
+from megalite.checkpoint.tp_shards import TPSplit, merge_tp, split_tp
 from megalite.core.moe.experts import GroupedExperts
 from megalite.core.optimizer.sharded_state_format import full_state_buffers
 from megalite.core.parallel_state import ParallelState

@@ -44,6 +44,7 @@ from megalite.checkpoint.resharding import (
     reshard_model,
     reshard_optimizer,
 )
+from megalite.checkpoint.tp_shards import TPLayout
 from megalite.core.parallel_state import ParallelState
 from megalite.core.tensor_parallel.random import model_parallel_seed
 
@@ -134,7 +135,7 @@ def _load_optimizer(
                 reader,
                 [n for n, _ in module.named_parameters() if not is_expert_name(n)],
                 layer_offset=module.layer_range[0],
-                tp_size=ps.tp_size,
+                tp=TPLayout.of(ps),
                 tp_rank=ps.tp_rank,
                 padded_vocab_size=module.padded_vocab_size,
             )
@@ -212,26 +213,18 @@ def load_checkpoint(
     started = time.perf_counter()
     iter_dir = iteration_dir(load_dir, iteration)
     reader = CheckpointReader(iter_dir)
-    saved_layout = f"TP {reader.tp_size} x PP {reader.pp_size} x DP {reader.dp_size}"
+    saved_layout = f"{reader.tp} x PP {reader.pp_size} x DP {reader.dp_size}"
     check_model_compatible(reader.model_config, module.config, where=iter_dir)
     if layer_ranges is None and len(chunks) == 1:
         layer_ranges = module.config.stage_layer_ranges(ps.pp_size)
-    grid = (ps.sizes.tp_mode, ps.sizes.tp_depth)
     same_mp = (
-        reader.tp_size == ps.tp_size
-        and (reader.tp_mode, reader.tp_depth) == grid
+        reader.tp == TPLayout.of(ps)
         and reader.pp_size == ps.pp_size
         and reader.num_chunks == len(chunks)
         and reader.chunk_ranges(ps.pp_rank) == [tuple(m.layer_range) for m in chunks]
         and (layer_ranges is None or reader.layer_ranges == [tuple(x) for x in layer_ranges])
         and reader.meta["layout"]["padded_vocab_size"] == module.padded_vocab_size
     )
-    if not same_mp and grid[0] != "1d":
-        raise CheckpointError(
-            f"checkpoint {iter_dir} ({saved_layout}, tensor_parallel_mode {reader.tp_mode}) "
-            f"cannot be resharded into tensor_parallel_mode {grid[0]} yet: load it under the "
-            "layout it was saved with, or under tensor_parallel_mode 1d"
-        )
     experts = None  # MoE experts come from their own files, by global expert index
     if has_experts(module):
         experts = ExpertReader(iter_dir, reader.layer_ranges)
@@ -243,7 +236,7 @@ def load_checkpoint(
                 reader,
                 [k for k in chunk.state_dict().keys() if not is_expert_name(k)],
                 layer_offset=chunk.layer_range[0],
-                tp_size=ps.tp_size,
+                tp=TPLayout.of(ps),
                 tp_rank=ps.tp_rank,
                 padded_vocab_size=chunk.padded_vocab_size,
             )
@@ -279,7 +272,7 @@ def load_checkpoint(
                     saved_layout,
                     reseed,
                 )
-    resharded = "" if same_mp else f", resharded to TP {ps.tp_size} x PP {ps.pp_size}"
+    resharded = "" if same_mp else f", resharded to {TPLayout.of(ps)} x PP {ps.pp_size}"
     logger.info(
         "loaded checkpoint %s (%s%s) in %.2f s: iteration %d, %d samples consumed%s",
         iter_dir,

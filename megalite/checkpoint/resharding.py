@@ -7,8 +7,10 @@ exp_avg_sq) has the same form as its parameter. Any layout is a pure function of
 
 - TP: a parameter is split along ``dim`` into ``tp_size`` equal chunks, each of ``stride`` stacked
   blocks separately (SwiGLU's ``[gate; up]``); vocabulary rows are zero-padded to the run's padded
-  size first. Replicated parameters (norms, positions, row-parallel biases) are copied. A grid
-  tensor-parallel mode (2d, 2.5d) saves blocks of its own (``merge_grid``), read back here.
+  size first. Replicated parameters (norms, positions, row-parallel biases) are copied. The grid
+  tensor-parallel modes (2d, 2.5d, 3d) hold blocks of their own (``mode_shards``); a checkpoint
+  of any mode is merged into the logical form and split for any other (``merge_shards``,
+  ``split_shard``, by the ``TPLayout`` of the checkpoint and of the run).
 - PP: stage ``p`` holds the layers ``stage_layer_ranges(...)[p]``, numbered from 0 locally; the
   first stage the embedding, the last the final norm and output layer. With tied embeddings and
   PP > 1 the last stage's ``output_layer.weight`` is the word embedding (the logical form keeps only
@@ -29,7 +31,6 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
@@ -40,97 +41,17 @@ from megalite.checkpoint.files import (
     load_file,
     shard_dir,
 )
+from megalite.checkpoint.tp_shards import (
+    OUTPUT_LAYER,
+    WORD_EMBEDDING,
+    TPLayout,
+    merge_shards,
+    split_shard,
+)
 from megalite.core.optimizer import full_state_from_shards
 
-WORD_EMBEDDING = "embedding.word_embeddings.weight"
-OUTPUT_LAYER = "output_layer.weight"
 OPTIMIZER_KEYS = ("master", "exp_avg", "exp_avg_sq")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-
-
-@dataclass(frozen=True)
-class TPSplit:
-    """How one parameter is split over TP: along ``dim`` (None: replicated) in ``stride`` blocks;
-    ``vocab``: its rows are the padded vocabulary."""
-
-    dim: int | None
-    stride: int = 1
-    vocab: bool = False
-
-
-def tp_split(name: str, *, swiglu: bool) -> TPSplit:
-    """The documented split of parameter ``name`` (local or global). The layers' own attributes
-    (``partition_dim``, ``partition_stride``) agree; tests/checkpoint/test_checkpoint_reshard.py
-    checks it."""
-    if name.endswith(WORD_EMBEDDING) or name == OUTPUT_LAYER:
-        return TPSplit(0, vocab=True)
-    module, kind = name.split(".")[-2:]
-    if module == "linear_qkv":  # whole query groups per rank: a plain row split
-        return TPSplit(0)
-    if module == "linear_fc1":
-        return TPSplit(0, stride=2 if swiglu else 1)
-    if module in ("linear_proj", "linear_fc2") and kind == "weight":
-        return TPSplit(1)
-    return TPSplit(None)
-
-
-def merge_tp(shards: list[torch.Tensor], split: TPSplit, *, vocab_size: int) -> torch.Tensor:
-    """TP shards (rank order) -> the full logical tensor."""
-    if split.dim is None or len(shards) == 1:
-        full = shards[0]
-        return full.narrow(0, 0, vocab_size) if split.vocab else full
-    d = split.dim
-    if split.stride == 1:
-        full = torch.cat(shards, dim=d)
-    else:
-        blocks = [s.chunk(split.stride, dim=d) for s in shards]
-        full = torch.cat([b[j] for j in range(split.stride) for b in blocks], dim=d)
-    return full.narrow(0, 0, vocab_size) if split.vocab else full
-
-
-# A grid tensor-parallel mode (2d, 2.5d; megalite.core.tensor_parallel.modes) saves blocks: TP rank
-# t = col + q * (row + q * depth) holds a linear's weight [out, in] as out block col (of each stride
-# part) x in block row; the vocabulary table [V_pad, h] as rows block row x columns block col; a
-# bias or a norm's scale [n] as block col; the position table [max_pos, h] as columns block col.
-# Every depth holds the same blocks: the ranks of depth 0 (t < q * q) give the whole tensor.
-def merge_grid(
-    shards: list[torch.Tensor], name: str, *, q: int, swiglu: bool, vocab_size: int
-) -> torch.Tensor:
-    """The full logical tensor of ``name`` from its grid blocks (TP rank order; the first
-    ``q * q`` are read), the vocabulary unpadded to ``vocab_size`` rows."""
-    blocks = [[shards[col + q * row] for col in range(q)] for row in range(q)]  # [row][col]
-    if name.endswith(WORD_EMBEDDING) or name == OUTPUT_LAYER:
-        full = torch.cat([torch.cat(cols, dim=1) for cols in blocks], dim=0)
-        return full.narrow(0, 0, vocab_size)
-    if name.endswith("position_embeddings.weight"):
-        return torch.cat(blocks[0], dim=1)
-    stride = 2 if swiglu and ".linear_fc1." in name else 1
-    if name.endswith(".weight") and ".linear_" in name:
-        columns = [torch.cat([blocks[row][col] for row in range(q)], dim=1) for col in range(q)]
-        return merge_tp(columns, TPSplit(0, stride=stride), vocab_size=0)
-    return merge_tp(blocks[0], TPSplit(0, stride=stride), vocab_size=0)  # by column
-
-
-def split_tp(
-    full: torch.Tensor, split: TPSplit, *, tp_size: int, tp_rank: int, padded_vocab_size: int
-) -> torch.Tensor:
-    """The full logical tensor -> TP rank ``tp_rank``'s shard (contiguous)."""
-    if split.dim is None:
-        return full
-    if split.vocab:
-        if full.shape[0] > padded_vocab_size:
-            raise CheckpointError(
-                f"a vocabulary of {full.shape[0]} rows does not fit the padded vocabulary "
-                f"{padded_vocab_size} of this run; check --vocab-size / the tokenizer"
-            )
-        padded = full.new_zeros(padded_vocab_size, *full.shape[1:])
-        padded[: full.shape[0]] = full
-        full = padded
-    if tp_size == 1:
-        return full.contiguous()
-    d = split.dim
-    blocks = full.chunk(split.stride, dim=d)
-    return torch.cat([b.chunk(tp_size, dim=d)[tp_rank] for b in blocks], dim=d).contiguous()
 
 
 def global_name(local: str, layer_offset: int) -> str:
@@ -300,12 +221,14 @@ class CheckpointReader:
             shards.append(model[local])
         return self._merge(shards, name)
 
+    @property
+    def tp(self) -> TPLayout:
+        """The tensor-parallel layout the checkpoint was saved under."""
+        return TPLayout(self.tp_mode, self.tp_size, self.tp_depth)
+
     def _merge(self, shards: list[torch.Tensor], name: str) -> torch.Tensor:
         """The saved TP shards (rank order) of ``name`` -> its full logical tensor."""
-        if self.tp_mode == "1d":
-            return merge_tp(shards, tp_split(name, swiglu=self.swiglu), vocab_size=self.vocab_size)
-        q = round((self.tp_size // self.tp_depth) ** 0.5)
-        return merge_grid(shards, name, q=q, swiglu=self.swiglu, vocab_size=self.vocab_size)
+        return merge_shards(shards, name, self.tp, swiglu=self.swiglu, vocab_size=self.vocab_size)
 
     def has_optimizer(self) -> bool:
         return self.meta.get("optimizer") is not None
@@ -345,20 +268,21 @@ def reshard_model(
     local_names: Iterable[str],
     *,
     layer_offset: int,
-    tp_size: int,
+    tp: TPLayout,
     tp_rank: int,
     padded_vocab_size: int,
 ) -> dict[str, torch.Tensor]:
-    """The stage-local state dict of a stage whose parameters are ``local_names``."""
+    """The stage-local state dict of a stage whose parameters are ``local_names``, for TP rank
+    ``tp_rank`` of the tensor layout ``tp``."""
     out = {}
     for local in local_names:
         name = global_name(local, layer_offset)
-        split = tp_split(name, swiglu=reader.swiglu)
-        out[local] = split_tp(
+        out[local] = split_shard(
             reader.model_tensor(name),
-            split,
-            tp_size=tp_size,
+            name,
+            tp,
             tp_rank=tp_rank,
+            swiglu=reader.swiglu,
             padded_vocab_size=padded_vocab_size,
         )
     return out
@@ -369,7 +293,7 @@ def reshard_optimizer(
     local_names: Iterable[str],
     *,
     layer_offset: int,
-    tp_size: int,
+    tp: TPLayout,
     tp_rank: int,
     padded_vocab_size: int,
 ) -> dict:
@@ -378,10 +302,14 @@ def reshard_optimizer(
     params = {}
     for local in local_names:
         name = global_name(local, layer_offset)
-        split = tp_split(name, swiglu=reader.swiglu)
         params[local] = {
-            key: split_tp(
-                full, split, tp_size=tp_size, tp_rank=tp_rank, padded_vocab_size=padded_vocab_size
+            key: split_shard(
+                full,
+                name,
+                tp,
+                tp_rank=tp_rank,
+                swiglu=reader.swiglu,
+                padded_vocab_size=padded_vocab_size,
             )
             for key, full in reader.optimizer_tensors(name).items()
         }

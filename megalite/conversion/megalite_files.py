@@ -29,10 +29,9 @@ from megalite.checkpoint.resharding import (
     WORD_EMBEDDING,
     local_name,
     logical_name,
-    split_tp,
     stage_of,
-    tp_split,
 )
+from megalite.checkpoint.tp_shards import split_tp, tp_split
 from megalite.models.config import GPTConfig
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from megalite.checkpoint.megatron.saving import megatron_format_refusal
 from megalite.core.mesh_layout import MeshSizes, check_shared_pipelines
 from megalite.core.pipeline_parallel.stages import stage_layer_ranges
 from megalite.core.tensor_parallel.modes import check_cube_dims, check_grid_dims
@@ -174,7 +175,7 @@ class PretrainConfig:
         par, m, t = self.parallel, self.model, self.training
         par.validate()
         par.resolve_grad_dtype(bf16=m.precision_name == "bf16")
-        _check_tp_mode(par, m, micro_batch_size=t.micro_batch_size)
+        _check_tp_mode(par, m, micro_batch_size=t.micro_batch_size, ckpt_format=t.ckpt_format)
         tp, pp = par.tp_split_size, par.pipeline_model_parallel_size
         try:  # the first/last stage counts apply to a training run even on one stage
             stage_layer_ranges(
@@ -298,11 +299,15 @@ def _check_cp(par: ParallelConfig, m: GPTConfig) -> None:
         )
 
 
-def _check_tp_mode(par: ParallelConfig, m: GPTConfig, *, micro_batch_size: int) -> None:
+def _check_tp_mode(
+    par: ParallelConfig, m: GPTConfig, *, micro_batch_size: int, ckpt_format: str
+) -> None:
     """A 2d / 2.5d / 3d tensor group: the features it refuses, the dims its grid splits."""
     mode = par.tensor_parallel_mode
     if mode == "1d":
         return
+    if ckpt_format != "megalite":
+        raise ConfigError(megatron_format_refusal(mode, ckpt_format))
     refused = [
         (par.context_parallel_size > 1, f"context_parallel_size {par.context_parallel_size}"),
         (m.sequence_parallel, "sequence_parallel (the grid splits activations itself)"),

@@ -25,8 +25,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from megalite.checkpoint.resharding import merge_tp, split_tp, tp_split
 from megalite.checkpoint.saving import optimizer_full_state
+from megalite.checkpoint.tp_shards import merge_tp, split_tp, tp_split
 from megalite.core.parallel_state import ParallelState
 from megalite.models import GPTModel
 from megalite.training.forward_step import make_forward_step

@@ -58,6 +58,12 @@ BAD = [
         "--tensor-parallel-mode 2d does not combine with --num-experts 4 (MoE)",
     ),
     (
+        "--tensor-model-parallel-size 8 --tensor-parallel-mode 3d --ckpt-format torch_dist",
+        8,
+        "--tensor-parallel-mode 3d does not combine with --ckpt-format torch_dist (Megatron's "
+        "formats hold 1d tensor-parallel shards); use --ckpt-format megalite (the default)",
+    ),
+    (
         "--tensor-model-parallel-size 4 --tensor-parallel-mode 2d --hidden-size 33 "
         "--num-attention-heads 3",
         4,

@@ -34,6 +34,7 @@ from megalite.checkpoint.megatron.states import (
 )
 from megalite.checkpoint.records import check_model_compatible
 from megalite.checkpoint.resharding import reshard_model, reshard_optimizer
+from megalite.checkpoint.tp_shards import TPLayout
 from megalite.core.parallel_state import ParallelState
 
 logger = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ def _load_state(
         reader,
         module.state_dict().keys(),
         layer_offset=module.layer_range[0],
-        tp_size=ps.tp_size,
+        tp=TPLayout.of(ps),
         tp_rank=ps.tp_rank,
         padded_vocab_size=module.padded_vocab_size,
     )
@@ -151,7 +152,7 @@ def _load_state(
             reader,
             [n for n, _ in module.named_parameters()],
             layer_offset=module.layer_range[0],
-            tp_size=ps.tp_size,
+            tp=TPLayout.of(ps),
             tp_rank=ps.tp_rank,
             padded_vocab_size=module.padded_vocab_size,
         )

@@ -34,6 +34,15 @@ from megalite.core.parallel_state import ParallelState
 STAGING = ".megalite_staging"
 
 
+def megatron_format_refusal(tp_mode: str, fmt: str) -> str:
+    """Why Megatron's formats are not written from a grid tensor-parallel mode, and the fix."""
+    return (
+        f"tensor_parallel_mode {tp_mode} does not combine with ckpt_format {fmt} (Megatron's "
+        "formats hold 1d tensor-parallel shards); use ckpt_format megalite (the default), "
+        "which loads under any mode and layout and exports to HF"
+    )
+
+
 def staging_dir(save_dir: str) -> str:
     """Where the ranks write megalite's files before rank 0 converts them."""
     return os.path.join(save_dir, STAGING)
@@ -44,6 +53,8 @@ def convert_to_megatron(src_iter_dir: str, dst_iter_dir: str, fmt: str) -> None:
     if fmt not in ("torch", "torch_dist"):
         raise CheckpointError(f"--ckpt-format {fmt!r}: choose megalite, torch or torch_dist")
     reader = CheckpointReader(src_iter_dir)
+    if reader.tp_mode != "1d":
+        raise CheckpointError(f"{src_iter_dir}: {megatron_format_refusal(reader.tp_mode, fmt)}")
     if os.path.isdir(dst_iter_dir):
         shutil.rmtree(dst_iter_dir)
     os.makedirs(dst_iter_dir)
@@ -89,6 +100,8 @@ def save_megatron_checkpoint(
     the converted checkpoint."""
     if not save_dir:
         raise CheckpointError("save_checkpoint needs a directory: pass --save DIR")
+    if ps.sizes.tp_mode != "1d":  # on every rank, before any collective
+        raise CheckpointError(megatron_format_refusal(ps.sizes.tp_mode, fmt))
     if len(model_chunks) > 1:
         raise CheckpointError(
             f"--ckpt-format {fmt} with {len(model_chunks)} model chunks per rank "

@@ -46,13 +46,8 @@ from megalite.checkpoint.megatron.legacy import (
     param_group,
 )
 from megalite.checkpoint.megatron.states import rng_state_to_megatron, scheduler_to_megatron
-from megalite.checkpoint.resharding import (
-    OUTPUT_LAYER,
-    CheckpointReader,
-    global_name,
-    split_tp,
-    tp_split,
-)
+from megalite.checkpoint.resharding import OUTPUT_LAYER, CheckpointReader, global_name
+from megalite.checkpoint.tp_shards import split_tp, tp_split
 
 _LINEAR = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 # a layer's modules in Megatron's order (its parameters' and its optimizer's order)
