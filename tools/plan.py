@@ -33,9 +33,10 @@ from megalite.errors import (  # noqa: E402
     run_main,
 )
 from megalite.planning.cluster import calibrated, load_calibration, preset  # noqa: E402
+from megalite.planning.explain import explain  # noqa: E402
 from megalite.planning.presets import MODEL_PRESETS, REFUSED_PRESETS  # noqa: E402
 from megalite.planning.report import breakdown, ranking_table  # noqa: E402
-from megalite.planning.search import explain, search  # noqa: E402
+from megalite.planning.search import search  # noqa: E402
 
 
 def build_parser() -> ArgumentParser:

@@ -10,6 +10,9 @@ Tensor-parallel collectives are exposed (megalite does not overlap them): two al
 layer forward and two backward of ``[s, b, h]`` (under sequence parallel two all-gathers and two
 reduce-scatters, each with its own latency; a reduce-scatter costs ``reduce_scatter_cost`` of an
 all-reduce), and one more each way per micro-batch for the embedding and the output layer.
+Under a grid (2d, 2.5d) or the cube (3d) the mode's own collectives instead
+(``tp_modes.mode_pass_traffic``), each on the link its sub-group spans, and the hidden states
+between stages are the rank's block (``1/tp``).
 Pipeline sends are blocking ``[s, b, h]`` (``/tp`` under SP)
 transfers. The pipeline itself is the core simulator (``pipeline_parallel.simulator``) over the
 schedule's own action lists (every schedule: 1F1B, GPipe, interleaved, ZB-H1, ZBV, DualPipeV), so
@@ -33,10 +36,10 @@ from megalite.core.pipeline_parallel.generators import layout_of
 from megalite.models.attention_mask import attention_fraction
 from megalite.models.config import GPTConfig
 from megalite.models.moe_config import moe_layer_pattern
-from megalite.planning.activations import schedule_lists
 from megalite.planning.cluster import Cluster
 from megalite.planning.model_state import DTYPE_BYTES, rank_params
 from megalite.planning.predict import Layout
+from megalite.planning.schedule_replay import schedule_lists
 from megalite.planning.traffic import pass_traffic, recomputed_layers, step_traffic
 from megalite.training.flops import model_flops_per_iteration
 from megalite.training.model_chunks import stage_blocks
@@ -135,7 +138,7 @@ def predict_step_time(
     cp, ep = layout.cp, layout.ep
     s, e = c.seq_length, DTYPE_BYTES[precision]
     m = global_batch_size // (b * dp)
-    vocab = c.padded_vocab_size(tp)
+    vocab = c.padded_vocab_size(layout.split.q)
     h = c.hidden_size
     tokens = s * b // cp  # this CP rank's tokens of a micro-batch
     output_flops = 2 * h * vocab * tokens
@@ -174,7 +177,7 @@ def predict_step_time(
         stage_b.append(bwd + comm_b)
         stage_comm.append(comm_f + comm_b)
     pp_span = tp * dp * cp * pp  # with the default order PP is the slowest axis
-    send = act_bytes / (tp if layout.sequence_parallel else 1)
+    send = act_bytes / layout.hidden_state_split
     p2p = cluster.collective_seconds("p2p", send, 2, pp_span) if pp > 1 else 0.0
     chunks = stages.num_chunks
 
@@ -230,6 +233,8 @@ def predict_step_time(
             vp=layout.vp,
             ep=ep,
             etp=layout.etp,
+            tp_mode=layout.tp_mode,
+            tp_depth=layout.tp_depth,
         )
         return sum(p.numel for p in specs)
 
