@@ -39,6 +39,7 @@ class Layout:
     microbatch_group_size: int | None = None  # interleaved: micro-batches per group (None: pp)
     tp_mode: str = "1d"  # the tensor-parallel mode: 1d | 2d | 2.5d | 3d (tp_split.TPSplit)
     tp_depth: int = 1  # 2.5d: the stacked q x q grids
+    offload_dir: str | None = None  # files of a "disk" offload: DIR/optimizer, DIR/params (flags)
 
     @property
     def world_size(self) -> int:
@@ -87,10 +88,15 @@ class Layout:
             if self.rung != "optim_grads_params":  # ZeRO-3 gathers per unit itself
                 out.append("--overlap-param-gather")
         if self.offload_fraction:
-            out += ["--optimizer-cpu-offload"]
+            if self.optimizer_offload == "disk":
+                out += ["--optimizer-offload-dir", self._files("optimizer")]
+            else:
+                out += ["--optimizer-cpu-offload"]
             out += ["--optimizer-offload-fraction", str(self.offload_fraction)]
-        if self.param_offload == "host":  # files need a directory: the user adds it
+        if self.param_offload == "host":
             out.append("--param-cpu-offload")
+        elif self.param_offload == "disk":
+            out += ["--param-offload-dir", self._files("params")]
         if self.recompute == "selective":
             out += ["--recompute-granularity", "selective"]
         elif self.recompute:  # full: every layer; "block<N>": the first N layers of each chunk
@@ -117,10 +123,19 @@ class Layout:
         if self.recompute:
             parts.append(f"rc-{self.recompute}")
         if self.offload_fraction:
-            parts.append(f"offload{self.offload_fraction:g}")
+            where = "" if self.optimizer_offload == "host" else f"-{self.optimizer_offload}"
+            parts.append(f"offload{self.offload_fraction:g}{where}")
         if self.param_offload != "device":
             parts.append(f"params-{self.param_offload}")
         return " ".join(parts)
+
+    def _files(self, what: str) -> str:
+        if self.offload_dir is None:
+            raise ValueError(
+                f"offload to disk needs a directory for the {what} files (tools/plan.py "
+                "--offload-dir DIR)"
+            )
+        return f"{self.offload_dir}/{what}"
 
     def mode_name(self) -> str:
         """``""`` under 1d, else the mode (and 2.5d's depth): ``-3d``, ``-2.5d-d2``."""
@@ -200,7 +215,14 @@ def predict_memory(
     host bounds of the optimizer's and the params' file streams (``--*-offload-host-memory-mb``)."""
     m = global_batch_size // (layout.micro_batch_size * layout.dp)
     memo = {} if memo is None else memo
-    acts_key = replace(layout, rung="no_shard", offload_fraction=0.0, param_offload="device")
+    acts_key = replace(
+        layout,
+        rung="no_shard",
+        offload_fraction=0.0,
+        optimizer_offload="host",
+        param_offload="device",
+        offload_dir=None,
+    )
     state_key = replace(layout, micro_batch_size=1, recompute=None)
     out = []
     for pp_rank in range(layout.pp):

@@ -11,7 +11,7 @@ the world (CP while each CP rank keeps ``min_tokens_per_cp_rank`` of a sequence)
 MoE model every EP dividing the experts, with ETP = TP or 1; SP on under 1d TP; every available ZeRO
 rung; every schedule under PP (interleaved with each ``interleaved_vp``); micro-batch sizes that
 divide the per-rank batch; recompute none / selective / the first 1 or 2 layers of each chunk
-(block) / full.
+(block) / full; offload where asked (``SearchSpace.offload``).
 
 Work is bounded without changing a prediction: one argument parser serves every validation, the
 schedule's action lists are built once per shape (``step_time.pipeline_program``), a layout's
@@ -102,6 +102,10 @@ class SearchSpace:
     interleaved_vp: tuple[int, ...] = (2, 4)  # model chunks per rank under interleaved-1f1b
     min_tokens_per_cp_rank: int = 1024
     tp_modes: tuple[str, ...] = TP_MODES  # tensor-parallel modes to enumerate (tp_modes_of)
+    # where offloaded state may live ("host", "disk"): ZeRO-2 with its optimizer state there
+    # (ZeRO-Offload), ZeRO-3 with its params and optimizer state there (ZeRO-Infinity)
+    offload: tuple[str, ...] = ()
+    offload_dir: str | None = None  # the files of "disk" (Layout.offload_dir)
 
 
 def _divisors(n: int) -> list[int]:
@@ -170,6 +174,19 @@ def candidate_layouts(
                 # ZeRO shards over dp x cp, and the expert state over the expert DP group
                 for rung in rungs if dp * cp > 1 or base.edp > 1 else ["no_shard"]:
                     out.append(replace(base, rung=rung))
+                    out += _offloaded(replace(base, rung=rung), space)
+    return out
+
+
+def _offloaded(layout: Layout, space: SearchSpace) -> list[Layout]:
+    """``layout`` with its state offloaded to each place of ``space.offload`` its rung allows."""
+    out = []
+    for place in space.offload:
+        whole = dict(offload_fraction=1.0, optimizer_offload=place, offload_dir=space.offload_dir)
+        if layout.rung == "optim_grads":
+            out.append(replace(layout, **whole))
+        elif layout.rung == "optim_grads_params":
+            out.append(replace(layout, **whole, param_offload=place))
     return out
 
 
@@ -242,6 +259,7 @@ def evaluate(
             global_batch_size=global_batch_size,
             precision=precision,
             overlap_grad_reduce=par.overlap_grad_reduce,
+            grads_in_fp32=par.accumulate_allreduce_grads_in_fp32,
         )
     return cand
 

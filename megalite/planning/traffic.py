@@ -182,7 +182,7 @@ def step_traffic(
             for p in specs:
                 if p.expert == is_expert:
                     units[p.unit] += p.numel
-            tied = _tied_unit(c, layout, specs, pp_rank) if not is_expert else None
+            tied = tied_embedding_unit(c, layout, specs, pp_rank) if not is_expert else None
             for unit, k in units.items():
                 gathers = 2 * m + (m if unit == tied else 0)  # forward, backward; a tied output
                 gather = _shard("all_gather", group, k * e, span, gathers, cpu=cpu)
@@ -205,7 +205,9 @@ def step_traffic(
     return _keep(out)
 
 
-def _tied_unit(c: GPTConfig, layout: Layout, specs: list[ParamSpec], pp_rank: int) -> int | None:
+def tied_embedding_unit(
+    c: GPTConfig, layout: Layout, specs: list[ParamSpec], pp_rank: int
+) -> int | None:
     """The ZeRO-3 unit of the word embeddings when this rank also runs the output layer with
     them (tied, first and last stage on one rank): gathered once more, for the output layer."""
     stages = layout_of(layout.schedule if layout.pp > 1 else "1f1b", layout.pp, layout.vp)
