@@ -13,7 +13,11 @@ default precision (``--fp16``/``--fp32`` to change). Cluster: ``--gpu H100|H200|
 each figure overridable (``--gpu-memory-gib --peak-tflops --intra-node-gbps --inter-node-gbps``,
 bus bandwidth per GPU in GB/s). Prints the top layouts (``--top N``) with a breakdown and the
 exact pretrain_gpt.py flags; ``--explain`` says why each rejected (TP, PP, CP, EP, DP) family
-was rejected. ``--jobs N`` spreads a large search over N processes (default: every core).
+was rejected (and why a 2d / 2.5d / 3d tensor-parallel mode beats 1d where it does).
+``--offload host|disk`` (repeatable; disk with ``--offload-dir DIR``) also ranks ZeRO-2 with its
+optimizer state and ZeRO-3 with its params and optimizer state offloaded, their host and disk bytes
+and the time their PCIe / NVMe transfers add (``--calibrate`` measures those links here).
+``--jobs N`` spreads a large search over N processes (default: every core).
 docs/PLANNER.md explains the model and its measured accuracy.
 """
 
@@ -33,9 +37,10 @@ from megalite.errors import (  # noqa: E402
     run_main,
 )
 from megalite.planning.cluster import calibrated, load_calibration, preset  # noqa: E402
+from megalite.planning.explain import explain  # noqa: E402
 from megalite.planning.presets import MODEL_PRESETS, REFUSED_PRESETS  # noqa: E402
 from megalite.planning.report import breakdown, ranking_table  # noqa: E402
-from megalite.planning.search import explain, search  # noqa: E402
+from megalite.planning.search import SearchSpace, search  # noqa: E402
 
 
 def build_parser() -> ArgumentParser:
@@ -60,6 +65,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--explain", action="store_true")
     jobs_help = "worker processes for a large search (default: every core)"
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help=jobs_help)
+    offload_help = "also rank ZeRO-2 / ZeRO-3 with state offloaded to host memory or NVMe files"
+    p.add_argument("--offload", action="append", choices=["host", "disk"], help=offload_help)
+    p.add_argument("--offload-dir", help="with --offload disk: the NVMe directory for the files")
     p.add_argument("--calibrate", action="store_true", help="measure this machine, then exit")
     p.add_argument("--calibration-out", default="plan_calibration.json")
     return p
@@ -155,7 +163,13 @@ def _main(argv: list[str] | None, out) -> int:
         gbs = args.global_batch_size or cluster.gpus
         if args.jobs < 1:
             raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
-        result = search(margv, cluster, vocab_size=vocab, global_batch_size=gbs, jobs=args.jobs)
+        offload = tuple(args.offload or ())
+        if "disk" in offload and args.offload_dir is None:
+            raise ValueError("--offload disk needs --offload-dir DIR (where the files would go)")
+        space = SearchSpace(offload=offload, offload_dir=args.offload_dir)
+        result = search(
+            margv, cluster, vocab_size=vocab, global_batch_size=gbs, jobs=args.jobs, space=space
+        )
     except ValueError as e:  # the flags' values, each named in the message
         raise UsageError(str(e).splitlines()[0]) from None
     print(

@@ -33,19 +33,29 @@ transient ``backward_peak``.
 The schedule decides how many micro-batches are in flight (its action list replayed,
 ``replay_peak``); the peak a stage holds is that many micro-batches' saved bytes plus the
 transient of a recomputed chunk in backward.
+Under a grid (2d, 2.5d) or cube (3d) tensor-parallel mode a device computes a block of the
+micro-batch's sequences with every dim split: its layers and extras are ``mode_activations``'.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from megalite.core import fusions
-from megalite.core.pipeline_parallel.generators import SCHEDULES, generate, layout_of
+from megalite.core.pipeline_parallel.generators import SCHEDULES, layout_of
 from megalite.models.config import GPTConfig
 from megalite.models.moe_config import moe_layer_pattern
+from megalite.planning.attention_bytes import attention_core_bytes
+from megalite.planning.mode_activations import (
+    chunk_input_bytes,
+    mode_chunk_parts,
+    mode_loss_transient,
+    norm_saves_its_input,
+)
 from megalite.planning.model_state import DTYPE_BYTES
 from megalite.planning.moe_activations import BALANCED, WORST, MoEShape, Routing, moe_mlp_bytes
+from megalite.planning.schedule_replay import replay_peak, schedule_lists
+from megalite.planning.tp_split import TPSplit
 from megalite.training.model_chunks import stage_blocks
 
 CP_MODELLED = ("p2p", "all_gather")  # --cp-comm-type values whose saved tensors are modelled
@@ -142,13 +152,9 @@ def layer_bytes(
     h, d = c.hidden_size, c.kv_channels
     n = c.num_attention_heads // tp
     f = c.ffn_hidden_size // tp
-    k = c.heads_per_group
-    s = tokens // b
     linear_in = tn * h * e  # the norm output (under SP the shard: backward gathers it again)
     total = 2 * (_norm_bytes(c, tn, e, fused.norms) + linear_in)
-    qkv = tokens * n * d * e
     rope = c.position_embedding_type == "rope"
-    scores = b * n * s * s
     g = c.num_query_groups // tp
     if cp > 1 and c.cp_comm_type in ("p2p", "all_gather"):
         # megalite's own CP attention saves q, k, v (views of the fused qkv unless rotated; the
@@ -160,29 +166,18 @@ def layer_bytes(
         else:
             total += unit * ((n if rope else n + 2 * g) + 2 * g * cp + 2 * n)
         total += n * tokens * 4
-    elif c.block_sparse:
-        # windowed / block-sparse attention (core.attention.block_sparse) saves q, k and v (k, v
-        # expanded to the heads), its output and logsumexp: O(s), never a score block; under
-        # selective recompute only its inputs. Not yet checked against a measured run.
-        total += 3 * qkv + (2 * qkv if rope and k == 1 else 0)
-        total += qkv + (0 if selective else qkv + n * tokens * 4)
-    elif c.attention_backend == "sdpa" and cpu and c.attention_dropout > 0 and not selective:
-        # CPU sdpa with dropout runs the math path: scaled q, k^T copy, v (a view of the fused
-        # qkv when each group has one head), softmax, noise, dropped probs; the context
-        total += 2 * qkv + (3 * qkv if k == 1 else qkv) + 3 * scores * e + qkv
-    elif c.attention_backend == "sdpa":
-        total += 3 * qkv + (2 * qkv if rope and k == 1 else 0)
-        total += qkv + (0 if selective else n * tokens * 4)  # output (+ logsumexp)
     else:
-        total += 3 * qkv + (2 * qkv if rope and k == 1 else 0)
-        dropout = c.attention_dropout > 0
-        if not selective and fused.softmax:  # the kernel saves its output alone; dropout its
-            total += scores * e * (2 if dropout else 1)  # noise and the dropped probs
-            total += scores * mask_bytes if dropout else 0
-        elif not selective:  # fp32 masked scores, exp, probs in e; the mask, row statistics
-            total += scores * (4 + 4 + e) + s * s + b * n * s * 13
-            total += scores * mask_bytes if dropout else 0
-        total += qkv  # the context, re-laid out for the output projection
+        total += attention_core_bytes(
+            c,
+            tokens=tokens,
+            b=b,
+            n=n,
+            e=e,
+            selective=selective,
+            mask_bytes=mask_bytes,
+            cpu=cpu,
+            fused_softmax=fused.softmax,
+        )
     if moe is None:
         total += (4 if c.swiglu else 2) * tokens * f * e
     else:
@@ -256,34 +251,54 @@ def _chunk_activations(
     moe: MoEShape | None = None,
     fused: FusedKernels = FusedKernels(),
     routing: Routing = BALANCED,
+    split: TPSplit | None = None,
 ) -> tuple[int, int, int, int]:
-    """(layers, per_layer, extras, backward_peak) of one model chunk for one micro-batch."""
+    """(layers, per_layer, extras, backward_peak) of one model chunk for one micro-batch;
+    ``split``: a grid or cube tensor-parallel mode (``mode_activations``), else 1d over ``tp``."""
     b, s = micro_batch_size, c.seq_length // cp
     tokens = s * b
     n_layers = layers[1] - layers[0]
     selective = c.recompute_granularity == "selective"
-    pattern = moe_layer_pattern(c)
-    common = dict(tokens=tokens, tp=tp, e=e, mask_bytes=mask_bytes, cp=cp, fused=fused)
-    each = [
-        layer_bytes(
+    if split is not None and split.mode != "1d":
+        each, extras, early_extras = mode_chunk_parts(
             c,
-            **common,
+            split,
+            n_layers=n_layers,
+            first=first,
+            last=last,
             b=b,
+            e=e,
             selective=selective,
+            mask_bytes=mask_bytes,
             cpu=cpu,
-            moe=moe if pattern[i] else None,
-            routing=routing,
+            fused_softmax=fused.softmax,
         )
-        for i in range(*layers)
-    ]
+        chunk_input = chunk_input_bytes(c, split, tokens=tokens, e=e)
+        shares_input = norm_saves_its_input(c)
+    else:
+        pattern = moe_layer_pattern(c)
+        common = dict(tokens=tokens, tp=tp, e=e, mask_bytes=mask_bytes, cp=cp, fused=fused)
+        each = [
+            layer_bytes(
+                c,
+                **common,
+                b=b,
+                selective=selective,
+                cpu=cpu,
+                moe=moe if pattern[i] else None,
+                routing=routing,
+            )
+            for i in range(*layers)
+        ]
+        extras = stage_extras(c, **common, first=first, last=last)
+        # in backward the loss and output layer are freed before any layer is recomputed
+        early_extras = stage_extras(c, **common, first=first, last=False)
+        sp = c.sequence_parallel and tp > 1
+        chunk_input = (tokens // tp if sp else tokens) * c.hidden_size * e
+        shares_input = c.normalization == "LayerNorm" or e == 4
     per_layer = max(each, default=0)
-    extras = stage_extras(c, **common, first=first, last=last)
-    # in backward the loss and output layer are freed before any layer is recomputed
-    early_extras = stage_extras(c, **common, first=first, last=False)
-    sp = c.sequence_parallel and tp > 1
-    chunk_input = (tokens // tp if sp else tokens) * c.hidden_size * e
     # a recomputed chunk's first norm saves the chunk input itself (no new storage)
-    recomputed_extra = per_layer - (chunk_input if c.normalization == "LayerNorm" or e == 4 else 0)
+    recomputed_extra = per_layer - (chunk_input if shares_input else 0)
     kept_bytes = sum(each)
     backward_peak = 0
     if c.recompute_granularity == "full":
@@ -301,37 +316,6 @@ def _chunk_activations(
             if kept:
                 backward_peak = kept * chunk_input + early_extras + recomputed_extra
     return kept_bytes, per_layer, extras, backward_peak
-
-
-def replay_peak(actions, held: list[int], transient: list[int]) -> tuple[int, int]:
-    """Walk one rank's action list (``pipeline_parallel.generators``): a forward of chunk ``c``
-    adds ``held[c]`` bytes until its backward (B, or I: the saved-tensor graph is freed there;
-    what W keeps is the weight-grad store's, not autograd's), whose own peak is the bytes held
-    less its micro-batch's plus ``transient[c]`` (recompute). The order alone decides the peak.
-    Returns (peak bytes, the most chunk-micro-batches held)."""
-    live = peak = count = most = 0
-    for a in actions:
-        if a.op == "F":
-            live += held[a.chunk]
-            count += 1
-            peak, most = max(peak, live), max(most, count)
-        elif a.op in ("B", "I"):
-            peak = max(peak, live - held[a.chunk] + transient[a.chunk])
-            live -= held[a.chunk]
-            count -= 1
-    return peak, most
-
-
-@functools.lru_cache(maxsize=512)
-def schedule_lists(schedule: str, pp: int, m: int, vp: int, group: int | None) -> tuple:
-    """The schedule's compute actions, one tuple per pipeline rank (``generators.generate``):
-    the same for every layout of this shape, so built once (the planner's search asks for them
-    thousands of times; callers only read them)."""
-    chunks = layout_of(schedule, pp, vp).num_chunks
-    lists = generate(
-        schedule, pp_size=pp, num_microbatches=m, num_chunks=chunks, microbatch_group_size=group
-    )
-    return tuple(tuple(rank) for rank in lists)
 
 
 def stage_activations(
@@ -352,13 +336,17 @@ def stage_activations(
     etp: int | None = None,
     ep_rank: int = 0,
     routing: Routing = BALANCED,
+    tp_mode: str = "1d",
+    tp_depth: int = 1,
 ) -> StageActivations:
     """Activation bytes of pipeline rank ``pp_rank`` (any TP rank; expert-parallel rank
     ``ep_rank``) under ``schedule`` with ``vp`` model chunks per rank (the V schedules: 2): the
     schedule's own action list for this rank is replayed (``replay_peak``), so each schedule's
     in-flight micro-batches and chunks, uneven chunks included, come from the lists the executor
     runs. MoE layers are routed as ``routing`` assumes; ``bound`` is the peak under the worst
-    routing their capacity settings allow."""
+    routing their capacity settings allow. ``tp_mode`` / ``tp_depth``: the tensor-parallel mode
+    (a grid's or the cube's layers: ``mode_activations``)."""
+    split = TPSplit(tp_mode, tp, tp_depth)
     e = DTYPE_BYTES[precision]
     mask_bytes = e if device == "cpu" else 1  # CPU dropout saves its scaled noise, CUDA a bool
     layout = layout_of(schedule, pp, vp)
@@ -383,13 +371,17 @@ def stage_activations(
                 moe=moe,
                 fused=fused,
                 routing=routing,
+                split=split,
             )
             for s in (layout.stage(pp_rank, chunk) for chunk in range(layout.num_chunks))
         ]
 
     last = any(layout.stage(pp_rank, k) == layout.num_stages - 1 for k in range(layout.num_chunks))
     tokens = micro_batch_size * c.seq_length // cp
-    transient_loss = loss_transient(c, tokens=tokens, tp=tp, e=e) if last else 0
+    if split.mode != "1d":
+        transient_loss = mode_loss_transient(c, split, tokens=tokens, e=e) if last else 0
+    else:
+        transient_loss = loss_transient(c, tokens=tokens, tp=tp, e=e) if last else 0
 
     def assemble(parts: list[tuple[int, int, int, int]]) -> StageActivations:
         layers = sum(p[0] for p in parts)

@@ -16,7 +16,13 @@ and read by ``load_calibration``)::
      "efficiency": 0.62, "layer_overhead_s": 2e-5, "step_overhead_s": 0.0, "cores": 0,
      "optimizer_s_per_param": 1e-11,
      "matmul_tflops": {"1024": 410.0, ...}, "attention_tflops": 300.0,
-     "collectives": {"all_reduce": {"gbps": 80.0, "latency_s": 3e-5}, "p2p": {...}}}
+     "collectives": {"all_reduce": {"gbps": 80.0, "latency_s": 3e-5}, "p2p": {...}},
+     "host_gbps": 24.0, "disk_read_gbps": 3.1, "disk_write_gbps": 1.9}
+
+``host_gbps`` is a pinned host <-> device copy on a GPU (a memcpy on a CPU), ``disk_*_gbps`` a
+temporary file's ``write`` + ``fsync`` and its read back with the page cache dropped
+(``tools/planner/calibrate_offload.py``); without them the defaults below stand (PCIe gen4 x16
+~25 GB/s, NVMe ~3 GB/s read, ~2 GB/s write) and a CPU device's host copies are free.
 """
 
 from __future__ import annotations
@@ -57,6 +63,11 @@ class Cluster:
     reduce_scatter_cost: float = 0.5
     optimizer_s_per_param: float = 16.0 / 2.0e12  # ~16 bytes read+written per param at HBM speed
     memory_reserve_gib: float = 4.0  # CUDA context, allocator fragmentation, NCCL buffers
+    # offloaded state's links (GB/s): host <-> device (PCIe gen4 x16, effective), NVMe read and
+    # write (a PCIe gen3/gen4 drive's sustained figures); calibrated by tools/plan.py --calibrate
+    host_gbps: float = 25.0
+    disk_read_gbps: float = 3.0
+    disk_write_gbps: float = 2.0
     device: str = "cuda"  # "cpu": activations as the CPU kernels save them
     name: str = "custom"
     calibration: dict = field(default_factory=dict, compare=False, repr=False)
@@ -98,6 +109,21 @@ class Cluster:
         else:
             latency, gbps = self.collective_latency_s, self.link_gbps(span)
         return (0.0 if overlapped else latency) + bus_factor(op, n) * nbytes / (gbps * 1e9)
+
+    def offload_seconds(self, link: str, nbytes: float) -> float:
+        """``nbytes`` over an offload link: ``host`` (a host <-> device copy; free on a CPU
+        "device", whose host memory is its own, unless the calibration measured the memcpy),
+        ``disk_read`` or ``disk_write`` (NVMe)."""
+        if nbytes <= 0:
+            return 0.0
+        if link == "host" and self.device == "cpu" and "host_gbps" not in self.calibration:
+            return 0.0
+        gbps = {
+            "host": self.host_gbps,
+            "disk_read": self.disk_read_gbps,
+            "disk_write": self.disk_write_gbps,
+        }[link]
+        return nbytes / (gbps * 1e9)
 
     def link_gbps(self, span: int) -> float:
         """Bandwidth of a group whose ranks span ``span`` consecutive global ranks."""
@@ -169,6 +195,9 @@ def calibrated(cluster: Cluster, data: dict) -> Cluster:
         values["peak_tflops"] = data["peak_tflops"]
     if "gbps" in ar:
         values["intra_node_gbps"] = ar["gbps"]
+    for key in ("host_gbps", "disk_read_gbps", "disk_write_gbps"):  # the offload links
+        if key in data:
+            values[key] = data[key]
     return replace(cluster, **values)
 
 

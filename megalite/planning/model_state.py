@@ -28,6 +28,7 @@ from megalite.core.optimizer.memory_report import ModelStateBytes
 from megalite.core.pipeline_parallel.generators import layout_of
 from megalite.models.config import GPTConfig
 from megalite.models.moe_config import moe_layer_pattern
+from megalite.planning.tp_split import TPSplit
 from megalite.training.model_chunks import stage_blocks
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -81,7 +82,7 @@ class ParamSpec:
 def _chunk_params(
     cfg: GPTConfig,
     *,
-    tp: int,
+    split: TPSplit,
     etp: int,
     ep: int,
     layers: tuple[int, int],
@@ -89,43 +90,42 @@ def _chunk_params(
     last: bool,
     borrow: bool,
 ) -> list[tuple[str, int, bool, str]]:
-    """(name, elements, expert, unit name) of one GPT chunk in registration order."""
-    h, t = cfg.hidden_size, tp
-    vocab = cfg.padded_vocab_size(tp) // t
+    """(name, elements, expert, unit name) of one GPT chunk in registration order, as ``split``'s
+    mode holds them on one device of the tensor group."""
+    h = cfg.hidden_size
     bias = cfg.add_bias_linear
     out: list[tuple[str, int, bool, str]] = []
 
     def norm(name: str, unit: str) -> None:
-        out.append((name + ".weight", h, False, unit))
+        out.append((name + ".weight", split.norm(h), False, unit))
         if cfg.normalization == "LayerNorm":
-            out.append((name + ".bias", h, False, unit))
+            out.append((name + ".bias", split.norm(h), False, unit))
+
+    def linear(name: str, out_size: int, in_size: int, unit: str, *, column: bool, b: bool):
+        weight, bias_numel = split.linear(out_size, in_size, column=column)
+        out.append((name + ".weight", weight, False, unit))
+        if b:
+            out.append((name + ".bias", bias_numel, False, unit))
 
     def mlp(p: str, ffn: int, unit: str) -> None:
-        fc1 = (2 if cfg.swiglu else 1) * ffn // t
-        out.append((p + "linear_fc1.weight", fc1 * h, False, unit))
-        if bias:
-            out.append((p + "linear_fc1.bias", fc1, False, unit))
-        out.append((p + "linear_fc2.weight", h * (ffn // t), False, unit))
-        if bias:
-            out.append((p + "linear_fc2.bias", h, False, unit))
+        fc1 = (2 if cfg.swiglu else 1) * ffn
+        linear(p + "linear_fc1", fc1, h, unit, column=True, b=bias)
+        linear(p + "linear_fc2", h, ffn, unit, column=False, b=bias)
 
     if first:
-        out.append(("embedding.word_embeddings.weight", vocab * h, False, "embedding"))
+        out.append(("embedding.word_embeddings.weight", split.table(cfg), False, "embedding"))
         if cfg.position_embedding_type == "learned_absolute":
-            pos = cfg.max_position_embeddings * h
+            pos = split.positions(cfg)
             out.append(("embedding.position_embeddings.weight", pos, False, "embedding"))
-    qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.kv_channels // t
-    proj_in = cfg.num_attention_heads * cfg.kv_channels // t
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.kv_channels
+    proj_in = cfg.num_attention_heads * cfg.kv_channels
     moe = moe_layer_pattern(cfg)
     for i in range(*layers):
         p, u = f"decoder.layers.{i}.", f"layer{i}"
         norm(p + "input_layernorm", u)
-        out.append((p + "self_attention.linear_qkv.weight", qkv * h, False, u))
-        if bias:
-            out.append((p + "self_attention.linear_qkv.bias", qkv, False, u))
-        out.append((p + "self_attention.linear_proj.weight", h * proj_in, False, u))
-        if bias:
-            out.append((p + "self_attention.linear_proj.bias", h, False, u))
+        qkv_bias = bias or cfg.add_qkv_bias
+        linear(p + "self_attention.linear_qkv", qkv, h, u, column=True, b=qkv_bias)
+        linear(p + "self_attention.linear_proj", h, proj_in, u, column=False, b=bias)
         norm(p + "pre_mlp_layernorm", u)
         if not moe[i]:
             mlp(p + "mlp.", cfg.ffn_hidden_size, u)
@@ -144,7 +144,7 @@ def _chunk_params(
         norm("decoder.final_layernorm", "final_layernorm")
         tied = not cfg.untie_embeddings_and_output_weights
         if not (tied and borrow):  # tied on one rank: the output layer borrows the embedding
-            out.append(("output_layer.weight", vocab * h, False, "output_layer"))
+            out.append(("output_layer.weight", split.table(cfg), False, "output_layer"))
     return out
 
 
@@ -158,11 +158,15 @@ def rank_params(
     vp: int = 1,
     ep: int = 1,
     etp: int | None = None,
+    tp_mode: str = "1d",
+    tp_depth: int = 1,
 ) -> list[ParamSpec]:
     """Every trainable parameter of pipeline rank ``pp_rank`` on one TP rank, in registration
     order: the rank's chunks in chunk order (``training.model_chunks``), each ``GPTModel``'s
-    order inside. ZeRO-3 units: one per embedding / layer / final norm / output layer of a single
-    chunk; a whole chunk when the rank holds several (``Zero3DataParallel``'s default units)."""
+    order inside, split as the tensor-parallel mode ``tp_mode`` (``tp_split.TPSplit``) splits
+    them. ZeRO-3 units: one per embedding / layer / final norm / output layer of a single chunk;
+    a whole chunk when the rank holds several (``Zero3DataParallel``'s default units)."""
+    split = TPSplit(tp_mode, tp, tp_depth)
     layout = layout_of(schedule, pp, vp)
     blocks = stage_blocks(cfg, layout)
     stages = [layout.stage(pp_rank, c) for c in range(layout.num_chunks)]
@@ -173,7 +177,7 @@ def rank_params(
         last = s == layout.num_stages - 1
         params = _chunk_params(
             cfg,
-            tp=tp,
+            split=split,
             etp=etp or tp,
             ep=ep,
             layers=blocks[s],
@@ -217,6 +221,8 @@ def model_state_bytes(
     optimizer_host_bytes: int = 256 << 20,
     param_place: str = "device",
     param_host_bytes: int = 256 << 20,
+    tp_mode: str = "1d",
+    tp_depth: int = 1,
 ) -> ModelStateBytes:
     """The bytes ``memory_report.model_state_bytes`` measures on the rank (``pp_rank``,
     ``dp_rank``), before the first step (Adam moments and one 4-byte step counter per optimized
@@ -228,12 +234,22 @@ def model_state_bytes(
     ``offload_fraction``: the share of each optimizer shard offloaded, to ``optimizer_place``
     (``host``, or ``disk``: files streamed through ``optimizer_host_bytes``). ``param_place``:
     ZeRO-3's param shards on the ``device``, the ``host``, or ``disk`` (files streamed through
-    ``param_host_bytes`` of staging)."""
+    ``param_host_bytes`` of staging). ``tp_mode`` / ``tp_depth``: the tensor-parallel mode
+    (``tp_split.TPSplit``)."""
     r = ZERO_RUNGS[rung]
     if not r.available:
         raise NotImplementedError(f"ZeRO rung {rung} is not implemented yet")
     specs = rank_params(
-        cfg, tp=tp, pp=pp, pp_rank=pp_rank, schedule=schedule, vp=vp, ep=ep, etp=etp
+        cfg,
+        tp=tp,
+        pp=pp,
+        pp_rank=pp_rank,
+        schedule=schedule,
+        vp=vp,
+        ep=ep,
+        etp=etp,
+        tp_mode=tp_mode,
+        tp_depth=tp_depth,
     )
     p_bytes = DTYPE_BYTES[precision]
     if grads_in_fp32 is None:

@@ -12,6 +12,7 @@ from megalite.core.optimizer.memory_report import ModelStateBytes
 from megalite.planning.activations import StageActivations, stage_activations
 from megalite.planning.model_state import ZERO_RUNGS, model_state_bytes
 from megalite.planning.moe_activations import BALANCED, Routing
+from megalite.planning.tp_split import TPSplit
 from megalite.training.config import PretrainConfig
 from megalite.training.pipeline_config import effective_schedule, num_model_chunks
 
@@ -36,6 +37,9 @@ class Layout:
     optimizer_offload: str = "host"  # where that share lives: host | disk (files)
     param_offload: str = "device"  # ZeRO-3's param shards: device | host | disk (files)
     microbatch_group_size: int | None = None  # interleaved: micro-batches per group (None: pp)
+    tp_mode: str = "1d"  # the tensor-parallel mode: 1d | 2d | 2.5d | 3d (tp_split.TPSplit)
+    tp_depth: int = 1  # 2.5d: the stacked q x q grids
+    offload_dir: str | None = None  # files of a "disk" offload: DIR/optimizer, DIR/params (flags)
 
     @property
     def world_size(self) -> int:
@@ -46,9 +50,24 @@ class Layout:
         """The expert data-parallel size: the world of one pipeline rank over etp x ep."""
         return self.tp * self.dp * self.cp // ((self.etp or self.tp) * self.ep)
 
+    @property
+    def split(self) -> TPSplit:
+        """How the tensor-parallel mode splits the model over the TP group."""
+        return TPSplit(self.tp_mode, self.tp, self.tp_depth)
+
+    @property
+    def hidden_state_split(self) -> int:
+        """What one rank holds of the hidden states a stage sends: ``1/tp`` under sequence
+        parallel or a grid / cube mode (their blocks), all of them under plain 1d."""
+        return self.tp if self.sequence_parallel or self.tp_mode != "1d" else 1
+
     def flags(self) -> list[str]:
         """The pretrain_gpt.py flags of this layout."""
         out = ["--tensor-model-parallel-size", str(self.tp)]
+        if self.tp_mode != "1d":
+            out += ["--tensor-parallel-mode", self.tp_mode]
+        if self.tp_depth != 1:
+            out += ["--tensor-parallel-depth", str(self.tp_depth)]
         out += ["--pipeline-model-parallel-size", str(self.pp)]
         out += ["--micro-batch-size", str(self.micro_batch_size)]
         if self.sequence_parallel:
@@ -69,10 +88,15 @@ class Layout:
             if self.rung != "optim_grads_params":  # ZeRO-3 gathers per unit itself
                 out.append("--overlap-param-gather")
         if self.offload_fraction:
-            out += ["--optimizer-cpu-offload"]
+            if self.optimizer_offload == "disk":
+                out += ["--optimizer-offload-dir", self._files("optimizer")]
+            else:
+                out += ["--optimizer-cpu-offload"]
             out += ["--optimizer-offload-fraction", str(self.offload_fraction)]
-        if self.param_offload == "host":  # files need a directory: the user adds it
+        if self.param_offload == "host":
             out.append("--param-cpu-offload")
+        elif self.param_offload == "disk":
+            out += ["--param-offload-dir", self._files("params")]
         if self.recompute == "selective":
             out += ["--recompute-granularity", "selective"]
         elif self.recompute:  # full: every layer; "block<N>": the first N layers of each chunk
@@ -84,7 +108,7 @@ class Layout:
         return out
 
     def name(self) -> str:
-        parts = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp}"]
+        parts = [f"TP{self.tp}" + self.mode_name(), f"PP{self.pp}", f"DP{self.dp}"]
         if self.cp > 1:
             parts.append(f"CP{self.cp}")
         if self.ep > 1:
@@ -99,10 +123,25 @@ class Layout:
         if self.recompute:
             parts.append(f"rc-{self.recompute}")
         if self.offload_fraction:
-            parts.append(f"offload{self.offload_fraction:g}")
+            where = "" if self.optimizer_offload == "host" else f"-{self.optimizer_offload}"
+            parts.append(f"offload{self.offload_fraction:g}{where}")
         if self.param_offload != "device":
             parts.append(f"params-{self.param_offload}")
         return " ".join(parts)
+
+    def _files(self, what: str) -> str:
+        if self.offload_dir is None:
+            raise ValueError(
+                f"offload to disk needs a directory for the {what} files (tools/plan.py "
+                "--offload-dir DIR)"
+            )
+        return f"{self.offload_dir}/{what}"
+
+    def mode_name(self) -> str:
+        """``""`` under 1d, else the mode (and 2.5d's depth): ``-3d``, ``-2.5d-d2``."""
+        if self.tp_mode == "1d":
+            return ""
+        return f"-{self.tp_mode}" + (f"-d{self.tp_depth}" if self.tp_depth != 1 else "")
 
 
 def layout_of(cfg: PretrainConfig, *, dp: int) -> Layout:
@@ -131,6 +170,8 @@ def layout_of(cfg: PretrainConfig, *, dp: int) -> Layout:
             else "device"
         ),
         microbatch_group_size=par.microbatch_group_size_per_virtual_pipeline_stage,
+        tp_mode=par.tensor_parallel_mode,
+        tp_depth=par.tensor_parallel_depth,
     )
 
 
@@ -174,7 +215,14 @@ def predict_memory(
     host bounds of the optimizer's and the params' file streams (``--*-offload-host-memory-mb``)."""
     m = global_batch_size // (layout.micro_batch_size * layout.dp)
     memo = {} if memo is None else memo
-    acts_key = replace(layout, rung="no_shard", offload_fraction=0.0, param_offload="device")
+    acts_key = replace(
+        layout,
+        rung="no_shard",
+        offload_fraction=0.0,
+        optimizer_offload="host",
+        param_offload="device",
+        offload_dir=None,
+    )
     state_key = replace(layout, micro_batch_size=1, recompute=None)
     out = []
     for pp_rank in range(layout.pp):
@@ -197,6 +245,8 @@ def predict_memory(
                 etp=layout.etp,
                 ep_rank=ep_rank,
                 routing=routing,
+                tp_mode=layout.tp_mode,
+                tp_depth=layout.tp_depth,
             )
         acts = memo[key]
         for dp_rank in dp_ranks or [0]:
@@ -224,6 +274,8 @@ def predict_memory(
                     optimizer_host_bytes=offload_host_bytes[0],
                     param_place=layout.param_offload,
                     param_host_bytes=offload_host_bytes[1],
+                    tp_mode=layout.tp_mode,
+                    tp_depth=layout.tp_depth,
                 )
             out.append(RankMemory(pp_rank, dp_rank, memo[key], acts))
     return out

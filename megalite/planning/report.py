@@ -27,10 +27,12 @@ def ranking_table(candidates, top: int) -> list[str]:
 
 
 def memory_table(memory: list[RankMemory], unit: float = GIB, unit_name: str = "GiB") -> list[str]:
-    """Per pipeline rank: params, grads, master, optimizer, activations (in flight), total."""
+    """Per pipeline rank on the device: params, grads, master, optimizer, activations (in
+    flight), total; then, where state is offloaded, host and disk bytes (params, grads,
+    optimizer state)."""
     lines = [
         f"{'pp rank':>7} {'params':>9} {'grads':>9} {'master':>9} {'optim':>9} "
-        f"{'activ.':>9} {'in-flight':>9} {'total':>9}  ({unit_name})"
+        f"{'activ.':>9} {'in-flight':>9} {'total':>9}  ({unit_name}, device)"
     ]
     for r in memory:
         s, a = r.state, r.activations
@@ -39,16 +41,35 @@ def memory_table(memory: list[RankMemory], unit: float = GIB, unit_name: str = "
             f"{s.master / unit:>9.3f} {s.optimizer / unit:>9.3f} {a.peak / unit:>9.3f} "
             f"{a.in_flight:>9} {r.total / unit:>9.3f}"
         )
+    off = [r.state for r in memory]
+    if any(s.params_host + s.grads_host + s.host + s.params_disk + s.disk for s in off):
+        lines.append(
+            f"{'pp rank':>7} {'params':>9} {'grads':>9} {'optim':>9} {'params':>9} {'optim':>9}"
+            f"  ({unit_name}: host, host, host, disk, disk)"
+        )
+        for r in memory:
+            s = r.state
+            lines.append(
+                f"{r.pp_rank:>7} {s.params_host / unit:>9.3f} {s.grads_host / unit:>9.3f} "
+                f"{s.host / unit:>9.3f} {s.params_disk / unit:>9.3f} {s.disk / unit:>9.3f}"
+            )
     return lines
 
 
 def step_table(step) -> list[str]:
-    return [
+    lines = [
         f"step {step.seconds:.4f} s = pipeline (compute {step.compute:.4f} s incl. exposed TP "
         f"{step.tp_comm:.4f} s, bubble {step.bubble:.4f} s, p2p {step.pp_comm:.2e} s/hop) + DP "
-        f"{step.dp_comm:.4f} s + optimizer {step.optimizer:.4f} s + fixed {step.fixed:.4f} s; "
-        f"{step.tokens_per_s:,.0f} tokens/s, MFU {step.mfu:.1f}%"
+        f"{step.dp_comm:.4f} s + optimizer {step.optimizer:.4f} s + fixed {step.fixed:.4f} s"
+        + (f" + offload {step.offload:.4f} s" if step.offload_by else "")
+        + f"; {step.tokens_per_s:,.0f} tokens/s, MFU {step.mfu:.1f}%"
     ]
+    if step.offload_by:  # the transfers' own seconds (the overlapped ones partly hidden)
+        parts = ", ".join(f"{what} {s:.4f} s" for what, s in step.offload_by.items())
+        lines.append(
+            f"offload transfers per step: {parts} (PCIe / NVMe; {step.offload:.4f} s exposed)"
+        )
+    return lines
 
 
 def breakdown(candidate) -> list[str]:

@@ -4,12 +4,14 @@ predicted memory and step time, the ones that fit ranked by tokens/s.
 Validation is pretrain_gpt.py's own: each candidate's flags (the model's, the layout's and the
 batch's) go through ``training.arguments.parse_args`` for a world of ``cluster.gpus`` ranks, and
 the mesh through ``core.mesh_layout.mesh_sizes``; whatever those refuse, the planner refuses with
-their one-line message. Candidates (``SearchSpace``): TP up to a node, PP and CP dividing the
-world (CP while each CP rank keeps ``min_tokens_per_cp_rank`` of a sequence), DP the rest; on a
-MoE model every EP dividing the experts, with ETP = TP or 1; SP on under TP; every available ZeRO
+their one-line message. Candidates (``SearchSpace``): TP up to a node under 1d, and under the
+grid modes (2d, 2.5d, 3d) every TP size of their shape (q^2, d q^2, q^3) on any number of nodes
+(``tp_modes_of``; their micro-batches a multiple of the grid's batch blocks), PP and CP dividing
+the world (CP while each CP rank keeps ``min_tokens_per_cp_rank`` of a sequence), DP the rest; on a
+MoE model every EP dividing the experts, with ETP = TP or 1; SP on under 1d TP; every available ZeRO
 rung; every schedule under PP (interleaved with each ``interleaved_vp``); micro-batch sizes that
 divide the per-rank batch; recompute none / selective / the first 1 or 2 layers of each chunk
-(block) / full.
+(block) / full; offload where asked (``SearchSpace.offload``).
 
 Work is bounded without changing a prediction: one argument parser serves every validation, the
 schedule's action lists are built once per shape (``step_time.pipeline_program``), a layout's
@@ -25,13 +27,16 @@ import itertools
 import multiprocessing
 from dataclasses import dataclass, field, replace
 
-from megalite.core.mesh_layout import mesh_sizes
+from megalite.core.mesh_layout import TP_MODES, mesh_sizes
 from megalite.core.pipeline_parallel.generators import V_SHAPED
+from megalite.models.config import GPTConfig
 from megalite.planning.activations import MODELLED_SCHEDULES
 from megalite.planning.cluster import Cluster
+from megalite.planning.explain import family_of
 from megalite.planning.model_state import ZERO_RUNGS
 from megalite.planning.predict import Layout, RankMemory, predict_memory
 from megalite.planning.step_time import StepTime, predict_step_time
+from megalite.planning.tp_split import TPSplit
 from megalite.training.arguments import build_parser, parse_args
 from megalite.training.config import PretrainConfig
 
@@ -48,6 +53,7 @@ class Candidate:
     memory: list[RankMemory] = field(default_factory=list)
     step: StepTime | None = None
     fits: bool = False
+    model: GPTConfig | None = None  # the validated model options (``explain`` compares modes)
 
     @property
     def peak_bytes(self) -> int:
@@ -80,6 +86,8 @@ def validate(
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
+        tensor_parallel_mode=layout.tp_mode,
+        tensor_parallel_depth=layout.tp_depth,
     )
     return cfg, argv
 
@@ -93,6 +101,11 @@ class SearchSpace:
     recompute: tuple[str | None, ...] = (None, "selective", "block1", "block2", "full")
     interleaved_vp: tuple[int, ...] = (2, 4)  # model chunks per rank under interleaved-1f1b
     min_tokens_per_cp_rank: int = 1024
+    tp_modes: tuple[str, ...] = TP_MODES  # tensor-parallel modes to enumerate (tp_modes_of)
+    # where offloaded state may live ("host", "disk"): ZeRO-2 with its optimizer state there
+    # (ZeRO-Offload), ZeRO-3 with its params and optimizer state there (ZeRO-Infinity)
+    offload: tuple[str, ...] = ()
+    offload_dir: str | None = None  # the files of "disk" (Layout.offload_dir)
 
 
 def _divisors(n: int) -> list[int]:
@@ -126,36 +139,69 @@ def candidate_layouts(
     out = []
     rungs = [r for r, v in ZERO_RUNGS.items() if v.available]
     for tp, pp, cp in itertools.product(_divisors(n), _divisors(n), _divisors(n)):
-        if n % (tp * pp * cp) or tp > cluster.gpus_per_node:
+        if n % (tp * pp * cp):
             continue
         if cp > 1 and (seq_length is None or seq_length // cp < space.min_tokens_per_cp_rank):
             continue
         dp = n // (tp * pp * cp)
         per_rank = global_batch_size // dp if global_batch_size % dp == 0 else 0
-        mbs = [b for b in space.micro_batch_sizes if per_rank and per_rank % b == 0] or [1]
         schedules = [("1f1b", 1)]
         if pp > 1:
             schedules = [(name, v) for name in MODELLED_SCHEDULES for v in _chunks(name, space)]
         experts = _expert_options(num_experts, tp, dp, cp)
-        for (ep, etp), (schedule, vp), b, rc in itertools.product(
-            experts, schedules, mbs, space.recompute
-        ):
-            base = Layout(
-                tp=tp,
-                pp=pp,
-                dp=dp,
-                cp=cp,
-                ep=ep,
-                etp=etp,
-                sequence_parallel=tp > 1,
-                schedule=schedule,
-                micro_batch_size=b,
-                recompute=rc,
-                vp=vp,
-            )
-            # ZeRO shards over dp x cp, and the expert state over the expert DP group
-            for rung in rungs if dp * cp > 1 or base.edp > 1 else ["no_shard"]:
-                out.append(replace(base, rung=rung))
+        for mode, depth in tp_modes_of(tp, cluster.gpus_per_node, space):
+            blocks = TPSplit(mode, tp, depth).batch_blocks  # a grid cuts a micro-batch in these
+            mbs = [b for b in space.micro_batch_sizes if per_rank and per_rank % b == 0]
+            mbs = [b for b in mbs if b % blocks == 0] or [blocks]
+            for (ep, etp), (schedule, vp), b, rc in itertools.product(
+                experts, schedules, mbs, space.recompute
+            ):
+                base = Layout(
+                    tp=tp,
+                    pp=pp,
+                    dp=dp,
+                    cp=cp,
+                    ep=ep,
+                    etp=etp,
+                    sequence_parallel=tp > 1 and mode == "1d",
+                    schedule=schedule,
+                    micro_batch_size=b,
+                    recompute=rc,
+                    vp=vp,
+                    tp_mode=mode,
+                    tp_depth=depth,
+                )
+                # ZeRO shards over dp x cp, and the expert state over the expert DP group
+                for rung in rungs if dp * cp > 1 or base.edp > 1 else ["no_shard"]:
+                    out.append(replace(base, rung=rung))
+                    out += _offloaded(replace(base, rung=rung), space)
+    return out
+
+
+def _offloaded(layout: Layout, space: SearchSpace) -> list[Layout]:
+    """``layout`` with its state offloaded to each place of ``space.offload`` its rung allows."""
+    out = []
+    for place in space.offload:
+        whole = dict(offload_fraction=1.0, optimizer_offload=place, offload_dir=space.offload_dir)
+        if layout.rung == "optim_grads":
+            out.append(replace(layout, **whole))
+        elif layout.rung == "optim_grads_params":
+            out.append(replace(layout, **whole, param_offload=place))
+    return out
+
+
+def tp_modes_of(tp: int, gpus_per_node: int, space: SearchSpace) -> list[tuple[str, int]]:
+    """(mode, depth) of every tensor-parallel mode of ``space`` a TP group of ``tp`` can take:
+    1d within a node (its traffic per device does not shrink with the group), 2d on q x q,
+    2.5d on d x q x q (d >= 2), 3d on q x q x q (q >= 2), on any number of nodes."""
+    out = [("1d", 1)] if tp <= gpus_per_node and "1d" in space.tp_modes else []
+    for q in range(2, tp + 1):
+        if "2d" in space.tp_modes and q * q == tp:
+            out.append(("2d", 1))
+        if "2.5d" in space.tp_modes and tp % (q * q) == 0 and tp // (q * q) >= 2:
+            out.append(("2.5d", tp // (q * q)))
+        if "3d" in space.tp_modes and q**3 == tp:
+            out.append(("3d", 1))
     return out
 
 
@@ -203,7 +249,7 @@ def evaluate(
         device=cluster.device,
         memo=memo,
     )
-    cand = Candidate(layout, argv, memory=memory)
+    cand = Candidate(layout, argv, memory=memory, model=cfg.model)
     cand.fits = cand.peak_bytes <= cluster.usable_bytes
     if cand.fits or time_misfits:
         cand.step = predict_step_time(
@@ -213,6 +259,7 @@ def evaluate(
             global_batch_size=global_batch_size,
             precision=precision,
             overlap_grad_reduce=par.overlap_grad_reduce,
+            grads_in_fp32=par.accumulate_allreduce_grads_in_fp32,
         )
     return cand
 
@@ -336,46 +383,3 @@ def search(
     result.ranked.sort(key=lambda c: (-c.step.tokens_per_s, order[c.layout]))
     result.rejected.sort(key=lambda c: order[c.layout])
     return result
-
-
-def family_of(layout: Layout) -> tuple[int, int, int, int, int]:
-    return (layout.tp, layout.pp, layout.cp, layout.ep, layout.dp)
-
-
-def family_name(fam: tuple[int, int, int, int, int]) -> str:
-    tp, pp, cp, ep, dp = fam
-    return " ".join(
-        [f"TP{tp}", f"PP{pp}", f"DP{dp}"] + [f"CP{cp}"] * (cp > 1) + [f"EP{ep}"] * (ep > 1)
-    )
-
-
-def explain(result: SearchResult, cluster: Cluster) -> list[str]:
-    """One line per (TP, PP, CP, EP, DP) family: its best fitting layout's rank, or why none
-    fits."""
-    lines = []
-    families: dict[tuple[int, int, int, int, int], list[Candidate]] = {}
-    for c in result.ranked + result.rejected:
-        families.setdefault(family_of(c.layout), []).append(c)
-    position = {id(c): i for i, c in enumerate(result.ranked)}
-    for fam in sorted(families):
-        cands = families[fam]
-        name = family_name(fam)
-        fitting = [c for c in cands if id(c) in position]
-        if fitting:
-            best = min(fitting, key=lambda c: position[id(c)])
-            lines.append(
-                f"{name}: best is #{position[id(best)] + 1} ({best.layout.name()}, "
-                f"{best.step.tokens_per_s:,.0f} tokens/s)"
-            )
-            continue
-        valid = [c for c in cands if c.error is None]
-        if not valid:
-            lines.append(f"{name}: refused by pretrain_gpt.py: {cands[0].error}")
-            continue
-        smallest = min(valid, key=lambda c: c.peak_bytes)
-        lines.append(
-            f"{name}: does not fit: the smallest layout ({smallest.layout.name()}) needs "
-            f"{smallest.peak_bytes / 2**30:.1f} GiB on its fullest rank, "
-            f"{cluster.usable_bytes / 2**30:.1f} GiB usable per GPU"
-        )
-    return lines

@@ -10,6 +10,9 @@ Tensor-parallel collectives are exposed (megalite does not overlap them): two al
 layer forward and two backward of ``[s, b, h]`` (under sequence parallel two all-gathers and two
 reduce-scatters, each with its own latency; a reduce-scatter costs ``reduce_scatter_cost`` of an
 all-reduce), and one more each way per micro-batch for the embedding and the output layer.
+Under a grid (2d, 2.5d) or the cube (3d) the mode's own collectives instead
+(``tp_modes.mode_pass_traffic``), each on the link its sub-group spans, and the hidden states
+between stages are the rank's block (``1/tp``).
 Pipeline sends are blocking ``[s, b, h]`` (``/tp`` under SP)
 transfers. The pipeline itself is the core simulator (``pipeline_parallel.simulator``) over the
 schedule's own action lists (every schedule: 1F1B, GPipe, interleaved, ZB-H1, ZBV, DualPipeV), so
@@ -25,7 +28,7 @@ last backward, and the optimizer step costs ``optimizer_s_per_param`` per parame
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megalite.core.pipeline_parallel import simulator
 from megalite.core.pipeline_parallel.actions import with_p2p
@@ -33,11 +36,18 @@ from megalite.core.pipeline_parallel.generators import layout_of
 from megalite.models.attention_mask import attention_fraction
 from megalite.models.config import GPTConfig
 from megalite.models.moe_config import moe_layer_pattern
-from megalite.planning.activations import schedule_lists
+from megalite.planning.activations import stage_activations
 from megalite.planning.cluster import Cluster
 from megalite.planning.model_state import DTYPE_BYTES, rank_params
+from megalite.planning.offload_time import offload_seconds, offload_transfers
 from megalite.planning.predict import Layout
-from megalite.planning.traffic import pass_traffic, recomputed_layers, step_traffic
+from megalite.planning.schedule_replay import schedule_lists
+from megalite.planning.traffic import (
+    pass_traffic,
+    recomputed_layers,
+    step_traffic,
+    tied_embedding_unit,
+)
 from megalite.training.flops import model_flops_per_iteration
 from megalite.training.model_chunks import stage_blocks
 
@@ -54,6 +64,8 @@ class StepTime:
     tokens_per_s: float
     mfu: float  # percent of peak, model FLOPs (as megalite logs)
     fixed: float = 0.0  # per-step costs outside the passes (zeroing grads, loss, grad norm)
+    offload: float = 0.0  # what offloaded state's transfers add (offload_time), busiest rank
+    offload_by: dict = field(default_factory=dict)  # their seconds per piece of state, that rank
 
 
 def _layer_forward_flops(c: GPTConfig, *, tokens: int, s: int, moe: bool) -> float:
@@ -118,11 +130,14 @@ def predict_step_time(
     global_batch_size: int,
     precision: str,
     overlap_grad_reduce: bool = False,
+    grads_in_fp32: bool | None = None,
 ) -> StepTime:
     """The step of ``layout`` (module docstring). The pipeline is the core simulator
     (``pipeline_parallel.simulator.simulate``) run over the schedule's own action lists
     (``generators.generate``) with each stage's own costs (``Costs(stages=...)``) and, on a CPU,
-    the ranks sharing its cores; its makespan less the busiest rank's work is the bubble."""
+    the ranks sharing its cores; its makespan less the busiest rank's work is the bubble.
+    Offloaded state adds its transfers (``offload_time``; ``grads_in_fp32``: the grad buffers'
+    dtype, None: Megatron's default for ``precision``)."""
 
     def cost(comms) -> float:
         seconds = cluster.collective_seconds
@@ -135,7 +150,7 @@ def predict_step_time(
     cp, ep = layout.cp, layout.ep
     s, e = c.seq_length, DTYPE_BYTES[precision]
     m = global_batch_size // (b * dp)
-    vocab = c.padded_vocab_size(tp)
+    vocab = c.padded_vocab_size(layout.split.q)
     h = c.hidden_size
     tokens = s * b // cp  # this CP rank's tokens of a micro-batch
     output_flops = 2 * h * vocab * tokens
@@ -174,7 +189,7 @@ def predict_step_time(
         stage_b.append(bwd + comm_b)
         stage_comm.append(comm_f + comm_b)
     pp_span = tp * dp * cp * pp  # with the default order PP is the slowest axis
-    send = act_bytes / (tp if layout.sequence_parallel else 1)
+    send = act_bytes / layout.hidden_state_split
     p2p = cluster.collective_seconds("p2p", send, 2, pp_span) if pp > 1 else 0.0
     chunks = stages.num_chunks
 
@@ -220,8 +235,8 @@ def predict_step_time(
 
     dp_comm = max(per_step(r) for r in range(pp))
 
-    def rank_numel(r: int) -> int:
-        specs = rank_params(
+    def rank_specs(r: int):
+        return rank_params(
             c,
             tp=tp,
             pp=pp,
@@ -230,16 +245,33 @@ def predict_step_time(
             vp=layout.vp,
             ep=ep,
             etp=layout.etp,
+            tp_mode=layout.tp_mode,
+            tp_depth=layout.tp_depth,
         )
-        return sum(p.numel for p in specs)
 
-    params = max(rank_numel(r) for r in range(pp))
+    params = max(sum(p.numel for p in rank_specs(r)) for r in range(pp))
     dp_n = dp * cp
     shard = dp_n if layout.rung != "no_shard" else 1
     optimizer = params / shard * cluster.optimizer_s_per_param
     optimizer *= slow
     fixed = cluster.step_overhead_s * slow
-    seconds = makespan + dp_comm + optimizer + fixed
+    offload, offload_by = 0.0, {}
+    offloads = layout.offload_fraction or layout.param_offload != "device" or c.cpu_offloading
+    for r in range(pp) if offloads else ():
+        transfers = offload_transfers(
+            c,
+            layout,
+            pp_rank=r,
+            m=m,
+            precision=precision,
+            grads_in_fp32=grads_in_fp32,
+            activation_bytes=_offloaded_activation_bytes(c, layout, cluster, r, m, precision),
+            tied_unit=tied_embedding_unit(c, layout, rank_specs(r), r),
+        )
+        exposed, by_what = offload_seconds(transfers, cluster, busy=busy_rank[r])
+        if exposed >= offload:
+            offload, offload_by = exposed, by_what
+    seconds = makespan + dp_comm + optimizer + fixed + offload
     model_flops = model_flops_per_iteration(
         num_layers=c.num_layers,
         padded_vocab_size=vocab,
@@ -269,4 +301,36 @@ def predict_step_time(
         tokens_per_s=global_batch_size * s / seconds,
         mfu=mfu,
         fixed=fixed,
+        offload=offload,
+        offload_by=offload_by,
     )
+
+
+def _offloaded_activation_bytes(
+    c: GPTConfig, layout: Layout, cluster: Cluster, pp_rank: int, m: int, precision: str
+) -> tuple[int, int]:
+    """(one layer's saved bytes, a chunk input's bytes) on pipeline rank ``pp_rank``, what
+    ``--cpu-offloading`` moves per layer (without it: nothing to move)."""
+    if not c.cpu_offloading:
+        return 0, 0
+    acts = stage_activations(
+        c,
+        micro_batch_size=layout.micro_batch_size,
+        tp=layout.tp,
+        pp=layout.pp,
+        pp_rank=pp_rank,
+        num_microbatches=m,
+        schedule=layout.schedule,
+        precision=precision,
+        device=cluster.device,
+        vp=layout.vp,
+        microbatch_group_size=layout.microbatch_group_size,
+        cp=layout.cp,
+        ep=layout.ep,
+        etp=layout.etp,
+        tp_mode=layout.tp_mode,
+        tp_depth=layout.tp_depth,
+    )
+    tokens = c.seq_length * layout.micro_batch_size // layout.cp
+    chunk_input = tokens * c.hidden_size * DTYPE_BYTES[precision] // layout.hidden_state_split
+    return acts.per_layer, chunk_input

@@ -24,12 +24,26 @@ four: qkv, proj, fc1, fc2), one forward and backward of a layer costs per device
   (``cost3d.linear3d_bytes``), plus the norms' statistics and scale grads and the biases'
   gathers (``_layer_comms_3d``).
 All times the element size ``e``.
+
+Links: each record's ``span`` is the consecutive global ranks its sub-group covers (a TP group is
+consecutive ranks, ``tp_rank = col + q (row + q depth)`` on a grid, ``input + q (weight + q
+output)`` in the cube), so a step-time model charges it the link it crosses: on a grid the
+activations' collectives stay inside a grid row (``q`` consecutive ranks), the weights' cross a
+grid column (``q^2``), only depth and the replicated grads span the group; in the cube the input
+sub-axis spans ``q``, the weight ``q^2``, the output ``q^3``. 1d spans its whole group.
+
+``mode_pass_traffic`` adds a stage's ends to its layers (the output layer as a linear ``h -> V``
+in the mode's product, the embedding's and the cross entropy's collectives) and full recompute's
+repeated forward: what ``traffic.pass_traffic`` charges under a grid or the cube.
 """
 
 from __future__ import annotations
 
 from megalite.models.config import GPTConfig
-from megalite.planning.traffic import Comm
+from megalite.planning.comm import Comm
+from megalite.planning.tp_split import TPSplit
+
+COLUMN_PARALLEL = (True, False, True, False)  # of _linears' qkv, proj, fc1, fc2 under 1d
 
 
 def _kept(comms: list[Comm]) -> list[Comm]:
@@ -66,56 +80,116 @@ def layer_comms(
         return _kept([Comm("all_reduce", tp, act, tp, 2)]), _kept(
             [Comm("all_reduce", tp, act, tp, 2)]
         )
-    if mode == "3d":
-        return _layer_comms_3d(c, tp=tp, tokens=s * b, e=e)
-    q = round((tp // depth) ** 0.5)
-    tokens = s * b // (depth * q)
+    split = TPSplit(mode, tp, depth)
+    tokens = s * b
     fwd: list[Comm] = []
     bwd: list[Comm] = []
-    for i, o, bias in _linears(c):
-        for passed in (fwd, bwd):  # the blocks gathered forward and again backward
-            passed.append(Comm("all_gather", q, tokens * i * e, tp))
-            passed.append(Comm("all_gather", q, o * i // q * e, tp))
-        bwd.append(Comm("reduce_scatter", q, tokens * i * e, tp))
-        bwd.append(Comm("reduce_scatter", q, o * i // q * e, tp))
-        bwd.append(Comm("all_reduce", depth, o * i // (q * q) * e, tp))
+    for (i, o, bias), column in zip(_linears(c), COLUMN_PARALLEL):
+        f, bk = linear_comms(split, i, o, bias=bias, tokens=tokens, e=e, residual_input=column)
+        fwd += f
+        bwd += bk
+    f, bk = _norm_comms(c, split, tokens=tokens, e=e, count=2)
+    return _kept(fwd + f), _kept(bwd + bk)
+
+
+def linear_comms(
+    split: TPSplit, i: int, o: int, *, bias: bool, tokens: int, e: int, residual_input: bool
+) -> tuple[list[Comm], list[Comm]]:
+    """(forward, backward) of one grid or cube linear ``[tokens, i] -> [tokens, o]`` (the
+    micro-batch's ``tokens``); ``residual_input``: in the cube, its input is in the residual
+    layout (qkv, fc1, the output layer) rather than the inner one (proj, fc2)."""
+    q, tp, depth = split.q, split.tp, split.depth
+    fwd: list[Comm] = []
+    bwd: list[Comm] = []
+    if split.mode == "3d":
+        m = tokens // (q * q)  # a rank's block of the tokens; its gathered rows hold q m
+        w = o * i // (q * q) * e
+        rows, hidden = (q, q**3) if residual_input else (q**3, q)  # input, output sub-axes
+        fwd.append(Comm("all_gather", q, m * i * e, rows))
+        fwd.append(Comm("all_gather", q, w, q * q))
+        fwd.append(Comm("reduce_scatter", q, m * o * e, hidden))
+        bwd.append(Comm("all_gather", q, m * o * e, hidden))
+        bwd.append(Comm("all_gather", q, w, q * q))
+        bwd.append(Comm("reduce_scatter", q, m * i * e, rows))
+        bwd.append(Comm("reduce_scatter", q, w, q * q))
         if bias:
-            bwd.append(Comm("all_reduce", depth * q, o // q * e, tp))
-    layer_norm = c.normalization == "LayerNorm"
-    stats = 2 * (2 if layer_norm else 1)  # per layer: two norms, a mean (and a variance) each
-    fwd.append(Comm("all_reduce", q, tokens * e, tp, stats))
-    bwd.append(Comm("all_reduce", q, tokens * e, tp, stats))
-    bwd.append(Comm("all_reduce", depth * q, h // q * e, tp, 2 * (2 if layer_norm else 1)))
+            fwd.append(Comm("all_gather", q, o // q * e, q * q))
+            bwd.append(Comm("reduce_scatter", q, o // q * e, q * q))
+        return fwd, bwd
+    t = tokens // (depth * q)
+    for passed in (fwd, bwd):  # the blocks gathered forward and again backward
+        passed.append(Comm("all_gather", q, t * i * e, q))  # over the grid row
+        passed.append(Comm("all_gather", q, o * i // q * e, q * q))  # over the grid column
+    bwd.append(Comm("reduce_scatter", q, t * i * e, q))
+    bwd.append(Comm("reduce_scatter", q, o * i // q * e, q * q))
+    bwd.append(Comm("all_reduce", depth, o * i // (q * q) * e, tp))
+    if bias:
+        bwd.append(Comm("all_reduce", depth * q, o // q * e, tp))
+    return fwd, bwd
+
+
+def _norm_comms(
+    c: GPTConfig, split: TPSplit, *, tokens: int, e: int, count: int
+) -> tuple[list[Comm], list[Comm]]:
+    """``count`` norms of a grid or the cube: their statistics (a mean, and LayerNorm's variance,
+    each way) over the hidden dim's sub-group, and backward their scales' (and shifts') grads
+    over the copies."""
+    q, tp = split.q, split.tp
+    per_norm = 2 if c.normalization == "LayerNorm" else 1
+    stats = count * per_norm
+    h = c.hidden_size // q * e
+    if split.mode == "3d":  # statistics over the residual layout's hidden (output) sub-axis;
+        m = tokens // (q * q) * e  # scale grads over its rows (input) and the weight sub-axis
+        fwd = [Comm("all_reduce", q, m, q**3, stats)]
+        bwd = [Comm("all_reduce", q, m, q**3, stats), Comm("all_reduce", q, h, q, stats)]
+        return fwd, bwd + [Comm("all_reduce", q, h, q * q, stats)]
+    t = tokens // (split.depth * q) * e
+    fwd = [Comm("all_reduce", q, t, q, stats)]
+    return fwd, [
+        Comm("all_reduce", q, t, q, stats),
+        Comm("all_reduce", split.depth * q, h, tp, stats),
+    ]
+
+
+def mode_pass_traffic(
+    c: GPTConfig,
+    split: TPSplit,
+    *,
+    micro_batch_size: int,
+    n_layers: int,
+    recomputed: int,
+    first: bool,
+    last: bool,
+    e: int,
+) -> tuple[list[Comm], list[Comm]]:
+    """(forward, backward) tensor-parallel collectives of one micro-batch through a stage of
+    ``n_layers`` under a grid or the cube (module docstring); ``recomputed``: the layers whose
+    forward full recompute repeats in backward."""
+    tokens = c.seq_length * micro_batch_size
+    fwd1, bwd1 = layer_comms(
+        c, mode=split.mode, tp=split.tp, depth=split.depth, micro_batch_size=micro_batch_size, e=e
+    )
+    fwd = [_times(x, n_layers) for x in fwd1]
+    bwd = [_times(x, n_layers) for x in bwd1] + [_times(x, recomputed) for x in fwd1]
+    q = split.q
+    t = tokens // split.batch_blocks
+    if first:  # the embedding: its lookups summed over the vocabulary blocks (a grid column's
+        h = c.hidden_size // q  # reduce-scatter; the cube's over its rows), the grad gathered
+        fwd.append(Comm("reduce_scatter", q, q * t * h * e, q * q))
+        bwd.append(Comm("all_gather", q, q * t * h * e, q * q))
+    if last:
+        vocab = split.vocab(c) * q
+        f, bk = linear_comms(
+            split, c.hidden_size, vocab, bias=False, tokens=tokens, e=e, residual_input=True
+        )
+        nf, nb = _norm_comms(c, split, tokens=tokens, e=e, count=1)  # the final norm
+        fwd += f + nf + [Comm("all_reduce", q, t * 4, q, 3)]  # the cross entropy's statistics
+        bwd += bk + nb
     return _kept(fwd), _kept(bwd)
 
 
-def _layer_comms_3d(c: GPTConfig, *, tp: int, tokens: int, e: int) -> tuple[list, list]:
-    """3d (p = q^3, ``layers3d.py``): per linear ``[M, I] -> [M, O]`` the input's rows and the
-    weight gathered over q forward (``M I / q^2``, ``O I / q^2``), the output reduce-scattered
-    (``M O / q^2``); backward the output grad and the weight gathered again, the input's and the
-    weight's grads reduce-scattered, a bias ``[O / q]`` gathered forward and its grad
-    reduce-scattered. A norm all-reduces its statistics ``[M / q^2]`` (one per mean) forward and
-    backward, and its scales' grads ``[h / q]`` over two sub-axes of q."""
-    q = round(tp ** (1 / 3))
-    m = tokens // (q * q)  # a rank's block of the tokens; its gathered rows hold q m
-    fwd: list[Comm] = []
-    bwd: list[Comm] = []
-    for i, o, bias in _linears(c):
-        fwd.append(Comm("all_gather", q, m * i * e, tp))
-        fwd.append(Comm("all_gather", q, o * i // (q * q) * e, tp))
-        fwd.append(Comm("reduce_scatter", q, m * o * e, tp))
-        bwd.append(Comm("all_gather", q, m * o * e, tp))
-        bwd.append(Comm("all_gather", q, o * i // (q * q) * e, tp))
-        bwd.append(Comm("reduce_scatter", q, m * i * e, tp))
-        bwd.append(Comm("reduce_scatter", q, o * i // (q * q) * e, tp))
-        if bias:
-            fwd.append(Comm("all_gather", q, o // q * e, tp))
-            bwd.append(Comm("reduce_scatter", q, o // q * e, tp))
-    per_norm = 2 if c.normalization == "LayerNorm" else 1  # means; scales (LayerNorm: + bias)
-    fwd.append(Comm("all_reduce", q, m * e, tp, 2 * per_norm))
-    bwd.append(Comm("all_reduce", q, m * e, tp, 2 * per_norm))
-    bwd.append(Comm("all_reduce", q, c.hidden_size // q * e, tp, 2 * 2 * per_norm))
-    return _kept(fwd), _kept(bwd)
+def _times(x: Comm, k: float) -> Comm:
+    return Comm(x.op, x.n, x.nbytes, x.span, x.count * k)
 
 
 def bytes_per_device(comms: list[Comm]) -> float:
@@ -124,26 +198,16 @@ def bytes_per_device(comms: list[Comm]) -> float:
     return sum(share[x.op] * (x.n - 1) / x.n * x.nbytes * x.count for x in comms)
 
 
-COLUMN_PARALLEL = (True, False, True, False)  # of _linears' qkv, proj, fc1, fc2 under 1d
-
-
 def layer_param_elements(c: GPTConfig, *, mode: str, tp: int, depth: int = 1) -> int:
-    """One transformer layer's parameter elements on one device. 1d over p ranks: the linears'
-    weights and the column-parallel biases split p ways, the row-parallel biases and the norms
-    whole. 2d / 2.5d: weights ``[O/q, I/q]`` (every depth holds the same blocks, so a device holds
-    ``1/q^2`` of them, ``d`` times 1d's share at the same p), biases and norms ``1/q``."""
-    h = c.hidden_size
-    norms = 2 * h * (2 if c.normalization == "LayerNorm" else 1)
-    linears = _linears(c)
-    if mode == "1d":  # qkv and fc1 are column-parallel, proj and fc2 row-parallel
-        biases = [o for _, o, bias in linears if bias]
-        column = sum(o for (_, o, bias), col in zip(linears, COLUMN_PARALLEL) if bias and col)
-        weights = sum(o * i for i, o, _ in linears) // tp
-        return weights + column // tp + (sum(biases) - column) + norms
-    if mode == "3d":  # weights [O/q^2, I/q], biases [O/q^2], norm scales [h/q]
-        q = round(tp ** (1 / 3))
-        weights = sum(o * i for i, o, _ in linears) // q**3
-        return weights + sum(o for _, o, bias in linears if bias) // (q * q) + norms // q
-    q = round((tp // depth) ** 0.5)
-    weights = sum(o * i for i, o, _ in linears) // (q * q)
-    return weights + sum(o for _, o, bias in linears if bias) // q + norms // q
+    """One transformer layer's parameter elements on one device (``tp_split.TPSplit``): 1d over
+    p ranks: the linears' weights and the column-parallel biases split p ways, the row-parallel
+    biases and the norms whole. 2d / 2.5d: weights ``[O/q, I/q]`` (every depth holds the same
+    blocks, so a device holds ``1/q^2`` of them, ``d`` times 1d's share at the same p), biases
+    and norms ``1/q``. 3d: weights ``[O/q^2, I/q]``, biases ``[O/q^2]``, norms ``[h/q]``."""
+    split = TPSplit(mode, tp, depth)
+    per_norm = 2 if c.normalization == "LayerNorm" else 1
+    total = 2 * per_norm * split.norm(c.hidden_size)
+    for (i, o, bias), column in zip(_linears(c), COLUMN_PARALLEL):
+        weight, bias_numel = split.linear(o, i, column=column)
+        total += weight + (bias_numel if bias else 0)
+    return total

@@ -37,28 +37,17 @@ the grad norm's scalar all-reduces.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from megalite.core.pipeline_parallel.actions import with_p2p
 from megalite.core.pipeline_parallel.generators import generate, layout_of
 from megalite.models.config import GPTConfig
 from megalite.models.moe_config import moe_layer_pattern
+from megalite.planning.comm import Comm
 from megalite.planning.model_state import ParamSpec, rank_params
 from megalite.planning.predict import Layout
+from megalite.planning.tp_modes import mode_pass_traffic
 from megalite.training.model_chunks import stage_blocks
-
-
-@dataclass(frozen=True)
-class Comm:
-    op: str
-    n: int
-    nbytes: float
-    span: int
-    count: float = 1.0
-    grad_reduction: bool = False  # a DP grad reduction: --overlap-grad-reduce hides it in backward
-    overlapped: bool = False  # posted before compute, waited after it: the transfer alone
-    synced: bool = False  # right after another on the same ranks: they arrive in step
-    prefetched: bool = False  # ZeRO-3's gather of the next unit, started before this one computes
 
 
 def _keep(comms: list[Comm]) -> list[Comm]:
@@ -68,8 +57,21 @@ def _keep(comms: list[Comm]) -> list[Comm]:
 def pass_traffic(
     c: GPTConfig, layout: Layout, *, n_layers: int, n_moe: int, first: bool, last: bool, e: int
 ) -> tuple[list[Comm], list[Comm]]:
-    """(forward, backward) of one micro-batch through one stage (module docstring)."""
+    """(forward, backward) of one micro-batch through one stage (module docstring); under a grid
+    or the cube, ``tp_modes.mode_pass_traffic``."""
     tp, cp, b, s, h = layout.tp, layout.cp, layout.micro_batch_size, c.seq_length, c.hidden_size
+    if layout.tp_mode != "1d":  # (context parallelism and MoE are refused there)
+        recomputed = recomputed_layers(c, n_layers)
+        return mode_pass_traffic(
+            c,
+            layout.split,
+            micro_batch_size=b,
+            n_layers=n_layers,
+            recomputed=recomputed,
+            first=first,
+            last=last,
+            e=e,
+        )
     tokens = s * b // cp
     act = tokens * h * e
     k = recomputed_layers(c, n_layers)
@@ -163,6 +165,8 @@ def step_traffic(
         vp=layout.vp,
         ep=layout.ep,
         etp=layout.etp,
+        tp_mode=layout.tp_mode,
+        tp_depth=layout.tp_depth,
     )
     dense = sum(p.numel for p in specs if not p.expert)
     expert = sum(p.numel for p in specs if p.expert)
@@ -178,7 +182,7 @@ def step_traffic(
             for p in specs:
                 if p.expert == is_expert:
                     units[p.unit] += p.numel
-            tied = _tied_unit(c, layout, specs, pp_rank) if not is_expert else None
+            tied = tied_embedding_unit(c, layout, specs, pp_rank) if not is_expert else None
             for unit, k in units.items():
                 gathers = 2 * m + (m if unit == tied else 0)  # forward, backward; a tied output
                 gather = _shard("all_gather", group, k * e, span, gathers, cpu=cpu)
@@ -190,8 +194,8 @@ def step_traffic(
     stages = layout_of(layout.schedule if pp > 1 else "1f1b", pp, layout.vp)
     first, last = stages.place(0)[0], stages.loss_rank()
     if first != last and pp_rank in (first, last) and not c.untie_embeddings_and_output_weights:
-        vocab = c.padded_vocab_size(tp) // tp  # the tied word embeddings' grads, fp32
-        out.append(Comm("all_reduce", 2, vocab * c.hidden_size * 4, tp * layout.dp * cp * pp))
+        table = layout.split.table(c)  # the tied word embeddings' grads, fp32
+        out.append(Comm("all_reduce", 2, table * 4, tp * layout.dp * cp * pp))
     if pp_rank == last != pp - 1:  # a V layout: the losses to the last rank, which reports them
         out.append(Comm("p2p", 2, m * 4, tp * layout.dp * cp * pp))
     if layout.sequence_parallel:  # replicated over TP (norms, row biases, positions): one bucket
@@ -201,7 +205,9 @@ def step_traffic(
     return _keep(out)
 
 
-def _tied_unit(c: GPTConfig, layout: Layout, specs: list[ParamSpec], pp_rank: int) -> int | None:
+def tied_embedding_unit(
+    c: GPTConfig, layout: Layout, specs: list[ParamSpec], pp_rank: int
+) -> int | None:
     """The ZeRO-3 unit of the word embeddings when this rank also runs the output layer with
     them (tied, first and last stage on one rank): gathered once more, for the output layer."""
     stages = layout_of(layout.schedule if layout.pp > 1 else "1f1b", layout.pp, layout.vp)
@@ -244,7 +250,7 @@ def rank_traffic(
         )
         sends = sum(a.op.startswith("SEND") for a in with_p2p(lists, stages)[pp_rank])
         tokens = c.seq_length * layout.micro_batch_size // layout.cp
-        act = tokens * c.hidden_size * e // (layout.tp if layout.sequence_parallel else 1)
+        act = tokens * c.hidden_size * e // layout.hidden_state_split
         out.append(Comm("p2p", 2, act, layout.world_size, sends))
     return out + step_traffic(c, layout, pp_rank=pp_rank, m=m, e=e, cpu=cpu)
 

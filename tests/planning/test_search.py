@@ -10,14 +10,14 @@ import pytest
 from megalite.core.pipeline_parallel import simulator
 from megalite.planning import search as search_mod
 from megalite.planning import step_time
-from megalite.planning.activations import schedule_lists
 from megalite.planning.cluster import preset
+from megalite.planning.explain import explain
 from megalite.planning.presets import MODEL_PRESETS
+from megalite.planning.schedule_replay import schedule_lists
 from megalite.planning.search import (
     SearchSpace,
     candidate_layouts,
     evaluate,
-    explain,
     lighter,
     search,
 )

@@ -8,7 +8,9 @@
   and a fixed ``layer_overhead_s`` per layer per pass;
 - the optimizer step's seconds per parameter;
 - each collective's latency and bus bandwidth between two busy local processes on CPU
-  (``calibrate_comm``: what a step meets); an all-reduce between two GPUs over NCCL.
+  (``calibrate_comm``: what a step meets); an all-reduce between two GPUs over NCCL;
+- the offload links: host <-> device copies and NVMe reads and writes of a file in the
+  calibration file's folder (``calibrate_offload``).
 
 Medians of several repetitions. The file format is in ``planning.cluster``. Every collective
 names its group: ``calibrate_comm.world_group()`` in the processes this module spawns, the
@@ -37,6 +39,7 @@ from megalite.training.config import with_tokenizer
 from megalite.training.forward_step import make_forward_step
 from megalite.training.pretrain import build_run
 from tools.planner.calibrate_comm import busy_collectives, world_group
+from tools.planner.calibrate_offload import offload_figures
 
 REFERENCE = (
     "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 128 "
@@ -287,8 +290,10 @@ def all_reduce_figures(backend: str, *, sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 2
     }
 
 
-def calibrate(*, device: torch.device | None = None, argv: list[str] = REFERENCE) -> dict:
-    """Every figure, as the calibration file holds them."""
+def calibrate(
+    *, device: torch.device | None = None, argv: list[str] = REFERENCE, directory: str = "."
+) -> dict:
+    """Every figure, as the calibration file holds them; the disk's measured in ``directory``."""
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
@@ -316,17 +321,19 @@ def calibrate(*, device: torch.device | None = None, argv: list[str] = REFERENCE
         data["collectives"] = {"all_reduce": all_reduce_figures("nccl")}
     else:
         data["collectives"] = {}  # one GPU: keep the cluster's link figures
+    data.update(offload_figures(directory, device=device))
     return data
 
 
 def calibrate_and_save(path: str, *, out) -> dict:
-    data = calibrate()
+    data = calibrate(directory=os.path.dirname(os.path.abspath(path)))
     save_calibration(path, data)
     print(
         f"calibrated {data['device']}: peak {data['peak_tflops']:.3g} TFLOP/s, efficiency "
         f"{data['efficiency']:.2f}, layer overhead {data['layer_overhead_s'] * 1e6:.0f} us, "
         f"all-reduce {data['collectives'].get('all_reduce', {}).get('gbps', float('nan')):.2f} "
-        f"GB/s -> {path}",
+        f"GB/s, host copies {data['host_gbps']:.1f} GB/s, disk read {data['disk_read_gbps']:.2f} "
+        f"/ write {data['disk_write_gbps']:.2f} GB/s -> {path}",
         file=out,
     )
     return data
