@@ -23,7 +23,8 @@ four: qkv, proj, fc1, fc2), one forward and backward of a layer costs per device
 - 3d (p = q^3), M = s b tokens: per linear ``(q - 1) / q^3 (2 M I_L + 2 M O_L + 3 O_L I_L)``
   (``cost3d.linear3d_bytes``), plus the norms' statistics and scale grads and the biases'
   gathers (``_layer_comms_3d``).
-All times the element size ``e``.
+All times the element size ``e``, except the sums of weight, bias and norm-scale grads and the
+norms' statistics, which run in fp32 (4 bytes) whatever the dtype.
 
 Links: each record's ``span`` is the consecutive global ranks its sub-group covers (a TP group is
 consecutive ranks, ``tp_rank = col + q (row + q depth)`` on a grid, ``input + q (weight + q
@@ -44,6 +45,10 @@ from megalite.planning.comm import Comm
 from megalite.planning.tp_split import TPSplit
 
 COLUMN_PARALLEL = (True, False, True, False)  # of _linears' qkv, proj, fc1, fc2 under 1d
+
+
+FP32 = 4  # bytes of the sums the grid and the cube run in fp32 whatever ``e``: weight, bias and
+# norm-scale grads (summed over ranks holding other samples) and the norms' statistics
 
 
 def _kept(comms: list[Comm]) -> list[Comm]:
@@ -104,6 +109,7 @@ def linear_comms(
     if split.mode == "3d":
         m = tokens // (q * q)  # a rank's block of the tokens; its gathered rows hold q m
         w = o * i // (q * q) * e
+        dw = o * i // (q * q) * FP32  # the weight grad's sum runs in fp32
         rows, hidden = (q, q**3) if residual_input else (q**3, q)  # input, output sub-axes
         fwd.append(Comm("all_gather", q, m * i * e, rows))
         fwd.append(Comm("all_gather", q, w, q * q))
@@ -111,20 +117,20 @@ def linear_comms(
         bwd.append(Comm("all_gather", q, m * o * e, hidden))
         bwd.append(Comm("all_gather", q, w, q * q))
         bwd.append(Comm("reduce_scatter", q, m * i * e, rows))
-        bwd.append(Comm("reduce_scatter", q, w, q * q))
+        bwd.append(Comm("reduce_scatter", q, dw, q * q))
         if bias:
             fwd.append(Comm("all_gather", q, o // q * e, q * q))
-            bwd.append(Comm("reduce_scatter", q, o // q * e, q * q))
+            bwd.append(Comm("reduce_scatter", q, o // q * FP32, q * q))
         return fwd, bwd
     t = tokens // (depth * q)
     for passed in (fwd, bwd):  # the blocks gathered forward and again backward
         passed.append(Comm("all_gather", q, t * i * e, q))  # over the grid row
         passed.append(Comm("all_gather", q, o * i // q * e, q * q))  # over the grid column
     bwd.append(Comm("reduce_scatter", q, t * i * e, q))
-    bwd.append(Comm("reduce_scatter", q, o * i // q * e, q * q))
-    bwd.append(Comm("all_reduce", depth, o * i // (q * q) * e, tp))
+    bwd.append(Comm("reduce_scatter", q, o * i // q * FP32, q * q))  # weight grads: in fp32
+    bwd.append(Comm("all_reduce", depth, o * i // (q * q) * FP32, tp))
     if bias:
-        bwd.append(Comm("all_reduce", depth * q, o // q * e, tp))
+        bwd.append(Comm("all_reduce", depth * q, o // q * FP32, tp))
     return fwd, bwd
 
 
@@ -137,13 +143,13 @@ def _norm_comms(
     q, tp = split.q, split.tp
     per_norm = 2 if c.normalization == "LayerNorm" else 1
     stats = count * per_norm
-    h = c.hidden_size // q * e
+    h = c.hidden_size // q * FP32  # statistics and scale grads are summed in fp32
     if split.mode == "3d":  # statistics over the residual layout's hidden (output) sub-axis;
-        m = tokens // (q * q) * e  # scale grads over its rows (input) and the weight sub-axis
+        m = tokens // (q * q) * FP32  # scale grads over its rows (input) and the weight sub-axis
         fwd = [Comm("all_reduce", q, m, q**3, stats)]
         bwd = [Comm("all_reduce", q, m, q**3, stats), Comm("all_reduce", q, h, q, stats)]
         return fwd, bwd + [Comm("all_reduce", q, h, q * q, stats)]
-    t = tokens // (split.depth * q) * e
+    t = tokens // (split.depth * q) * FP32
     fwd = [Comm("all_reduce", q, t, q, stats)]
     return fwd, [
         Comm("all_reduce", q, t, q, stats),

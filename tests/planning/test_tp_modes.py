@@ -54,12 +54,15 @@ def _config(family: str) -> GPTConfig:
     )
 
 
-def _layer_case(family: str, mode: str, tp: int, depth: int) -> Counter:
+def _layer_case(
+    family: str, mode: str, tp: int, depth: int, dtype: torch.dtype = torch.float32
+) -> Counter:
     c = _config(family)
     ps = mesh(tp, mode=mode, depth=depth)
-    layer = TransformerLayer(c, ps, layer_number=0, rng_tracker=None)
+    layer = TransformerLayer(c, ps, layer_number=0, rng_tracker=None).to(dtype)
     batch_split, hidden_split = tensor_parallel_mode(ps).activation_split
-    x = torch.randn(S, B // batch_split, c.hidden_size // hidden_split, requires_grad=True)
+    shape = (S, B // batch_split, c.hidden_size // hidden_split)
+    x = torch.randn(shape, dtype=dtype, requires_grad=True)
     with CommLog() as log:
         layer(x).sum().backward()
     return log.counts()
@@ -157,3 +160,15 @@ def test_layer_parameters_per_device_are_the_closed_form(family):
         expected = layer_param_elements(_config(family), mode=mode, tp=tp, depth=depth)
         got = run_distributed(_param_case, tp, family, mode, tp, depth)
         assert got == [expected] * tp, (mode, got, expected)
+
+
+@pytest.mark.parametrize("case", ["2d", "2.5d", "3d"])
+def test_bf16_layers_sum_their_grads_and_statistics_in_fp32(case):
+    """In bf16 the activations and weights travel in 2 bytes, the sums of weight, bias and
+    norm-scale grads and the norms' statistics in 4 (``tp_modes.FP32``)."""
+    mode, tp, depth = CASES[case]
+    fwd, bwd = layer_comms(_config("gpt2"), mode=mode, tp=tp, depth=depth, micro_batch_size=B, e=2)
+    expected = counts(fwd + bwd)
+    got = run_distributed(_layer_case, tp, "gpt2", mode, tp, depth, torch.bfloat16)
+    for rank, counted in enumerate(got):
+        assert counted == expected, (rank, counted, expected)
