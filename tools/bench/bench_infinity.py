@@ -9,8 +9,9 @@ files trains on one process with ZeRO-3, streamed through bounded host buffers (
 The set-up: world 1 (ZeRO-3 semantics on a DP group of one: every unit gathered from its shard
 before use and released after), GPT-2 family (learned positions, LayerNorm, GELU, tied
 embeddings), fp32, dropout 0, one micro-batch of ``--micro-batch`` x ``--seq`` tokens per step,
-AdamW with clipping at 1.0. The model is built on the meta device and each unit (the embedding, a
-layer, the final norm) is filled from a twin built alone on the CPU with the keyed initialisation
+AdamW with clipping at 1.0 (``--recompute``: full activation recomputation, layer by layer).
+The model is built on the meta device and each unit (the embedding, a layer, the final norm) is
+filled from a twin built alone on the CPU with the keyed initialisation
 (``megalite.core.distributed.deferred_init``), so the whole model never exists in memory. Params
 (``param/``, the optimizer's master file too), reduced grads (``.grad``, beside them) and Adam's
 two moments (``optim/``) are files under ``--dir`` (default: a new directory under /tmp), read and
@@ -78,6 +79,8 @@ def gpt_config(args) -> GPTConfig:
         hidden_dropout=0.0,
         attention_dropout=0.0,
         seed=args.seed,
+        recompute_granularity="full" if args.recompute else None,
+        recompute_method="uniform" if args.recompute else None,
     )
 
 
@@ -236,7 +239,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--dir", default=None, help="where the files go (default: under /tmp)")
-    parser.add_argument("--host-memory-mb", type=float, default=256.0)
+    parser.add_argument("--host-memory-mb", type=float, default=64.0)
+    parser.add_argument("--recompute", action="store_true", help="full recompute, 1 layer")
     parser.add_argument("--dd-mb", type=int, default=4096)
     parser.add_argument("--drop-cache", action="store_true")
     parser.add_argument("--check-rel", type=float, default=1e-5)
