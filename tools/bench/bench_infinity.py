@@ -213,16 +213,18 @@ def train(args, directory: str) -> dict:
             loss = model(tokens, None, labels).mean()
             loss.backward()
             model.finish_grad_sync()
+            backward = time.perf_counter() - t
             _, norm, _ = opt.step()
             seconds = time.perf_counter() - t
             after = proc_io()
             moved = {k: after[k] - io[k] for k in io}
             steps.append({"loss": loss.item(), "norm": float(norm), "s": seconds, **moved})
+            read, written = size(moved["rchar"]), size(moved["wchar"])
             print(
                 f"step {len(steps)}: loss {loss.item():.6f}  grad norm {float(norm):.4f}  "
-                f"{seconds:.1f} s  read {size(moved['rchar'])} ({size(moved['read_bytes'])} "
-                f"from disk)  written {size(moved['wchar'])} ({size(moved['write_bytes'])} to "
-                "disk)",
+                f"{seconds:.1f} s (forward + backward {backward:.1f}, optimizer "
+                f"{seconds - backward:.1f})  read {read} ({size(moved['read_bytes'])} from disk)  "
+                f"written {written} ({size(moved['write_bytes'])} to disk)",
                 flush=True,
             )
     finally:

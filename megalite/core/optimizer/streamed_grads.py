@@ -7,9 +7,11 @@ optimizer streams them in chunks of its NVMe store's size:
     g = grads.read(b, lo, hi)   # in the update pass: the DP mean, times the clip coefficient
 
 ``read`` gives exactly what the in-memory path computes (the shard divided by the DP size, then
-multiplied by the clip coefficient, element by element); the norm adds the chunks' squared norms,
-so it may differ from the in-memory one in the last bits when a piece spans several chunks. The
-files serve the whole state on disk, without a loss scaler (fp16) or a zero count.
+multiplied by the clip coefficient, element by element). The norm adds the chunks' squares in
+fp64, so it does not depend on the chunking; it differs from the in-memory one (torch's fp32
+``_foreach_norm`` per piece, which on CPU drifts by ~1e-5 relative over a million-element piece)
+by that one's rounding. The files serve the whole state on disk, without a loss scaler (fp16) or
+a zero count.
 """
 
 from __future__ import annotations
@@ -50,15 +52,15 @@ class StreamedGrads:
         """The 2-norm of the counted ``pieces``' grads over ``groups``; resets the clip
         coefficient (a new step)."""
         self.coefficient = None
-        local = torch.zeros((), dtype=torch.float32, device=device)
+        local = torch.zeros((), dtype=torch.float64)  # chunks summed in fp64: any chunking agrees
         for pc in pieces:
             if not pc.counted:
                 continue
             lo, hi = pc.shard_lo, pc.shard_lo + pc.hi - pc.lo
             for a in range(lo, hi, self.chunk):
                 g = self.read(pc.buffer, a, min(a + self.chunk, hi))
-                local += torch.linalg.vector_norm(g).to(device).square()
-        return all_reduce_over(local, groups).sqrt()
+                local += torch.linalg.vector_norm(g, dtype=torch.float64).square().cpu()
+        return all_reduce_over(local.float().to(device), groups).sqrt()
 
     def clip(self, norm: torch.Tensor, max_norm: float) -> None:
         """Later ``read``s multiply by the clip coefficient of ``norm``."""
