@@ -34,7 +34,7 @@ from megalite.models.common import weight_init
 from megalite.models.config import GPTConfig
 from megalite.models.embedding import Embedding
 from megalite.models.rotary import local_position_ids, rotary_cos_sin
-from megalite.models.transformer import TransformerBlock
+from megalite.models.transformer import TransformerBlock, TransformerLayer, hidden_norm
 
 WORD_EMBEDDING_KEY = "embedding.word_embeddings.weight"
 
@@ -111,6 +111,25 @@ class GPTModel(nn.Module):
         if borrowed:
             layer.weight = None  # forward receives the embedding's weight
         return layer
+
+    def build_twin(self, unit: nn.Module, ps: ParallelState) -> nn.Module:
+        """``unit`` (this stage's embedding, one of its layers, its final norm or its output
+        layer) built again on the CPU, alone: the values a normal build gives it (the same keyed
+        initialisation). For a stage built on the meta device and filled one unit at a time
+        (ZeRO-3's ``unit_init``, ``core.distributed.deferred_init``)."""
+        c, cpu = self.config, torch.device("cpu")
+        if unit is self.embedding:
+            return Embedding(c, ps, rng_tracker=None, device=cpu)
+        if unit is self.output_layer:
+            return self._build_output_layer(ps, cpu)
+        if unit is self.decoder.final_layernorm:
+            return hidden_norm(c, ps, cpu)
+        for layer in self.decoder.layers:
+            if unit is layer:
+                return TransformerLayer(
+                    c, ps, layer_number=layer.layer_number, rng_tracker=None, device=cpu
+                )
+        raise ValueError(f"{type(unit).__name__} is no unit of this GPT stage")
 
     def borrow_embedding(self, owner: GPTModel) -> None:
         """Tie this last stage's output layer to ``owner``'s word embedding on the same rank (two

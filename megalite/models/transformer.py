@@ -43,7 +43,7 @@ from megalite.models.config import GPTConfig
 from megalite.models.moe_layer import build_mlp  # MoE or dense, per layer
 
 
-def _norm(config: GPTConfig, ps: ParallelState, device: torch.device | None) -> nn.Module:
+def hidden_norm(config: GPTConfig, ps: ParallelState, device: torch.device | None) -> nn.Module:
     """The hidden-state norm of the tensor-parallel mode (a grid's splits the hidden dim)."""
     return tensor_parallel_mode(ps).norm(
         config.normalization,
@@ -74,11 +74,11 @@ class TransformerLayer(nn.Module):
         self.layer_number = layer_number
         self.sequence_parallel = config.sequence_parallel
         self.rng_tracker = rng_tracker
-        self.input_layernorm = _norm(config, ps, device)
+        self.input_layernorm = hidden_norm(config, ps, device)
         self.self_attention = SelfAttention(
             config, ps, layer_number=layer_number, rng_tracker=rng_tracker, device=device
         )
-        self.pre_mlp_layernorm = _norm(config, ps, device)
+        self.pre_mlp_layernorm = hidden_norm(config, ps, device)
         self.mlp = build_mlp(config, ps, layer_number=layer_number, device=device)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
 
@@ -127,7 +127,7 @@ class TransformerBlock(nn.Module):
             )
             for number in range(start, end)
         )
-        self.final_layernorm = _norm(config, ps, device) if post_process else None
+        self.final_layernorm = hidden_norm(config, ps, device) if post_process else None
         self.offload_num_layers = config.cpu_offloading_num_layers if config.cpu_offloading else 0
         if self.offload_num_layers > len(self.layers):
             n = len(self.layers)

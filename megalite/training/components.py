@@ -7,9 +7,12 @@ single-process oracle next to the sharded run.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from megalite.core.distributed import DistributedDataParallel, ParamOffloadSpec, wrapper_class
+from megalite.core.distributed.deferred_init import is_released, release_params
 from megalite.core.optimizer import (
     ConstantLossScaler,
     DynamicLossScaler,
@@ -58,16 +61,28 @@ def build_model(
     rng_tracker: RNGStatesTracker | None,
 ) -> GPTModel | ModelChunks:
     """This rank's pipeline stage of the GPT model (the whole model when PP = 1); with several
-    chunks per rank (virtual stages, V schedules) a ``ModelChunks`` of them."""
+    chunks per rank (virtual stages, V schedules) a ``ModelChunks`` of them. ZeRO-3 with its
+    param shards offloaded and one chunk: built on the meta device, its parameters without bytes
+    (``deferred_init``), filled one unit at a time as ZeRO-3 writes the shards."""
+    deferred = builds_deferred(cfg)
     chunks = build_gpt_chunks(
         cfg.model,
         ps,
         schedule=effective_schedule(cfg),
         num_chunks=num_model_chunks(cfg),
         rng_tracker=rng_tracker,
-        device=device,
+        device=torch.device("meta") if deferred else device,
     )
+    if deferred:
+        release_params(chunks[0], device)
     return chunks[0] if len(chunks) == 1 else ModelChunks(chunks)
+
+
+def builds_deferred(cfg: PretrainConfig) -> bool:
+    """Whether ``build_model`` leaves the values to ZeRO-3 (param offload, one model chunk)."""
+    par = cfg.parallel
+    zero3 = par.sharding_strategy() == "optim_grads_params"
+    return zero3 and par.param_offload and num_model_chunks(cfg) == 1
 
 
 def tied_embedding_params(model: GPTModel, ps: ParallelState) -> tuple[list, list]:
@@ -134,12 +149,15 @@ def wrap_and_build_optimizer(
     unit_extras=None,
     param_offload: ParamOffloadSpec | None = None,
     grad_offload: bool = False,
+    grad_files: bool = False,
     **optimizer_options,
 ) -> tuple[DistributedDataParallel, MixedPrecisionOptimizer]:
     """The data-parallel wrapper of ``module`` for the rung ``strategy`` (``no_shard``: DDP,
     ``optim``: ZeRO-1, ``optim_grads``: ZeRO-2, ``optim_grads_params``: ZeRO-3 gathering
     ``units`` / ``unit_extras``, default: ``gpt_units`` for a GPTModel, its shards where
-    ``param_offload`` says, its grad shards on the host with ``grad_offload``) and its optimizer
+    ``param_offload`` says, its grad shards on the host with ``grad_offload``, in files beside the
+    param files with ``grad_files``; a GPTModel whose parameters have no bytes, from
+    ``build_model``'s meta build, is filled from ``build_twin`` unit by unit) and its optimizer
     (``build_optimizer``'s keywords in ``optimizer_options``). Dense parameters are reduced over
     ``ps.group("dp", "cp")``, expert ones (``expert_parallel``) over ``ps.group("edp")``; the grad
     norm over ``ps.mp_group`` and ``ps.group("etp", "ep", "pp")``."""
@@ -153,11 +171,16 @@ def wrap_and_build_optimizer(
     if strategy == "optim_grads_params":
         if units is None and isinstance(module, GPTModel):
             units, unit_extras = gpt_units(module)
+        unit_init = None
+        if isinstance(module, GPTModel) and any(is_released(p) for p in module.parameters()):
+            unit_init = partial(module.build_twin, ps=ps)
         wrapper_options.update(
             units=units,
             unit_extras=unit_extras,
             param_offload=param_offload,
             grad_offload=grad_offload,
+            grad_files=grad_files,
+            unit_init=unit_init,
         )
     model = wrapper_class(strategy)(
         module,

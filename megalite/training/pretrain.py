@@ -26,7 +26,9 @@ import torch
 import torch.distributed as dist
 
 from megalite.checkpoint import CheckpointError
+from megalite.core.distributed import Zero3DataParallel
 from megalite.core.groups import group_size
+from megalite.core.optimizer import ShardedOptimizer
 from megalite.core.optimizer.memory_report import log_memory_after_step, log_model_state_memory
 from megalite.core.parallel_state import ParallelState, initialize_model_parallel
 from megalite.core.tensor_parallel.random import model_parallel_seed
@@ -43,7 +45,7 @@ from megalite.training.launch import (
     select_device,
 )
 from megalite.training.logging import configure_logging
-from megalite.training.model_chunks import grad_wrappers
+from megalite.training.model_chunks import ModelChunk, grad_wrappers
 from megalite.training.signals import ExitSignalHandler, parse_signal
 from megalite.training.startup_checks import check_startup
 from megalite.training.trainer import FirstStepHook, Trainer, TrainingError, TrainResult
@@ -160,6 +162,17 @@ def build_run(
     chunks = len(trainer.model)  # every chunk of a rank reads the same micro-batches
     train, valid, test = ([it] * chunks if it is not None else None for it in iters)
     return Run(trainer, train, valid, test)
+
+
+def remove_offload_files(model: list[ModelChunk], optimizer) -> None:
+    """The end of a run: delete the offload files it created (the optimizer's state files, then
+    ZeRO-3's param and grad files, with the directories they made when left empty). Checkpoints
+    are elsewhere and stay."""
+    if isinstance(optimizer, ShardedOptimizer):
+        optimizer.remove_offload_files()
+    for wrapper in grad_wrappers(model):
+        if isinstance(wrapper, Zero3DataParallel):
+            wrapper.remove_offload_files()
 
 
 def _exit_signal_handler(cfg: PretrainConfig) -> ExitSignalHandler | None:
@@ -292,6 +305,7 @@ def _pretrain(
             trainer.tensorboard.close()
             if trainer.stragglers is not None:
                 trainer.stragglers.close()
+            remove_offload_files(trainer.model, trainer.optimizer)
         ps.destroy()
         if owns_world and dist.is_initialized():
             dist.destroy_process_group()

@@ -22,6 +22,7 @@ BENCH = ROOT / "tools" / "bench"
 LIBRARIES = {"bench_data_common.py", "bench_pipeline_all.py"}  # imported by the scripts
 EXTRA = {  # flags beside --tiny: a private folder, the CPU path of a CUDA benchmark
     "bench_checkpoint.py": lambda tmp: ["--dir", str(tmp / "ckpt")],
+    "bench_infinity.py": lambda tmp: ["--dir", str(tmp / "offload")],
     "bench_mfu.py": lambda tmp: ["--device", "cpu"],
 }
 SLOW = {  # more than ~20 s of CPU on 2 cores: run by the whole suite, skipped by -m "not slow"

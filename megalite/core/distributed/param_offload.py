@@ -2,14 +2,18 @@
 
     spec = ParamOffloadSpec(directory=None)              # host memory (pinned on CUDA)
     spec = ParamOffloadSpec(directory="/nvme", host_bytes=64 << 20)   # files, streamed
-    store = ParamStore(spec, device=torch.device("cuda"))
-    shard = store.adopt("b0", flat_shard)   # a host tensor, or a ParamFile (the shard is freed)
+    store = ParamStore(spec, device=torch.device("cuda"), prefix="rank0_zero3")
+    shard = store.create("b0", numel, dtype) # zeros: a host tensor, or a ParamFile
+    store.write(shard, lo, values)           # values -> shard[lo : ...]
     store.read_into(shard, lo, out)          # shard[lo : lo + out.numel()] -> out (the device)
     future = store.prefetch(shard, lo, out)  # the same, on the background reader thread
-    store.write(shard, lo, values)           # values -> shard[lo : ...]
+    grads = store.create("b0", numel, torch.float32, suffix="grad")   # ZeRO-3's grad files
+    store.add(grads, lo, values)             # grads[lo : ...] += values
+    store.remove_files()                     # at the end of a run: the files it created
 
 A ``ParamFile`` holds one flat shard of ``numel`` elements of the param dtype in one file
-(``<directory>/<prefix>.param``). Reads and writes go through host staging buffers of at most
+(``<directory>/<prefix>_<name>.param``; the reduced grad shards ZeRO-3 keeps in files beside
+them: ``.grad``). Reads and writes go through host staging buffers of at most
 ``host_bytes`` in all (a read buffer for the reader thread, a write buffer for the caller: each
 half the bound, or the largest shard's bytes if that is less), chunk by chunk, with ``readinto`` /
 ``write`` (no mmap, so file pages stay in the page cache, not in the process). On CUDA the staging
@@ -48,7 +52,7 @@ class ParamFile:
         self.store, self.path, self.numel, self.dtype = store, path, numel, dtype
         self.device = store.device
         with open(path, "wb") as f:
-            f.truncate(numel * dtype.itemsize)
+            f.truncate(numel * dtype.itemsize)  # zeros (sparse until written)
 
     def read(self, lo: int, hi: int) -> torch.Tensor:
         """Elements ``[lo, hi)`` as a new tensor on the device."""
@@ -71,34 +75,38 @@ class ParamStore:
         self.spec, self.device, self.prefix = spec, device, prefix
         self.place = "device" if spec is None else spec.place
         self.pinned = device.type == "cuda" and spec is not None
-        self.files: list[ParamFile] = []
+        self.files: list[ParamFile] = []  # the param shards' files
+        self.grad_files: list[ParamFile] = []  # ZeRO-3's grad shards in files (``suffix="grad"``)
         self.host: list[torch.Tensor] = []
         # files: "read" / "write" staging, each half the bound (or the largest shard, if smaller)
         self._staging: dict[str, torch.Tensor] = {}
         self._reader: ThreadPoolExecutor | None = None
         self._in_flight: list[Future] = []
+        self._made_directory = False  # remove_files removes it too (when empty)
         if self.place == "disk":
+            self._made_directory = not os.path.isdir(spec.directory)
             os.makedirs(spec.directory, exist_ok=True)
             if not os.access(spec.directory, os.W_OK):
                 raise ValueError(f"param offload directory {spec.directory} is not writable")
 
-    def adopt(self, name: str, shard: torch.Tensor) -> torch.Tensor | ParamFile:
-        """Move ``shard`` (flat, on the device) to its home; returns what holds it now."""
+    def create(
+        self, name: str, numel: int, dtype: torch.dtype, *, suffix: str = "param"
+    ) -> torch.Tensor | ParamFile:
+        """A flat shard of ``numel`` zeros at its home: a device tensor, a host tensor, or a
+        ``ParamFile`` (``suffix`` "grad": a grad shard's file, in ``grad_files``)."""
         if self.place == "device":
-            return shard
+            return torch.zeros(numel, dtype=dtype, device=self.device)
         if self.place == "host":
-            host = torch.empty(shard.numel(), dtype=shard.dtype, pin_memory=self.pinned)
-            host.copy_(shard)
+            host = torch.zeros(numel, dtype=dtype, pin_memory=self.pinned)
             self.host.append(host)
             return host
-        need = min(self.spec.host_bytes // 2, shard.numel() * shard.element_size())
+        need = min(self.spec.host_bytes // 2, numel * dtype.itemsize)
         for role in ("read", "write"):  # each: half the bound, or the largest shard if smaller
             if role not in self._staging or self._staging[role].numel() < need:
                 self._staging[role] = torch.empty(need, dtype=torch.uint8, pin_memory=self.pinned)
-        path = os.path.join(self.spec.directory, f"{self.prefix}_{name}.param")
-        file = ParamFile(self, path, shard.numel(), shard.dtype)
-        self.files.append(file)
-        self.write(file, 0, shard)
+        path = os.path.join(self.spec.directory, f"{self.prefix}_{name}.{suffix}")
+        file = ParamFile(self, path, numel, dtype)
+        (self.grad_files if suffix == "grad" else self.files).append(file)
         return file
 
     # --- streaming --------------------------------------------------------------------------------
@@ -164,6 +172,20 @@ class ParamStore:
                 f.seek((lo + a) * shard.dtype.itemsize)
                 f.write(_bytes(buf[:n]))
 
+    def add(self, shard: ParamFile, lo: int, values: torch.Tensor) -> None:
+        """``shard[lo : lo + values.numel()] += values`` (read, add, write back, chunk by chunk
+        through the write buffer; the reader thread's reads of param files go on meanwhile)."""
+        buf = self._buffer("write", shard.dtype)
+        values = values.reshape(-1)
+        with open(shard.path, "r+b") as f:
+            for a in range(0, values.numel(), buf.numel()):
+                n = min(buf.numel(), values.numel() - a)
+                f.seek((lo + a) * shard.dtype.itemsize)
+                f.readinto(_bytes(buf[:n]))
+                buf[:n].add_(values[a : a + n])
+                f.seek((lo + a) * shard.dtype.itemsize)
+                f.write(_bytes(buf[:n]))
+
     def read(self, shard: torch.Tensor | ParamFile, lo: int, hi: int) -> torch.Tensor:
         """``shard[lo:hi]`` as a new tensor on the device."""
         out = torch.empty(hi - lo, dtype=shard.dtype, device=self.device)
@@ -182,13 +204,29 @@ class ParamStore:
 
     @property
     def disk_bytes(self) -> int:
+        """Bytes of the param files (the grad files: ``grad_disk_bytes``)."""
         return sum(os.path.getsize(f.path) for f in self.files)
+
+    @property
+    def grad_disk_bytes(self) -> int:
+        return sum(os.path.getsize(f.path) for f in self.grad_files)
 
     def close(self) -> None:
         if self._reader is not None:
             self.drain()
             self._reader.shutdown()
             self._reader = None
+
+    def remove_files(self) -> None:
+        """The end of a run: stop the reader, delete the files this store created (and its
+        directory, when the store made it and nothing else is left there)."""
+        self.close()
+        for file in [*self.files, *self.grad_files]:
+            if os.path.exists(file.path):
+                os.remove(file.path)
+        self.files, self.grad_files = [], []
+        if self._made_directory and not os.listdir(self.spec.directory):
+            os.rmdir(self.spec.directory)
 
 
 def _bytes(t: torch.Tensor) -> memoryview:

@@ -12,7 +12,8 @@ buckets concatenated, ``numel / dp_size`` elements::
 arrives; ``unstage(bucket)`` drops it once its reduce-scatter has been added into ``data``. So
 grad bytes per rank are ``numel/d`` plus the buckets in flight. ``view(lo, hi)`` keeps
 ``GradBuffer``'s buffer coordinates: it serves any range inside this rank's shard of one bucket
-(the optimizer and the SP-grad sum read grads only there).
+(the optimizer and the SP-grad sum read grads only there). ZeRO-3 may keep ``data`` on the host,
+or in a file (``home``).
 """
 
 from __future__ import annotations
@@ -24,10 +25,14 @@ import torch
 from megalite.core.distributed.grad_buffer import Bucket, GradBuffer, GradBufferLayout
 from megalite.core.groups import group_rank, group_size
 
+HOMES = ("device", "host", "file")  # where ``data`` lives (ZeRO-3's grad offload: host or file)
+
 
 class ShardedGradBuffer(GradBuffer):
     """A ``GradBuffer`` that stores only this rank's shard (module docstring). Arguments as
-    ``GradBuffer`` plus ``groups`` (explicit buckets, see ``GradBufferLayout``)."""
+    ``GradBuffer`` plus ``groups`` (explicit buckets, see ``GradBufferLayout``) and ``home``: the
+    shard on the device, on the host (pinned under CUDA) or in a file its owner writes (``data``
+    then holds no element; staging stays on ``device``)."""
 
     def __init__(
         self,
@@ -40,6 +45,7 @@ class ShardedGradBuffer(GradBuffer):
         dp_group=None,
         expert: bool = False,
         groups=None,
+        home: str = "device",
     ):
         self.dp_group, self.expert = dp_group, expert
         self.dp_size, self.dp_rank = group_size(dp_group), group_rank(dp_group)
@@ -52,9 +58,17 @@ class ShardedGradBuffer(GradBuffer):
         self.grad_dtype, self.params, self.device = grad_dtype, list(params), device
         self.segments = self.layout.shard_segments(self.dp_size, self.dp_rank)
         self._starts = [lo for lo, _, _ in self.segments]
-        self.data = torch.zeros(
-            sum(hi - lo for lo, hi, _ in self.segments), dtype=grad_dtype, device=device
-        )
+        self.shard_numel = sum(hi - lo for lo, hi, _ in self.segments)
+        if home not in HOMES:
+            raise ValueError(f"grad shard home must be one of {HOMES}, got {home!r}")
+        self.home = home
+        if home == "file":  # the owner keeps the shard in a file: no bytes here
+            self.data = torch.zeros(0, dtype=grad_dtype, device=device)
+        elif home == "host":
+            pin = torch.device(device or "cpu").type == "cuda"
+            self.data = torch.zeros(self.shard_numel, dtype=grad_dtype, pin_memory=pin)
+        else:
+            self.data = torch.zeros(self.shard_numel, dtype=grad_dtype, device=device)
         self.param_ranges = {p: self.layout.param_ranges[i] for i, p in enumerate(self.params)}
         self.buckets = [
             Bucket(b.index, [self.params[i] for i in b.params], None, b.offset, dp_group)

@@ -54,6 +54,7 @@ class Zero2DataParallel(Zero1DataParallel):
     zero_stage = 2  # the rung of the ladder (memory report)
 
     bucket_groups = None  # ZeRO-3 sets explicit buckets (its gather units)
+    grad_home = "device"  # where the grad shards live (ZeRO-3's grad offload: host or file)
 
     def __init__(self, module: nn.Module, **kwargs):
         self._staged_peak = 0
@@ -63,7 +64,7 @@ class Zero2DataParallel(Zero1DataParallel):
 
     def _make_buffer(self, params: list[nn.Parameter], **kwargs) -> ShardedGradBuffer:
         groups = None if self.bucket_groups is None else self.bucket_groups(params)
-        return ShardedGradBuffer(params, groups=groups, **kwargs)
+        return ShardedGradBuffer(params, groups=groups, home=self.grad_home, **kwargs)
 
     # --- accumulation -----------------------------------------------------------------------------
 

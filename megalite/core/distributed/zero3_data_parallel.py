@@ -35,6 +35,15 @@ times that, as the model is re-gathered per micro-batch.
 Outside forward/backward the params are released: read or write them inside
 ``gathered_params()`` (state dicts, checkpoint save/load, tests), which gathers every unit and on
 exit copies this rank's part back into the shards.
+
+Construction streams: each unit's bucket is filled, its part written to the shard's home and the
+bucket released before the next, so a module whose parameters were built without bytes
+(``deferred_init.release_params``, from the meta device) is filled by ``unit_init``'s twins one
+unit at a time and never exists whole on the host.
+
+Grad offload (``grad_offload``): the reduced grad shards on the host, or with ``grad_files`` (the
+param shards in files) in files beside them (``grad_files.GradFiles``), which the optimizer reads
+back in chunks.
 """
 
 from __future__ import annotations
@@ -48,10 +57,13 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.core.distributed.data_parallel import BucketKey
+from megalite.core.distributed.deferred_init import UnitInit, UnitValues, is_released
 from megalite.core.distributed.grad_buffer import Bucket, GradBuffer
+from megalite.core.distributed.grad_files import GradFiles
 from megalite.core.distributed.param_offload import ParamFile, ParamOffloadSpec, ParamStore
 from megalite.core.distributed.shard_collectives import all_gather_shard
 from megalite.core.distributed.zero2_data_parallel import Zero2DataParallel
+from megalite.core.groups import group_size
 
 
 def default_units(module: nn.Module) -> list[nn.Module]:
@@ -74,8 +86,9 @@ class Zero3DataParallel(Zero2DataParallel):
     """ZeRO-3 (module docstring). Arguments as ``Zero1DataParallel`` (``overlap_param_gather`` is
     refused: ZeRO-3 always gathers per unit before use), plus ``units`` (forward order; default
     ``default_units``), ``unit_extras`` ({unit: params it reads but does not own}),
-    ``prefetch``, ``param_offload`` (the param shards on the host or in files) and
-    ``grad_offload`` (the reduced grad shards on the host)."""
+    ``prefetch``, ``param_offload`` (the param shards on the host or in files),
+    ``grad_offload`` (the reduced grad shards on the host; with ``grad_files`` in files beside the
+    param files) and ``unit_init`` (each unit's values from a twin: module docstring)."""
 
     zero_stage = 3  # the rung of the ladder (memory report)
 
@@ -89,6 +102,8 @@ class Zero3DataParallel(Zero2DataParallel):
         overlap_param_gather: bool = False,
         param_offload: ParamOffloadSpec | None = None,
         grad_offload: bool = False,
+        grad_files: bool = False,
+        unit_init: UnitInit | None = None,
         **kwargs,
     ):
         if overlap_param_gather:
@@ -109,16 +124,16 @@ class Zero3DataParallel(Zero2DataParallel):
             self._unit_of.setdefault(p, self._rest_unit)
         self.bucket_groups = self._groups_by_unit
         self.param_offload, self.grad_offload = param_offload, grad_offload
+        self.grad_home = "file" if grad_files else "host" if grad_offload else "device"
+        self._unit_values = None if unit_init is None else UnitValues(self.units, unit_init)
         super().__init__(module, **kwargs)
-        self.host_grads: list[torch.Tensor] = []  # grad_offload: the grad shards' host homes
-        if grad_offload:
-            for buffer in self.grad_buffers:
-                buffer.data = torch.zeros(
-                    buffer.data.numel(),
-                    dtype=buffer.data.dtype,
-                    pin_memory=buffer.data.device.type == "cuda",
-                )
-                self.host_grads.append(buffer.data)
+        self.host_grads = [b.data for b in self.grad_buffers if b.home == "host"]
+        self.grad_files: GradFiles | None = None  # the grad shards in files (module docstring)
+        if grad_files:
+            sp_over_tp = bool(self._sp_params) and group_size(self.tp_group) > 1
+            self.grad_files = GradFiles(
+                self.param_store, self.grad_buffers, dp_size=self.dp_size, sp_over_tp=sp_over_tp
+            )
         self._unit_keys: list[list[BucketKey]] = [[] for _ in range(len(self.units) + 1)]
         for key, bucket in self._buckets.items():
             self._unit_keys[self._unit_of[bucket.params[0]]].append(key)
@@ -128,7 +143,7 @@ class Zero3DataParallel(Zero2DataParallel):
             self._unit_keys[i] += sorted(
                 {self._bucket_key[p] for p in extra} - {*self._unit_keys[i]}
             )
-        self._resident = set(self._full)
+        self._resident = {k for k, t in self._full.items() if t.untyped_storage().nbytes()}
         self._gather_works: dict[BucketKey, list] = {}
         self._reading: dict[BucketKey, object] = {}  # file reads in flight (storage allocated)
         self._param_peak, self._gathered_depth = 0, 0
@@ -148,8 +163,9 @@ class Zero3DataParallel(Zero2DataParallel):
     # --- storage ----------------------------------------------------------------------------------
 
     def _init_param_storage(self) -> None:
-        """Per buffer: the flat shard (moved to ``param_store``'s home); per bucket: a full tensor
-        the params view (then released)."""
+        """Per buffer: the flat shard at ``param_store``'s home; per bucket, one at a time: a full
+        tensor the params view, filled from the params (or ``unit_init``'s twins), this rank's
+        part written to the shard, then released (the persistent bucket stays)."""
         device = next(iter(self.buffers_by_key.values())).data.device
         rank = dist.get_rank() if dist.is_initialized() else 0
         prefix = f"rank{rank}_zero3_{os.getpid()}_{id(self):x}"
@@ -157,18 +173,32 @@ class Zero3DataParallel(Zero2DataParallel):
         self.param_shards = {}
         self._full: dict[BucketKey, torch.Tensor] = {}
         for b, (key, buffer) in enumerate(self.buffers_by_key.items()):
-            shard = torch.zeros(buffer.data.numel(), dtype=key[0], device=buffer.data.device)
+            shard = self.param_store.create(f"b{b}", buffer.shard_numel, key[0])
             for bucket in buffer.buckets:
                 numel = buffer.layout.buckets[bucket.index].numel
-                full = torch.zeros(numel, dtype=key[0], device=buffer.data.device)
-                for p in bucket.params:
-                    lo, hi, _ = buffer.param_ranges[p]
-                    full[lo - bucket.offset : hi - bucket.offset].copy_(p.detach().reshape(-1))
-                    p.data = full[lo - bucket.offset : hi - bucket.offset].view(p.shape)
+                full = torch.zeros(numel, dtype=key[0], device=device)
+                with torch.no_grad():
+                    for p in bucket.params:
+                        lo, hi, _ = buffer.param_ranges[p]
+                        view = full[lo - bucket.offset : hi - bucket.offset]
+                        view.copy_(self._initial_value(p).reshape(-1))
+                        p.data = view.view(p.shape)
                 lo, hi, s = buffer.segments[bucket.index]
-                shard[s : s + hi - lo].copy_(full[lo - bucket.offset : hi - bucket.offset])
+                self.param_store.write(shard, s, full[lo - bucket.offset : hi - bucket.offset])
                 self._full[b, bucket.index] = full
-            self.param_shards[key] = self.param_store.adopt(f"b{b}", shard)
+                if self._unit_of[bucket.params[0]] != self._rest_unit:
+                    full.untyped_storage().resize_(0)  # released: gathered at its first use
+            self.param_shards[key] = shard
+        if self._unit_values is not None:
+            self._unit_values.drop()
+
+    def _initial_value(self, p: nn.Parameter) -> torch.Tensor:
+        """``p``'s value: its own, or (``unit_init``) its unit's twin's."""
+        if self._unit_values is None and not is_released(p):
+            return p.detach()
+        if self._unit_values is None or self._unit_of[p] == self._rest_unit:
+            raise ValueError(f"parameter {self._names[p]} has no bytes and no unit_init twin")
+        return self._unit_values.value(self._unit_of[p], p)
 
     def param_shard_of(self, buffer: GradBuffer) -> torch.Tensor | ParamFile:
         key = next(k for k, v in self.buffers_by_key.items() if v is buffer)
@@ -302,16 +332,28 @@ class Zero3DataParallel(Zero2DataParallel):
         self._release(key)  # every param of the bucket has its grad: no backward op reads it
 
     def _add_shard(self, bucket: Bucket) -> None:
-        """As ZeRO-2; with ``grad_offload`` the reduced shard is copied to its host home."""
+        """As ZeRO-2; with ``grad_offload`` the reduced shard is copied to its host home, with
+        ``grad_files`` written (the step's first part) or added to its file."""
         buffer = self.buffer_of(bucket.params[0])
         staged, shard = buffer.shard_of_bucket(bucket)
-        shard.add_(staged.to(shard.device))
+        if self.grad_files is not None:
+            key = self._bucket_key[bucket.params[0]]
+            self.grad_files.put(key[0], key[1], staged)
+        else:
+            shard.add_(staged.to(shard.device))
         buffer.unstage(bucket)
+
+    def zero_grad_buffer(self) -> None:
+        super().zero_grad_buffer()
+        if self.grad_files is not None:
+            self.grad_files.new_step()
 
     # --- the step and whole-parameter access ------------------------------------------------------
 
     def finish_grad_sync(self) -> None:
         super().finish_grad_sync()
+        if self.grad_files is not None:
+            self.grad_files.fill_unwritten()
         for key in [*self._resident, *self._reading]:
             self._release(key)
 
@@ -354,6 +396,10 @@ class Zero3DataParallel(Zero2DataParallel):
                     self.param_store.write(shard, s, mine)
             for key in keys:
                 self._release(key)
+
+    def remove_offload_files(self) -> None:
+        """The end of a run: delete the param and grad files this wrapper created."""
+        self.param_store.remove_files()
 
     def state_dict(self, *args, **kwargs):
         """The module's state dict, gathered (copies: the params are released on return)."""

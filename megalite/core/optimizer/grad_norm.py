@@ -100,5 +100,9 @@ def clip_grads_by_norm(
     """Multiply ``grads`` in place by ``min(1, max_norm / (total_norm + 1e-6))``."""
     if not grads:
         return
-    coeff = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-    torch._foreach_mul_(grads, coeff.to(grads[0].device))
+    torch._foreach_mul_(grads, clip_coefficient(total_norm, max_norm).to(grads[0].device))
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``min(1, max_norm / (total_norm + 1e-6))``, a 0-d tensor (no host sync)."""
+    return (max_norm / (total_norm + 1e-6)).clamp(max=1.0)

@@ -54,7 +54,8 @@ MIB = 2**20
 class ModelStateBytes:
     """Bytes on one rank; ``theory`` is the device formula of the module docstring, ``theory_off``
     the offloaded state's (host or disk). ``host`` / ``disk``: the optimizer state's;
-    ``params_host`` / ``params_disk`` / ``grads_host``: ZeRO-3's offloaded shards."""
+    ``params_host`` / ``params_disk`` / ``grads_host`` / ``grads_disk``: ZeRO-3's offloaded
+    shards."""
 
     params: int
     grads: int
@@ -70,6 +71,7 @@ class ModelStateBytes:
     params_host: int = 0
     params_disk: int = 0
     grads_host: int = 0
+    grads_disk: int = 0
 
     @property
     def total(self) -> int:
@@ -95,6 +97,8 @@ def model_state_bytes(
     params = [p for p in model.parameters() if p.requires_grad]
     store = model.param_store if isinstance(model, Zero3DataParallel) else None
     host_grads = model.host_grads if isinstance(model, Zero3DataParallel) else []
+    grad_files = store.grad_files if store is not None else []
+    grads_off = bool(host_grads) or bool(grad_files)
     shards = [s for s in model.param_shards.values() if not isinstance(s, ParamFile)]
     params_host_st = {}
     if store is not None and store.place != "device":  # the shards (or the file staging)
@@ -139,8 +143,8 @@ def model_state_bytes(
         param_bytes = n * p_size / (dp_size if stage >= 3 else 1)
         grad_bytes = n * g_size / (dp_size if stage >= 2 else 1)
         optim = n * k / (dp_size if stage >= 1 else 1)
-        theory += (0 if params_off else param_bytes) + (0 if host_grads else grad_bytes)
-        theory_off += (param_bytes if params_off else 0) + (grad_bytes if host_grads else 0)
+        theory += (0 if params_off else param_bytes) + (0 if grads_off else grad_bytes)
+        theory_off += (param_bytes if params_off else 0) + (grad_bytes if grads_off else 0)
         theory += optim * (1 - fraction)
         theory_off += optim * fraction
     return ModelStateBytes(
@@ -158,6 +162,7 @@ def model_state_bytes(
         params_host=sum(params_host_st.values()),
         params_disk=sum(os.path.getsize(path) for path in param_files),
         grads_host=sum(grads_host_st.values()),
+        grads_disk=sum(os.path.getsize(f.path) for f in grad_files),
     )
 
 
@@ -214,14 +219,15 @@ def log_model_state_memory(
 
 
 def _offloaded(s: ModelStateBytes) -> str:
-    """`` [+ host params a / grads b / optimizer c, disk params d / optimizer e]`` (MiB), or
-    nothing when nothing is offloaded."""
+    """`` [+ host params a / grads b / optimizer c, disk params d / grads e / optimizer f]``
+    (MiB), or nothing when nothing is offloaded."""
     host = (s.params_host, s.grads_host, s.host)
-    disk = (s.params_disk, s.disk)
+    disk = (s.params_disk, s.grads_disk, s.disk)
     if not any(host) and not any(disk):
         return ""
-    h = " / ".join(f"{n} {b / MIB:.2f}" for n, b in zip(("params", "grads", "optimizer"), host))
-    d = " / ".join(f"{n} {b / MIB:.2f}" for n, b in zip(("params", "optimizer"), disk))
+    names = ("params", "grads", "optimizer")
+    h = " / ".join(f"{n} {b / MIB:.2f}" for n, b in zip(names, host))
+    d = " / ".join(f"{n} {b / MIB:.2f}" for n, b in zip(names, disk))
     return f" [+ host {h}, disk {d}]"
 
 

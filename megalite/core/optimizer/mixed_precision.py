@@ -158,15 +158,9 @@ class MixedPrecisionOptimizer:
             self.loss_scaler.update(found_inf)
             if found_inf:
                 return False, None, None
-        norm = grad_norm(
-            grads.counted,
-            groups=self.reduce_groups,
-            device=self._device,
-            expert_grads=grads.counted_expert if self.has_experts else None,
-            expert_groups=self.expert_reduce_groups,
-        )
+        norm = self._grad_norm(grads)
         if self.clip_grad > 0:
-            clip_grads_by_norm(grads.all, norm, self.clip_grad)
+            self._clip(grads, norm)
         num_zeros = self._count_zeros(grads) if self.count_zeros else None
         self._before_inner_step()
         self.optimizer.step()
@@ -180,6 +174,20 @@ class MixedPrecisionOptimizer:
 
     def _update_model_params(self) -> None:
         raise NotImplementedError
+
+    def _grad_norm(self, grads: StepGrads) -> torch.Tensor:
+        """The global norm of the counted grads (step 3)."""
+        return grad_norm(
+            grads.counted,
+            groups=self.reduce_groups,
+            device=self._device,
+            expert_grads=grads.counted_expert if self.has_experts else None,
+            expert_groups=self.expert_reduce_groups,
+        )
+
+    def _clip(self, grads: StepGrads, norm: torch.Tensor) -> None:
+        """Scale every grad by the clip coefficient of ``norm`` (step 3)."""
+        clip_grads_by_norm(grads.all, norm, self.clip_grad)
 
     def _before_inner_step(self) -> None:
         """After unscaling and clipping, before the inner step (the offload's grad copies)."""

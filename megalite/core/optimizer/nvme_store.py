@@ -5,6 +5,7 @@
         master, exp_avg, exp_avg_sq, grad = store.load(lo, hi)   # host views [hi - lo]
         ...update in place...
         store.save(lo, hi)
+    store.remove_files()                       # at the end of a run
 
 One flat fp32 file per state (``<prefix>.master``, ``.exp_avg``, ``.exp_avg_sq``) of ``numel``
 elements (``existing``: a key's file that already holds it, e.g. fp32 ZeRO-3 params offloaded to a
@@ -47,12 +48,15 @@ class NvmeStore:
         self.chunk = max(1, min(numel, host_bytes // 24))  # 4 buffers + 2 temporaries, fp32
         if host_bytes < 24:
             raise ValueError(f"the NVMe host buffer bound {host_bytes} B holds no element")
+        self.directory = directory
+        self._made_directory = not os.path.isdir(directory)  # remove_files removes it too
         os.makedirs(directory, exist_ok=True)
         self.paths = {k: os.path.join(directory, f"{prefix}.{k}") for k in KEYS}
         for key, path in self.paths.items():
             if key not in (existing or {}):
                 with open(path, "wb") as f:
                     f.truncate(numel * 4)  # zeros (sparse until written)
+        self.own_paths = [p for k, p in self.paths.items() if k not in (existing or {})]
         self.paths.update(existing or {})
         self.buffers = {k: self._buffer() for k in (*KEYS, "grad")}
         self._staged = False  # a non-blocking copy into a buffer may still be in flight
@@ -135,3 +139,14 @@ class NvmeStore:
     def write(self, key: str, values: torch.Tensor) -> None:
         with open(self.paths[key], "r+b") as f:
             f.write(memoryview(values.detach().float().cpu().contiguous().numpy()).cast("B"))
+
+    def remove_files(self) -> None:
+        """The end of a run: delete the files this store created (not those ``existing`` named),
+        and its directory when the store made it and nothing else is left there."""
+        for path in self.own_paths:
+            if os.path.exists(path):
+                os.remove(path)
+        self.own_paths = []
+        if self._made_directory and os.path.isdir(self.directory):
+            if not os.listdir(self.directory):
+                os.rmdir(self.directory)

@@ -35,6 +35,7 @@ from megalite.core.optimizer.sharded_state import (
     adam_on_host,
     adamw_chunk,
 )
+from megalite.core.optimizer.streamed_grads import StreamedGrads
 
 
 @dataclass
@@ -185,6 +186,15 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         self.steps = 0
         self._host_grads: dict[int, torch.Tensor] = {}  # id(piece) -> its grad, during step()
         self._agree_on_experts()
+        self.streamed: StreamedGrads | None = None  # the grad shards in files: read in chunks
+        if isinstance(model, Zero3DataParallel) and model.grad_files is not None:
+            self.streamed = StreamedGrads(
+                model.grad_files,
+                self.buffers,
+                self.pieces,
+                loss_scaler=loss_scaler,
+                count_zeros=count_zeros,
+            )
 
     @property
     def in_memory(self) -> list[_Piece]:
@@ -211,6 +221,9 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
 
     def _prepare_grads(self) -> StepGrads:
         self.model.finish_param_sync()  # no param all-gather may still write the buffers
+        if self.streamed is not None:  # read from the files by _grad_norm and _step_on_disk
+            self._piece_grads = [None] * len(self.pieces)
+            return StepGrads([], [], [])
         segments = [g for sb in self.buffers for g in sb.fp32_grad_segments()]
         grads = [self.buffers[pc.buffer].grad_at(pc.shard_lo, pc.hi - pc.lo) for pc in self.pieces]
         self._piece_grads = grads
@@ -222,6 +235,17 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
         counted_expert = [g for pc, g in zip(self.pieces, grads) if pc.counted and pc.expert]
         zeros_expert = [g for pc, g in zip(self.pieces, grads) if pc.zeros_counted and pc.expert]
         return StepGrads(segments, counted, zeros, counted_expert, zeros_expert)
+
+    def _grad_norm(self, grads: StepGrads) -> torch.Tensor:
+        if self.streamed is None:
+            return super()._grad_norm(grads)
+        return self.streamed.norm(self.pieces, groups=self.reduce_groups, device=self._device)
+
+    def _clip(self, grads: StepGrads, norm: torch.Tensor) -> None:
+        if self.streamed is None:
+            super()._clip(grads, norm)
+        else:
+            self.streamed.clip(norm, self.clip_grad)
 
     def _before_inner_step(self) -> None:
         """Offloaded to the host: the unscaled, clipped grads copied next to their masters (the
@@ -264,8 +288,12 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
                 continue
             sb, group = self.buffers[pc.buffer], self.optimizer.param_groups[pc.group]
             for a, b in sb.store.chunks(pc.shard_lo, pc.shard_lo + pc.hi - pc.lo):
+                if g is None:  # grads in files
+                    g_ab = self.streamed.read(pc.buffer, a, b)
+                else:
+                    g_ab = g[a - pc.shard_lo : b - pc.shard_lo]
                 master, exp_avg, exp_avg_sq, grad = sb.store.load(
-                    a, b, grad=g[a - pc.shard_lo : b - pc.shard_lo]
+                    a, b, grad=g_ab
                 )  # the grad's copy to the host is in flight while the moments are read
                 adamw_chunk(
                     master,
@@ -284,6 +312,12 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
     @property
     def _device(self) -> torch.device:
         return self.buffers[0].device if self.buffers else torch.device("cpu")
+
+    def remove_offload_files(self) -> None:
+        """The end of a run: delete the state files this optimizer created (NVMe offload)."""
+        for sb in self.buffers:
+            if sb.store is not None:
+                sb.store.remove_files()
 
     def update_model_params(self, *, include_disk: bool = True) -> None:
         """Masters -> this rank's shard of the param buffer (rounded), then all-gather over DP."""

@@ -70,17 +70,23 @@ def _sharded_parameter(
     stride: int = 1,
 ) -> nn.Parameter:
     """Initialise the full ``shape`` on CPU in fp32 (only the first ``init_rows`` rows when given;
-    the rest stay zero), keep this rank's chunk along ``partition_dim``.
+    the rest stay zero), keep this rank's chunk along ``partition_dim`` (on the meta device: its
+    shape only, nothing drawn; ``core.distributed.deferred_init`` fills it later).
 
     ``stride`` > 1: the full tensor is ``stride`` blocks stacked along ``partition_dim`` (SwiGLU's
     ``[gate; up]``) and each rank keeps its chunk of every block, so a local ``chunk(stride)`` gives
     this rank's gate and up.
     """
-    full = torch.zeros(shape, dtype=torch.float32)
-    init_method(full if init_rows is None else full[:init_rows])
     tp, rank = group_size(tp_group), group_rank(tp_group)
-    blocks = full.chunk(stride, dim=partition_dim)
-    shard = torch.cat([b.chunk(tp, dim=partition_dim)[rank] for b in blocks], dim=partition_dim)
+    if device is not None and torch.device(device).type == "meta":  # shapes only: nothing drawn
+        shard = torch.empty(
+            [n // tp if d == partition_dim else n for d, n in enumerate(shape)], device=device
+        )
+    else:
+        full = torch.zeros(shape, dtype=torch.float32)
+        init_method(full if init_rows is None else full[:init_rows])
+        blocks = full.chunk(stride, dim=partition_dim)
+        shard = torch.cat([b.chunk(tp, dim=partition_dim)[rank] for b in blocks], dim=partition_dim)
     param = nn.Parameter(shard.to(device=device, dtype=params_dtype).contiguous())
     set_tp_attributes(param, partition_dim=partition_dim)
     param.partition_stride = stride
