@@ -9,11 +9,13 @@ Attention of one sequence, ``--heads`` heads of ``--head-dim``, fp32, ``--thread
 threads. Each mask runs ``--repeats`` forward+backward passes; the median time is divided by the
 dense causal SDPA's (torch's CPU flash kernel, ``is_causal=True``) measured in the same process.
 Density: the share of the ``s x s`` score entries the block-sparse path computes (whole blocks),
-against dense causal's ~50%. Attention memory: the bytes autograd saves for backward plus the
-largest transient of one kernel call (gathered K/V, the additive mask, the output), against what
-dense masked attention holds (a ``s x s`` mask, and the ``b n s s`` fp32 scores of the math path
-that a non-causal mask falls back to). The long run reports this process's peak resident memory
-(``ru_maxrss``) for the windowed pass and the bytes a dense masked pass would need: not run.
+against dense causal's ~50%; the window runs by tiles (``band_attention``), the layouts by
+blocks. Attention memory: the bytes autograd saves for backward plus the largest transient of one
+kernel call (gathered K/V and the additive mask; by tiles: one call's grads and the output),
+against what dense masked attention holds (a ``s x s`` mask, and the ``b n s s`` fp32 scores of
+the math path that a non-causal mask falls back to). The long run reports this process's peak
+resident memory (``ru_maxrss``) for the windowed pass and the bytes a dense masked pass would
+need: not run.
 Times on a shared machine are noisy; the ratios in one run are what to read, and ``--clock cpu``
 (this process's CPU time) is steadier than wall time where other processes take the cores.
 """
@@ -138,9 +140,12 @@ def main() -> None:
             return block_sparse_attention(q, k, v, [plan], scale=scale)
 
         t = _time(sparse, inputs, args.repeats, args.clock)
-        widest = max(c.shape[1] for _, c in plan.groups)
-        rows = max(1, DEFAULT_MAX_ENTRIES // (blk * blk * widest))
-        transient = 2 * n * rows * widest * blk * d * 4 + rows * blk * widest * blk * 4
+        if plan.band is not None:  # by tiles: one call's dq, dk, dv and the merged output
+            transient = 4 * n * s * d * 4
+        else:  # gathered K/V and the mask of the largest call
+            widest = max(c.shape[1] for _, c in plan.groups)
+            rows = max(1, DEFAULT_MAX_ENTRIES // (blk * blk * widest))
+            transient = 2 * n * rows * widest * blk * d * 4 + rows * blk * widest * blk * 4
         memory = _saved_bytes(sparse, inputs) + transient
         print(
             f"{name:<14}{100 * density:>8.1f}%{t:>9.3f}{dense_t / t:>9.1f}x{_mib(memory):>14}"

@@ -5,11 +5,13 @@ For each group of query blocks that need the same number c of key blocks, the qu
 (``block_attention``: the CPU flash kernel with the entry mask, else the matmul block), which
 returns the rows' output and log-sum-exp. Every row sees all its key blocks in one call, so its
 softmax is exact; a group is cut into calls of at most ``max_entries`` score entries to bound
-transient memory (``BlockPlan.calls``, built once per plan). A window's band of key blocks is an
-overlapping strided view (no copy), other layouts one gather per call; the entry mask is one
-``[B, c*B]`` mask shared by the call's rows where they agree (windows and layouts away from the
-sequence's ends), none where every entry is allowed, and per row only where the rows differ
-(documents, a short last block). The (out, lse) pair merges with other partial results by
+transient memory (``BlockPlan.calls``, built once per plan). A plain causal window over a whole
+sequence (``BlockPlan.band``) runs ``band_attention`` instead (whole tiles, no gathered keys).
+Elsewhere (documents, context-parallel chunks) a window's band of key blocks is an overlapping
+strided view (no copy), other layouts one gather per call; the entry mask is one ``[B, c*B]``
+mask shared by the call's rows where they agree (windows and layouts away from the sequence's
+ends), none where every entry is allowed, and per row only where the rows differ (documents, a
+short last block). The (out, lse) pair merges with other partial results by
 ``block_attention.merge`` (the context-parallel ring does).
 
 Backward recomputes each call's probabilities from the saved FINAL ``out`` and ``lse`` (flash
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from megalite.core.attention.band_attention import band_backward, band_blocks, band_forward
 from megalite.core.attention.block_attention import block_backward, block_forward
 from megalite.core.attention.masks import BlockCall, BlockPlan
 
@@ -78,6 +81,10 @@ def sparse_forward(
     ``computed`` (int # [nq, nk]) counts each block computed, for tests."""
     bsz, n, sq, d = q.shape
     blk = plan.block_size
+    if plan.band is not None:  # a plain causal window: by tiles
+        if computed is not None:
+            computed += band_blocks(plan.band, sq, blk)
+        return band_forward(q, k, v, plan.band, scale=scale)
     nq, nk = -(-sq // blk), -(-plan.sk // blk)
     qb, kb, vb = _pad_blocks(q, nq, blk), _pad_blocks(k, nk, blk), _pad_blocks(v, nk, blk)
     out = torch.zeros(bsz * n, nq, blk, d, dtype=torch.float32, device=q.device)
@@ -114,6 +121,8 @@ def sparse_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) fp32 of the plan's blocks, given the rows' FINAL ``out`` and ``lse`` (after
     any merge) and ``dout``, all as in ``sparse_forward``."""
+    if plan.band is not None:
+        return band_backward(dout, q, k, v, out, lse, plan.band, scale=scale)
     bsz, n, sq, d = q.shape
     sk, blk = k.shape[2], plan.block_size
     nq, nk = -(-sq // blk), -(-sk // blk)
@@ -154,6 +163,11 @@ def sparse_backward(
     return unpad(dq, sq), unpad(dk, sk), unpad(dv, sk)
 
 
+def _cat(parts) -> torch.Tensor:
+    """The samples' results in one batch (one plan for the batch: no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plans, scale, max_entries):
@@ -163,7 +177,7 @@ class _BlockSparseAttention(torch.autograd.Function):
             o, lse = sparse_forward(q[sl], k[sl], v[sl], plan, scale=scale, max_entries=max_entries)
             outs.append(o)
             lses.append(lse)
-        out, lse = torch.cat(outs).to(q.dtype), torch.cat(lses)
+        out, lse = _cat(outs).to(q.dtype), _cat(lses)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plans, ctx.scale, ctx.max_entries = plans, scale, max_entries
         return out
@@ -176,7 +190,7 @@ class _BlockSparseAttention(torch.autograd.Function):
             sl = slice(None) if len(ctx.plans) == 1 else slice(i, i + 1)
             args = (dout[sl], q[sl], k[sl], v[sl], out[sl], lse[sl], plan)
             grads.append(sparse_backward(*args, scale=ctx.scale, max_entries=ctx.max_entries))
-        dq, dk, dv = (torch.cat(g).to(x.dtype) for g, x in zip(zip(*grads), (q, k, v)))
+        dq, dk, dv = (_cat(g).to(x.dtype) for g, x in zip(zip(*grads), (q, k, v)))
         return dq, dk, dv, None, None, None
 
 

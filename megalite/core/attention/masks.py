@@ -84,7 +84,9 @@ class BlockPlan:
     ``groups``: (rows # [R], cols # [R, c]) with every row of a group needing the same number c of
     key blocks (its columns in increasing order); every non-empty query block is in exactly one
     group. ``blocks``: bool # [nq, nk], the mask's non-empty blocks (what ``groups`` computes);
-    ``full``: the blocks whose every entry is allowed (no mask needed there)."""
+    ``full``: the blocks whose every entry is allowed (no mask needed there). ``band``: L when the
+    mask is exactly a causal window of L keys back over one whole sequence (no documents, no
+    layout, queries and keys at positions 0 .. s-1): ``band_attention`` computes it by tiles."""
 
     block_size: int
     sq: int
@@ -98,6 +100,7 @@ class BlockPlan:
     groups: list[tuple[torch.Tensor, torch.Tensor]]
     _layout: torch.Tensor | None = None
     full: torch.Tensor | None = None
+    band: int | None = None
     _calls: dict[int, list[BlockCall]] = field(default_factory=dict)
 
     @property
@@ -177,6 +180,17 @@ def _ranges(x: torch.Tensor, nb: int, b: int, valid: torch.Tensor) -> tuple:
     return v.masked_fill(~ok, big).amin(1), v.masked_fill(~ok, -big).amax(1)
 
 
+def _band(spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc) -> int | None:
+    """L when the mask is a causal window of L >= 1 keys back and nothing else, over positions
+    0 .. s-1 for queries and keys alike; None otherwise."""
+    if not spec.causal or spec.window is None or spec.window[0] < 1:
+        return None
+    if spec.layout is not None or q_doc is not None or q_pos.shape != k_pos.shape:
+        return None
+    whole = torch.arange(q_pos.shape[0], device=q_pos.device)
+    return spec.window[0] if torch.equal(q_pos, whole) and torch.equal(k_pos, whole) else None
+
+
 def build_block_plan(
     spec: MaskSpec,
     q_pos: torch.Tensor,
@@ -231,6 +245,7 @@ def build_block_plan(
     blocks = sure.clone()
     # a block with padding is never full: padded keys must stay hidden
     plan.full = sure & (qp >= 0).view(nq, b).all(1)[:, None] & (kp >= 0).view(nk, b).all(1)
+    plan.band = _band(spec, q_pos, k_pos, q_doc)
     unsure = (may & ~sure).nonzero()  # [u, 2]
     ar = torch.arange(b, device=q_pos.device)
     step = max(1, _CHECK_ENTRIES // (b * b))

@@ -3,7 +3,8 @@
 Each mask (causal, windows, documents, documents + window, each sparse layout) is built here as a
 dense bool # [s, s] straight from its definition, and SDPA with it is the oracle: forward and the
 grads of q, k and v at fp32 rtol 1e-5 (differences are reduction order only). Lengths are not
-multiples of the block size. The blocks the attention computes (counted by the kernel loop) are
+multiples of the block size; a plain window runs by tiles (``test_band_attention``) and, as
+``window_by_blocks``, by blocks. The blocks the attention computes (counted by the kernel loop) are
 exactly the dense mask's non-empty blocks, each once. A kernel call shares one entry mask among its
 rows where they agree, and needs none where every entry is allowed.
 """
@@ -68,6 +69,13 @@ CASES = {
 
 
 def _setup(case):
+    """(plans, dense masks) of ``case``; ``"window_by_blocks"``: the window with its tiled path
+    (``band_attention``) off, so that the block path computes it as it does under documents."""
+    if case == "window_by_blocks":
+        plans, masks = _setup("window")
+        assert plans[0].band == 11
+        plans[0].band = None
+        return plans, masks
     c = dict(CASES[case])
     causal, window = c.get("causal", True), c.get("window")
     layout, lb = None, 0
@@ -97,7 +105,7 @@ def _inputs(b=2, n=3, d=8):
 
 @pytest.mark.parametrize("calls", ["small", "default"])
 @pytest.mark.parametrize("fallback", [False, True])
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(CASES) + ["window_by_blocks"])
 def test_block_sparse_equals_dense_masked(monkeypatch, case, fallback, calls):
     if fallback:
         monkeypatch.setattr(ba, "_cpu_flash_ok", lambda q, p: False)
@@ -120,7 +128,7 @@ def test_block_sparse_equals_dense_masked(monkeypatch, case, fallback, calls):
         torch.testing.assert_close(a.grad, b.grad, **TOL)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(CASES) + ["window_by_blocks"])
 def test_computed_blocks_are_the_non_empty_blocks(case):
     plans, masks = _setup(case)
     q, k, v, _ = _inputs(b=1)
@@ -167,6 +175,7 @@ def test_calls_share_one_mask_where_rows_agree():
 
     def kinds(spec, **kw):
         plan = build_block_plan(spec, pos, pos, block_size=BLOCK, **kw)
+        plan.band = None  # a plain window runs by tiles; here: its block calls
         calls = plan.calls(bs.DEFAULT_MAX_ENTRIES)
         return {
             "none" if c.mask is None and not c.per_row else "rows" if c.per_row else "shared"
