@@ -8,7 +8,8 @@ Writes config.json, model.safetensors (model-0000i-of-0000n.safetensors + index 
 --max-shard-size), generation_config.json and the run's tokenizer files (SentencePiece: a
 tokenizer.model that LlamaTokenizer / AutoTokenizer load offline; HuggingFace: its files), as
 GPT2LMHeadModel (GPT-2 family) or LlamaForCausalLM (Llama family), the vocabulary padding removed
-(MoE: MixtralForCausalLM, or Qwen2MoeForCausalLM with a shared expert; --add-qkv-bias: Qwen2).
+(MoE: MixtralForCausalLM, or Qwen2MoeForCausalLM with a shared expert; --add-qkv-bias: Qwen2;
+--window-size LEFT,0: MistralForCausalLM with sliding_window LEFT + 1).
 --verify loads the result with transformers and prints the largest logit difference against
 megalite.load_model on a fixed batch; it exits 1 above --verify-tolerance (default 1e-4, for fp32).
 The work is in megalite.conversion.

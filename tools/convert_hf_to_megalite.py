@@ -1,5 +1,5 @@
-r"""Convert a local HuggingFace GPT-2 or Llama folder to a megalite checkpoint, to continue
-pretraining it under any layout.
+r"""Convert a local HuggingFace folder (GPT-2, Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE) to a
+megalite checkpoint, to continue pretraining it under any layout.
 
 Usage:
     python tools/convert_hf_to_megalite.py --load hf/gpt2 --save checkpoints/gpt2 \

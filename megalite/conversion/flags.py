@@ -67,4 +67,8 @@ def megalite_flags(config: GPTConfig) -> list[str]:
             flags.append("--moe-shared-expert-gate")
     if c.add_qkv_bias:
         flags.append("--add-qkv-bias")
+    if c.window_size is not None:
+        # windowed attention has no attention dropout (Megatron's default is 0.1)
+        flags += ["--window-size", ",".join(str(w) for w in c.window_size)]
+        flags += ["--attention-dropout", "0"]
     return flags

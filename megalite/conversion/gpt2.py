@@ -49,6 +49,8 @@ def check(config: GPTConfig) -> None:
             config.kv_channels * config.num_attention_heads == config.hidden_size,
         ),
         ("no --qk-layernorm (it has no q/k norms)", not config.qk_layernorm),
+        ("no --window-size", config.window_size is None),
+        ("no --sparse-attention", config.sparse_attention is None),
     )
     for what, ok in needs:
         if not ok:

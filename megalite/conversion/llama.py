@@ -55,8 +55,12 @@ def rope_scaling(config: GPTConfig) -> dict | None:
     }
 
 
-def check(config: GPTConfig) -> None:
-    """One-line ConversionError for a model LlamaForCausalLM cannot express."""
+def check(
+    config: GPTConfig, *, model: str = "LlamaForCausalLM", sliding_window: bool = False
+) -> None:
+    """One-line ConversionError for a model ``model`` (LlamaForCausalLM, or a family built on its
+    layers) cannot express; ``sliding_window``: the family has one (Mistral), else a window is
+    refused. No family expresses a block-sparse layout."""
     needs = (
         ("--position-embedding-type rope", config.position_embedding_type == "rope"),
         ("--normalization RMSNorm", config.normalization == "RMSNorm"),
@@ -69,10 +73,15 @@ def check(config: GPTConfig) -> None:
             "no --rotary-interleaved (it pairs channel i with i + d/2)",
             not config.rotary_interleaved,
         ),
+        (
+            "no --window-size (a windowed Llama converts to MistralForCausalLM)",
+            sliding_window or config.window_size is None,
+        ),
+        ("no --sparse-attention (no HF family has its layouts)", config.sparse_attention is None),
     )
     for what, ok in needs:
         if not ok:
-            raise ConversionError(f"LlamaForCausalLM needs {what}; this model differs")
+            raise ConversionError(f"{model} needs {what}; this model differs")
 
 
 def hf_config(config: GPTConfig, *, bos_token_id: int | None, eos_token_id: int | None):

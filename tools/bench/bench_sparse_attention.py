@@ -9,12 +9,15 @@ Attention of one sequence, ``--heads`` heads of ``--head-dim``, fp32, ``--thread
 threads. Each mask runs ``--repeats`` forward+backward passes; the median time is divided by the
 dense causal SDPA's (torch's CPU flash kernel, ``is_causal=True``) measured in the same process.
 Density: the share of the ``s x s`` score entries the block-sparse path computes (whole blocks),
-against dense causal's ~50%. Attention memory: the bytes autograd saves for backward plus the
-largest transient of one kernel call (gathered K/V, the additive mask, the output), against what
-dense masked attention holds (a ``s x s`` mask, and the ``b n s s`` fp32 scores of the math path
-that a non-causal mask falls back to). The long run reports this process's peak resident memory
-(``ru_maxrss``) for the windowed pass and the bytes a dense masked pass would need: not run.
-Times on a shared machine are noisy; the ratios in one run are what to read.
+against dense causal's ~50%; the window runs by tiles (``band_attention``), the layouts by
+blocks. Attention memory: the bytes autograd saves for backward plus the largest transient of one
+kernel call (gathered K/V and the additive mask; by tiles: one call's grads and the output),
+against what dense masked attention holds (a ``s x s`` mask, and the ``b n s s`` fp32 scores of
+the math path that a non-causal mask falls back to). The long run reports this process's peak
+resident memory (``ru_maxrss``) for the windowed pass and the bytes a dense masked pass would
+need: not run.
+Times on a shared machine are noisy; the ratios in one run are what to read, and ``--clock cpu``
+(this process's CPU time) is steadier than wall time where other processes take the cores.
 """
 
 from __future__ import annotations
@@ -31,14 +34,17 @@ from megalite.core.attention.block_sparse import DEFAULT_MAX_ENTRIES, block_spar
 from megalite.core.attention.masks import MaskSpec, build_block_plan
 from megalite.core.attention.sparse_layouts import build_layout
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
-def _time(fn, inputs, repeats: int) -> float:
+
+def _time(fn, inputs, repeats: int, clock: str = "wall") -> float:
+    now = CLOCKS[clock]
     times = []
     for _ in range(repeats):
         q, k, v = (t.detach().clone().requires_grad_() for t in inputs)
-        start = time.perf_counter()
+        start = now()
         fn(q, k, v).sum().backward()
-        times.append(time.perf_counter() - start)
+        times.append(now() - start)
     return statistics.median(times)
 
 
@@ -95,6 +101,12 @@ def main() -> None:
     p.add_argument("--long", type=int, default=0, help="also a causal run of this length")
     p.add_argument("--long-window", type=int, default=1024)
     p.add_argument("--tiny", action="store_true")
+    p.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="cpu: this process's CPU time (steadier than wall time on a machine others load)",
+    )
     args = p.parse_args()
     if args.tiny:
         args.seq, args.window, args.block, args.heads, args.head_dim = 512, 32, 32, 2, 16
@@ -108,9 +120,12 @@ def main() -> None:
     def dense(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
-    dense_t = _time(dense, inputs, args.repeats)
+    dense_t = _time(dense, inputs, args.repeats, args.clock)
     dense_masked = s * s + n * s * s * 4  # bool mask + fp32 scores (math path)
-    print(f"seq {s}, {n} heads x {d}, block {blk}, {args.threads} threads, fp32 (shared machine)")
+    print(
+        f"seq {s}, {n} heads x {d}, block {blk}, {args.threads} threads, fp32, {args.clock} "
+        "clock (shared machine)"
+    )
     print(f"dense causal SDPA fwd+bwd: {dense_t:.3f} s")
     print(
         f"{'mask':<14}{'density':>9}{'time s':>9}{'speed-up':>10}{'attn memory':>14}"
@@ -124,10 +139,13 @@ def main() -> None:
         def sparse(q, k, v, plan=plan):
             return block_sparse_attention(q, k, v, [plan], scale=scale)
 
-        t = _time(sparse, inputs, args.repeats)
-        widest = max(c.shape[1] for _, c in plan.groups)
-        rows = max(1, DEFAULT_MAX_ENTRIES // (blk * blk * widest))
-        transient = 2 * n * rows * widest * blk * d * 4 + rows * blk * widest * blk * 4
+        t = _time(sparse, inputs, args.repeats, args.clock)
+        if plan.band is not None:  # by tiles: one call's dq, dk, dv and the merged output
+            transient = 4 * n * s * d * 4
+        else:  # gathered K/V and the mask of the largest call
+            widest = max(c.shape[1] for _, c in plan.groups)
+            rows = max(1, DEFAULT_MAX_ENTRIES // (blk * blk * widest))
+            transient = 2 * n * rows * widest * blk * d * 4 + rows * blk * widest * blk * 4
         memory = _saved_bytes(sparse, inputs) + transient
         print(
             f"{name:<14}{100 * density:>8.1f}%{t:>9.3f}{dense_t / t:>9.1f}x{_mib(memory):>14}"

@@ -19,7 +19,7 @@ context-parallel rank's chunks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,13 +58,35 @@ class MaskSpec:
         return lo, hi
 
 
+@dataclass(frozen=True)
+class BlockCall:
+    """One kernel call of block-sparse attention: query blocks ``rows`` # [R] against key blocks
+    ``cols`` # [R, c] (row i reads the blocks ``cols[i]``, increasing).
+
+    ``row_start``: the rows are ``row_start .. row_start + R - 1`` (read as a slice), else None.
+    ``band_start``: ``cols[i]`` is ``band_start + i + (0 .. c - 1)`` (a window's band: the keys are
+    an overlapping strided view, no gather), else None. ``mask``: bool # [1, B, c * B], the entry
+    mask every row shares, or None; ``per_row``: the rows' masks differ (``group_mask`` at each
+    call). Neither: every entry is allowed, the call runs unmasked."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+    row_start: int | None
+    band_start: int | None
+    mask: torch.Tensor | None
+    per_row: bool
+
+
 @dataclass
 class BlockPlan:
     """The blocks one sample computes. Queries and keys are padded to whole blocks.
 
     ``groups``: (rows # [R], cols # [R, c]) with every row of a group needing the same number c of
     key blocks (its columns in increasing order); every non-empty query block is in exactly one
-    group. ``blocks``: bool # [nq, nk], the mask's non-empty blocks (what ``groups`` computes)."""
+    group. ``blocks``: bool # [nq, nk], the mask's non-empty blocks (what ``groups`` computes);
+    ``full``: the blocks whose every entry is allowed (no mask needed there). ``band``: L when the
+    mask is exactly a causal window of L keys back over one whole sequence (no documents, no
+    layout, queries and keys at positions 0 .. s-1): ``band_attention`` computes it by tiles."""
 
     block_size: int
     sq: int
@@ -77,10 +99,45 @@ class BlockPlan:
     blocks: torch.Tensor
     groups: list[tuple[torch.Tensor, torch.Tensor]]
     _layout: torch.Tensor | None = None
+    full: torch.Tensor | None = None
+    band: int | None = None
+    _calls: dict[int, list[BlockCall]] = field(default_factory=dict)
 
     @property
     def num_computed(self) -> int:
         return int(self.blocks.sum())
+
+    def calls(self, max_entries: int) -> list[BlockCall]:
+        """The groups cut into kernel calls of at most ``max_entries`` score entries (at least
+        one row each), with their masks; built once per ``max_entries`` and kept (the plan is
+        reused by forward, backward and, without documents, every step)."""
+        if max_entries not in self._calls:
+            self._calls[max_entries] = [
+                self._call(rows[i : i + step], cols[i : i + step])
+                for rows, cols in self.groups
+                for step in (max(1, max_entries // (self.block_size**2 * cols.shape[1])),)
+                for i in range(0, rows.shape[0], step)
+            ]
+        return self._calls[max_entries]
+
+    def _call(self, rows: torch.Tensor, cols: torch.Tensor) -> BlockCall:
+        r, c = cols.shape
+        r0, c0 = int(rows[0]), int(cols[0, 0])
+        ar = torch.arange(max(r, c), device=rows.device)
+        row_start = r0 if torch.equal(rows, r0 + ar[:r]) else None
+        band_start = c0 if torch.equal(cols, c0 + ar[:r, None] + ar[:c]) else None
+        mask, per_row = None, False
+        if self.full is None or not bool(self.full[rows[:, None], cols].all()):
+            mask = self.group_mask(rows, cols)  # [R, B, c * B]
+            if bool((mask == mask[:1]).all()):
+                mask = mask[:1].clone()
+            else:
+                mask, per_row = None, True  # recomputed at each call: bounded memory
+        return BlockCall(rows, cols, row_start, band_start, mask, per_row)
+
+    def call_mask(self, call: BlockCall) -> torch.Tensor | None:
+        """The entry mask of ``call``: bool # [R or 1, B, c * B], or None (all allowed)."""
+        return self.group_mask(call.rows, call.cols) if call.per_row else call.mask
 
     def allowed(self, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
         """bool, broadcast of ``qi`` and ``ki`` (padded local indices): the entry is allowed."""
@@ -121,6 +178,17 @@ def _ranges(x: torch.Tensor, nb: int, b: int, valid: torch.Tensor) -> tuple:
     v = x.view(nb, b)
     ok = valid.view(nb, b)
     return v.masked_fill(~ok, big).amin(1), v.masked_fill(~ok, -big).amax(1)
+
+
+def _band(spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc) -> int | None:
+    """L when the mask is a causal window of L >= 1 keys back and nothing else, over positions
+    0 .. s-1 for queries and keys alike; None otherwise."""
+    if not spec.causal or spec.window is None or spec.window[0] < 1:
+        return None
+    if spec.layout is not None or q_doc is not None or q_pos.shape != k_pos.shape:
+        return None
+    whole = torch.arange(q_pos.shape[0], device=q_pos.device)
+    return spec.window[0] if torch.equal(q_pos, whole) and torch.equal(k_pos, whole) else None
 
 
 def build_block_plan(
@@ -175,6 +243,9 @@ def build_block_plan(
         else:
             sure &= False
     blocks = sure.clone()
+    # a block with padding is never full: padded keys must stay hidden
+    plan.full = sure & (qp >= 0).view(nq, b).all(1)[:, None] & (kp >= 0).view(nk, b).all(1)
+    plan.band = _band(spec, q_pos, k_pos, q_doc)
     unsure = (may & ~sure).nonzero()  # [u, 2]
     ar = torch.arange(b, device=q_pos.device)
     step = max(1, _CHECK_ENTRIES // (b * b))

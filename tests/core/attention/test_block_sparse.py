@@ -3,8 +3,10 @@
 Each mask (causal, windows, documents, documents + window, each sparse layout) is built here as a
 dense bool # [s, s] straight from its definition, and SDPA with it is the oracle: forward and the
 grads of q, k and v at fp32 rtol 1e-5 (differences are reduction order only). Lengths are not
-multiples of the block size. The blocks the attention computes (counted by the kernel loop) are
-exactly the dense mask's non-empty blocks, each once.
+multiples of the block size; a plain window runs by tiles (``test_band_attention``) and, as
+``window_by_blocks``, by blocks. The blocks the attention computes (counted by the kernel loop) are
+exactly the dense mask's non-empty blocks, each once. A kernel call shares one entry mask among its
+rows where they agree, and needs none where every entry is allowed.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def _docs(s, cuts):
 
 CASES = {
     "causal": dict(),
+    "bidirectional": dict(causal=False),  # every whole block unmasked; the short last one masked
     "window": dict(window=(11, 0)),
     "window_two_sided": dict(causal=False, window=(7, 12)),
     "window_unbounded_right": dict(causal=False, window=(5, -1)),
@@ -66,6 +69,13 @@ CASES = {
 
 
 def _setup(case):
+    """(plans, dense masks) of ``case``; ``"window_by_blocks"``: the window with its tiled path
+    (``band_attention``) off, so that the block path computes it as it does under documents."""
+    if case == "window_by_blocks":
+        plans, masks = _setup("window")
+        assert plans[0].band == 11
+        plans[0].band = None
+        return plans, masks
     c = dict(CASES[case])
     causal, window = c.get("causal", True), c.get("window")
     layout, lb = None, 0
@@ -93,9 +103,10 @@ def _inputs(b=2, n=3, d=8):
     return [torch.randn(b, n, S, d, generator=g) for _ in range(4)]
 
 
+@pytest.mark.parametrize("calls", ["small", "default"])
 @pytest.mark.parametrize("fallback", [False, True])
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_block_sparse_equals_dense_masked(monkeypatch, case, fallback):
+@pytest.mark.parametrize("case", sorted(CASES) + ["window_by_blocks"])
+def test_block_sparse_equals_dense_masked(monkeypatch, case, fallback, calls):
     if fallback:
         monkeypatch.setattr(ba, "_cpu_flash_ok", lambda q, p: False)
     elif ba._cpu_flash_ok(torch.zeros(1), 0.0):  # the kernel with the mask, not the matmul block
@@ -107,15 +118,17 @@ def test_block_sparse_equals_dense_masked(monkeypatch, case, fallback):
     want = F.scaled_dot_product_attention(*ref, attn_mask=mask, scale=0.3)
     want.backward(dout)
     got_in = [t.clone().requires_grad_() for t in (q, k, v)]
-    # a small max_entries cuts groups into several kernel calls
-    got = bs.block_sparse_attention(*got_in, plans, scale=0.3, max_entries=3 * BLOCK * BLOCK)
+    # small: groups cut into calls of one or a few rows; default: whole groups, whose rows share
+    # one mask where they agree and bring their own where they differ
+    max_entries = 3 * BLOCK * BLOCK if calls == "small" else bs.DEFAULT_MAX_ENTRIES
+    got = bs.block_sparse_attention(*got_in, plans, scale=0.3, max_entries=max_entries)
     got.backward(dout)
     torch.testing.assert_close(got, want, **TOL)
     for a, b in zip(got_in, ref):
         torch.testing.assert_close(a.grad, b.grad, **TOL)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(CASES) + ["window_by_blocks"])
 def test_computed_blocks_are_the_non_empty_blocks(case):
     plans, masks = _setup(case)
     q, k, v, _ = _inputs(b=1)
@@ -130,7 +143,7 @@ def test_computed_blocks_are_the_non_empty_blocks(case):
         )
         assert torch.equal(computed, non_empty.long())
         assert torch.equal(plan.blocks, non_empty)
-        assert plan.num_computed < nb * nb
+        assert plan.num_computed < nb * nb or case == "bidirectional"
 
 
 def test_saved_state_is_linear_in_the_sequence():
@@ -155,3 +168,24 @@ def test_layouts_by_hand():
     assert lay.diagonal().all() and (lay.sum(1)[1:] == 2).all() and not lay.triu(1).any()
     with pytest.raises(ValueError, match="sparse_attention must be one of"):
         build_layout("dense")
+
+
+def test_calls_share_one_mask_where_rows_agree():
+    pos = torch.arange(6 * BLOCK)  # whole blocks: no short last block
+
+    def kinds(spec, **kw):
+        plan = build_block_plan(spec, pos, pos, block_size=BLOCK, **kw)
+        plan.band = None  # a plain window runs by tiles; here: its block calls
+        calls = plan.calls(bs.DEFAULT_MAX_ENTRIES)
+        return {
+            "none" if c.mask is None and not c.per_row else "rows" if c.per_row else "shared"
+            for c in calls
+        }
+
+    assert kinds(MaskSpec(causal=False)) == {"none"}
+    assert kinds(MaskSpec()) == {"shared"}  # every row: full blocks, then its diagonal
+    assert kinds(MaskSpec(window=(2 * BLOCK + 3, 0))) == {"shared"}
+    layout = build_layout("bigbird", num_window_blocks=3, num_random_blocks=1)
+    assert kinds(MaskSpec(layout=layout, layout_block=BLOCK)) == {"shared"}
+    docs = (pos >= 20).long()  # a document boundary inside a block
+    assert "rows" in kinds(MaskSpec(), q_doc=docs, k_doc=docs)
