@@ -68,8 +68,10 @@ def test_each_sub_group_is_charged_the_link_it_spans():
     t = s * b // q
     ring, reduce = bus_factor("all_gather", q), bus_factor("all_reduce", q)
     inputs = 3 * ring * t * (h + h + h + 4 * h) * e  # AG forward, AG + RS backward, per linear
-    stats = 2 * 2 * 2 * reduce * t * e  # 2 norms x (mean, variance) x forward and backward
-    weights = 3 * ring * (3 * h * h + h * h + 4 * h * h + 4 * h * h) // q * e
-    small = reduce * (3 * h + h + 4 * h + h + 2 * 2 * h) // q * e  # biases, norm scales / shifts
+    # the norms' statistics and every grad sum run in fp32 (4 bytes), the rest in e
+    stats = 2 * 2 * 2 * reduce * t * 4  # 2 norms x (mean, variance) x forward and backward
+    # weight blocks: all-gathered forward and backward in e, their grads reduce-scattered in fp32
+    weights = (2 * e + 4) * ring * (3 * h * h + h * h + 4 * h * h + 4 * h * h) // q
+    small = reduce * (3 * h + h + 4 * h + h + 2 * 2 * h) // q * 4  # biases, norm scales / shifts
     intra, inter = (inputs + stats) / 100e9, (weights + small) / 10e9
     assert abs(got - (intra + inter)) <= 1e-12 * got, (got, intra, inter)
