@@ -73,12 +73,14 @@ def _worker(
         fn, args, kwargs = task
         try:
             out = fn(*args, **kwargs)
+            results.put(("ok", rank, out))
             # every rank is past the case's group creations before any destroys a group whose
             # sockets another rank may still be connecting (``initialize_model_parallel``'s
-            # barrier covers the groups a mesh makes; this one those a case makes itself)
+            # barrier covers the groups a mesh makes; this one those a case makes itself). The
+            # result goes first, so a rank blocked in the case is the one a timeout names.
             dist.barrier()
             _destroy_subgroups(dist)
-            results.put(("ok", rank, (out, _thread_count())))
+            results.put(("threads", rank, _thread_count()))
         except BaseException:  # noqa: BLE001 - reported to the parent with the rank
             _destroy_subgroups(dist)
             results.put(("error", rank, traceback.format_exc()))
@@ -163,9 +165,10 @@ class WorkerPool:
                 if time.monotonic() > deadline:
                     break
                 continue
-            if kind == "ok":
-                outs[rank], threads = payload
-                self.threads = max(self.threads, threads)
+            if kind == "threads":  # after a case's groups are gone (maybe the previous case's)
+                self.threads = max(self.threads, payload)
+            elif kind == "ok":
+                outs[rank] = payload
             else:
                 errors[rank] = payload
         if errors or len(outs) < self.world_size:

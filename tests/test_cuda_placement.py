@@ -122,8 +122,8 @@ def test_cp_ring_exchange_is_one_p2p_batch(monkeypatch):
     ring = Ring.__new__(Ring)
     ring.group, ring.stats, ring.size, ring.rank = "g", None, 4, 0
     send, recv = torch.ones(3), torch.empty(3)
-    assert ring.exchange(send, recv, tag=7) == ["w"]
-    assert ring.exchange(send, recv, tag=8, distance=3) == ["w"]  # a jump over skipped steps
+    assert ring.exchange(send, recv, tag=7).works == ["w"]
+    assert ring.exchange(send, recv, tag=8, distance=3).works == ["w"]  # a jump over skipped steps
     assert [[(op.op, op.tensor, op.peer, op.tag) for op in ops] for ops in batches] == [
         [(dist.isend, send, 11, 7), (dist.irecv, recv, 13, 7)],
         [(dist.isend, send, 13, 8), (dist.irecv, recv, 11, 8)],
