@@ -84,31 +84,39 @@ def check(
             raise ConversionError(f"{model} needs {what}; this model differs")
 
 
-def hf_config(config: GPTConfig, *, bos_token_id: int | None, eos_token_id: int | None):
-    """The ``transformers.LlamaConfig`` of ``config``'s model."""
-    import transformers
-
-    check(config)
-    return transformers.LlamaConfig(
+def config_kwargs(config: GPTConfig, *, bos_token_id: int | None, eos_token_id: int | None) -> dict:
+    """The keywords every Llama-family ``transformers.*Config`` (Llama, Mistral, Mixtral, Qwen2,
+    Qwen2-MoE) takes from ``config`` alike; each family adds its own (head_dim, RoPE, MoE)."""
+    return dict(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
         intermediate_size=config.ffn_hidden_size,
         num_hidden_layers=config.num_layers,
         num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_query_groups,
-        head_dim=config.kv_channels,
         max_position_embeddings=config.max_position_embeddings,
         rms_norm_eps=config.norm_epsilon,
-        rope_theta=float(config.rotary_base),
-        rope_scaling=rope_scaling(config),
         hidden_act="silu",
-        attention_bias=False,
-        mlp_bias=False,
         attention_dropout=config.attention_dropout,
         initializer_range=config.init_method_std,
         tie_word_embeddings=not config.untie_embeddings_and_output_weights,
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,
+    )
+
+
+def hf_config(config: GPTConfig, *, bos_token_id: int | None, eos_token_id: int | None):
+    """The ``transformers.LlamaConfig`` of ``config``'s model."""
+    import transformers
+
+    check(config)
+    return transformers.LlamaConfig(
+        **config_kwargs(config, bos_token_id=bos_token_id, eos_token_id=eos_token_id),
+        head_dim=config.kv_channels,
+        rope_theta=float(config.rotary_base),
+        rope_scaling=rope_scaling(config),
+        attention_bias=False,
+        mlp_bias=False,
         architectures=["LlamaForCausalLM"],
     )
 

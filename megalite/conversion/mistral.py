@@ -61,24 +61,11 @@ def hf_config(config: GPTConfig, *, bos_token_id: int | None, eos_token_id: int 
 
     check(config)
     return transformers.MistralConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.ffn_hidden_size,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_query_groups,
+        **llama.config_kwargs(config, bos_token_id=bos_token_id, eos_token_id=eos_token_id),
         head_dim=config.kv_channels,
-        max_position_embeddings=config.max_position_embeddings,
-        rms_norm_eps=config.norm_epsilon,
         rope_theta=float(config.rotary_base),
         rope_scaling=llama.rope_scaling(config),
         sliding_window=sliding_window(config),
-        hidden_act="silu",
-        attention_dropout=config.attention_dropout,
-        initializer_range=config.init_method_std,
-        tie_word_embeddings=not config.untie_embeddings_and_output_weights,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
         architectures=[MODEL],
     )
 

@@ -86,27 +86,8 @@ def hf_config_dense(config: GPTConfig, *, bos_token_id: int | None, eos_token_id
     import transformers
 
     check_dense(config)
-    base = llama.hf_config(
-        _llama_view(config), bos_token_id=bos_token_id, eos_token_id=eos_token_id
-    )
-    keep = (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "max_position_embeddings",
-        "rms_norm_eps",
-        "hidden_act",
-        "attention_dropout",
-        "initializer_range",
-        "tie_word_embeddings",
-        "bos_token_id",
-        "eos_token_id",
-    )
     hf = transformers.Qwen2Config(
-        **{k: getattr(base, k) for k in keep},
+        **llama.config_kwargs(config, bos_token_id=bos_token_id, eos_token_id=eos_token_id),
         rope_parameters={"rope_type": "default", "rope_theta": _rope_theta(config)},
         architectures=["Qwen2ForCausalLM"],
     )
@@ -121,19 +102,8 @@ def hf_config(config: GPTConfig, *, bos_token_id: int | None, eos_token_id: int 
     check(config)
     pattern = moe_layer_pattern(config)
     hf = transformers.Qwen2MoeConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.ffn_hidden_size,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_query_groups,
-        max_position_embeddings=config.max_position_embeddings,
-        rms_norm_eps=config.norm_epsilon,
+        **llama.config_kwargs(config, bos_token_id=bos_token_id, eos_token_id=eos_token_id),
         rope_parameters={"rope_type": "default", "rope_theta": _rope_theta(config)},
-        hidden_act="silu",
-        attention_dropout=config.attention_dropout,
-        initializer_range=config.init_method_std,
-        tie_word_embeddings=not config.untie_embeddings_and_output_weights,
         decoder_sparse_step=1,
         mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe],
         moe_intermediate_size=config.moe_ffn_hidden_size or config.ffn_hidden_size,
@@ -143,8 +113,6 @@ def hf_config(config: GPTConfig, *, bos_token_id: int | None, eos_token_id: int 
         norm_topk_prob=not config.moe_router_pre_softmax,
         router_aux_loss_coef=config.moe_aux_loss_coeff,
         qkv_bias=config.add_qkv_bias,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
         architectures=["Qwen2MoeForCausalLM"],
     )
     if config.kv_channels * config.num_attention_heads != config.hidden_size:
@@ -265,10 +233,8 @@ def config_from_hf(hf) -> GPTConfig:
     if not any(pattern):
         raise ConversionError("this Qwen2-MoE has no MoE layer (mlp_only_layers, num_experts)")
     freq = 1 if all(pattern) else "[" + ",".join(str(int(p)) for p in pattern) + "]"
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     return dataclasses.replace(
         base,
-        kv_channels=head_dim,
         add_qkv_bias=bool(getattr(hf, "qkv_bias", True)),
         num_experts=hf.num_experts,
         moe_ffn_hidden_size=hf.moe_intermediate_size,
