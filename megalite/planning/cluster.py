@@ -44,6 +44,16 @@ def bus_factor(op: str, n: int) -> float:
     return (n - 1) / n  # all_gather, reduce_scatter, all_to_all
 
 
+def exposed_seconds(seconds: float, behind: float, *, floor: float = 0.0) -> float:
+    """What of ``seconds`` of transfers overlapped with ``behind`` seconds of compute stays on
+    the step: the part the compute does not cover, and at least ``floor`` of the whole (a
+    collective's launches and final wait, which no compute hides)."""
+    return max(seconds - behind, seconds * floor)
+
+
+COLLECTIVE_EXPOSED_FLOOR = 0.1  # the share of an overlapped collective that stays exposed
+
+
 @dataclass(frozen=True)
 class Cluster:
     gpus: int

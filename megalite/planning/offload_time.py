@@ -41,9 +41,9 @@ from collections import Counter
 from dataclasses import dataclass
 
 from megalite.models.config import GPTConfig
-from megalite.planning.cluster import Cluster
-from megalite.planning.model_state import DTYPE_BYTES, ParamSpec, rank_params
-from megalite.planning.predict import Layout
+from megalite.planning.cluster import Cluster, exposed_seconds
+from megalite.planning.model_state import DTYPE_BYTES, ParamSpec
+from megalite.planning.predict import Layout, layout_params
 
 
 @dataclass(frozen=True)
@@ -54,21 +54,6 @@ class Transfer:
     link: str  # host | disk_read | disk_write (Cluster.offload_seconds)
     nbytes: float
     overlapped: bool = False  # hidden behind the rank's compute, up to its length
-
-
-def _rank_specs(c: GPTConfig, layout: Layout, pp_rank: int) -> list[ParamSpec]:
-    return rank_params(
-        c,
-        tp=layout.tp,
-        pp=layout.pp,
-        pp_rank=pp_rank,
-        schedule=layout.schedule,
-        vp=layout.vp,
-        ep=layout.ep,
-        etp=layout.etp,
-        tp_mode=layout.tp_mode,
-        tp_depth=layout.tp_depth,
-    )
 
 
 def _shard_elements(specs: list[ParamSpec], layout: Layout, units: bool = False):
@@ -100,7 +85,7 @@ def offload_transfers(
         grads_in_fp32 = precision == "bf16"
     g = 4 if grads_in_fp32 else p
     zero3 = layout.rung == "optim_grads_params"
-    specs = _rank_specs(c, layout, pp_rank)
+    specs = layout_params(c, layout, pp_rank)
     n = _shard_elements(specs, layout)
     f = layout.offload_fraction if layout.rung != "no_shard" else 0.0
     params = layout.param_offload if zero3 else "device"
@@ -167,4 +152,4 @@ def offload_seconds(
             hidden += seconds
         else:
             exposed += seconds
-    return exposed + max(hidden - busy, 0.0), by_what
+    return exposed + exposed_seconds(hidden, busy), by_what

@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from megalite.core.optimizer.memory_report import ModelStateBytes
+from megalite.models.config import GPTConfig
 from megalite.planning.activations import StageActivations, stage_activations
-from megalite.planning.model_state import ZERO_RUNGS, model_state_bytes
+from megalite.planning.model_state import ZERO_RUNGS, ParamSpec, model_state_bytes, rank_params
 from megalite.planning.moe_activations import BALANCED, Routing
 from megalite.planning.tp_split import TPSplit
 from megalite.training.config import PretrainConfig
@@ -175,6 +176,57 @@ def layout_of(cfg: PretrainConfig, *, dp: int) -> Layout:
     )
 
 
+def layout_params(c: GPTConfig, layout: Layout, pp_rank: int) -> list[ParamSpec]:
+    """``model_state.rank_params`` of pipeline rank ``pp_rank`` split as ``layout`` splits the
+    model (TP mode, pipeline chunks, experts)."""
+    return rank_params(
+        c,
+        tp=layout.tp,
+        pp=layout.pp,
+        pp_rank=pp_rank,
+        schedule=layout.schedule,
+        vp=layout.vp,
+        ep=layout.ep,
+        etp=layout.etp,
+        tp_mode=layout.tp_mode,
+        tp_depth=layout.tp_depth,
+    )
+
+
+def layout_activations(
+    c: GPTConfig,
+    layout: Layout,
+    *,
+    pp_rank: int,
+    num_microbatches: int,
+    precision: str,
+    device: str,
+    ep_rank: int = 0,
+    routing: Routing = BALANCED,
+) -> StageActivations:
+    """``activations.stage_activations`` of pipeline rank ``pp_rank`` under ``layout``."""
+    return stage_activations(
+        c,
+        micro_batch_size=layout.micro_batch_size,
+        tp=layout.tp,
+        pp=layout.pp,
+        pp_rank=pp_rank,
+        num_microbatches=num_microbatches,
+        schedule=layout.schedule,
+        precision=precision,
+        device=device,
+        vp=layout.vp,
+        microbatch_group_size=layout.microbatch_group_size,
+        cp=layout.cp,
+        ep=layout.ep,
+        etp=layout.etp,
+        ep_rank=ep_rank,
+        routing=routing,
+        tp_mode=layout.tp_mode,
+        tp_depth=layout.tp_depth,
+    )
+
+
 @dataclass
 class RankMemory:
     """Predicted bytes of one rank (pipeline rank ``pp_rank``, DP rank ``dp_rank``)."""
@@ -228,25 +280,15 @@ def predict_memory(
     for pp_rank in range(layout.pp):
         key = ("activations", acts_key, pp_rank, ep_rank, routing)
         if key not in memo:
-            memo[key] = stage_activations(
+            memo[key] = layout_activations(
                 cfg,
-                micro_batch_size=layout.micro_batch_size,
-                tp=layout.tp,
-                pp=layout.pp,
+                layout,
                 pp_rank=pp_rank,
                 num_microbatches=m,
-                schedule=layout.schedule,
                 precision=precision,
                 device=device,
-                vp=layout.vp,
-                microbatch_group_size=layout.microbatch_group_size,
-                cp=layout.cp,
-                ep=layout.ep,
-                etp=layout.etp,
                 ep_rank=ep_rank,
                 routing=routing,
-                tp_mode=layout.tp_mode,
-                tp_depth=layout.tp_depth,
             )
         acts = memo[key]
         for dp_rank in dp_ranks or [0]:

@@ -36,11 +36,10 @@ from megalite.core.pipeline_parallel.generators import layout_of
 from megalite.models.attention_mask import attention_fraction
 from megalite.models.config import GPTConfig
 from megalite.models.moe_config import moe_layer_pattern
-from megalite.planning.activations import stage_activations
-from megalite.planning.cluster import Cluster
-from megalite.planning.model_state import DTYPE_BYTES, rank_params
+from megalite.planning.cluster import COLLECTIVE_EXPOSED_FLOOR, Cluster, exposed_seconds
+from megalite.planning.model_state import DTYPE_BYTES
 from megalite.planning.offload_time import offload_seconds, offload_transfers
-from megalite.planning.predict import Layout
+from megalite.planning.predict import Layout, layout_activations, layout_params
 from megalite.planning.schedule_replay import schedule_lists
 from megalite.planning.traffic import (
     pass_traffic,
@@ -147,7 +146,7 @@ def predict_step_time(
         )
 
     tp, pp, dp, b = layout.tp, layout.pp, layout.dp, layout.micro_batch_size
-    cp, ep = layout.cp, layout.ep
+    cp = layout.cp
     s, e = c.seq_length, DTYPE_BYTES[precision]
     m = global_batch_size // (b * dp)
     vocab = c.padded_vocab_size(layout.split.q)
@@ -226,30 +225,16 @@ def predict_step_time(
         comms = step_traffic(c, layout, pp_rank=r, m=m, e=e, cpu=cpu)
         grads = cost([x for x in comms if x.grad_reduction])
         if overlap_grad_reduce:
-            grads = max(grads - stage_b[0], grads * 0.1)
+            grads = exposed_seconds(grads, stage_b[0], floor=COLLECTIVE_EXPOSED_FLOOR)
         gathers = cost([x for x in comms if x.prefetched])
         if not cpu:  # a device's collectives run beside its compute; on a CPU they take its core
-            gathers = max(gathers - busy_rank[r], gathers * 0.1)
+            gathers = exposed_seconds(gathers, busy_rank[r], floor=COLLECTIVE_EXPOSED_FLOOR)
         rest = cost([x for x in comms if not (x.grad_reduction or x.prefetched)])
         return grads + gathers + rest
 
     dp_comm = max(per_step(r) for r in range(pp))
 
-    def rank_specs(r: int):
-        return rank_params(
-            c,
-            tp=tp,
-            pp=pp,
-            pp_rank=r,
-            schedule=layout.schedule,
-            vp=layout.vp,
-            ep=ep,
-            etp=layout.etp,
-            tp_mode=layout.tp_mode,
-            tp_depth=layout.tp_depth,
-        )
-
-    params = max(sum(p.numel for p in rank_specs(r)) for r in range(pp))
+    params = max(sum(p.numel for p in layout_params(c, layout, r)) for r in range(pp))
     dp_n = dp * cp
     shard = dp_n if layout.rung != "no_shard" else 1
     optimizer = params / shard * cluster.optimizer_s_per_param
@@ -266,7 +251,7 @@ def predict_step_time(
             precision=precision,
             grads_in_fp32=grads_in_fp32,
             activation_bytes=_offloaded_activation_bytes(c, layout, cluster, r, m, precision),
-            tied_unit=tied_embedding_unit(c, layout, rank_specs(r), r),
+            tied_unit=tied_embedding_unit(c, layout, layout_params(c, layout, r), r),
         )
         exposed, by_what = offload_seconds(transfers, cluster, busy=busy_rank[r])
         if exposed >= offload:
@@ -313,23 +298,13 @@ def _offloaded_activation_bytes(
     ``--cpu-offloading`` moves per layer (without it: nothing to move)."""
     if not c.cpu_offloading:
         return 0, 0
-    acts = stage_activations(
+    acts = layout_activations(
         c,
-        micro_batch_size=layout.micro_batch_size,
-        tp=layout.tp,
-        pp=layout.pp,
+        layout,
         pp_rank=pp_rank,
         num_microbatches=m,
-        schedule=layout.schedule,
         precision=precision,
         device=cluster.device,
-        vp=layout.vp,
-        microbatch_group_size=layout.microbatch_group_size,
-        cp=layout.cp,
-        ep=layout.ep,
-        etp=layout.etp,
-        tp_mode=layout.tp_mode,
-        tp_depth=layout.tp_depth,
     )
     tokens = c.seq_length * layout.micro_batch_size // layout.cp
     chunk_input = tokens * c.hidden_size * DTYPE_BYTES[precision] // layout.hidden_state_split

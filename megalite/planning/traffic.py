@@ -44,8 +44,8 @@ from megalite.core.pipeline_parallel.generators import generate, layout_of
 from megalite.models.config import GPTConfig
 from megalite.models.moe_config import moe_layer_pattern
 from megalite.planning.comm import Comm
-from megalite.planning.model_state import ParamSpec, rank_params
-from megalite.planning.predict import Layout
+from megalite.planning.model_state import ParamSpec
+from megalite.planning.predict import Layout, layout_params
 from megalite.planning.tp_modes import mode_pass_traffic
 from megalite.training.model_chunks import stage_blocks
 
@@ -156,18 +156,7 @@ def step_traffic(
     """What pipeline rank ``pp_rank`` sends once per step, outside the passes (module
     docstring). ``cpu``: gloo, where ZeRO's reduce-scatter and all-gather are p2p exchanges."""
     tp, pp, cp = layout.tp, layout.pp, layout.cp
-    specs = rank_params(
-        c,
-        tp=tp,
-        pp=pp,
-        pp_rank=pp_rank,
-        schedule=layout.schedule,
-        vp=layout.vp,
-        ep=layout.ep,
-        etp=layout.etp,
-        tp_mode=layout.tp_mode,
-        tp_depth=layout.tp_depth,
-    )
+    specs = layout_params(c, layout, pp_rank)
     dense = sum(p.numel for p in specs if not p.expert)
     expert = sum(p.numel for p in specs if p.expert)
     n, span = layout.dp * cp, tp * layout.dp * cp
