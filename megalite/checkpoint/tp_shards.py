@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from megalite.checkpoint.files import CheckpointError
+from megalite.core.mesh_layout import tp_grid_side
 from megalite.core.tensor_parallel.modes.grid3d import SUB_AXES_3D, Groups3D
 from megalite.core.tensor_parallel.modes.layers3d import weight_block3d
 from megalite.core.tensor_parallel.modes.vocab3d import embedding_block3d
@@ -66,9 +67,7 @@ class TPLayout:
     @property
     def q(self) -> int:
         """The side of the grid (size / depth = q^2) or the cube (size = q^3); the size under 1d."""
-        power = {"1d": 1, "3d": 3}.get(self.mode, 2)
-        per_grid = self.size // self.depth
-        return next(q for q in range(1, per_grid + 1) if q**power >= per_grid)
+        return tp_grid_side(self.size, self.mode, self.depth)
 
     def __str__(self) -> str:
         """``TP 8`` (1d), ``TP 4 (2d)``, ``TP 8 (2.5d, depth 2)``: the log lines' form."""
