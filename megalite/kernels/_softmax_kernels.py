@@ -28,36 +28,45 @@ def softmax_fwd(
     stride_mh,
     stride_mq,
     stride_mk,
+    m,
     CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr,
     BLOCK: tl.constexpr,
     NUM_BLOCKS: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)  # over b * heads * sq
-    q = row % sq
-    bh = row // sq
-    x_row = X + row * sk
-    y_row = Y + row * sk
-    m_row = MASK + (bh // heads) * stride_mb + (bh % heads) * stride_mh + q * stride_mq
-    last_key = q + (sk - sq)  # causal: keys 0..last_key are visible
+    # rows run over b * heads * sq; a program takes a tile of ROWS of them (1 when rows loop)
     cols = tl.arange(0, BLOCK)
     if NUM_BLOCKS == 1:
-        in_row = cols < sk
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        q = rows % sq
+        bh = rows // sq
+        m_rows = MASK + (bh // heads) * stride_mb + (bh % heads) * stride_mh + q * stride_mq
+        last_keys = q + (sk - sq)  # causal: keys 0..last_key are visible
+        in_row = (rows < m)[:, None] & (cols < sk)[None, :]
         keep = in_row
         if CAUSAL:
-            keep = keep & (cols <= last_key)
+            keep = keep & (cols[None, :] <= last_keys[:, None])
         if HAS_MASK:
-            hidden = tl.load(m_row + cols * stride_mk, mask=in_row, other=1)
+            hidden = tl.load(m_rows[:, None] + cols[None, :] * stride_mk, mask=in_row, other=1)
             keep = keep & (hidden == 0)
-        s = tl.load(x_row + cols, mask=keep, other=0.0).to(tl.float32) * scale
+        offs = rows[:, None] * sk + cols[None, :]
+        s = tl.load(X + offs, mask=keep, other=0.0).to(tl.float32) * scale
         s = tl.where(keep, s, float("-inf"))
-        row_max = tl.max(s, 0)
+        row_max = tl.max(s, 1)
         row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # fully masked row
-        e = tl.exp(s - row_max)  # exp(-inf) = 0 at masked keys
-        denom = tl.sum(e, 0)
+        e = tl.exp(s - row_max[:, None])  # exp(-inf) = 0 at masked keys
+        denom = tl.sum(e, 1)
         inv = tl.where(denom > 0.0, 1.0 / tl.where(denom > 0.0, denom, 1.0), 0.0)
-        tl.store(y_row + cols, round_to(e * inv, Y.dtype.element_ty), mask=in_row)
+        tl.store(Y + offs, round_to(e * inv[:, None], Y.dtype.element_ty), mask=in_row)
     else:
+        row = tl.program_id(0).to(tl.int64)
+        q = row % sq
+        bh = row // sq
+        x_row = X + row * sk
+        y_row = Y + row * sk
+        m_row = MASK + (bh // heads) * stride_mb + (bh % heads) * stride_mh + q * stride_mq
+        last_key = q + (sk - sq)
         # pass 1: per-lane running max and rescaled sum (online softmax), merged at the end
         lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
         lane_sum = tl.zeros([BLOCK], tl.float32)
@@ -100,27 +109,35 @@ def softmax_bwd(
     scale,
     sq,
     sk,
+    m,
     CAUSAL: tl.constexpr,
     BLOCK: tl.constexpr,
     NUM_BLOCKS: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
     # y = 0 at masked keys, so dx = 0 there; causal rows skip reading past the diagonal
-    n_read = sk
-    if CAUSAL:
-        n_read = tl.minimum(tl.maximum(row % sq + (sk - sq) + 1, 0), sk)
-    y_row = Y + row * sk
-    dy_row = DY + row * sk
-    dx_row = DX + row * sk
     cols = tl.arange(0, BLOCK)
-    if NUM_BLOCKS == 1:
-        live = cols < n_read
-        y = tl.load(y_row + cols, mask=live, other=0.0).to(tl.float32)
-        dy = tl.load(dy_row + cols, mask=live, other=0.0).to(tl.float32)
-        dot = tl.sum(y * dy, 0)
-        dx = scale * y * (dy - dot)
-        tl.store(dx_row + cols, round_to(dx, DX.dtype.element_ty), mask=cols < sk)
+    if NUM_BLOCKS == 1:  # a tile of ROWS rows
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        n_read = tl.where(rows < m, sk, 0)
+        if CAUSAL:
+            n_read = tl.minimum(tl.maximum(rows % sq + (sk - sq) + 1, 0), n_read)
+        live = cols[None, :] < n_read[:, None]
+        offs = rows[:, None] * sk + cols[None, :]
+        y = tl.load(Y + offs, mask=live, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=live, other=0.0).to(tl.float32)
+        dot = tl.sum(y * dy, 1)
+        dx = scale * y * (dy - dot[:, None])
+        in_row = (rows < m)[:, None] & (cols < sk)[None, :]
+        tl.store(DX + offs, round_to(dx, DX.dtype.element_ty), mask=in_row)
     else:
+        row = tl.program_id(0).to(tl.int64)
+        n_read = sk
+        if CAUSAL:
+            n_read = tl.minimum(tl.maximum(row % sq + (sk - sq) + 1, 0), sk)
+        y_row = Y + row * sk
+        dy_row = DY + row * sk
+        dx_row = DX + row * sk
         acc = tl.zeros([BLOCK], tl.float32)
         for start in range(0, sk, BLOCK):
             live = (start + cols) < n_read

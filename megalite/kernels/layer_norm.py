@@ -26,6 +26,7 @@ from megalite.kernels.runtime import (
     num_warps_for,
     reduction_programs,
     require_mode_match,
+    rows_per_program,
 )
 
 # Longest row held whole in registers; hidden sizes above it loop over blocks of this size.
@@ -69,19 +70,22 @@ def norm_forward(
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m > 0 and n > 0:
         block, num_blocks = block_for(n, max_block)
-        _kernels().fwd[(m,)](
+        rows = rows_per_program(block, num_blocks)
+        _kernels().fwd[(-(-m // rows),)](
             x2,
             weight.contiguous(),
             bias.contiguous() if bias is not None else weight,
             y,
             mean if not rms else rstd,  # RMS never writes MEAN
             rstd,
+            m,
             n,
             float(eps),
             IS_RMS=rms,
             HAS_BIAS=bias is not None,
             BLOCK=block,
             NUM_BLOCKS=num_blocks,
+            ROWS=rows,
             num_warps=num_warps_for(block),
         )
     return y.view(x.shape), mean, rstd
@@ -126,6 +130,7 @@ def norm_backward(
             HAS_BIAS=has_bias,
             BLOCK=block,
             NUM_BLOCKS=num_blocks,
+            ROWS=rows_per_program(block, num_blocks),
             num_warps=num_warps_for(block),
         )
     dweight = dw_part.sum(0)

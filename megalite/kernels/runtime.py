@@ -118,6 +118,17 @@ def block_for(n: int, cap: int) -> tuple[int, int]:
     return block, -(-n // block)
 
 
+def rows_per_program(block: int, num_blocks: int) -> int:
+    """Whole rows one program takes as a [rows, BLOCK] tile: short rows share a program, up to
+    ~2K elements a tile (a hidden size of 32 puts 64 rows in one program, 1024 two, 2048 and
+    longer one, as before). Fewer, fuller programs use a GPU's lanes on short rows, and under the
+    interpreter, which runs programs one after another at a fixed cost each, they are most of the
+    speed. Looping (multi-block) rows are one per program."""
+    if num_blocks > 1:
+        return 1
+    return max(1, min(64, 2048 // block))
+
+
 def num_warps_for(block: int) -> int:
     """Warps per program: enough threads that each holds <= ~32 elements of a row block."""
     if block <= 1024:

@@ -19,7 +19,12 @@ import torch
 
 from megalite.kernels._common import Kernels
 from megalite.kernels._softmax_kernels import build_softmax_kernels
-from megalite.kernels.runtime import block_for, num_warps_for, require_mode_match
+from megalite.kernels.runtime import (
+    block_for,
+    num_warps_for,
+    require_mode_match,
+    rows_per_program,
+)
 
 # Longest row kept whole in registers; longer rows loop over blocks of this many keys.
 MAX_BLOCK = 16384
@@ -78,7 +83,8 @@ def softmax_forward(
     if x.numel() == 0:
         return y
     block, num_blocks = block_for(sk, max_block)
-    _kernels().fwd[(b * heads * sq,)](
+    m, rows = b * heads * sq, rows_per_program(block, num_blocks)
+    _kernels().fwd[(-(-m // rows),)](
         x,
         mask_arg,
         y,
@@ -87,10 +93,12 @@ def softmax_forward(
         sk,
         heads,
         *mask_strides,
+        m,
         CAUSAL=bool(causal),
         HAS_MASK=mask is not None,
         BLOCK=block,
         NUM_BLOCKS=num_blocks,
+        ROWS=rows,
         num_warps=num_warps_for(block),
     )
     return y
@@ -113,16 +121,19 @@ def softmax_backward(
     if y.numel() == 0:
         return dx
     block, num_blocks = block_for(sk, max_block)
-    _kernels().bwd[(b * heads * sq,)](
+    m, rows = b * heads * sq, rows_per_program(block, num_blocks)
+    _kernels().bwd[(-(-m // rows),)](
         y,
         dy,
         dx,
         float(scale),
         sq,
         sk,
+        m,
         CAUSAL=bool(causal),
         BLOCK=block,
         NUM_BLOCKS=num_blocks,
+        ROWS=rows,
         num_warps=num_warps_for(block),
     )
     return dx

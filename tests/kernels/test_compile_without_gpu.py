@@ -31,15 +31,18 @@ i32, f32 = "i32", "fp32"
 for dt in ("fp32", "bf16"):
     p = "*" + dt
     cases = [
-        (softmax.fwd, [p, "*i1", p, f32] + [i32] * 7, (True, True), "CAUSAL HAS_MASK".split()),
-        (softmax.bwd, [p, p, p, f32, i32, i32], (True,), ["CAUSAL"]),
-        (norm.fwd, [p, p, p, p, "*fp32", "*fp32", i32, f32], (True, False), ["IS_RMS", "HAS_BIAS"]),
+        (softmax.fwd, [p, "*i1", p, f32] + [i32] * 8, (True, True), "CAUSAL HAS_MASK".split()),
+        (softmax.bwd, [p, p, p, f32, i32, i32, i32], (True,), ["CAUSAL"]),
+        (norm.fwd, [p, p, p, p, "*fp32", "*fp32", i32, i32, f32], (True, False),
+         ["IS_RMS", "HAS_BIAS"]),
         (norm.bwd, [p] * 4 + ["*fp32"] * 4 + [i32, i32], (False, True), ["IS_RMS", "HAS_BIAS"]),
     ]
     for fn, types, flags, flag_names in cases:
         for blocks in (1, 2):
             names = fn.arg_names
             consts = dict(zip(flag_names, flags), BLOCK=64, NUM_BLOCKS=blocks)
+            if "ROWS" in names:  # a tile of 4 rows on the one-block path, else one row
+                consts["ROWS"] = 4 if blocks == 1 else 1
             sig = dict(zip(names, types)) | {k: "constexpr" for k in consts}
             constexprs = {(names.index(k),): v for k, v in consts.items()}
             src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)

@@ -22,7 +22,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed: the fused kernels cannot run")
 
 from megalite.kernels.layer_norm import MAX_BLOCK, norm_backward, norm_forward  # noqa: E402
-from megalite.kernels.runtime import reduction_programs  # noqa: E402
+from megalite.kernels.runtime import block_for, reduction_programs, rows_per_program  # noqa: E402
 from tests.kernels.reference import (  # noqa: E402
     DTYPES,
     assert_within,
@@ -99,6 +99,17 @@ def test_matches_float64(dtype: torch.dtype, hidden: int, kind: str) -> None:
     # 6 rows on 4 programs: two programs reduce two rows each into their partial dweight/dbias
     assert reduction_programs(6, torch.device("cpu")) < 6
     x, weight, bias = make_inputs((2, 3, hidden), dtype, kind)
+    check_norm(x, weight, bias, rms=kind == "rmsnorm")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows,hidden", [(549, 17), (9, 1000)], ids=["549x17", "9x1000"])
+def test_row_tiles_across_programs(kind: str, rows: int, hidden: int) -> None:
+    # short rows share a program: 17 -> tiles of 64 rows, 9 tiles (the last of 37 rows), each of
+    # the backward's 4 programs looping over two or three; 1000 -> tiles of 2 rows, the last half
+    # empty
+    assert rows_per_program(*block_for(hidden, MAX_BLOCK)) == {17: 64, 1000: 2}[hidden]
+    x, weight, bias = make_inputs((rows, hidden), torch.float32, kind, seed=5)
     check_norm(x, weight, bias, rms=kind == "rmsnorm")
 
 

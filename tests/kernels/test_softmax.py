@@ -68,7 +68,12 @@ def random_mask(shape: tuple[int, ...], *, seed: int, empty_rows: bool) -> torch
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(2, 2, 5, 37), (1, 2, 3, 1000)], ids=["sk37", "sk1000"])
+# (3, 5, 7, 37): 105 rows in tiles of 32 (the last of 9), tiles crossing batch and head borders
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 2, 5, 37), (1, 2, 3, 1000), (3, 5, 7, 37)],
+    ids=["sk37", "sk1000", "sk37-row-tiles"],
+)
 @pytest.mark.parametrize("variant", ["causal", "mask", "causal+mask", "none"])
 def test_matches_float64(dtype: torch.dtype, shape: tuple[int, ...], variant: str) -> None:
     b, heads, sq, sk = shape
