@@ -8,8 +8,11 @@ the sequence into tiles of T tokens, T dividing L (L = m T). The query at offset
     tile i-m          keys at offsets b >= a      k >= q - L  <=>  (i-m)T + b >= iT + a - L
 
 So the window is m + 1 calls of the block kernel (``block_attention``), each batched over all
-tiles as heads: causal on the tiles as they lie, unmasked on the tiles j = 1 .. m-1 back, and with
-one shared T x T mask (b >= a) on the tile m back; their (out, lse) merge exactly (``merge``).
+tiles: causal on the tiles as they lie, unmasked on the tiles j = 1 .. m-1 back, and with one
+shared T x T mask (b >= a) on the tile m back; their (out, lse) merge exactly, in place
+(``merge_into``). The tiles are the kernel's batch dim, tile-major (# [nt, b * n, T, d]): the
+calls take the tiles j.. and ..nt-1-j as slices, and the one copy of the output grad the kernel
+needs contiguous is made once, not once per call.
 Every query reads exactly its L + 1 keys; the kernel computes L + T per query (it does not skip
 inside one causal tile). Keys are plain slices of the tiled sequence, so each call's grads are the
 size of its inputs: no key block is gathered once per query block that reads it.
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from megalite.core.attention.block_attention import block_backward, block_forward, merge
+from megalite.core.attention.block_attention import block_backward, block_forward, merge_into
 
 MIN_TILE = 256  # queries per tile where the window allows it (the CPU kernel's wider tiles)
 
@@ -41,17 +44,19 @@ def band_tile(window: int) -> int:
 
 
 def _tiles(x: torch.Tensor, tile: int) -> torch.Tensor:
-    """# [b, n, s, ...] -> [b * n, nt, tile, ...] (zero-padded at the end of s)."""
+    """# [b, n, s, ...] -> [nt, b * n, tile, ...] (zero-padded at the end of s; a view of x's
+    storage when tile divides s)."""
     b, n, s = x.shape[:3]
     nt = -(-s // tile)
     x = x.reshape(b * n, s, *x.shape[3:])
     if nt * tile != s:
         x = torch.cat((x, x.new_zeros(b * n, nt * tile - s, *x.shape[2:])), dim=1)
-    return x.view(b * n, nt, tile, *x.shape[2:])
+    return x.view(b * n, nt, tile, *x.shape[2:]).transpose(0, 1)
 
 
 def _untile(x: torch.Tensor, b: int, s: int) -> torch.Tensor:
-    """The inverse of ``_tiles``: # [b * n, nt, tile, ...] -> [b, n, s, ...]."""
+    """The inverse of ``_tiles``: # [nt, b * n, tile, ...] -> [b, n, s, ...]."""
+    x = x.transpose(0, 1)
     return x.reshape(b, -1, x.shape[1] * x.shape[2], *x.shape[3:])[:, :, :s]
 
 
@@ -74,16 +79,14 @@ def band_forward(
     of ``window`` keys back (>= 1). Returns (out # [b, n, s, d] fp32, lse # [b, n, s] fp32)."""
     b, s = q.shape[0], q.shape[2]
     tile = band_tile(window)
-    qt, kt, vt = (_tiles(x, tile) for x in (q, k, v))  # [BH, nt, T, d]
+    qt, kt, vt = (_tiles(x, tile) for x in (q, k, v))  # [nt, BH, T, d]
     out, lse = block_forward(qt, kt, vt, causal=True, scale=scale)  # each tile's own keys
     out = out.float()
-    for j, last in _offsets(window, tile, qt.shape[1]):
+    for j, last in _offsets(window, tile, qt.shape[0]):
         rows, keys = slice(j, None), slice(None, -j)  # tiles j.. read tiles ..nt-1-j
         mask = _upper(tile, q.device) if last else None
-        o, o_lse = block_forward(
-            qt[:, rows], kt[:, keys], vt[:, keys], causal=False, scale=scale, mask=mask
-        )
-        out[:, rows], lse[:, rows] = merge(out[:, rows], lse[:, rows], o, o_lse)
+        o, o_lse = block_forward(qt[rows], kt[keys], vt[keys], causal=False, scale=scale, mask=mask)
+        merge_into(out[rows], lse[rows], o, o_lse)
     return _untile(out, b, s), _untile(lse, b, s)
 
 
@@ -102,17 +105,17 @@ def band_backward(
     b, s = q.shape[0], q.shape[2]
     tile = band_tile(window)
     tiled = [_tiles(x, tile) for x in (dout.to(q.dtype), q, k, v, out.to(q.dtype), lse)]
+    tiled[0] = tiled[0].contiguous()  # the kernel's layout: every slice of it is contiguous
     dq, dk, dv = (g.float() for g in block_backward(*tiled, causal=True, scale=scale))
     do, qt, kt, vt, ot, lt = tiled
-    for j, last in _offsets(window, tile, qt.shape[1]):
+    for j, last in _offsets(window, tile, qt.shape[0]):
         rows, keys = slice(j, None), slice(None, -j)
-        args = [x[:, rows] for x in (do, qt)] + [x[:, keys] for x in (kt, vt)]
-        args += [x[:, rows] for x in (ot, lt)]
+        args = [do[rows], qt[rows], kt[keys], vt[keys], ot[rows], lt[rows]]
         mask = _upper(tile, q.device) if last else None
         grads = block_backward(*args, causal=False, scale=scale, mask=mask)
-        dq[:, rows] += grads[0].float()
-        dk[:, keys] += grads[1].float()
-        dv[:, keys] += grads[2].float()
+        dq[rows] += grads[0]
+        dk[keys] += grads[1]
+        dv[keys] += grads[2]
     return _untile(dq, b, s), _untile(dk, b, s), _untile(dv, b, s)
 
 

@@ -197,6 +197,18 @@ def merge(
     return out, new_lse
 
 
+def merge_into(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> None:
+    """``merge`` written into ``out`` (fp32) and ``lse`` in place (views allowed): no new tensor
+    of out's size but the block's weighted copy, one pass fewer over the rows."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    fin = new_lse.masked_fill(new_lse == -torch.inf, 0.0)
+    out.mul_(torch.exp(lse - fin).unsqueeze(-1))
+    out.addcmul_(block_out, torch.exp(block_lse - fin).unsqueeze(-1))
+    lse.copy_(new_lse)
+
+
 def expand_heads(x: torch.Tensor, heads_per_group: int) -> torch.Tensor:
     """# [b, g, s, d] -> [b, g * k, s, d]: query head j*k+i reads group j."""
     return x if heads_per_group == 1 else x.repeat_interleave(heads_per_group, dim=1)

@@ -1,6 +1,7 @@
 """The block attention of ring CP, one process: both kernels (torch's CPU flash op and the
 plain-matmul fallback) against autograd through SDPA, the log-sum-exp merge of two key blocks
-against one pass, and dropout's per-block mask replayed in backward. fp32, rtol 1e-5 / atol 1e-6.
+against one pass (and in place, into a strided view), and dropout's per-block mask replayed in
+backward. fp32, rtol 1e-5 / atol 1e-6.
 """
 
 from __future__ import annotations
@@ -49,6 +50,29 @@ def test_merge_of_two_key_blocks_equals_one_pass():
     merged, lse = ba.merge(a[0].float(), a[1], *b)
     torch.testing.assert_close(merged, one, **TOL)
     torch.testing.assert_close(lse, lse_one, **TOL)
+    # in place, into a strided view (every other head of a wider buffer): the same numbers there,
+    # nothing written elsewhere
+    out_buf, lse_buf = torch.full((2, 6, 5, 8), 7.0), torch.full((2, 6, 5), 7.0)
+    out_buf[:, ::2], lse_buf[:, ::2] = a[0], a[1]
+    ba.merge_into(out_buf[:, ::2], lse_buf[:, ::2], *b)
+    torch.testing.assert_close(out_buf[:, ::2], one, **TOL)
+    torch.testing.assert_close(lse_buf[:, ::2], lse_one, **TOL)
+    assert bool((out_buf[:, 1::2] == 7).all()) and bool((lse_buf[:, 1::2] == 7).all())
+    # a block that reaches no key of a row (lse -inf) merges as nothing there, without NaN
+    hide = torch.ones(5, 6, dtype=torch.bool)
+    hide[0] = False
+    c = ba.block_forward(q, k[:, :, 4:], v[:, :, 4:], causal=False, scale=0.4, mask=hide)
+    into_out, into_lse = a[0].float().clone(), a[1].clone()
+    ba.merge_into(into_out, into_lse, *c)
+    want_out, want_lse = ba.merge(a[0].float(), a[1], *c)
+    torch.testing.assert_close(into_out, want_out, **TOL)
+    torch.testing.assert_close(into_lse, want_lse, **TOL)
+    torch.testing.assert_close(into_out[:, :, 0], a[0][:, :, 0], **TOL)
+    # ... and where neither side has reached a key yet, the row stays empty: 0 and -inf
+    both_out, both_lse = c[0].float().clone(), c[1].clone()
+    ba.merge_into(both_out, both_lse, *c)
+    assert bool((both_out[:, :, 0] == 0).all()) and bool((both_lse[:, :, 0] == -torch.inf).all())
+    torch.testing.assert_close(both_out, ba.merge(c[0].float(), c[1], *c)[0], **TOL)
     # backward per block from the merged numbers = the one pass's grads, concatenated over keys
     dq1, dk1, dv1 = ba.block_backward(
         dout, q, k[:, :, :4], v[:, :, :4], merged, lse, causal=False, scale=0.4
