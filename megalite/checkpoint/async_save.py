@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -75,7 +76,7 @@ def _storage_key(t: torch.Tensor) -> tuple:
     return (s.device, s.data_ptr(), s.nbytes())
 
 
-def tensors_in(obj: object):
+def tensors_in(obj: object) -> Iterator[torch.Tensor]:
     """Every tensor in ``obj`` (the containers ``host_copy`` walks), in the order it meets them."""
     if isinstance(obj, torch.Tensor):
         yield obj
