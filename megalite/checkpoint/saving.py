@@ -101,12 +101,15 @@ def optimizer_full_state(optimizer) -> dict:
 
 
 def non_finite_parameters(module: nn.Module) -> list[str]:
-    """Names of ``module``'s parameters holding a NaN or an inf (one host read for all)."""
-    named = [(n, p) for n, p in module.named_parameters() if p.is_floating_point()]
+    """Names of ``module``'s parameters holding a NaN or an inf (one host read for all). A
+    tensor is finite when its minimum and maximum are (a NaN anywhere makes both NaN): one
+    reading pass, no tensor of flags as large as the parameter to allocate on every save."""
+    named = [(n, p) for n, p in module.named_parameters() if p.is_floating_point() and p.numel()]
     if not named:
         return []
     with torch.no_grad():
-        finite = torch.stack([torch.isfinite(p).all() for _, p in named]).tolist()
+        ends = torch.stack([torch.stack(torch.aminmax(p)).float() for _, p in named])  # [n, 2]
+        finite = torch.isfinite(ends).all(dim=1).tolist()
     return [n for (n, _), ok in zip(named, finite) if not ok]
 
 

@@ -6,8 +6,9 @@ synchronous path), into the same folder name (the run's config, recorded in the 
 it), and compares the files entry by entry of their zip archives: equal bytes, except the random
 ``.data/serialization_id`` torch writes in every file. The save of iteration 2 is written only
 once the loop has finished iteration 3 (a hook in the writer waits for it), so a host copy that
-were not a snapshot would hold iteration 3's weights. A resume from the async checkpoint repeats
-the uninterrupted run's losses exactly.
+were not a snapshot would hold iteration 3's weights; the snapshot of iteration 4 lies in the
+host memory of iteration 2's (the second save allocates none). A resume from the async
+checkpoint repeats the uninterrupted run's losses exactly.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.checkpoint import async_save, read_tracker
-from megalite.checkpoint.async_save import host_copy
+from megalite.checkpoint.async_save import HostBuffer, host_copy
 from megalite.core.parallel_state import ParallelState
 from megalite.training.forward_step import make_forward_step
 from megalite.training.pretrain import pretrain
@@ -61,13 +62,19 @@ def same_files(a: str, b: str) -> list[str]:
     return names
 
 
-def writer_waiting_for_the_loop(trainer, seen: list, timeout: float = 60.0):
+def writer_waiting_for_the_loop(
+    trainer, seen: list, places: list | None = None, timeout: float = 60.0
+):
     """A ``write_pending`` that writes iteration 2's save only once ``trainer`` has finished
     iteration 3 (or ``timeout`` passed: a save that blocks the loop); ``seen`` gets (iteration
-    saved, iteration the loop had reached) of each write."""
+    saved, iteration the loop had reached) of each write, ``places`` the addresses of the host
+    storages each snapshot lies in."""
     write = async_save.write_pending
 
     def write_later(pending):
+        if places is not None:
+            storages = (t.untyped_storage() for t in async_save.tensors_in(pending.writes))
+            places.append(sorted({s.data_ptr() for s in storages if s.nbytes()}))
         deadline = time.monotonic() + timeout
         while pending.iteration == 2 and trainer.result.iteration < 3:
             if time.monotonic() > deadline:
@@ -79,21 +86,25 @@ def writer_waiting_for_the_loop(trainer, seen: list, timeout: float = 60.0):
     return write_later
 
 
-def train(cfg, ps, *, background: bool, seen: list | None = None, monkeypatch=None) -> list:
+def train(
+    cfg, ps, *, background: bool, seen: list | None = None, places=None, monkeypatch=None
+) -> list:
     for seed in (random.seed, np.random.seed, torch.manual_seed):
         seed(0)  # the Python and numpy RNG states are saved too: the same in both runs
     trainer, data = trainer_and_data(cfg, ps)
     if not background:
         trainer.async_writer = None
     elif monkeypatch is not None:
-        monkeypatch.setattr(async_save, "write_pending", writer_waiting_for_the_loop(trainer, seen))
+        hook = writer_waiting_for_the_loop(trainer, seen, places)
+        monkeypatch.setattr(async_save, "write_pending", hook)
     return trainer.train(make_forward_step(torch.device("cpu")), data).losses
 
 
 def test_host_copy_is_a_snapshot_that_keeps_storage_sharing():
     flat = torch.arange(10.0)
     state = {"a": flat[:4], "b": flat[4:].view(2, 3), "tied": flat[:4], "n": 3, "t": (flat[9:],)}
-    copy, copied = host_copy(state, pin=False)
+    state["e"] = [torch.empty(0), torch.empty(0, dtype=torch.int64)]
+    copy, copied = host_copy(state, buffer=HostBuffer(pin=False))
     assert copied == flat.numel() * flat.element_size()  # one storage, copied once
     flat.add_(100.0)  # the live state moves on
     assert torch.equal(copy["a"], torch.arange(4.0)) and copy["n"] == 3
@@ -101,23 +112,43 @@ def test_host_copy_is_a_snapshot_that_keeps_storage_sharing():
     assert copy["b"].untyped_storage().data_ptr() == copy["a"].untyped_storage().data_ptr()
     assert copy["b"].storage_offset() == 4 and copy["tied"] is not copy["a"]
     assert copy["t"][0].item() == 9.0
+    assert [e.dtype for e in copy["e"]] == [torch.float32, torch.int64]
+    assert copy["e"][0].untyped_storage() is not copy["e"][1].untyped_storage()
 
-    buffers: dict = {}
-    first, _ = host_copy(state, pin=False, buffers=buffers)
-    flat.add_(1.0)
-    second, _ = host_copy(state, pin=False, buffers=buffers)  # the next save: storage reused
-    assert second["a"].untyped_storage().data_ptr() == first["a"].untyped_storage().data_ptr()
-    assert torch.equal(second["a"], torch.arange(4.0) + 101.0) and len(buffers) == 1
+
+def test_every_snapshot_is_copied_into_the_host_memory_of_the_first():
+    """One buffer made once, as large as the snapshot (each storage rounded up to 64 bytes):
+    a second snapshot, even of tensors made anew (as the RNG states are at each save), lies
+    where the first did; only a larger one replaces it."""
+    buffer = HostBuffer(pin=False)
+
+    def state(n: int) -> dict:
+        return {"w": torch.full((n,), float(n)), "rng": torch.arange(3), "b": torch.ones(5)}
+
+    places = []
+    for n in (100, 100, 300):
+        copy, copied = host_copy(state(n), buffer=buffer)
+        places.append([t.untyped_storage().data_ptr() for t in copy.values()])
+        assert copied <= buffer.nbytes < copied + 64 * 3 and torch.equal(copy["w"], state(n)["w"])
+        assert buffer.allocations == (1 if n == 100 else 2)
+    assert places[1] == places[0] != places[2]
 
 
 def test_async_save_writes_the_sync_files_while_training_goes_on(tmp_path, monkeypatch):
     save = tmp_path / "ckpt"
     cfg = config("--save", str(save), *FLAGS)
-    seen = []
+    seen, places = [], []
     async_losses = train(
-        cfg, ParallelState.single(), background=True, seen=seen, monkeypatch=monkeypatch
+        cfg,
+        ParallelState.single(),
+        background=True,
+        seen=seen,
+        places=places,
+        monkeypatch=monkeypatch,
     )
     assert seen == [(2, 3), (4, 4)]  # iteration 2 was written after the loop's iteration 3
+    # the save of iteration 4 was copied into the host memory of iteration 2's: no allocation
+    assert len(places[0]) > 10 and places[1] == places[0]
     assert read_tracker(str(save)) == 4
     shutil.move(save, tmp_path / "async")
     monkeypatch.undo()

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from megalite.checkpoint import files
+from megalite.checkpoint.saving import non_finite_parameters
 from megalite.inference import load_model
 from pretrain_gpt import main
 from tests.user_errors import TINY, files_under, one_error_line, read_only, run_in_process
@@ -153,6 +154,22 @@ def test_save_checkpoint_refuses_non_finite_parameters(tmp_path):
         "iter_0000001/mp_rank_00/model_optim_rng.pt",
         "latest_checkpointed_iteration.txt",
     ]
+
+
+def test_every_non_finite_value_is_found_in_any_float_dtype():
+    """NaN, +inf and -inf anywhere in a parameter, in fp32, fp16 and bf16; the largest finite
+    fp16 is finite; an empty parameter and an integer buffer are skipped."""
+    module = torch.nn.Module()
+    for i, dtype in enumerate((torch.float32, torch.float16, torch.bfloat16)):
+        for bad in ("nan", "inf", "-inf", "ok"):
+            data = torch.full((3, 4), 2.0, dtype=dtype)
+            data[i, i + 1] = float(bad) if bad != "ok" else torch.finfo(dtype).max
+            name = f"{dtype}_{bad}".replace("torch.", "").replace("-", "minus_")
+            module.register_parameter(name, torch.nn.Parameter(data))
+    module.register_parameter("empty", torch.nn.Parameter(torch.empty(0)))
+    module.register_buffer("count", torch.tensor([7]))
+    expected = [n for n, _ in module.named_parameters() if not n.endswith("ok") and n != "empty"]
+    assert non_finite_parameters(module) == expected and len(expected) == 9
 
 
 def _two_rank_full_disk_case(save: str) -> str:

@@ -25,7 +25,9 @@ Stall (``--part stall`` or ``all``): the seconds the training loop is blocked by
 same state, synchronous (the whole ``save_checkpoint``) against ``--async-save`` (the host copy at
 the save, plus the wait for the writer and the commit at the next save after
 ``--steps-while-writing`` training steps), and what those steps cost beside the writer thread
-(their time against steps without one). The ratio sync / async is the figure; on CPU the writer
+(their time against steps without one). One writer serves every round, as in a run: its host
+buffer is made at the first async save and reused by the next (each round's figures and the
+buffer's bytes are printed). The ratio sync / async is the figure; on CPU the writer
 shares the cores with training, so part of the saving moves into the steps' time.
 
 Medians over ``--rounds``; MB/s = bytes on disk / seconds. Before each timed operation the dirty
@@ -133,12 +135,13 @@ def stall(trainer, data, *, rounds: int, steps: int) -> dict[str, float]:
         trainer.step(forward_step, data)
         return time.perf_counter() - started
 
+    writer = AsyncCheckpointWriter()  # one for the run: its host buffer is kept across saves
     for _ in range(rounds):
         trainer.async_writer = None
         trainer.result.iteration += 1
         times.setdefault("sync save", []).append(_timed(lambda: save_checkpoint(trainer)))
         times.setdefault("step alone", []).append(statistics.mean(step() for _ in range(steps)))
-        trainer.async_writer = AsyncCheckpointWriter()
+        trainer.async_writer = writer
         trainer.result.iteration += 1
         os.sync()
         started = time.perf_counter()
@@ -153,6 +156,14 @@ def stall(trainer, data, *, rounds: int, steps: int) -> dict[str, float]:
         times.setdefault("async save", []).append(copy + wait)
         times.setdefault("step beside the writer", []).append(beside)
     trainer.async_writer = None
+    buffer = writer.host_buffer
+    assert buffer is not None
+    print(
+        f"async host buffer: {buffer.nbytes / 1e6:.1f} MB, allocated {buffer.allocations} "
+        f"time(s) in {rounds} save(s)"
+    )
+    for name, values in times.items():
+        print(f"  {name:28s} rounds: {', '.join(f'{v:.2f}' for v in values)} s")
     return {k: statistics.median(v) for k, v in times.items()}
 
 
