@@ -56,12 +56,22 @@ def rope_scaling(config: GPTConfig) -> dict | None:
 
 
 def check(
-    config: GPTConfig, *, model: str = "LlamaForCausalLM", sliding_window: bool = False
+    config: GPTConfig,
+    *,
+    model: str = "LlamaForCausalLM",
+    sliding_window: bool = False,
+    rope_scaling: bool = True,
 ) -> None:
     """One-line ConversionError for a model ``model`` (LlamaForCausalLM, or a family built on its
     layers) cannot express; ``sliding_window``: the family has one (Mistral), else a window is
-    refused. No family expresses a block-sparse layout."""
+    refused; ``rope_scaling``: its export writes llama3 RoPE scaling (Llama, Mistral), else
+    ``--use-rope-scaling`` is refused rather than dropped. No family expresses a block-sparse
+    layout."""
     needs = (
+        (
+            "no --use-rope-scaling (its export writes plain RoPE)",
+            rope_scaling or not config.use_rope_scaling,
+        ),
         ("--position-embedding-type rope", config.position_embedding_type == "rope"),
         ("--normalization RMSNorm", config.normalization == "RMSNorm"),
         ("--swiglu", config.swiglu),

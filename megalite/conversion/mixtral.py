@@ -29,7 +29,7 @@ _ATTENTION = ("input_layernorm", "post_attention_layernorm", "self_attn.")
 
 def check(config: GPTConfig) -> None:
     """One-line ConversionError for a model MixtralForCausalLM cannot express."""
-    llama.check(config, model="MixtralForCausalLM")
+    llama.check(config, model="MixtralForCausalLM", rope_scaling=False)
     needs = (
         ("--num-experts", config.num_experts is not None),
         ("--moe-layer-freq 1", all(moe_layer_pattern(config))),

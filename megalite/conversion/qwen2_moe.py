@@ -53,7 +53,7 @@ def _llama_view(config: GPTConfig) -> GPTConfig:
 
 def check_dense(config: GPTConfig) -> None:
     """One-line ConversionError for a model Qwen2ForCausalLM cannot express."""
-    llama.check(_llama_view(config), model="Qwen2ForCausalLM")
+    llama.check(_llama_view(config), model="Qwen2ForCausalLM", rope_scaling=False)
     _needs(
         "Qwen2ForCausalLM",
         (("--add-qkv-bias", config.add_qkv_bias), ("no --num-experts", config.num_experts is None)),
@@ -62,7 +62,7 @@ def check_dense(config: GPTConfig) -> None:
 
 def check(config: GPTConfig) -> None:
     """One-line ConversionError for a model Qwen2MoeForCausalLM cannot express."""
-    llama.check(_llama_view(config), model="Qwen2MoeForCausalLM")
+    llama.check(_llama_view(config), model="Qwen2MoeForCausalLM", rope_scaling=False)
     _needs(
         "Qwen2MoeForCausalLM",
         (

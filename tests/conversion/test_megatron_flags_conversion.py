@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalite.conversion import ConversionError, gpt2, llama
+from megalite.conversion import ConversionError, gpt2, llama, mixtral, qwen2_moe
 from megalite.core.parallel_state import ParallelState
 from megalite.models import GPTModel
 from tests.models.helpers import make_config
@@ -87,6 +87,15 @@ def test_what_hf_cannot_express_is_refused():
         module = llama if family == "llama" else gpt2
         with pytest.raises(ConversionError, match=words):
             module.check(make_config(family, **kwargs))
+    # Mixtral and Qwen2 exports write plain RoPE: llama3 scaling is refused, not dropped
+    scaled = make_config("llama", use_rope_scaling=True)
+    for check, model in (
+        (mixtral.check, "MixtralForCausalLM"),
+        (qwen2_moe.check_dense, "Qwen2ForCausalLM"),
+    ):
+        with pytest.raises(ConversionError, match=f"{model} needs no --use-rope-scaling"):
+            check(scaled)
+    llama.check(scaled)  # Llama writes it
     other = transformers.LlamaConfig(
         hidden_size=64,
         num_attention_heads=8,
