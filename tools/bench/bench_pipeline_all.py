@@ -201,7 +201,9 @@ def _worker(rank, pp, m, steps, init_file, timeline_dir, q, quick=False):
             clocked = ClockedP2P(**_p2p_kwargs(rank, pp))
             timed = (schedule, v, chunks, clocked, m, rank, pp)
             _megalite(*timed)  # resolves the plan, fills the buffer pool, checks the neighbours
-            cpu = executor_cpu_per_action(lambda tl, a=timed: _megalite(*a, timeline=tl), n)
+            cpu = executor_cpu_per_action(
+                lambda tl, a=timed: _megalite(*a, timeline=tl), n, clocked
+            )
             mean = torch.tensor(list(cpu)) / pp
             dist.all_reduce(mean)
             profile["cpu"] = [float(x) for x in mean]
