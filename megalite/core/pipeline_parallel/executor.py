@@ -11,25 +11,20 @@ that holds the loss it applies ``loss_func``, divides by ``num_microbatches`` (a
 layers deferring their weight grads into a ``WeightGradStore`` keyed by the micro-batch; W
 computes them.
 
-Communication: ``actions`` is this rank's ``actions.p2p_program`` (compute actions and
-``P2PBatch`` es); each batch is posted as ONE batch (``P2PCommunicator.post``: one
-``batch_isend_irecv`` on nccl) of the ops ``actions.posting_plan`` lists, in that order
-(``p2p_program``'s docstring says why this is deadlock-free and FIFO-correct on nccl, which ignores
-tags). The plan is resolved once per program and communicator (``posting.plan_for``), and the
-receive buffers come from the communicator's pool, reused once nothing holds them
-(``p2p.ReceiveBuffers``). Per action the hot path calls the item's handler with what the plan
-resolved (its keys, its peers, the group's own ``send`` / ``recv`` where the backend posts a batch
-op by op: ``P2PCommunicator.direct``); it builds no key, formats no string, enters no context and
-calls no recorder unless a timeline or the recorder is on. Sends are never waited for: once a
-send is done (polled oldest first) the executor drops its reference to the sent output and keeps
-only the output's autograd edge (``release_output``; the next stage has a copy). On gloo a send
-reports done only once waited for, so with overlap the release comes at the end of the step (no
-saving on CPU); nccl's works report it as it happens. With overlap a received tensor is waited
-for by its consumer; without (``P2PCommunicator(overlap=False)``) the whole batch is waited for
-right after posting. Messages carry a tag per (direction, micro-batch, stage) for gloo;
-``P2PCommunicator(tagged=False)`` sends all with tag 0, as nccl would see them (the tests run
-that on gloo, which then matches by posting order). A plain SEND / RECV action (a flat list of
-``with_p2p``) is posted as a batch of one.
+Communication: ``actions`` is this rank's ``actions.p2p_program``; each ``P2PBatch`` is posted as
+ONE batch (one ``batch_isend_irecv`` on nccl) of the ops ``actions.posting_plan`` lists, in that
+order (``p2p_program`` says why this is deadlock-free and FIFO-correct on nccl, which ignores
+tags). The plan is resolved once per program and communicator (``posting.plan_for``: each item's
+keys, peers and posting call; on gloo the group's own ``send`` / ``recv``), receive buffers come
+from the communicator's pool (``p2p.ReceiveBuffers``), and per action the hot path calls the
+item's handler: no key built, no string formatted, no context entered, no recorder called unless
+a timeline or the recorder is on. Sends are never waited for: once one is done (polled oldest
+first) the executor keeps only the sent output's autograd edge (``release_output``; the next
+stage has a copy); gloo reports a send done only once waited for (the release comes at the end
+of the step), nccl as it happens. With overlap a received tensor is waited for by its consumer;
+without (``P2PCommunicator(overlap=False)``) the batch is waited for right after posting. Tags:
+one per (direction, micro-batch, stage); ``P2PCommunicator(tagged=False)`` sends all with tag 0,
+as nccl sees them. A plain SEND / RECV action (a flat ``with_p2p`` list) is a batch of one.
 
 Grad sync: every compute action runs inside the ``no_sync()`` of every chunk except the chunks for
 which it is the last action touching their grads (their last B, I or W of the step), so the
