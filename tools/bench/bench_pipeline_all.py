@@ -6,8 +6,9 @@ run), and the simulator's prediction from costs profiled in the same run:
 
 - F / I / W of every global stage, each rank timing its chunks ALONE in turn
   (``profiling.profile_chunk``, one profile per stage count: 4 and 8 stages at PP 4), the p2p
-  latency from a ping-pong, the executor's own time per action (``executor_seconds_per_action``:
-  the main thread's CPU time outside compute and receive waits in 1F1B steps, mean over ranks), and
+  latency from a ping-pong, the executor's time per action (``executor_cpu_per_action``: the main
+  thread's CPU time outside compute and receive waits in 1F1B steps, mean over ranks, and its parts:
+  the backend's posting calls, the send waits, the timeline's bookkeeping, the executor's own), and
   the cores the ranks really get (all computing at once; PP 4 on a 2-core machine shares them);
 - "predicted" replays each schedule's action list with those costs and that core sharing
   (``simulate(..., cores=c)``): its step over the predicted 1F1B step is printed beside the
@@ -38,7 +39,8 @@ from megalite.core.pipeline_parallel.generators import generate, layout_of
 from megalite.core.pipeline_parallel.model_chunk import ModelChunk
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.core.pipeline_parallel.profiling import (
-    executor_seconds_per_action,
+    ClockedP2P,
+    executor_cpu_per_action,
     gather_stage_costs,
     p2p_latency,
     profile_chunk,
@@ -176,15 +178,7 @@ def _worker(rank, pp, m, steps, init_file, timeline_dir, q, quick=False):
         layout = layout_of(schedule, pp, v)
         n = BLOCKS // layout.num_stages
         chunks = [Chunk(n, layout.stage(rank, c) == 0) for c in range(layout.num_chunks)]
-        p2p = P2PCommunicator(
-            prev_rank=rank - 1 if rank else None,
-            next_rank=rank + 1 if rank < pp - 1 else None,
-            tensor_shape=(MICRO_BATCH, HIDDEN),
-            dtype=torch.float32,
-            device=torch.device("cpu"),
-            group=dist.group.WORLD,
-            pp_ranks=list(range(pp)),
-        )
+        p2p = P2PCommunicator(**_p2p_kwargs(rank, pp))
         args = (schedule, v, chunks, p2p, m, rank, pp)
         ours = _timed(lambda a=args: _megalite(*a), steps, chunks)
         try:
@@ -202,16 +196,34 @@ def _worker(rank, pp, m, steps, init_file, timeline_dir, q, quick=False):
         gathered = [None] * pp
         dist.all_gather_object(gathered, (spans, end - base))
         out[schedule] = (ours, theirs, [g[0] for g in gathered], [g[1] for g in gathered])
-        if schedule == "1f1b":  # the executor's own CPU per action, mean over ranks
+        if schedule == "1f1b":  # the executor's CPU per action and its parts, mean over ranks
             n = len(with_p2p(generate(schedule, pp_size=pp, num_microbatches=m), layout)[rank])
-            cpu = executor_seconds_per_action(lambda tl, a=args: _megalite(*a, timeline=tl), n)
-            mean = torch.tensor([cpu / pp])
+            clocked = ClockedP2P(**_p2p_kwargs(rank, pp))
+            timed = (schedule, v, chunks, clocked, m, rank, pp)
+            _megalite(*timed)  # resolves the plan, fills the buffer pool, checks the neighbours
+            cpu = executor_cpu_per_action(
+                lambda tl, a=timed: _megalite(*a, timeline=tl), n, clocked
+            )
+            mean = torch.tensor(list(cpu)) / pp
             dist.all_reduce(mean)
-            profile["per_action"] = float(mean)
+            profile["cpu"] = [float(x) for x in mean]
+            profile["per_action"] = profile["cpu"][0]
     if rank == 0:
         q.put((out, profile))
     dist.destroy_process_group()
     del timeline_dir
+
+
+def _p2p_kwargs(rank: int, pp: int) -> dict:
+    return dict(
+        prev_rank=rank - 1 if rank else None,
+        next_rank=rank + 1 if rank < pp - 1 else None,
+        tensor_shape=(MICRO_BATCH, HIDDEN),
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        group=dist.group.WORLD,
+        pp_ranks=list(range(pp)),
+    )
 
 
 def _profile_all(pp, m, rank, quick=False) -> dict:
@@ -305,8 +317,15 @@ def run_all(
         f"pp={pp} m={m}, {BLOCKS} MLP blocks of h={HIDDEN}, micro-batch {MICRO_BATCH}, "
         f"medians of {steps} steps; stage 0 alone: F {one[0][0] * 1e3:.2f} ms, I "
         f"{one[0][1] * 1e3:.2f} ms, W {one[0][2] * 1e3:.2f} ms; p2p {latency * 1e6:.0f} us; "
-        f"effective cores {cores:.2f} of {len(os.sched_getaffinity(0))}; executor "
-        f"{per_action * 1e6:.0f} us/action (CPU)"
+        f"effective cores {cores:.2f} of {len(os.sched_getaffinity(0))}"
+    )
+    outside, posting, send_waits, spans, own = (x * 1e6 for x in profile["cpu"])
+    print(
+        f"executor CPU per action (1F1B, mean over ranks): {outside:.1f} us outside compute and "
+        f"receive waits (the simulator's per-action cost; the figure reported before) = "
+        f"posting {posting:.1f} (torch.distributed / the backend's send and recv calls) + send "
+        f"waits {send_waits:.1f} + timeline bookkeeping {spans:.1f} (measuring only) + the "
+        f"executor's own {own:.1f} us"
     )
     shared = max(1.0, cores) if cores < pp else None  # the model needs a core at least
     sims, ideal = {}, {}

@@ -11,23 +11,20 @@ that holds the loss it applies ``loss_func``, divides by ``num_microbatches`` (a
 layers deferring their weight grads into a ``WeightGradStore`` keyed by the micro-batch; W
 computes them.
 
-Communication: ``actions`` is this rank's ``actions.p2p_program`` (compute actions and
-``P2PBatch`` es); each batch is posted as ONE batch (``P2PCommunicator.post``: one
-``batch_isend_irecv`` on nccl) of the ops ``actions.posting_plan`` lists, in that order
-(``p2p_program``'s docstring says why this is deadlock-free and FIFO-correct on nccl, which ignores
-tags). The plan is resolved once per program and communicator (``posting.plan_for``), and the
-receive buffers come from the communicator's pool, reused once nothing holds them
-(``p2p.ReceiveBuffers``); per action the hot path does no string formatting, enters no context
-and calls no recorder unless a timeline or the recorder is on. Sends are never waited for: once a
-send is done (polled oldest first) the executor drops its reference to the sent output and keeps
-only the output's autograd edge (``release_output``; the next stage has a copy). On gloo a send
-reports done only once waited for, so with overlap the release comes at the end of the step (no
-saving on CPU); nccl's works report it as it happens. With overlap a received tensor is waited
-for by its consumer; without (``P2PCommunicator(overlap=False)``) the whole batch is waited for
-right after posting. Messages carry a tag per (direction, micro-batch, stage) for gloo;
-``P2PCommunicator(tagged=False)`` sends all with tag 0, as nccl would see them (the tests run
-that on gloo, which then matches by posting order). A plain SEND / RECV action (a flat list of
-``with_p2p``) is posted as a batch of one.
+Communication: ``actions`` is this rank's ``actions.p2p_program``; each ``P2PBatch`` is posted as
+ONE batch (one ``batch_isend_irecv`` on nccl) of the ops ``actions.posting_plan`` lists, in that
+order (``p2p_program`` says why this is deadlock-free and FIFO-correct on nccl, which ignores
+tags). The plan is resolved once per program and communicator (``posting.plan_for``: each item's
+keys, peers and posting call; on gloo the group's own ``send`` / ``recv``), receive buffers come
+from the communicator's pool (``p2p.ReceiveBuffers``), and per action the hot path calls the
+item's handler: no key built, no string formatted, no context entered, no recorder called unless
+a timeline or the recorder is on. Sends are never waited for: once one is done (polled oldest
+first) the executor keeps only the sent output's autograd edge (``release_output``; the next
+stage has a copy); gloo reports a send done only once waited for (the release comes at the end
+of the step), nccl as it happens. With overlap a received tensor is waited for by its consumer;
+without (``P2PCommunicator(overlap=False)``) the batch is waited for right after posting. Tags:
+one per (direction, micro-batch, stage); ``P2PCommunicator(tagged=False)`` sends all with tag 0,
+as nccl sees them. A plain SEND / RECV action (a flat ``with_p2p`` list) is a batch of one.
 
 Grad sync: every compute action runs inside the ``no_sync()`` of every chunk except the chunks for
 which it is the last action touching their grads (their last B, I or W of the step), so the
@@ -54,11 +51,12 @@ from megalite.core.pipeline_parallel.actions import Action, P2PBatch, StageLayou
 from megalite.core.pipeline_parallel.data_iterators import per_chunk_iterators
 from megalite.core.pipeline_parallel.model_chunk import ModelChunk, check_model_chunks
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
-from megalite.core.pipeline_parallel.posting import Plan, Post, plan_for
+from megalite.core.pipeline_parallel.posting import Compute, Plan, Post, plan_for
 from megalite.core.pipeline_parallel.timeline import Timeline
 from megalite.core.tensor_parallel.layers import WeightGradStore, attach_weight_grad_store
 
 _LABEL = {"F": "forward", "B": "backward", "I": "backward-input", "W": "backward-weight"}
+_WHAT = {"F": "send to the next stage", "B": "send back"}  # what a mis-shaped send was
 
 
 def release_output(
@@ -118,6 +116,7 @@ class _Run:
     ):
         self.layout, self.rank = layout, pp_rank
         self.forward_step_func, self.model = forward_step_func, model
+        self.modules = [chunk.module for chunk in model]
         self.data_iterator = per_chunk_iterators(data_iterator)
         self.m, self.p2p = num_microbatches, p2p
         self.forward_only, self.grad_scale_func = forward_only, grad_scale_func
@@ -125,15 +124,11 @@ class _Run:
         self.recording = RECORDER.enabled  # fixed for the step: no recorder calls when off
         # chunks with a grad wrapper: only their no_sync() does anything
         self.wrapped = {chunk.index for chunk in model if chunk.grad_wrapper is not None}
-        S = layout.num_stages
-        self.stages = [layout.stage(pp_rank, c) for c in range(len(self.model))]
-        self.is_loss = [s == S - 1 for s in self.stages]
-        # where a chunk's output / input grad goes: True when the next / previous stage is a
-        # chunk of this rank (the turn of a V: handed over in memory, not sent)
-        self.output_stays = [s < S - 1 and layout.place(s + 1)[0] == pp_rank for s in self.stages]
-        self.grad_stays = [s > 0 and layout.place(s - 1)[0] == pp_rank for s in self.stages]
-        self.inputs: dict[tuple[int, int], torch.Tensor | None] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        # a batch posted op by op straight on the group, nothing recorded, receives waited for
+        # by their consumers: the hot path of ``_post``
+        self.direct = not p2p.batched and p2p.overlap and not self.recording
+        # (mb, chunk) -> (the input, the output) of a forward, until its backward
+        self.held: dict[tuple[int, int], tuple] = {}
         self.input_grads: dict[tuple[int, int], torch.Tensor | None] = {}
         self.mailbox: dict[tuple[str, int, int], torch.Tensor] = {}  # (kind, mb, stage)
         # (kind, mb, stage) -> (work, buffer, record); sends: (work, output key, record), oldest
@@ -165,36 +160,50 @@ class _Run:
     def _sent(self, work, key: tuple[int, int] | None, rec) -> None:
         if self.recording:
             RECORDER.end(rec)
-        if key is not None and key in self.outputs:
-            self.outputs[key] = release_output(self.outputs[key])
+        if key is not None:
+            held = self.held.get(key)
+            if held is not None:
+                self.held[key] = (held[0], release_output(held[1]))
 
-    def _post(self, ops: tuple[Post, ...]) -> None:
-        """One batch of ``ops``, posted in their order (``P2PCommunicator.post``)."""
+    def _post(self, ops: tuple[Post, ...], forward_ops: tuple[Post, ...]) -> None:
+        """One batch of ``ops`` (a forward-only run: ``forward_ops``), posted in their order:
+        on the hot path (``direct``) each op straight on the group, else through
+        ``P2PCommunicator.post`` (one ``batch_isend_irecv`` on nccl) with the recorder's records,
+        and without overlap the whole batch waited for at once."""
+        if self.forward_only:
+            ops = forward_ops
         if not ops:
             return
-        p2p = self.p2p
-        batch, frees = [], []
+        p2p, direct = self.p2p, self.direct
+        batch = []  # (send, tensor, peer, tag), (sent output key or receive buffer) per op
         for op in ops:
             if op.send:
-                if op.kind == "F":
-                    tensor = self.to_send.pop(op.out_key)
-                    frees.append(op.out_key)  # released once the send is done
-                    p2p.validate(tensor, "send to the next stage")
+                if op.kind == "F":  # the output is released once the send is done
+                    tensor, key = self.to_send.pop(op.out_key), op.out_key
                 else:
-                    tensor = self.input_grads.pop(op.out_key)
-                    frees.append(None)
-                    p2p.validate(tensor, "send back")
-                batch.append((True, tensor.detach().contiguous(), op.to, op.tag))
+                    tensor, key = self.input_grads.pop(op.out_key), None
+                if tensor.shape != p2p.shape or tensor.dtype != p2p.dtype:
+                    p2p.validate(tensor, _WHAT[op.kind])
+                tensor = tensor.detach().contiguous()
+                if direct:
+                    self.sends.append((op.call([tensor], op.group_rank, op.tag), key, None))
+                else:
+                    batch.append(((True, tensor, op.to, op.tag), key))
             else:
-                frees.append(p2p.receive_buffers.take())
-                batch.append((False, frees[-1], op.to, op.tag))
+                buf = p2p.receive_buffers.take()
+                if direct:
+                    self.recvs[op.message] = (op.call([buf], op.group_rank, op.tag), buf, None)
+                else:
+                    batch.append(((False, buf, op.to, op.tag), buf))
+        if direct:
+            return
         recs = [self._record(op) for op in ops] if self.recording else [None] * len(ops)
-        works = p2p.post(batch)
-        for op, work, free, rec in zip(ops, works, frees, recs):
+        works = p2p.post([posted for posted, _ in batch])
+        for op, work, (_, kept), rec in zip(ops, works, batch, recs):
             if op.send:
-                self.sends.append((work, free, rec))
-            else:  # free: the receive buffer
-                self.recvs[op.message] = (work, free, rec)
+                self.sends.append((work, kept, rec))
+            else:
+                self.recvs[op.message] = (work, kept, rec)
         if not p2p.overlap:  # synchronous p2p: the whole batch, now
             for op in ops:
                 if not op.send:
@@ -203,15 +212,17 @@ class _Run:
 
     def _take(self, key: tuple[str, int, int]) -> torch.Tensor:
         """The tensor of message ``key`` (kind, micro-batch, receiving stage), waited for."""
-        if key in self.mailbox:
-            return self.mailbox.pop(key)
-        if key not in self.recvs:
+        mailbox = self.mailbox
+        if mailbox and key in mailbox:
+            return mailbox.pop(key)
+        entry = self.recvs.pop(key, None)
+        if entry is None:
             raise RuntimeError(
                 f"pipeline rank {self.rank} needs {key[0]} of micro-batch {key[1]} at stage "
                 f"{key[2]} but no receive was posted: run the lists of actions.p2p_program / "
                 "with_p2p"
             )
-        work, buf, rec = self.recvs.pop(key)
+        work, buf, rec = entry
         if self.recording:
             RECORDER.wait(rec)
         if self.timeline is not None:
@@ -239,61 +250,57 @@ class _Run:
 
     # --- compute ------------------------------------------------------------------------------
 
-    def _span(self, a: Action):
+    def _span(self, c: Compute):
         if self.timeline is None:
             return contextlib.nullcontext()
-        return self.timeline.span(f"{_LABEL[a.op]} {a.microbatch}.{a.chunk}")
+        return self.timeline.span(f"{_LABEL[c.op]} {c.microbatch}.{c.chunk}")
 
-    def forward(self, a: Action) -> None:
-        mb, c = a.microbatch, a.chunk
-        s = self.stages[c]
-        x = None if s == 0 else self._take(("F", mb, s))
+    def forward(self, c: Compute, synced: tuple[int, ...] = ()) -> None:
+        x = None if c.needs is None else self._take(c.needs)
+        stage = self.modules[c.chunk]
         if x is not None and not self.forward_only:
             x.requires_grad_()
-        stage = self.model[c].module
         if self.timeline is None and not self.forward_only:  # the hot path: no context to enter
-            output = self._forward(stage, mb, c, x)
+            output = self._forward(stage, c, x)
         else:
             grad_ctx = torch.no_grad() if self.forward_only else contextlib.nullcontext()
-            with self._span(a), grad_ctx:
-                output = self._forward(stage, mb, c, x)
-        stage.set_input_tensor(None)
+            with self._span(c), grad_ctx:
+                output = self._forward(stage, c, x)
         if not self.forward_only:
-            self.inputs[(mb, c)] = x
-            self.outputs[(mb, c)] = output
-        if self.output_stays[c]:  # the turn of a V: same rank
-            self.mailbox[("F", mb, s + 1)] = output.detach()
-        elif not self.is_loss[c]:
-            self.to_send[(mb, c)] = output
+            self.held[c.key] = (x, output)
+        stage.set_input_tensor(None)
+        if c.hands is not None:  # the turn of a V: same rank
+            self.mailbox[c.hands] = output.detach()
+        elif c.sends:
+            self.to_send[c.key] = output
 
-    def _forward(self, stage: torch.nn.Module, mb: int, c: int, x: torch.Tensor | None):
-        """The chunk's output for micro-batch ``mb`` (on the loss stage: its loss / m)."""
+    def _forward(self, stage: torch.nn.Module, c: Compute, x: torch.Tensor | None):
+        """The chunk's output for ``c``'s micro-batch (on the loss stage: its loss / m)."""
         stage.set_input_tensor(x)
-        output, loss_func = self.forward_step_func(self.data_iterator[c], stage)
-        if self.is_loss[c]:
+        output, loss_func = self.forward_step_func(self.data_iterator[c.chunk], stage)
+        if c.loss:
             loss, reported = loss_func(output)
-            self.losses[mb] = reported
+            self.losses[c.microbatch] = reported
             output = loss / self.m
         return output
 
-    def backward(self, a: Action) -> None:
-        mb, c = a.microbatch, a.chunk
-        s = self.stages[c]
-        x, output = self.inputs.pop((mb, c)), self.outputs.pop((mb, c))
-        grad = None if self.is_loss[c] else self._take(("B", mb, s))
-        if a.op == "I":  # the chunk's linear layers defer their weight grads to W
-            with self._span(a), self.stores[c].defer((mb, c)):
+    def backward(self, c: Compute, synced: tuple[int, ...] = ()) -> None:
+        x, output = self.held.pop(c.key)
+        grad = None if c.needs is None else self._take(c.needs)
+        if c.op == "I":  # the chunk's linear layers defer their weight grads to W
+            with self._span(c), self.stores[c.chunk].defer(c.key):
                 self._backward(output, grad)
         elif self.timeline is not None:
-            with self._span(a):
+            with self._span(c):
                 self._backward(output, grad)
-        else:
+        elif grad is None:
             self._backward(output, grad)
-        input_grad = None if x is None else x.grad
-        if self.grad_stays[c]:
-            self.mailbox[("B", mb, s - 1)] = input_grad
         else:
-            self.input_grads[(mb, c)] = input_grad
+            backward_freed_output(output, grad)
+        if c.hands is not None:
+            self.mailbox[c.hands] = None if x is None else x.grad
+        elif c.sends:
+            self.input_grads[c.key] = x.grad
 
     def _backward(self, output: torch.Tensor | GradientEdge, grad: torch.Tensor | None) -> None:
         if grad is None:  # the loss stage: the output is the scaled loss
@@ -303,52 +310,63 @@ class _Run:
         else:
             backward_freed_output(output, grad)
 
-    def weight(self, a: Action) -> None:
-        with self._span(a):
-            self.stores[a.chunk].flush((a.microbatch, a.chunk))
+    def weight(self, c: Compute, synced: tuple[int, ...] = ()) -> None:
+        if self.timeline is None:
+            self.stores[c.chunk].flush(c.key)
+            return
+        with self._span(c):
+            self.stores[c.chunk].flush(c.key)
 
     # --- the list -----------------------------------------------------------------------------
 
     def run(self, plan: Plan) -> list[dict]:
-        for chunk, store in zip(self.model, self.stores):
-            attach_weight_grad_store(chunk.module, store)
+        if plan.defers:  # only an I defers weight grads: nothing to attach without one
+            for module, store in zip(self.modules, self.stores):
+                attach_weight_grad_store(module, store)
+        # indexed by the item's code (F, BACKWARD, W, POST); through ``_step`` where a compute
+        # is recorded, runs inside no_sync, or (forward-only) B / I / W are skipped
+        if self.recording or self.wrapped or self.forward_only:
+            handlers = (self._step, self._step, self._step, self._post)
+        else:
+            handlers = (self.forward, self.backward, self.weight, self._post)
+        sends = self.sends
         try:
-            for is_compute, item, extra in plan.items:
-                if self.sends:
+            for code, item, extra in plan.items:
+                if sends and sends[0][0].is_completed():
                     self._poll_sends()
-                if is_compute:
-                    self._step(item, extra)
-                else:
-                    self._post(extra if self.forward_only else item)
+                handlers[code](item, extra)
             self._wait_sends()
         finally:
-            for chunk in self.model:
-                attach_weight_grad_store(chunk.module, None)
-        if any(s.pending() for s in self.stores):
+            if plan.defers:
+                for module in self.modules:
+                    attach_weight_grad_store(module, None)
+        if plan.defers and any(s.pending() for s in self.stores):
             raise RuntimeError("the action list left weight grads queued: an I without its W")
-        return [self.losses[mb] for mb in sorted(self.losses)]
+        losses = self.losses
+        return [losses[mb] for mb in sorted(losses)]
 
-    def _step(self, a: Action, synced: tuple[int, ...]) -> None:
-        """Run compute action ``a``; ``synced``: the chunks it runs inside ``no_sync`` (B, I, W)."""
+    def _step(self, c: Compute, synced: tuple[int, ...]) -> None:
+        """Run compute action ``c``, recorded; ``synced``: the chunks it runs inside ``no_sync``
+        (B, I, W)."""
         rec = None
         if self.recording:
             rec = RECORDER.begin(
                 "compute",
-                stage=self.stages[a.chunk],
-                microbatch=a.microbatch,
-                action=a.op,
-                chunk=a.chunk,
+                stage=self.layout.stage(self.rank, c.chunk),
+                microbatch=c.microbatch,
+                action=c.op,
+                chunk=c.chunk,
             )
-        if a.op == "F":
-            self.forward(a)
+        if c.op == "F":
+            self.forward(c)
         elif not self.forward_only:  # B, I or W
-            run = self.weight if a.op == "W" else self.backward
+            run = self.weight if c.op == "W" else self.backward
             held = [self.model[k] for k in synced if k in self.wrapped] if self.wrapped else None
             if held:
                 with no_sync(held):
-                    run(a)
+                    run(c)
             else:
-                run(a)
+                run(c)
         if self.recording:
             RECORDER.end(rec)
 

@@ -23,6 +23,7 @@ elsewhere (``losses_to_last_rank``), by the names it keeps in ``loss_names``.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -56,31 +57,26 @@ class ReceiveBuffers:
         self.shape, self.dtype, self.device = shape, dtype, device
         self.buffers: list[torch.Tensor] = []
         self.allocated = 0
-        probe = [torch.empty(0)]
-        self._alone = self._refs(probe, 0)  # references to a buffer held by the pool alone
-
-    @staticmethod
-    def _refs(buffers: list[torch.Tensor], i: int) -> int:
-        return sys.getrefcount(buffers[i])
-
-    def _free(self, i: int) -> bool:
-        if self._refs(self.buffers, i) > self._alone:  # a Python reference elsewhere
-            return False
-        buf = self.buffers[i]
-        storage = buf.untyped_storage()
-        # the tensor: held by the pool alone; its storage: by the tensor and ``storage`` alone
-        return buf._use_count() == 1 and torch._C._storage_Use_Count(storage._cdata) == 2
+        for probe in [torch.empty(0)]:  # the same loop as ``take``'s: the pool's reference alone
+            self._alone = sys.getrefcount(probe)
 
     def take(self) -> torch.Tensor:
-        """A buffer of the declared shape and dtype for a receive: a free one, else a new one."""
+        """A buffer of the declared shape and dtype for a receive: a free one, else a new one.
+        Free: no Python reference but the pool's (and this loop's), the tensor held by its
+        Python object alone (no saved variable), its storage by the tensor alone (no view; the
+        ``storage`` local is the second holder)."""
         if _CAN_REUSE:
-            for i in range(len(self.buffers)):
-                if self._free(i):
-                    buf = self.buffers[i]
-                    if buf.requires_grad:  # it was a forward's input: a fresh leaf again
-                        buf.grad = None
-                        buf.requires_grad_(False)
-                    return buf
+            alone = self._alone
+            for buf in self.buffers:
+                if sys.getrefcount(buf) > alone or buf._use_count() != 1:
+                    continue
+                storage = buf.untyped_storage()
+                if torch._C._storage_Use_Count(storage._cdata) != 2:
+                    continue
+                if buf.requires_grad:  # it was a forward's input: a fresh leaf again
+                    buf.grad = None
+                    buf.requires_grad_(False)
+                return buf
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         self.allocated += 1
         if _CAN_REUSE:
@@ -207,15 +203,23 @@ class P2PCommunicator:
                 ]
             )
             return works if len(works) == len(batch) else [_AllOf(works)] * len(batch)
-        group = self.group if self.group is not None else dist.group.WORLD
-        ranks = self._group_ranks
         works = []
         for send, t, peer, tag in batch:  # batch_isend_irecv's loop on such a backend
-            if peer not in ranks:
-                ranks[peer] = dist.get_group_rank(group, peer)
-            post = group.send if send else group.recv
-            works.append(post([t], ranks[peer], tag))
+            call, group_rank = self.direct(send, peer)
+            works.append(call([t], group_rank, tag))
         return works
+
+    def direct(self, send: bool, peer: int) -> tuple[Callable | None, int]:
+        """Where a batch is posted op by op (not ``batched``): the process group's own ``send``
+        or ``recv`` for a message to or from global rank ``peer``, and the peer's rank in the
+        group; ``call([tensor], group_rank, tag)`` posts the op as ``post`` does, without
+        ``dist.isend``'s per-call checks. ``(None, -1)`` where ``post`` batches."""
+        if self.batched:
+            return None, -1
+        group = self.group if self.group is not None else dist.group.WORLD
+        if peer not in self._group_ranks:
+            self._group_ranks[peer] = dist.get_group_rank(group, peer)
+        return (group.send if send else group.recv), self._group_ranks[peer]
 
     def validate(self, t: torch.Tensor, what: str) -> None:
         """A one-line StageShapeMismatch unless ``t`` has the declared shape and dtype."""

@@ -1,27 +1,52 @@
 """One rank's ``actions.posting_plan`` resolved for a communicator, once, not every step.
 
     plan = plan_for(program, layout, pp_rank, p2p)     # kept on p2p while program is the same tuple
-    for is_compute, item, extra in plan.items: ...
+    for code, item, extra in plan.items: ...           # code: F, BACKWARD, W or POST
 
 What a step of the executor (``executor.py``) does depends only on the program (the schedule, the
 number of micro-batches and chunks), the layout, the rank and the communicator (its peers' ranks,
-its tags): the posting plan itself, the chunks each backward runs inside ``no_sync``, the global
-and group rank of each message's peer. The schedules hand the executor the same program object
-every step (``forward_backward._programs`` is cached), so the plan is resolved at the first step
-and looked up by identity afterwards.
+its tags, how it posts): the posting plan itself, the chunks each backward runs inside
+``no_sync``, each compute action's keys (the message it consumes, where its result goes), and
+each message's peer with the call that posts it. The schedules hand the executor the same program
+object every step (``forward_backward._programs`` is cached), so the plan is resolved at the first
+step and looked up by identity afterwards; per action the executor then builds no key and makes
+no lookup that this module could make once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from megalite.core.pipeline_parallel.actions import Action, P2PBatch, StageLayout, posting_plan
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 
+# what an item of ``Plan.items`` is: the index of the executor's handler for it
+F, BACKWARD, W, POST = 0, 1, 2, 3
+
+
+class Compute(NamedTuple):
+    """One compute action of the plan with what the executor looks up for it, resolved."""
+
+    action: Action
+    op: str  # "F", "B", "I" or "W"
+    microbatch: int
+    chunk: int
+    key: tuple[int, int]  # (micro-batch, chunk): the tensors this action keeps or takes
+    # the message it consumes: F's input (None on stage 0), B / I's output grad (None on the
+    # loss stage); received, or handed over by this rank's other chunk at the turn of a V
+    needs: tuple[str, int, int] | None
+    # the message its result becomes on this rank at the turn of a V (F: the next stage's
+    # input, B / I: the previous stage's output grad), else None
+    hands: tuple[str, int, int] | None
+    sends: bool  # its result is sent to another rank (kept until the batch that posts it)
+    loss: bool  # the chunk holds the loss stage
+
 
 class Post(NamedTuple):
-    """One ``PostedOp`` of the plan, resolved: the peer's global rank, the keys of what it moves."""
+    """One ``PostedOp`` of the plan, resolved: the peer's global rank, the keys of what it moves,
+    and (where the communicator posts op by op) the process group's call and the peer's rank in
+    the group."""
 
     send: bool
     kind: str  # "F": an activation, "B": the grad of one
@@ -29,13 +54,40 @@ class Post(NamedTuple):
     tag: int
     message: tuple[str, int, int]  # (kind, micro-batch, receiving stage)
     out_key: tuple[int, int]  # (micro-batch, chunk) of the tensor sent or received
+    call: Callable | None  # the group's send or recv (``P2PCommunicator.direct``), else None
+    group_rank: int  # the peer's rank in the group (with ``call``)
+
+
+def _compute(a: Action, layout: StageLayout, pp_rank: int) -> Compute:
+    S, s = layout.num_stages, layout.stage(pp_rank, a.chunk)
+    mb = a.microbatch
+    needs = hands = None
+    sends = False
+    if a.op == "F":
+        needs = ("F", mb, s) if s > 0 else None
+        if s < S - 1:
+            if layout.place(s + 1)[0] == pp_rank:
+                hands = ("F", mb, s + 1)
+            else:
+                sends = True
+    elif a.op in ("B", "I"):
+        needs = ("B", mb, s) if s < S - 1 else None
+        if s > 0:
+            if layout.place(s - 1)[0] == pp_rank:
+                hands = ("B", mb, s - 1)
+            else:
+                sends = True
+    return Compute(a, a.op, mb, a.chunk, (mb, a.chunk), needs, hands, sends, s == S - 1)
 
 
 class Plan:
-    """One rank's ``posting_plan`` resolved once for a communicator: per item, a compute
-    ``Action`` with the chunks that run it inside ``no_sync`` (every chunk but those whose grads
-    it touches last), or the ops of one batch with their peers' global ranks. It depends only on
-    the program, the layout, this rank and the communicator, so a run keeps it between steps."""
+    """One rank's ``posting_plan`` resolved once for a communicator: per item ``(code, item,
+    extra)``, a compute action (``Compute``, code F, BACKWARD for B and I, or W) with the chunks
+    that run it inside ``no_sync`` (every chunk but those whose grads it touches last), or (code
+    POST) the ``Post`` s of one batch with those of them a forward-only run posts. It depends only
+    on the program, the layout, this rank and the communicator, so a run keeps it between steps.
+    ``defers``: the program splits a backward (an I), so the chunks' linear layers need a
+    ``WeightGradStore``."""
 
     def __init__(
         self,
@@ -49,25 +101,23 @@ class Plan:
         for i, a in enumerate(plan):
             if isinstance(a, Action) and a.op in ("B", "I", "W"):
                 last[a.chunk] = i
-        # (True, action, chunks under no_sync) or (False, ops, the forward-only ops)
+        self.defers = any(isinstance(a, Action) and a.op == "I" for a in plan)
         self.items: list[tuple] = []
+        code = {"F": F, "B": BACKWARD, "I": BACKWARD, "W": W}
         for i, item in enumerate(plan):
             if isinstance(item, Action):
                 synced = tuple(k for k in range(layout.num_chunks) if last.get(k) != i)
-                self.items.append((True, item, synced))
+                self.items.append((code[item.op], _compute(item, layout, pp_rank), synced))
                 continue
-            ops = tuple(
-                Post(
-                    op.send,
-                    op.kind,
-                    p2p.global_rank(op.peer, pp_rank),
-                    op.tag,
-                    (op.kind, op.microbatch, op.stage),
-                    (op.microbatch, op.chunk),
-                )
-                for op in item
-            )
-            self.items.append((False, ops, tuple(o for o in ops if o.kind == "F")))
+            ops = []
+            for op in item:
+                to = p2p.global_rank(op.peer, pp_rank)
+                call, group_rank = p2p.direct(op.send, to)
+                message = (op.kind, op.microbatch, op.stage)
+                out_key = (op.microbatch, op.chunk)
+                ops.append(Post(op.send, op.kind, to, op.tag, message, out_key, call, group_rank))
+            ops = tuple(ops)
+            self.items.append((POST, ops, tuple(o for o in ops if o.kind == "F")))
 
 
 def plan_for(

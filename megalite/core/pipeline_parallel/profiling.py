@@ -12,10 +12,15 @@ deferring their weight grads into a ``WeightGradStore`` (as an ``I`` action does
 weight grads (a ``W``). The first ``warmup`` repetitions are dropped, the median of the rest is
 returned as seconds ``(F, I, W)``. The chunk's grads are cleared afterwards.
 
-``executor_seconds_per_action`` is the executor's own CPU time per action: the main thread's CPU
+``executor_seconds_per_action`` is the executor's CPU time per action: the main thread's CPU
 time over a step minus its CPU time inside the step's spans (compute and receive waits), per
 action (the simulator's ``Costs.per_action``). CPU time, not wall time: a rank descheduled on a
-loaded machine spends no CPU, so the figure measures the executor's work, not the machine's load.
+loaded machine spends no CPU, so the figure measures the work, not the machine's load. It is
+more than the executor's own work: it holds the backend's posting of every send and receive (on
+gloo a C++ call per op that builds a work and writes to a socket), the waits for the sends at the
+end of the step, and the timeline's bookkeeping of its spans. ``executor_cpu_per_action`` splits
+it into those parts and the executor's own rest, with a communicator that clocks its posting
+calls and send waits (``ClockedP2P``).
 
 ``p2p_latency`` is half the median round trip of one activation between neighbouring pipeline
 ranks (each pair in turn, the others waiting at a barrier); ``gather_stage_costs`` shares every
@@ -27,11 +32,13 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.core.pipeline_parallel.timeline import Timeline
 from megalite.core.tensor_parallel.layers import WeightGradStore, attach_weight_grad_store
 
@@ -109,6 +116,111 @@ def executor_seconds_per_action(
         inside = sum(end - begin for _, begin, end in timeline.spans)
         samples.append(max(0.0, total - inside) / num_actions)
     return statistics.median(samples)
+
+
+class ClockedP2P(P2PCommunicator):
+    """A ``P2PCommunicator`` that adds the main thread's CPU time inside the backend's posting
+    calls (``post``, or the group's ``send`` / ``recv`` that ``direct`` hands the executor) to
+    ``posting_seconds``, and inside the waits for its sends to ``send_wait_seconds``. For
+    measuring only: each clocked call costs two more clock reads."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.posting_seconds = self.send_wait_seconds = 0.0
+
+    def post(self, batch: list) -> list:
+        start = time.thread_time()
+        works = super().post(batch)
+        self.posting_seconds += time.thread_time() - start
+        return [_ClockedWait(w, self) if send else w for w, (send, *_) in zip(works, batch)]
+
+    def direct(self, send: bool, peer: int) -> tuple[Callable | None, int]:
+        call, group_rank = super().direct(send, peer)
+        if call is None:
+            return call, group_rank
+
+        def clocked(tensors: list, rank: int, tag: int):
+            start = time.thread_time()
+            work = call(tensors, rank, tag)
+            self.posting_seconds += time.thread_time() - start
+            return _ClockedWait(work, self) if send else work
+
+        return clocked, group_rank
+
+
+class _ClockedWait:
+    """A send's work whose ``wait`` adds its CPU time to ``ClockedP2P.send_wait_seconds``."""
+
+    def __init__(self, work, p2p: ClockedP2P):
+        self.work, self.p2p = work, p2p
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self):
+        start = time.thread_time()
+        done = self.work.wait()
+        self.p2p.send_wait_seconds += time.thread_time() - start
+        return done
+
+
+class ExecutorCpu(NamedTuple):
+    """CPU seconds per action of one rank's step (medians over steps). ``outside``: outside
+    compute and receive waits (``executor_seconds_per_action``; the simulator's per-action cost),
+    made of ``posting`` (the backend's posting calls), ``send_waits`` (waiting for the sends),
+    ``timeline`` (the spans' own bookkeeping, there only while measuring) and ``own``: the rest,
+    the executor's own work between compute and communication (its Python, and the cache misses
+    it meets after a compute)."""
+
+    outside: float
+    posting: float
+    send_waits: float
+    timeline: float
+    own: float
+
+
+def _span_cost(spans: int = 200) -> float:
+    """CPU seconds a ``Timeline`` on ``time.thread_time`` spends outside its spans, per span."""
+    timeline = Timeline(clock=time.thread_time)
+    start = time.thread_time()
+    for _ in range(spans):
+        with timeline.span("x"):
+            pass
+    total = time.thread_time() - start
+    return max(0.0, total - sum(end - begin for _, begin, end in timeline.spans)) / spans
+
+
+def executor_cpu_per_action(
+    step: Callable[[Timeline], object], num_actions: int, p2p: ClockedP2P, *, repeats: int = 3
+) -> ExecutorCpu:
+    """``executor_seconds_per_action`` split into its parts: ``step(timeline)`` runs one step of
+    the executor over ``p2p`` recording into ``timeline``; each part is the median over
+    ``repeats`` steps, per action; ``own`` is what the others leave of ``outside``."""
+    if repeats < 1 or num_actions < 1:
+        raise ValueError(
+            f"executor_cpu_per_action: repeats ({repeats}) and num_actions ({num_actions}) "
+            "must be >= 1"
+        )
+    per_span = _span_cost()
+    parts: list[tuple[float, float, float, float]] = []
+    for _ in range(repeats):
+        p2p.posting_seconds = p2p.send_wait_seconds = 0.0
+        timeline = Timeline(clock=time.thread_time)
+        start = time.thread_time()
+        step(timeline)
+        total = time.thread_time() - start
+        inside = sum(end - begin for _, begin, end in timeline.spans)
+        parts.append(
+            (
+                max(0.0, total - inside) / num_actions,
+                p2p.posting_seconds / num_actions,
+                p2p.send_wait_seconds / num_actions,
+                per_span * len(timeline.spans) / num_actions,
+            )
+        )
+    outside, posting, send_waits, spans = (statistics.median(p[i] for p in parts) for i in range(4))
+    own = max(0.0, outside - posting - send_waits - spans)
+    return ExecutorCpu(outside, posting, send_waits, spans, own)
 
 
 def gather_stage_costs(
