@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from megalite.planning.predict import Layout  # noqa: E402
 from tools.planner.accuracy import step_time_accuracy  # noqa: E402
-from tools.planner.calibrate import REFERENCE, calibrate_in_world  # noqa: E402
+from tools.planner.calibrate import REFERENCE  # noqa: E402
 
 MODEL = [a for a in REFERENCE if a not in ("--vocab-size", "1024")]
 VOCAB = 1024
@@ -75,8 +75,6 @@ def _worker(rank: int, world: int, init: str, args, queue) -> None:
         model += ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "32"]
         items = items[:2]
     reference = [*model, "--vocab-size", str(VOCAB)]
-    # a smoke run fits the calibration to one step per point instead of the median of three
-    fitted = calibrate_in_world(reference, group=dist.group.WORLD, repeat=1) if args.tiny else None
     tables = []
     for _ in range(args.repeats):
         calib, rows = step_time_accuracy(
@@ -86,7 +84,6 @@ def _worker(rank: int, world: int, init: str, args, queue) -> None:
             global_batch_size=8,
             steps=args.steps,
             reference=reference,
-            calibration=fitted,
             recalibrate=args.recalibrate,
         )
         tables.append(
