@@ -7,14 +7,14 @@ sequence, CP 1, 2, 4 x comm types (p2p ring, a2a, all_gather), gloo processes.
 Model: a Llama-style GPTModel (RoPE, GQA: 8 heads in 4 groups of d = 16, hidden 128, 2 layers,
 SwiGLU), one sequence of ``--seq-length`` tokens, fp32. A step is forward + loss + backward (no
 optimizer: CP shards no parameter, so the update is CP1's). Per configuration, one world of CP
-processes (one intra-op thread each) runs ``--steps`` timed steps per round for ``--rounds``
-rounds; reported: the median over steps of the slowest rank's step time, its ratio to CP1 in the
-same run, the bytes autograd saves per rank (saved-tensor hooks, storages once) and their ratio to
-CP1, the bytes each rank sent per step counted at the collectives (``CommStats``) against the comm
-type's formula (below; the script fails if they differ), and the seconds the rank spent blocked in
-communication vs computing attention blocks (p2p: the ring's waits after its overlapped
-send/recv; a2a and all_gather: the blocking collectives; a2a's attention is the ordinary kernel,
-not timed apart).
+processes (one intra-op thread each; CP 1: this process) runs ``--steps`` timed steps per round for
+``--rounds`` rounds; reported: the median over steps of the slowest rank's step time, its ratio to
+CP1 in the same run, the bytes autograd saves per rank (saved-tensor hooks, storages once) and their
+ratio to CP1, the bytes each rank sent per step counted at the collectives (``CommStats``) against
+the comm type's formula (below; the script fails if they differ), and the seconds the rank spent
+blocked in communication vs computing attention blocks (p2p: the ring's waits after its overlapped
+send/recv; a2a and all_gather: the blocking collectives; a2a's attention is the ordinary kernel, not
+timed apart).
 
 Formulas, bytes sent per rank per step, per layer, with B the element size, ``c = b s/cp`` the
 local tokens, ``KV = 2 c g d B`` the local K/V::
@@ -102,16 +102,22 @@ def saved_bytes(model, *inputs) -> int:
     return sum(seen.values())
 
 
-def _worker(rank, world, init_file, args, comm_types, queue) -> None:
-    """Every comm type of ``comm_types`` in turn, in this one world; rank 0 puts their figures."""
+def _in_world(rank, world, init_file, args, comm_types) -> dict:
+    """``{comm type: figures}``, every comm type of ``comm_types`` in turn, in this one world."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     ps = initialize_model_parallel(1, 1, context_parallel_size=world)
     results = {c: measure(ps, c, args) for c in comm_types}
-    if rank == 0:
-        queue.put(results)
     ps.destroy()
     dist.destroy_process_group()
+    return results
+
+
+def _worker(rank, world, init_file, args, comm_types, queue) -> None:
+    """A spawned rank of ``_in_world``; rank 0 puts the figures."""
+    results = _in_world(rank, world, init_file, args, comm_types)
+    if rank == 0:
+        queue.put(results)
 
 
 def measure(ps, comm_type: str, args) -> dict:
@@ -141,7 +147,8 @@ def measure(ps, comm_type: str, args) -> dict:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's step
         return t.item()
 
-    step()  # warm-up
+    if not args.tiny:  # warm-up
+        step()
     times, waits, computes, sent = [], [], [], []
     for _ in range(args.rounds):
         for _ in range(args.steps):
@@ -160,11 +167,14 @@ def measure(ps, comm_type: str, args) -> dict:
 
 
 def run(cp: int, comm_types: list[str], args) -> dict:
-    """``{comm type: figures}`` from one fresh world of ``cp`` ranks."""
+    """``{comm type: figures}`` from one fresh world of ``cp`` ranks (CP 1: this process, no
+    worker to start)."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
+        if cp == 1:
+            return _in_world(0, 1, init_file, args, comm_types)
         mp.start_processes(
             _worker, args=(cp, init_file, args, comm_types, queue), nprocs=cp, start_method="spawn"
         )

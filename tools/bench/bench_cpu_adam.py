@@ -1,7 +1,7 @@
 """The host Adam step of offloaded optimizer state: megalite's against torch's and DeepSpeed's.
 
     python tools/bench/bench_cpu_adam.py [--numel 10e6 50e6 100e6] [--runs 5]
-    python tools/bench/bench_cpu_adam.py --tiny           # seconds: one 200k-element shard
+    python tools/bench/bench_cpu_adam.py --tiny           # seconds: one 200k-element shard, 1 run
     /tmp/venv-ds/bin/python tools/bench/bench_cpu_adam.py  # a venv with deepspeed: its row too
 
 One shard of fp32 optimizer state on the host, cut into a GPT's parameters (per layer the QKV,
@@ -202,10 +202,10 @@ def main() -> None:
     parser.add_argument("--numel", type=float, nargs="+", default=[10e6, 50e6, 100e6])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--tiny", action="store_true", help="one 200k-element shard, 2 runs")
+    parser.add_argument("--tiny", action="store_true", help="one 200k-element shard, 1 run")
     args = parser.parse_args()
     if args.tiny:
-        args.numel, args.runs, args.hidden = [2e5], 2, 64
+        args.numel, args.runs, args.hidden = [2e5], 1, 64
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for numel in args.numel:
         shapes = piece_shapes(int(numel), args.hidden)

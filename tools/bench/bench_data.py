@@ -1,7 +1,7 @@
 """Preprocessing throughput (documents/s, MB/s) with 1 and 2 workers, and its peak memory.
 
     python tools/bench/bench_data.py [--mb 100] [--sp-mb 25] [--repeats 3] [--tokenizers null sp]
-    python tools/bench/bench_data.py --tiny     # seconds: 0.5 MB, NullTokenizer only, 1 repeat
+    python tools/bench/bench_data.py --tiny     # seconds: 0.5 MB, NullTokenizer, 1 repeat, 1 size
 
 Inputs are generated under /tmp/megalite_bench_data (reused between runs, never committed):
 integer-id documents (--mb MB) for the NullTokenizer and pseudo-word text (--sp-mb MB) for a
@@ -143,9 +143,10 @@ def peak_rss(path: str, extra: list[str]) -> tuple[float, float, float]:
     return main_peak, worker_peak, total_peak
 
 
-def memory(mb: float) -> None:
+def memory(mb: float, scales: tuple[float, ...] = (0.5, 1, 2)) -> None:
+    """Peak RSS of the tool on inputs of ``mb`` times each of ``scales`` MB."""
     print("\npeak RSS of tools/preprocess_data.py --workers 2 (NullTokenizer), MiB:")
-    for size in (mb / 2, mb, 2 * mb):
+    for size in (mb * k for k in scales):
         path = write_id_corpus(f"{ROOT}/ids_{size:g}mb.jsonl", size)
         main_mib, worker_mib, total = peak_rss(
             path, ["--tokenizer-type", "NullTokenizer", "--vocab-size", "50000"]
@@ -164,7 +165,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tokenizers", nargs="+", default=["null", "sp"], choices=["null", "sp"])
     p.add_argument("--skip-memory", action="store_true")
-    p.add_argument("--tiny", action="store_true", help="a smoke run: 0.5 MB, NullTokenizer only")
+    p.add_argument(
+        "--tiny", action="store_true", help="a smoke run: 0.5 MB, NullTokenizer, one memory size"
+    )
     args = p.parse_args()
     if args.tiny:
         args.mb, args.repeats, args.tokenizers = 0.5, 1, ["null"]
@@ -182,7 +185,7 @@ def main() -> None:
             )
         throughput("SentencePiece", path, SentencePieceTokenizer(model), args.repeats)
     if not args.skip_memory:
-        memory(args.mb)
+        memory(args.mb, (1,) if args.tiny else (0.5, 1, 2))
 
 
 if __name__ == "__main__":

@@ -177,12 +177,12 @@ def loop_step(config: GPTConfig):
     return step
 
 
-def time_both(config: GPTConfig, rounds: int, steps: int) -> dict[str, float]:
+def time_both(config: GPTConfig, rounds: int, steps: int, warmup: int = 2) -> dict[str, float]:
     steps_of = {k: make_step(k, *build(k, config), config) for k in ("megalite", "plain")}
     steps_of["megalite-loop"] = loop_step(config)
     for step in steps_of.values():  # warm up (allocator, AdamW state)
-        step()
-        step()
+        for _ in range(warmup):
+            step()
     samples: dict[str, list[float]] = {k: [] for k in steps_of}
     for _ in range(rounds):
         for kind, step in steps_of.items():
@@ -282,7 +282,7 @@ def main() -> None:
         f"GPT-2 { ({**SIZE, **size}) } batch {BATCH}, dropout {args.dropout}, fp32, "
         f"{args.threads} thread(s)"
     )
-    times = time_both(config, args.rounds, args.steps)
+    times = time_both(config, args.rounds, args.steps, warmup=0 if args.tiny else 2)
     mem = {
         k: memory(k, args.dropout, args.steps, args.mem_runs, args.threads, args.tiny)
         for k in ("megalite", "plain")

@@ -104,7 +104,8 @@ def worker(rank: int, init_file: str, args, results) -> None:
         "megalite": make_step("megalite", GPTModel(config, ps, rng_tracker=tracker), config),
         "dtensor": make_step("dtensor", build_dtensor(config), config),
     }
-    losses = {k: [step(), step()] for k, step in steps.items()}  # warm up
+    warmup = 1 if args.tiny else 2  # untimed steps (their losses are printed)
+    losses = {k: [step() for _ in range(warmup)] for k, step in steps.items()}
     samples: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(args.rounds):
         for kind, step in steps.items():

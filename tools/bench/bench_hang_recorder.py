@@ -1,7 +1,7 @@
 """The op recorder and hang watchdog's cost on a training step: on vs off, in one run.
 
     python tools/bench/bench_hang_recorder.py [--steps 30] [--m 8] [--hidden 512]
-    python tools/bench/bench_hang_recorder.py --tiny      # seconds: hidden 64, m 4, 6 steps
+    python tools/bench/bench_hang_recorder.py --tiny      # seconds: hidden 64, m 2, 1 step each
 
 Two gloo processes (pipeline stages, one core each) run 1F1B steps of a stack of MLP blocks, each
 stage's grads reduced by a ``DistributedDataParallel`` wrapper (a DP group of one: the bucket
@@ -146,10 +146,10 @@ def main() -> None:
     p.add_argument("--m", type=int, default=8, help="micro-batches per step")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--records", type=int, default=100_000, help="records timed alone")
-    p.add_argument("--tiny", action="store_true", help="a smoke run: hidden 64, m 4, 6 steps")
+    p.add_argument("--tiny", action="store_true", help="a smoke run: hidden 64, m 2, 1 step each")
     args = p.parse_args()
     if args.tiny:
-        args.steps, args.m, args.hidden, args.records = 6, 4, 64, 10_000
+        args.steps, args.m, args.hidden, args.records = 1, 2, 64, 1_000
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,7 +1,7 @@
 """What one multi-rank test case costs in the harness, before and after pooling.
 
     python tools/bench/bench_harness.py [--world 2 4] [--cases 10]
-    python tools/bench/bench_harness.py --tiny     # seconds: world 2, 3 cases
+    python tools/bench/bench_harness.py --tiny     # seconds: world 2, 1 case
 
 "before": every case spawns ``world`` processes, imports torch, joins a gloo world, runs, tears down
 (what ``torch.multiprocessing.spawn`` per test costs). "after": ``tests/harness.run_distributed``,
@@ -64,13 +64,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--cases", type=int, default=10)
-    parser.add_argument(
-        "--tiny", action="store_true", help="a smoke run: world 2, 3 cases, 1 spawn"
-    )
+    parser.add_argument("--tiny", action="store_true", help="a smoke run: world 2, 1 case, 1 spawn")
     args = parser.parse_args()
     spawns = max(3, args.cases // 3)  # each starts a world: the costly side
     if args.tiny:
-        args.world, args.cases, spawns = [2], 3, 1
+        args.world, args.cases, spawns = [2], 1, 1
     for world in args.world:
         before = statistics.median(spawn_per_case(world) for _ in range(spawns))
         run_distributed(small_case, world)  # start the pool once (its cost is paid once per suite)

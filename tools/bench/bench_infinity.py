@@ -252,7 +252,7 @@ def main() -> None:
     if args.tiny:
         for name, value in TINY.items():
             setattr(args, name, value)
-        args.steps, args.host_memory_mb, args.dd_mb = 2, 1.0, 8
+        args.steps, args.host_memory_mb, args.dd_mb = 1, 1.0, 1
     if args.reference:
         print(json.dumps({"loss": reference_loss(args)}))
         return

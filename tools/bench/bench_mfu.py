@@ -77,7 +77,7 @@ MODELS = {  # pretrain_gpt.py's model flags, without the sequence length
     ),
 }
 DEFAULTS = {"seq": 2048, "micro_batches": [1, 2, 4, 8, 16, 32], "steps": 10, "warmup": 3}
-TINY_DEFAULTS = {"seq": 32, "micro_batches": [1, 2], "steps": 2, "warmup": 1}
+TINY_DEFAULTS = {"seq": 32, "micro_batches": [1, 2], "steps": 1, "warmup": 0}
 TINY = {
     "gpt2-1.3b": "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --vocab-size 511",
     "llama-1b": (
@@ -427,9 +427,9 @@ def main(argv: list[str] | None = None) -> int:
         "--tiny: 1 2)",
     )
     parser.add_argument(
-        "--steps", type=int, help="timed steps, the median is shown (10; --tiny: 2)"
+        "--steps", type=int, help="timed steps, the median is shown (10; --tiny: 1)"
     )
-    parser.add_argument("--warmup", type=int, help="untimed steps before them (3; --tiny: 1)")
+    parser.add_argument("--warmup", type=int, help="untimed steps before them (3; --tiny: 0)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--memory-gib", type=float, help="memory for the planner (GPU: its own)")
     parser.add_argument("--tiny", action="store_true", help="tiny models (smoke test of the code)")

@@ -373,7 +373,7 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     if a.tiny:
-        h, f, tokens, layers, seq, repeats = 32, 64, 64, 1, 16, 2
+        h, f, tokens, layers, seq, repeats = 32, 64, 64, 1, 16, 1
     else:
         h, f, tokens, layers, seq, repeats = 256, 512, 2048, 2, 256, a.repeats
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)

@@ -151,8 +151,9 @@ def bench_steps(args) -> None:
     cfg = config(args.layers, args.hidden, args.seq, args.vocab)
     setups = {k: build(k, cfg, args.bucket) for k in KINDS}
     steps = {k: make_step(k, *setups[k], cfg, args.micro_batch) for k in KINDS}
-    for k in KINDS:  # warm-up: lazy optimizer state, allocator, gloo buffers
-        steps[k]()
+    if not args.tiny:  # warm-up: lazy optimizer state, allocator, gloo buffers
+        for k in KINDS:
+            steps[k]()
     times = {k: [] for k in KINDS}
     for _ in range(args.rounds):
         for _ in range(args.steps):

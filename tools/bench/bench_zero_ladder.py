@@ -190,7 +190,8 @@ def run_kind(kind: str, args) -> tuple:
     cfg = config(args)
     base = _rss()
     step, state_bytes = build(kind, cfg, args)
-    step()  # warm-up: lazy optimizer state, allocator, gloo buffers
+    if not args.tiny:  # warm-up: lazy optimizer state, allocator, gloo buffers
+        step()
     times = [timed(step) for _ in range(args.steps)]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     s = state_bytes() if state_bytes else None
