@@ -27,10 +27,9 @@ import re
 import warnings
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megalite.checkpoint.files import CheckpointError
+from megalite.checkpoint.megatron.dcp import torch_dcp
 from megalite.checkpoint.megatron.legacy import load_megatron_file, safe_pickle
 from megalite.checkpoint.megatron.readers import MegatronReader
 from megalite.checkpoint.resharding import OPTIMIZER_KEYS, logical_name
@@ -73,7 +72,7 @@ class DistReader(MegatronReader):
             scheduler=common.get("opt_param_scheduler"),
         )
         self.common = common
-        self._storage = dcp.FileSystemReader(iter_dir)
+        self._storage = torch_dcp().FileSystemReader(iter_dir)
         try:
             self._index = self._storage.read_metadata().state_dict_metadata
         except (OSError, ValueError, RuntimeError) as e:
@@ -94,7 +93,7 @@ class DistReader(MegatronReader):
     def _global(self, key: str) -> torch.Tensor:
         if key not in self._cache:
             meta = self._index.get(key)
-            if not isinstance(meta, TensorStorageMetadata):
+            if not isinstance(meta, torch_dcp().metadata.TensorStorageMetadata):
                 raise CheckpointError(
                     f"Megatron checkpoint {self.iter_dir} holds no tensor {key!r}; the checkpoint "
                     "is of another model (compare its flags with this run's)"
@@ -102,7 +101,7 @@ class DistReader(MegatronReader):
             out = {key: torch.empty(meta.size, dtype=meta.properties.dtype)}
             with warnings.catch_warnings():  # "assuming ... a single process": so it is
                 warnings.simplefilter("ignore", UserWarning)
-                dcp.load(out, storage_reader=self._storage, no_dist=True)
+                torch_dcp().load(out, storage_reader=self._storage, no_dist=True)
             self._cache[key] = out[key]
         return self._cache[key]
 
@@ -174,6 +173,7 @@ def _read_objects(storage, keys: list[str]) -> list:
     """The sharded objects ``keys`` (bytes items, each ``torch.save`` of a one-element list, as
     megatron-core writes them), unpickled safely."""
     raw: dict[str, bytes] = {}
+    dcp = torch_dcp()
 
     class _Bytes(dcp.DefaultLoadPlanner):
         def load_bytes(self, read_item, value):

@@ -21,10 +21,9 @@ import re
 import warnings
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.planner import WriteItemType
 
 from megalite.checkpoint.files import MODEL_FILE, fsync_dir, save_file, shard_dir
+from megalite.checkpoint.megatron.dcp import torch_dcp
 from megalite.checkpoint.megatron.dist import (
     DISTOPT_MASTER_PREFIX,
     MASTER_PREFIX,
@@ -280,14 +279,21 @@ def _object(obj) -> io.BytesIO:
     return buf
 
 
-class _RawBytesPlanner(dcp.DefaultSavePlanner):
-    """Writes a ``BytesIO`` value as its bytes (megatron-core's sharded objects are
-    ``torch.save([obj])``), where torch's default planner would pickle the BytesIO itself."""
+def _raw_bytes_planner():
+    """A save planner that writes a ``BytesIO`` value as its bytes (megatron-core's sharded
+    objects are ``torch.save([obj])``), where torch's default planner would pickle the BytesIO
+    itself."""
+    dcp = torch_dcp()
 
-    def transform_object(self, write_item, object):  # noqa: A002 (torch's signature)
-        if write_item.type == WriteItemType.BYTE_IO and isinstance(object, io.BytesIO):
-            return object
-        return super().transform_object(write_item, object)
+    class RawBytesPlanner(dcp.DefaultSavePlanner):
+        def transform_object(self, write_item, object):  # noqa: A002 (torch's signature)
+            if write_item.type == dcp.planner.WriteItemType.BYTE_IO and isinstance(
+                object, io.BytesIO
+            ):
+                return object
+            return super().transform_object(write_item, object)
+
+    return RawBytesPlanner()
 
 
 def write_dist(reader: CheckpointReader, dst: str) -> None:
@@ -346,8 +352,8 @@ def write_dist(reader: CheckpointReader, dst: str) -> None:
     os.makedirs(dst, exist_ok=True)
     with warnings.catch_warnings():  # "assuming ... a single process": so it is
         warnings.simplefilter("ignore", UserWarning)
-        writer = dcp.FileSystemWriter(dst)
-        dcp.save(out, storage_writer=writer, planner=_RawBytesPlanner(), no_dist=True)
+        writer = torch_dcp().FileSystemWriter(dst)
+        torch_dcp().save(out, storage_writer=writer, planner=_raw_bytes_planner(), no_dist=True)
     common = {
         "args": megatron_args(meta, reader, use_dist_ckpt=True, distributed_optimizer=distopt),
         "checkpoint_version": CHECKPOINT_VERSION,
