@@ -99,26 +99,18 @@ def rank_groups(
         shown = " x ".join(f"{a} {s}" for a, s in zip(names, ordered))
         raise ValueError(f"world size {world_size} != {shown} = {prod(ordered)}")
     strides = [prod(ordered[:i]) for i in range(len(ordered))]
-    inside = [i for i, a in enumerate(names) if a in axes]
-    outside = [i for i, a in enumerate(names) if a not in axes]
 
-    def digits(index: int, dims: list[int]) -> list[int]:
-        out = []
+    def counting(dims: list[int]) -> list[int]:
+        """The rank offsets of every coordinate on ``dims``, the first dim counting fastest."""
+        out = [0]
         for i in dims:
-            out.append(index % ordered[i])
-            index //= ordered[i]
+            out = [base + d * strides[i] for d in range(ordered[i]) for base in out]
         return out
 
-    group_size = prod(ordered[i] for i in inside)
     # a member's offset from its group's first rank, the same for every group
-    offsets = [
-        sum(d * strides[i] for d, i in zip(digits(m, inside), inside)) for m in range(group_size)
-    ]
-    groups = []
-    for g in range(world_size // group_size):
-        base = sum(d * strides[i] for d, i in zip(digits(g, outside), outside))
-        groups.append([base + offset for offset in offsets])
-    return groups
+    offsets = counting([i for i, a in enumerate(names) if a in axes])
+    bases = counting([i for i, a in enumerate(names) if a not in axes])
+    return [[base + offset for offset in offsets] for base in bases]
 
 
 def rank_coords(rank: int, sizes: Mapping[str, int], order: str) -> dict[str, int]:

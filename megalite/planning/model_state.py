@@ -21,6 +21,7 @@ with the whole optimizer state offloaded the grad shards live on the host (``gra
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from megalite.core.distributed.grad_buffer import GradBufferLayout
@@ -148,6 +149,21 @@ def _chunk_params(
     return out
 
 
+@dataclass(frozen=True, eq=False)
+class _ConfigKey:
+    """A model config hashed and compared by its repr (every field's value), so that equal
+    configs from separate parses share one cache entry."""
+
+    cfg: GPTConfig
+    text: str
+
+    def __hash__(self) -> int:
+        return hash(self.text)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _ConfigKey) and self.text == other.text
+
+
 def rank_params(
     cfg: GPTConfig,
     *,
@@ -166,6 +182,26 @@ def rank_params(
     order inside, split as the tensor-parallel mode ``tp_mode`` (``tp_split.TPSplit``) splits
     them. ZeRO-3 units: one per embedding / layer / final norm / output layer of a single chunk;
     a whole chunk when the rank holds several (``Zero3DataParallel``'s default units)."""
+    key = _ConfigKey(cfg, repr(cfg))
+    return list(_rank_params(key, tp, pp, pp_rank, schedule, vp, ep, etp, tp_mode, tp_depth))
+
+
+@functools.lru_cache(maxsize=1024)
+def _rank_params(
+    config: _ConfigKey,
+    tp: int,
+    pp: int,
+    pp_rank: int,
+    schedule: str,
+    vp: int,
+    ep: int,
+    etp: int | None,
+    tp_mode: str,
+    tp_depth: int,
+) -> tuple[ParamSpec, ...]:
+    """``rank_params``, cached by the config's value (the search asks for the same split of one
+    model thousands of times)."""
+    cfg = config.cfg
     split = TPSplit(tp_mode, tp, tp_depth)
     layout = layout_of(schedule, pp, vp)
     blocks = stage_blocks(cfg, layout)
@@ -189,7 +225,7 @@ def rank_params(
             key = unit if len(stages) == 1 else f"chunk{c}"
             prefix = "" if len(stages) == 1 else f"chunks.{c}."
             out.append(ParamSpec(prefix + name, n, expert, units.setdefault(key, len(units))))
-    return out
+    return tuple(out)
 
 
 def param_numels(cfg: GPTConfig, *, tp: int, pp: int, pp_rank: int) -> list[tuple[str, int]]:

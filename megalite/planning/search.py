@@ -23,6 +23,7 @@ evaluates them too.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import multiprocessing
 from dataclasses import dataclass, field, replace
@@ -292,6 +293,13 @@ def recompute_rank(x: str | None) -> int:
     return 1 if x == "selective" else int(x.removeprefix("block"))
 
 
+@functools.lru_cache(maxsize=1)
+def shared_parser():
+    """One ``build_parser()`` per process for every validation: a parse leaves nothing in it,
+    and building one costs as much as a few parses."""
+    return build_parser()
+
+
 PARALLEL_FROM = 2000  # candidates: below this, worker start-up costs more than it saves
 
 
@@ -308,7 +316,7 @@ class _Evaluator:
     exhaustive: bool
 
     def family(self, layouts: list[Layout]) -> SearchResult:
-        parser, memo, out = build_parser(), {}, SearchResult([], [])
+        parser, memo, out = shared_parser(), {}, SearchResult([], [])
         fitting: dict[Layout, list] = {}  # layout without recompute -> the recomputes that fit
         for layout in sorted(layouts, key=lambda x: recompute_rank(x.recompute)):
             base = replace(layout, recompute=None)

@@ -159,20 +159,17 @@ def predict_step_time(
     moe = moe_layer_pattern(c)
     stages = layout_of(layout.schedule if pp > 1 else "1f1b", pp, layout.vp)
     blocks = stage_blocks(c, stages)
+    # a layer's forward FLOPs depend only on whether it is a MoE layer: each figure once
+    layer_flops = {x: _layer_forward_flops(c, tokens=tokens, s=s, moe=x) for x in set(moe)}
     stage_f, stage_b, stage_comm = [], [], []
     for st, (start, end) in enumerate(blocks):
         n_layers = end - start
-        fwd_flops = sum(
-            _layer_forward_flops(c, tokens=tokens, s=s, moe=moe[i]) for i in range(start, end)
-        )
+        fwd_flops = sum(layer_flops[moe[i]] for i in range(start, end))
         fwd_flops += output_flops if st == stages.num_stages - 1 else 0.0
         recompute = 0.0
         if c.recompute_granularity == "full":  # uniform: every layer; block: the first k
             k = recomputed_layers(c, n_layers)
-            recompute = sum(
-                _layer_forward_flops(c, tokens=tokens, s=s, moe=moe[i])
-                for i in range(start, start + k)
-            )
+            recompute = sum(layer_flops[moe[i]] for i in range(start, start + k))
         elif c.recompute_granularity == "selective":
             recompute = n_layers * core_attention
         f = fwd_flops / tp / rate + n_layers * cluster.layer_overhead_s + cluster.chunk_overhead_s

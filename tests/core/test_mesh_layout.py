@@ -9,6 +9,7 @@ import itertools
 import json
 from math import prod
 
+import numpy as np
 import pytest
 
 from megalite.core.mesh_layout import (
@@ -114,33 +115,33 @@ def _layouts(limit: int = 64):
     return list(rec(5, limit))
 
 
+def _place_values(radix: list[int]) -> np.ndarray:
+    """The place value of each digit of a mixed-radix number, the first digit counting fastest."""
+    return np.array([prod(radix[:i]) for i in range(len(radix))], dtype=np.int64)
+
+
 def _check_equation(sizes: dict[str, int], order: str) -> None:
     """Every group of every token = the ranks that agree on the other axes' digits, with members
-    in mixed-radix order of the token's digits (the rank equation of DESIGN §2)."""
+    in mixed-radix order of the token's digits and groups in mixed-radix order of the other
+    digits (the rank equation of DESIGN §2): the whole list is built from ``rank_coords`` by
+    placing each rank at [its other digits' number, its token digits' number]."""
     names = order.split("-")
     world = prod(sizes.values())
-    coords = [rank_coords(r, sizes, order) for r in range(world)]
-    stride, s = {}, 1
-    for a in names:
-        stride[a] = s
-        s *= sizes[a]
-    for r in range(world):
-        assert sum(coords[r][a] * stride[a] for a in names) == r
+    radix = [sizes[a] for a in names]
+    coords = np.array([list(rank_coords(r, sizes, order).values()) for r in range(world)])
+    assert ((coords >= 0) & (coords < radix)).all(), (sizes, order)
+    assert (coords @ _place_values(radix) == np.arange(world)).all(), (sizes, order)
     for token in TOKENS:
         axes = token.split("-")
-        groups = rank_groups(world, sizes, order, axes)
-        assert sorted(x for g in groups for x in g) == list(range(world)), token
-        for g in groups:
-            first = coords[g[0]]
-            inside = [a for a in names if a in axes]
-            for i, member in enumerate(g):
-                c = coords[member]
-                assert all(c[a] == first[a] for a in names if a not in axes), (sizes, token)
-                index, mult = 0, 1
-                for a in inside:
-                    index += c[a] * mult
-                    mult *= sizes[a]
-                assert index == i, (sizes, order, token, g)
+        inside = [i for i, a in enumerate(names) if a in axes]
+        outside = [i for i, a in enumerate(names) if a not in axes]
+        member = coords[:, inside] @ _place_values([radix[i] for i in inside])
+        group = coords[:, outside] @ _place_values([radix[i] for i in outside])
+        size = prod(radix[i] for i in inside)
+        expected = np.full((world // size, size), -1)
+        expected[group, member] = np.arange(world)
+        got = rank_groups(world, sizes, order, axes)
+        assert got == expected.tolist(), (sizes, order, token, got)
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -169,7 +170,8 @@ def test_rank_groups_are_what_megatron_core_builds():
 def _expert_layouts(world: int):
     """(tp, cp, dp, pp, ep, etp) of ``world``, EP and ETP in {1, 2, 4}, the expert view factoring
     the world (written apart from the fixture tool's enumeration; the counts must agree)."""
-    for tp, cp, dp in itertools.product(range(1, world + 1), repeat=3):
+    divisors = [d for d in range(1, world + 1) if world % d == 0]  # each factor of tp cp dp
+    for tp, cp, dp in itertools.product(divisors, repeat=3):
         if world % (tp * cp * dp):
             continue
         pp = world // (tp * cp * dp)

@@ -11,7 +11,7 @@ from megalite.core.pipeline_parallel import simulator
 from megalite.planning import search as search_mod
 from megalite.planning import step_time
 from megalite.planning.cluster import preset
-from megalite.planning.explain import explain
+from megalite.planning.explain import explain, family_of
 from megalite.planning.presets import MODEL_PRESETS
 from megalite.planning.schedule_replay import schedule_lists
 from megalite.planning.search import (
@@ -21,6 +21,7 @@ from megalite.planning.search import (
     lighter,
     search,
 )
+from megalite.training.arguments import build_parser
 
 # a MoE model with sequences long enough for CP, small enough to evaluate every layout
 MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8"]
@@ -39,16 +40,42 @@ def _clear_caches():
 
 @pytest.fixture(scope="module")
 def small():
+    """The fast search, with its step-time predictions and pipeline replays counted, and every
+    layout evaluated on its own: no memo, cold schedule caches, one parser used in the reverse of
+    the search's order (a parse that leaked into the next would show as a difference)."""
     _clear_caches()
     layouts = candidate_layouts(
         CLUSTER, global_batch_size=GBS, seq_length=4096, num_experts=4, space=SPACE
     )
-    fast = search(MODEL, CLUSTER, vocab_size=VOCAB, global_batch_size=GBS, space=SPACE)
-    # every layout on its own: a fresh parser, no memo, step time even for misfits
+    counts = {"step": 0, "simulate": 0}
+
+    def count(name, f):
+        def wrapped(*a, **k):
+            counts[name] += 1
+            return f(*a, **k)
+
+        return wrapped
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(search_mod, "predict_step_time", count("step", search_mod.predict_step_time))
+        mp.setattr(simulator, "simulate", count("simulate", simulator.simulate))
+        fast = search(MODEL, CLUSTER, vocab_size=VOCAB, global_batch_size=GBS, space=SPACE)
+    counts["programs"] = step_time.pipeline_program.cache_info().currsize
+    _clear_caches()
+    parser = build_parser()
     every = {
-        x: evaluate(MODEL, x, CLUSTER, vocab_size=VOCAB, global_batch_size=GBS) for x in layouts
+        x: evaluate(
+            MODEL,
+            x,
+            CLUSTER,
+            vocab_size=VOCAB,
+            global_batch_size=GBS,
+            parser=parser,
+            time_misfits=False,
+        )
+        for x in reversed(layouts)
     }
-    return layouts, fast, every
+    return layouts, fast, every, counts
 
 
 def _signature(c):
@@ -61,7 +88,7 @@ def _signature(c):
 
 
 def test_fast_search_predicts_what_evaluating_every_layout_predicts(small):
-    layouts, fast, every = small
+    layouts, fast, every, _ = small
     seen = fast.ranked + fast.rejected
     assert len(seen) + fast.dominated == len(layouts)
     assert fast.ranked and fast.dominated and any(c.error is None for c in fast.rejected)
@@ -91,14 +118,21 @@ def test_fast_search_predicts_what_evaluating_every_layout_predicts(small):
     for c in dominated:  # none is faster than a lighter recompute of it that fits (equal when
         for light in lighter_fits(c):  # a chunk holds no more layers than the lighter block)
             assert light.step.tokens_per_s >= c.step.tokens_per_s, (light.layout, c.layout)
+    # exhaustive: the dominated ones evaluated and ranked too (dominance holds inside a family,
+    # so whole families that left out block2 and full show it)
+    families = _families_with_every_outcome(layouts, fast, 3)
+    part = [x for x in layouts if family_of(x) in families]
     everything = search(
-        MODEL, CLUSTER, vocab_size=VOCAB, global_batch_size=GBS, space=SPACE, exhaustive=True
+        MODEL, CLUSTER, vocab_size=VOCAB, global_batch_size=GBS, layouts=part, exhaustive=True
     )
-    assert [c.layout for c in everything.ranked] == [c.layout for c in fitting]
+    assert everything.dominated == 0
+    assert [c.layout for c in everything.ranked] == [
+        c.layout for c in fitting if family_of(c.layout) in families
+    ]
 
 
 def test_search_enumerates_and_ranks_cp_and_ep(small):
-    layouts, fast, _ = small
+    layouts, fast, _, _ = small
     assert {x.cp for x in layouts} == {1, 2, 4} and {x.ep for x in layouts} == {1, 2, 4}
     assert any(x.tp == 2 and x.etp == 1 for x in layouts)  # ETP 1 under TP 2
     assert any(c.layout.cp > 1 for c in fast.ranked) and any(c.layout.ep > 1 for c in fast.ranked)
@@ -108,39 +142,51 @@ def test_search_enumerates_and_ranks_cp_and_ep(small):
     assert any(line.startswith("TP1 PP1 DP2 CP2 EP2: ") for line in lines)
 
 
+def _families_with_every_outcome(layouts, fast, count):
+    """The first ``count`` (TP, PP, CP, EP, DP) families, in the candidates' order, holding a
+    ranked and a rejected layout and dominated ones under block2 and full each."""
+    ranked = {family_of(c.layout) for c in fast.ranked}
+    rejected = {family_of(c.layout) for c in fast.rejected}
+    seen = {c.layout for c in fast.ranked + fast.rejected}
+    dominated: dict[tuple, set] = {}
+    for x in layouts:
+        if x not in seen:
+            dominated.setdefault(family_of(x), set()).add(x.recompute)
+    out = []
+    for x in layouts:
+        f = family_of(x)
+        if f in ranked and f in rejected and dominated.get(f, set()) >= {"block2", "full"}:
+            out += [] if f in out else [f]
+    assert len(out) >= count
+    return out[:count]
+
+
 def test_parallel_search_is_the_serial_search(small, monkeypatch):
-    _, fast, _ = small
+    """Three whole families (one per worker and one more) on two workers merge to what the serial
+    search found for them: the same candidates, order and dominated count."""
+    layouts, fast, _, _ = small
+    families = _families_with_every_outcome(layouts, fast, 3)
+    part = [x for x in layouts if family_of(x) in families]
     monkeypatch.setattr(search_mod, "PARALLEL_FROM", 0)
-    par = search(MODEL, CLUSTER, vocab_size=VOCAB, global_batch_size=GBS, space=SPACE, jobs=2)
-    assert [_signature(c) for c in par.ranked] == [_signature(c) for c in fast.ranked]
-    assert [c.layout for c in par.ranked] == [c.layout for c in fast.ranked]
-    assert [c.layout for c in par.rejected] == [c.layout for c in fast.rejected]
-    assert par.dominated == fast.dominated
+    par = search(MODEL, CLUSTER, vocab_size=VOCAB, global_batch_size=GBS, layouts=part, jobs=2)
+    ranked = [c for c in fast.ranked if family_of(c.layout) in families]
+    rejected = [c for c in fast.rejected if family_of(c.layout) in families]
+    assert [_signature(c) for c in par.ranked] == [_signature(c) for c in ranked]
+    assert [c.layout for c in par.ranked] == [c.layout for c in ranked]
+    assert [c.layout for c in par.rejected] == [c.layout for c in rejected]
+    assert par.dominated == len(part) - len(ranked) - len(rejected) > 0
 
 
-def test_search_work_is_bounded(monkeypatch):
+def test_search_work_is_bounded(small):
     """Step time only for layouts that fit; one pipeline replay per schedule shape and stage
     costs (the ZeRO rungs of a layout share it); one action list per schedule shape."""
-    counts = {"step": 0, "simulate": 0}
-    real_step, real_simulate = search_mod.predict_step_time, simulator.simulate
-
-    def count(name, f):
-        def wrapped(*a, **k):
-            counts[name] += 1
-            return f(*a, **k)
-
-        return wrapped
-
-    monkeypatch.setattr(search_mod, "predict_step_time", count("step", real_step))
-    monkeypatch.setattr(simulator, "simulate", count("simulate", real_simulate))
-    _clear_caches()
-    result = search(MODEL, CLUSTER, vocab_size=VOCAB, global_batch_size=GBS, space=SPACE)
+    _, result, _, counts = small
     assert counts["step"] == len(result.ranked)
     piped = [c.layout for c in result.ranked if c.layout.pp > 1]
     shapes = {replace(x, rung="no_shard", offload_fraction=0.0) for x in piped}
     assert 0 < counts["simulate"] <= len(shapes) < len(piped)
     programs = {(x.schedule, x.pp, GBS // (x.micro_batch_size * x.dp), x.vp) for x in piped}
-    assert step_time.pipeline_program.cache_info().currsize <= len(programs)
+    assert counts["programs"] <= len(programs)
 
 
 def test_long_sequences_rank_context_parallel_first():
