@@ -42,10 +42,12 @@ fi
 # a GPU where the kernels exist: the models then take the fused kernels wherever they would on a
 # GPU, and the planner's predictions must follow the path that runs. The rest runs without it, the
 # tests marked kernels_on (the fused kernels forced on) again there on the reference path, split
-# in two by folder: the tools, scripts, conversion, data and checkpoint tests, and everything else
-# (the checkpoint tests joined the side when the rest had grown to twice its time).
+# in two by folder: the tools, scripts, conversion, data, checkpoint and planning tests, and
+# everything else (folders move to the side when the rest outgrows it: per-test durations from
+# `--junitxml` runs of each part decide; the interpreter part is a few minutes since the kernels
+# run short rows as tiles).
 SELECTION="kernel or fused or softmax or norm"
-SIDE=(tests/tools tests/scripts tests/conversion tests/data tests/checkpoint)
+SIDE=(tests/tools tests/scripts tests/conversion tests/data tests/checkpoint tests/planning)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 echo "== pytest, $SELECTION: TRITON_INTERPRET=1 (beside the rest; its output follows)"
