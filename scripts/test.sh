@@ -42,12 +42,13 @@ fi
 # a GPU where the kernels exist: the models then take the fused kernels wherever they would on a
 # GPU, and the planner's predictions must follow the path that runs. The rest runs without it, the
 # tests marked kernels_on (the fused kernels forced on) again there on the reference path, split
-# in two by folder: the tools, scripts, conversion, data, checkpoint and planning tests, and
-# everything else (folders move to the side when the rest outgrows it: per-test durations from
-# `--junitxml` runs of each part decide; the interpreter part is a few minutes since the kernels
-# run short rows as tiles).
+# in two by path: the tools, scripts, conversion, data, checkpoint and planning tests and the
+# training tests that launch whole jobs (signals, torchrun), and everything else (paths move to
+# the side when the rest outgrows it: per-test durations from `--junitxml` runs of each part
+# decide; the interpreter part is a few minutes since the kernels run short rows as tiles).
 SELECTION="kernel or fused or softmax or norm"
-SIDE=(tests/tools tests/scripts tests/conversion tests/data tests/checkpoint tests/planning)
+SIDE=(tests/tools tests/scripts tests/conversion tests/data tests/checkpoint tests/planning
+  tests/training/test_signals.py tests/training/test_pretrain_torchrun.py)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 echo "== pytest, $SELECTION: TRITON_INTERPRET=1 (beside the rest; its output follows)"
