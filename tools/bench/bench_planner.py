@@ -85,6 +85,7 @@ def _worker(rank: int, world: int, init: str, args, queue) -> None:
             steps=args.steps,
             reference=reference,
             recalibrate=args.recalibrate,
+            quick_calibration=args.tiny,
         )
         tables.append(
             [(r.layout.name(), r.predicted, r.measured, r.raw_error, r.error) for r in rows]

@@ -146,24 +146,26 @@ def step_time_accuracy(
     reference: list[str] | None = None,
     calibration: dict | None = None,
     recalibrate: bool = False,
+    quick_calibration: bool = False,
 ) -> tuple[dict, list[Row]]:
     """(the calibration, one ``Row`` per layout); a layout may come with extra model flags
     (``(layout, ["--num-experts", "4"])``); ``reference``: the calibration's model flags (default
     ``calibrate.REFERENCE``); ``recalibrate``: calibrate again before each layout (a loaded
-    machine's speed drifts over seconds: each layout is held against the machine of its moment).
+    machine's speed drifts over seconds: each layout is held against the machine of its moment);
+    ``quick_calibration``: one short round of each calibration measurement (a smoke run).
     Every rank of the world calls it."""
     torch.set_num_threads(1)
     group = world_group()
     world = dist.get_world_size(group)
     reference = list(reference or REFERENCE)
     if calibration is None:
-        calibration = calibrate_in_world(reference, group=group)
+        calibration = calibrate_in_world(reference, group=group, quick=quick_calibration)
     iters = ["--train-iters", str(steps + 2)]
     ref_argv = [*reference, "--micro-batch-size", "4", "--global-batch-size", "4", *iters]
     rows = []
     for i, item in enumerate(layouts):
         if recalibrate and i:
-            calibration = calibrate_in_world(reference, group=group)
+            calibration = calibrate_in_world(reference, group=group, quick=quick_calibration)
         cluster = cpu_cluster(world, calibration)
         lay, extra = item if isinstance(item, tuple) else (item, [])
         c = evaluate(

@@ -194,16 +194,20 @@ def calibrate_in_world(
     group: dist.ProcessGroup,
     peak_tflops: float = 1.0,
     repeat: int = 3,
+    quick: bool = False,
 ) -> dict:
     """The calibration of a CPU gloo ``group``, in it (every rank of it calls this): the shared
     cores, then the reference steps with every rank busy (``fit_compute``: each rank alone on its
     model), the figures scaled back to a rank with a core of its own; each collective between
-    busy ranks, over ``group`` (``calibrate_comm.busy_collectives``)."""
+    busy ranks, over ``group`` (``calibrate_comm.busy_collectives``). ``quick``: one round of each
+    measurement and short collective loops (a smoke run's figures: the code runs, the numbers are
+    rough)."""
     device = torch.device("cpu")
     world = dist.get_world_size(group)
-    cores = shared_cores(group)
+    repeat = 1 if quick else repeat
+    cores = shared_cores(group, repeat=repeat)
     slow = world / cores
-    opt = optimizer_seconds_per_param(device, n=1_000_000)
+    opt = optimizer_seconds_per_param(device, n=100_000 if quick else 1_000_000)
     dist.barrier(group=group)
     fit = fit_compute(
         argv, device, peak_tflops=peak_tflops, optimizer_s_per_param=opt, repeat=repeat
@@ -213,7 +217,9 @@ def calibrate_in_world(
     dist.all_reduce(figures, group=group)
     eff, layer, chunk, step, opt = (figures / world).tolist()
     # every rank the same figures (and so the same predictions)
-    collectives = busy_collectives(group)
+    collectives = (
+        busy_collectives(group, iterations=4, repeat=1) if quick else busy_collectives(group)
+    )
     return {
         "device": "cpu",
         "peak_tflops": peak_tflops,
