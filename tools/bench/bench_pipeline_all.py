@@ -261,26 +261,36 @@ def _profile_all(pp, m, rank, quick=False) -> dict:
         dist.barrier()
         stages[n] = gather_stage_costs(mine)
     latency = p2p_latency((MICRO_BATCH, HIDDEN), list(range(pp)), repeats=3 if quick else 11)
-    # the cores the ranks get when all compute at once: work done at the alone-costs per second
+    # the cores the ranks get when all compute at once: the same passes timed on each rank alone
+    # (the others wait in a barrier) and on every rank at once; the sum over ranks of alone /
+    # together (pp when they do not slow each other down). Work done per second at the profiled
+    # costs would count profile_chunk's own set-up as lost cores.
     layout = layout_of("1f1b", pp, 1)
     chunk, s = all_chunks["1f1b"][0], layout.stage(rank, 0)
-    unit = sum(stages[pp][s])
+
+    def passes() -> float:
+        t0 = time.perf_counter()
+        for _ in range(1 if quick else 3):
+            profile_chunk(
+                chunk,
+                _forward_step,
+                itertools.cycle(batches),
+                input_shape=(MICRO_BATCH, HIDDEN),
+                first=s == 0,
+                loss=s == pp - 1,
+                num_microbatches=m,
+                repeats=1,
+                warmup=0,
+            )
+        return time.perf_counter() - t0
+
+    alone = 0.0
+    for turn in range(pp):
+        dist.barrier()
+        if turn == rank:
+            alone = passes()
     dist.barrier()
-    t0, done = time.perf_counter(), 0
-    while time.perf_counter() - t0 < (0.1 if quick else 0.4):
-        profile_chunk(
-            chunk,
-            _forward_step,
-            itertools.cycle(batches),
-            input_shape=(MICRO_BATCH, HIDDEN),
-            first=s == 0,
-            loss=s == pp - 1,
-            num_microbatches=m,
-            repeats=1,
-            warmup=0,
-        )
-        done += 1
-    rate = torch.tensor([done * unit / (time.perf_counter() - t0)])
+    rate = torch.tensor([alone / passes()])
     dist.all_reduce(rate)
     chunk.zero_grad(set_to_none=True)
     return {"stages": stages, "latency": latency, "cores": min(float(pp), float(rate))}
