@@ -1,5 +1,5 @@
-"""The 2d (TP 4 = 2 x 2) and 2.5d (TP 8 = depth 2 x 2 x 2) grid layers equal their unsharded torch
-counterparts: outputs and every grad.
+"""The 2d (TP 4 = 2 x 2, and TP 16 = 4 x 4) and 2.5d (TP 8 = depth 2 x 2 x 2) grid layers equal
+their unsharded torch counterparts: outputs and every grad.
 
 The oracle (``nn.Linear``, ``F.layer_norm``, ``nn.Embedding``, ``F.cross_entropy``) runs in the same
 rank process on full tensors from the same seed; its results are sliced with ``chunk`` into this
@@ -7,6 +7,9 @@ rank's block (batch block ``depth * q + row`` of dim 1, hidden block ``col`` of 
 never with a collective. The loss is ``sum <y, dy>`` over the whole tensor, so each rank feeds its
 block of ``dy`` into the backward. Tolerance: fp32, rtol 1e-5 / atol 1e-6 (sharding reorders the
 sums inside a matmul or a reduction, nothing else).
+
+TP 16 needs 16 gloo ranks, whose start costs more than the checks: every layer's check runs in one
+case on one grid (``test_grid_layers_at_tp16``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from tests.harness import run_distributed
 from tests.mesh import mesh
 
 TOL = dict(rtol=1e-5, atol=1e-6)
-S, B, H_IN, H_OUT, VOCAB = 3, 4, 8, 12, 30
+# B, H_IN and H_OUT / 2 (SwiGLU's stacked halves) divide by every grid side here, q = 2 and 4
+S, B, H_IN, H_OUT, VOCAB = 3, 4, 8, 16, 30
 LAYOUTS = {"2d": (4, 1), "2.5d": (8, 2)}  # mode -> (tensor_model_parallel_size, depth)
 
 
@@ -54,8 +58,7 @@ def _grid(mode):
     return Grid.of(mesh(tp, mode=mode, depth=depth))
 
 
-def _check_linear(mode, stride):
-    g = _grid(mode)
+def _check_linear(g: Grid, stride: int) -> None:
     key = init_normal(0.5, seed=7, key="w")
     layer = GridLinear(H_IN, H_OUT, grid=g, init_method=key, stride=stride)
     ref = nn.Linear(H_IN, H_OUT)
@@ -79,8 +82,7 @@ def _check_linear(mode, stride):
     torch.testing.assert_close(layer.bias.grad, bias_ref, **TOL)
 
 
-def _check_norm(mode, kind):
-    g = _grid(mode)
+def _check_norm(g: Grid, kind: str) -> None:
     cls = GridLayerNorm if kind == "layernorm" else GridRMSNorm
     norm = cls(H_IN, grid=g)
     w_full, b_full = _rand(H_IN, seed=4), _rand(H_IN, seed=5)
@@ -106,8 +108,7 @@ def _check_norm(mode, kind):
         torch.testing.assert_close(norm.bias.grad, b_ref.grad.chunk(g.q)[g.col], **TOL)
 
 
-def _check_embedding_and_loss(mode):
-    g = _grid(mode)
+def _check_embedding_and_loss(g: Grid) -> None:
     key = init_normal(0.5, seed=7, key="emb")
     emb = GridEmbedding(VOCAB, H_IN, grid=g, make_vocab_size_divisible_by=4, init_method=key)
     padded = emb.padded_num_embeddings  # 32: a multiple of 4 x q
@@ -146,19 +147,48 @@ def _check_embedding_and_loss(mode):
     torch.testing.assert_close(mine.grad, _act(logits.grad, g), **TOL)
 
 
+def _linear_case(mode, stride):
+    _check_linear(_grid(mode), stride)
+
+
+def _norm_case(mode, kind):
+    _check_norm(_grid(mode), kind)
+
+
+def _embedding_and_loss_case(mode):
+    _check_embedding_and_loss(_grid(mode))
+
+
+def _all_layers_case(tp: int) -> list[int]:
+    """Every check on one 2d grid of ``tp`` ranks; returns this rank's (row, col)."""
+    g = Grid.of(mesh(tp, mode="2d"))
+    _check_linear(g, 1)
+    _check_linear(g, 2)
+    _check_norm(g, "layernorm")
+    _check_norm(g, "rmsnorm")
+    _check_embedding_and_loss(g)
+    return [g.row, g.col]
+
+
 @pytest.mark.parametrize("mode", sorted(LAYOUTS))
 def test_grid_linear_equals_nn_linear(mode):
     tp = LAYOUTS[mode][0]
-    run_distributed(_check_linear, tp, mode, 1)
-    run_distributed(_check_linear, tp, mode, 2)  # [gate; up] stacked, as SwiGLU's fc1
+    run_distributed(_linear_case, tp, mode, 1)
+    run_distributed(_linear_case, tp, mode, 2)  # [gate; up] stacked, as SwiGLU's fc1
 
 
 @pytest.mark.parametrize("mode", sorted(LAYOUTS))
 @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
 def test_grid_norms_over_a_split_hidden_dim(mode, kind):
-    run_distributed(_check_norm, LAYOUTS[mode][0], mode, kind)
+    run_distributed(_norm_case, LAYOUTS[mode][0], mode, kind)
 
 
 @pytest.mark.parametrize("mode", sorted(LAYOUTS))
 def test_grid_embedding_and_cross_entropy(mode):
-    run_distributed(_check_embedding_and_loss, LAYOUTS[mode][0], mode)
+    run_distributed(_embedding_and_loss_case, LAYOUTS[mode][0], mode)
+
+
+def test_grid_layers_at_tp16():
+    # 2d at q = 4: the linear (plain and stacked), both norms, the embedding and the loss
+    coords = run_distributed(_all_layers_case, 16, 16)
+    assert coords == [[t // 4, t % 4] for t in range(16)]  # tp_rank = col + q * row
