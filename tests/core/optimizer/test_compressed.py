@@ -242,6 +242,42 @@ def test_zero_one_adam_replicas_agree_after_syncs() -> None:
     run_distributed(_zero_one_case, 2)
 
 
+def _zero_one_clip_case() -> None:
+    """The norm each 0/1 Adam step clips by (the one ``step`` returns), against the grads this
+    test gathers: the mean grad's in a full step (the wrapper's all-reduce) and in a compressed one
+    (the sketch, exact for 444 values); in a local one the rank's own norm times the ratio of the
+    mean's norm to the rms of the ranks' own norms at the last compressed step."""
+    ps = mesh()
+    n, rank = ps.size("dp"), ps.rank("dp")
+    spec = CompressionSpec(
+        var_freeze_step=3, var_update_scaler=1, local_step_scaler=1, local_step_clipper=2
+    )
+    options = {"lr": LR, "weight_decay": WD, "clip_grad": CLIP, "compression": spec}
+    model, opt = wrap_and_build_optimizer(_model(), ps, optimizer="zero-one-adam", **options)
+    ratio = 1.0
+    for step in range(7):
+        x, y = (t.chunk(n)[rank] for t in _batch(step))
+        model.zero_grad_buffer()
+        _loss(model, x, y).backward()
+        model.finish_grad_sync()
+        own = torch.cat([p.main_grad.reshape(-1) for p in model.parameters()])
+        grads = [torch.zeros_like(own) for _ in range(n)]
+        dist.all_gather(grads, own)
+        mean = float((sum(grads) / n).norm())
+        rms = float(torch.stack([g.norm() for g in grads]).square().mean().sqrt())
+        norm = float(opt.step()[1])
+        # a full step's grads are the mean already
+        want = float(own.norm()) * ratio if opt.phase == PHASE_LOCAL else mean
+        if opt.phase == PHASE_COMPRESSED:
+            ratio = mean / rms
+        assert abs(norm - want) <= 1e-5 * want, (step + 1, opt.phase, norm, want)
+        assert mean > CLIP, "the clip must act for the case to test it"
+
+
+def test_zero_one_adam_clips_by_the_mean_grads_norm() -> None:
+    run_distributed(_zero_one_clip_case, 2)
+
+
 def _skip_case() -> list[bool]:
     """Compressed from step 2; at step 2 only rank 1's local grad holds an inf: with local grads
     the skip decision must still be every rank's (the flag max-reduced over DP)."""
