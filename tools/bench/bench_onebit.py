@@ -5,6 +5,7 @@ DP 4 on CPU/gloo: adam vs onebit-adam vs zero-one-adam, lamb vs onebit-lamb.
     python tools/bench/bench_onebit.py --steps 300 --freeze 50         # builds the corpus itself
     python tools/bench/bench_onebit.py --tiny        # mock data, adam vs onebit-adam in-process
     python tools/bench/bench_onebit.py --corpus /tmp/onebit-corpus-X --bases adam   # one pair
+    python tools/bench/bench_onebit.py --corpus C --curves /tmp/curves.json  # reuse the curves
 
 Each optimizer trains the same small GPT (``pretrain``, the real loop) from the same seed on the
 same data, one run after another, in a fresh 4-rank world each. The corpus is the quickstart's
@@ -14,12 +15,16 @@ built into a temporary folder with the same tools. Printed per compressed optimi
 relative gap of its loss to its base's at any step after the warm-up, the wall time per step
 against the base's in the same run (including start-up; the machine's load shows in both), and
 the bytes per step on the DP group as the planner counts them (``bus_factor``) with the time
-they take on a 25 Gb/s inter-node link. The loss curves go to an SVG (``--plot``).
+they take on a 25 Gb/s inter-node link. The loss curves go to an SVG (``--plot``). ``--curves``
+names a JSON file of curves and walls, keyed by the flags: a base (adam, lamb) found there is not
+run again (its losses are deterministic and its code is not what is measured), and each finished
+run is added to it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import subprocess
@@ -34,6 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import torch  # noqa: E402
 
 from megalite.core.distributed.compressed_allreduce import wire_bytes  # noqa: E402
+from megalite.core.optimizer.sketched_norm import sketch_size  # noqa: E402
 from megalite.core.parallel_state import ParallelState  # noqa: E402
 from megalite.planning.cluster import bus_factor  # noqa: E402
 from megalite.training.arguments import parse_args, with_tokenizer  # noqa: E402
@@ -172,6 +178,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--plot", default="docs/img/onebit_curves.svg")
+    p.add_argument("--curves", help="JSON file of finished runs: reused, and extended")
     a = p.parse_args()
     if a.tiny:
         a.steps, a.freeze, a.layers, a.hidden, a.seq = 3, 1, 1, 32, 16
@@ -186,6 +193,10 @@ def main() -> None:
         print(f"corpus: {folder} (reuse it with --corpus)")
         data = build_corpus(folder)
     curves, walls = {}, {}
+    saved = {}
+    if a.curves and os.path.exists(a.curves):
+        with open(a.curves) as f:
+            saved = json.load(f)
     bases = a.bases.split(",")
     unknown = sorted(set(bases) - set(PAIRS))
     if unknown:
@@ -194,12 +205,22 @@ def main() -> None:
     for base, compressed in pairs.items():
         for name in (base, *compressed):
             flags = [*_model_flags(a), *data, *_optimizer_flags(name, a.freeze)]
-            losses, wall = run(flags, world=1 if a.tiny else DP)
+            key = " ".join(flags)
+            if name in PAIRS and key in saved:  # a base: its code is not what is measured
+                losses, wall = saved[key]
+            else:
+                losses, wall = run(flags, world=1 if a.tiny else DP)
+                if a.curves:
+                    saved[key] = (losses, wall)
+                    with open(a.curves, "w") as f:
+                        json.dump(saved, f)
             curves[name], walls[name] = losses, wall / a.steps
             print(f"{name:>14}: final loss {losses[-1]:.4f}, {1e3 * walls[name]:.1f} ms/step")
     numel = _numel(a, data)
     fp32 = bus_factor("all_reduce", DP) * 4 * numel
+    # the compressed all-reduce, and the clip's sketch of the mean grad (--clip-grad 1.0)
     one = bus_factor("all_to_all", DP) * wire_bytes(numel, DP)
+    one += bus_factor("all_reduce", DP) * 4 * (sketch_size(numel) + 1)
     link = LINK_GBPS * 1e9 / 8
     print(f"DP-group bytes per step ({numel} params, on the wire): fp32 all-reduce {fp32:.0f}, ")
     print(f"  compressed {one:.0f} ({fp32 / one:.1f}x fewer); at {LINK_GBPS:.0f} Gb/s: ")

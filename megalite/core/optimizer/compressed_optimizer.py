@@ -8,8 +8,15 @@ every step (and at construction, and after a load) this optimizer asks its inner
 local step the grads are the rank's own, so:
 
 - the inf/NaN flag (fp16) is max-reduced over the DP groups too: every rank skips together;
-- the grad norm and clipping are each rank's own (each worker clips its own gradient before it
-  enters the momentum); the norm logged is that of the rank that logs.
+- clipping (``clip_grad > 0``) scales every rank's local grad by one factor, the one Adam's global
+  clip gives the DP-averaged grad: ``min(1, clip_grad / |gbar|)`` with ``|gbar|`` estimated by a
+  count sketch all-reduced over DP (``sketched_norm``; 4 KiB more per step). A rank's own norm is
+  larger than the mean's by the gradient noise (1.5-2.4 against 1.0-1.2 in
+  ``tools/bench/bench_onebit.py``): clipping by it would take steps about half as large as Adam's,
+  and unequal across ranks. The estimate is the norm returned (and logged). In 0/1 Adam's local
+  steps, which communicate nothing, ``|gbar|`` is the rank's own norm times the ratio
+  ``|gbar| / rms_r |g_r|`` of the last step that communicated (``noise_ratio``). Without clipping
+  the norm is the rank's own and nothing more is sent.
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ import torch
 
 from megalite.core.distributed.data_parallel import DistributedDataParallel
 from megalite.core.groups import group_size
-from megalite.core.optimizer.compressed import OneBitAdam, OneBitLamb, ZeroOneAdam
+from megalite.core.optimizer.compressed import PHASE_LOCAL, OneBitAdam, OneBitLamb, ZeroOneAdam
+from megalite.core.optimizer.mixed_precision import StepGrads
+from megalite.core.optimizer.sketched_norm import sketched_mean_sq_norm
 from megalite.core.optimizer.unsharded_optimizer import UnshardedOptimizer
 
 logger = logging.getLogger(__name__)
@@ -44,6 +53,8 @@ class CompressedOptimizer(UnshardedOptimizer):
             if isinstance(model, DistributedDataParallel)
             else (None, None)
         )
+        # |gbar| / rms of the ranks' own norms at the last step that communicated (local steps)
+        self.noise_ratio = torch.ones((), device=self._device)
         self._sync_phase()
 
     def _sync_phase(self) -> None:
@@ -55,6 +66,33 @@ class CompressedOptimizer(UnshardedOptimizer):
         if self.optimizer.full_grads_next():
             return groups
         return [*groups, self.dp_groups[0], *(self.dp_groups[1:] if self.has_experts else ())]
+
+    def _grad_norm(self, grads: StepGrads) -> torch.Tensor:
+        """The averaged grad's norm in a compressed or local step that clips (module docstring);
+        else the base's: the norm of the grads this rank holds."""
+        inner = self.optimizer
+        if self.clip_grad <= 0 or inner.full_grads_next():
+            return super()._grad_norm(grads)
+        if inner.phase_of(inner.step_count + 1) == PHASE_LOCAL:
+            return super()._grad_norm(grads) * self.noise_ratio
+        mean_sq, own_sq = sketched_mean_sq_norm(
+            grads.counted,
+            dp_group=self.dp_groups[0],
+            groups=self.reduce_groups,
+            seed=inner.step_count + 1,
+            device=self._device,
+        )
+        if self.has_experts:
+            expert_mean_sq, expert_own_sq = sketched_mean_sq_norm(
+                grads.counted_expert,
+                dp_group=self.dp_groups[1],
+                groups=self.expert_reduce_groups,
+                seed=inner.step_count + 1,
+                device=self._device,
+            )
+            mean_sq, own_sq = mean_sq + expert_mean_sq, own_sq + expert_own_sq
+        self.noise_ratio = (mean_sq / own_sq.clamp(min=torch.finfo(torch.float32).tiny)).sqrt()
+        return mean_sq.sqrt()
 
     @torch.no_grad()
     def step(self):
@@ -121,6 +159,7 @@ class CompressedOptimizer(UnshardedOptimizer):
             if own:
                 extra[i] = own
         state = {"dp_size": self._dp_size(), **inner._extra_state(), "params": extra}
+        state["noise_ratio"] = self.noise_ratio.detach().clone()
         if differ:  # and so are the weights
             state["masters"] = [m.detach().clone() for m in self.master_params]
         return state
@@ -139,6 +178,8 @@ class CompressedOptimizer(UnshardedOptimizer):
                 )
             return
         inner._load_extra_state({k: v for k, v in state.items() if k not in ("dp_size", "params")})
+        if "noise_ratio" in state:  # else 1 (the rank's own norm) until a step communicates
+            self.noise_ratio = state["noise_ratio"].to(self._device)
         for i, own in state["params"].items():
             inner.state[self.master_params[i]].update(own)
         if "masters" in state:

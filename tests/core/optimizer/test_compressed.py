@@ -10,6 +10,10 @@ fixed global batch of 8 rows; rank r of DP n takes ``chunk(n)[r]`` of it.
   relative (fp32 sums in another order); the DP group carries only the compressed all-reduce, its
   bytes as ``wire_bytes`` gives them, and on the wire (``bus_factor``) at least 16x fewer than
   AdamW's fp32 all-reduce of the same grads.
+- With clipping (DP 4): Adam's clip of the mean grad in the warm-up; after it, every rank's local
+  grad scaled by the mean grad's coefficient (its norm from a count sketch all-reduced over DP,
+  exact for 444 values), against the oracle that clips by the true mean's norm; the DP group
+  carries the sketch's all-reduce (445 fp32 values) besides the compressed one.
 - 0/1 Adam: the phase schedule; replicas agree after every step that communicates.
 """
 
@@ -33,6 +37,7 @@ from megalite.core.optimizer.compressed import (
     ZeroOneAdam,
 )
 from megalite.core.optimizer.loss_scaler import DynamicLossScaler
+from megalite.core.optimizer.sketched_norm import sketch_size
 from megalite.measure.comm_log import CommLog
 from megalite.planning.cluster import bus_factor
 from megalite.training.components import wrap_and_build_optimizer
@@ -40,6 +45,7 @@ from tests.harness import run_distributed
 from tests.mesh import mesh
 
 ROWS, LR, WD, FREEZE, STEPS = 8, 1e-2, 0.1, 3, 6
+CLIP = 0.05  # below the mean grad's norm at every step: clipping acts throughout
 
 
 class Tiny(nn.Module):
@@ -66,12 +72,20 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (model(x) - y).square().mean()
 
 
-def _train(optimizer_name: str, steps: int, **options) -> tuple[list, list, list]:
+def _train(
+    optimizer_name: str, steps: int, *, clip_grad: float = 0.0, **options
+) -> tuple[list, list, list]:
     """Params after each step, each step's CommLog records and phase, on this rank."""
     ps = mesh()
     n, rank = ps.size("dp"), ps.rank("dp")
     model, opt = wrap_and_build_optimizer(
-        _model(), ps, optimizer=optimizer_name, lr=LR, weight_decay=WD, clip_grad=0.0, **options
+        _model(),
+        ps,
+        optimizer=optimizer_name,
+        lr=LR,
+        weight_decay=WD,
+        clip_grad=clip_grad,
+        **options,
     )
     params, records, phases = [], [], []
     for step in range(steps):
@@ -87,9 +101,18 @@ def _train(optimizer_name: str, steps: int, **options) -> tuple[list, list, list
     return params, records, phases
 
 
-def _oracle(n: int, steps: int) -> list[list[torch.Tensor]]:
+def _clip(grads: list[torch.Tensor], norm: torch.Tensor, clip: float) -> list[torch.Tensor]:
+    """``grads`` times Adam's global clip coefficient for ``norm`` (none without ``clip``)."""
+    if clip <= 0:
+        return grads
+    return [g * min(1.0, clip / (float(norm) + 1e-6)) for g in grads]
+
+
+def _oracle(n: int, steps: int, clip: float = 0.0) -> list[list[torch.Tensor]]:
     """1-bit Adam in one process: AdamW on the mean grad for FREEZE steps, then local grads,
-    momenta averaged by the compressed all-reduce's definition, variance frozen."""
+    momenta averaged by the compressed all-reduce's definition, variance frozen. With ``clip``,
+    every grad is clipped as Adam clips the mean grad: each rank's local grad by the coefficient
+    of the mean grad's norm (the sketch is exact for Tiny's 444 values)."""
     model = _model()
     # the optimizer's order (its param groups: matrices, then biases), as the momenta are joined
     params = sorted(model.parameters(), key=lambda p: p.ndim == 1)
@@ -108,11 +131,15 @@ def _oracle(n: int, steps: int) -> list[list[torch.Tensor]]:
             x, y = (t.chunk(n)[r] for t in _batch(step))
             _loss(model, x, y).backward()
             local.append([p.grad.clone() for p in params])
+        mean_grad = [sum(g[i] for g in local) / n for i in range(len(params))]
+        norm = torch.cat([g.reshape(-1) for g in mean_grad]).norm()
+        assert clip <= 0 or norm > clip, "the clip must act for the case to test it"
         if step < FREEZE:
-            for i, p in enumerate(params):
-                p.grad = sum(g[i] for g in local) / n
+            for p, g in zip(params, _clip(mean_grad, norm, clip)):
+                p.grad = g
             adam.step()
         else:
+            local = [_clip(grads, norm, clip) for grads in local]
             momenta = []
             for r in range(n):
                 m = [
@@ -135,32 +162,37 @@ def _oracle(n: int, steps: int) -> list[list[torch.Tensor]]:
     return out
 
 
-def _onebit_case() -> None:
+def _onebit_case(clip: float) -> None:
     n = dist.get_world_size()
     spec = CompressionSpec(freeze_step=FREEZE)
-    got, records, _ = _train("onebit-adam", STEPS, compression=spec)
-    plain, plain_records, _ = _train("adam", FREEZE)
+    got, records, _ = _train("onebit-adam", STEPS, clip_grad=clip, compression=spec)
+    plain, plain_records, _ = _train("adam", FREEZE, clip_grad=clip)
     for step in range(FREEZE):  # warm-up: bitwise
         for a, b in zip(got[step], plain[step]):
             assert torch.equal(a, b), f"warm-up step {step + 1} differs from AdamW"
-    want = _oracle(n, STEPS)
+    want = _oracle(n, STEPS, clip)
     for step in range(FREEZE, STEPS):
         for a, b in zip(got[step], want[step]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     numel = sum(p.numel() for p in _model().parameters())
     fp32 = sum(bus_factor(op, size) * b for op, size, b in plain_records[0] if size == n)
     assert fp32 == bus_factor("all_reduce", n) * 4 * numel
+    sketch = {"all_reduce": 4 * (sketch_size(numel) + 1)} if clip > 0 else {}
     for step in range(FREEZE, STEPS):
         dp = [(op, b) for op, size, b in records[step] if size == n]
-        assert {op for op, _ in dp} == {"all_to_all", "all_gather"}
-        assert sum(b for _, b in dp) == wire_bytes(numel, n)
-        wire = sum(bus_factor(op, n) * b for op, b in dp)
-        assert fp32 / wire >= 16, (fp32, wire)
+        assert {op for op, _ in dp} == {"all_to_all", "all_gather", *sketch}
+        assert sum(b for op, b in dp if op != "all_reduce") == wire_bytes(numel, n)
+        assert {op: b for op, b in dp if op == "all_reduce"} == sketch
+        if not clip:
+            wire = sum(bus_factor(op, n) * b for op, b in dp)
+            assert fp32 / wire >= 16, (fp32, wire)
 
 
-@pytest.mark.parametrize("dp", [2, 4])
-def test_onebit_adam_warmup_bitwise_then_oracle(dp: int) -> None:
-    run_distributed(_onebit_case, dp)
+@pytest.mark.parametrize("dp, clip", [(2, 0.0), (4, CLIP)])
+def test_onebit_adam_warmup_bitwise_then_oracle(dp: int, clip: float) -> None:
+    """At DP 4 clipping acts at every step: the compressed steps' local grads are scaled by the
+    mean grad's coefficient (each rank's own norm would be larger and differ by rank)."""
+    run_distributed(_onebit_case, dp, clip)
 
 
 def test_zero_one_adam_schedule() -> None:
@@ -208,6 +240,42 @@ def _zero_one_case() -> None:
 
 def test_zero_one_adam_replicas_agree_after_syncs() -> None:
     run_distributed(_zero_one_case, 2)
+
+
+def _zero_one_clip_case() -> None:
+    """The norm each 0/1 Adam step clips by (the one ``step`` returns), against the grads this
+    test gathers: the mean grad's in a full step (the wrapper's all-reduce) and in a compressed one
+    (the sketch, exact for 444 values); in a local one the rank's own norm times the ratio of the
+    mean's norm to the rms of the ranks' own norms at the last compressed step."""
+    ps = mesh()
+    n, rank = ps.size("dp"), ps.rank("dp")
+    spec = CompressionSpec(
+        var_freeze_step=3, var_update_scaler=1, local_step_scaler=1, local_step_clipper=2
+    )
+    options = {"lr": LR, "weight_decay": WD, "clip_grad": CLIP, "compression": spec}
+    model, opt = wrap_and_build_optimizer(_model(), ps, optimizer="zero-one-adam", **options)
+    ratio = 1.0
+    for step in range(7):
+        x, y = (t.chunk(n)[rank] for t in _batch(step))
+        model.zero_grad_buffer()
+        _loss(model, x, y).backward()
+        model.finish_grad_sync()
+        own = torch.cat([p.main_grad.reshape(-1) for p in model.parameters()])
+        grads = [torch.zeros_like(own) for _ in range(n)]
+        dist.all_gather(grads, own)
+        mean = float((sum(grads) / n).norm())
+        rms = float(torch.stack([g.norm() for g in grads]).square().mean().sqrt())
+        norm = float(opt.step()[1])
+        # a full step's grads are the mean already
+        want = float(own.norm()) * ratio if opt.phase == PHASE_LOCAL else mean
+        if opt.phase == PHASE_COMPRESSED:
+            ratio = mean / rms
+        assert abs(norm - want) <= 1e-5 * want, (step + 1, opt.phase, norm, want)
+        assert mean > CLIP, "the clip must act for the case to test it"
+
+
+def test_zero_one_adam_clips_by_the_mean_grads_norm() -> None:
+    run_distributed(_zero_one_clip_case, 2)
 
 
 def _skip_case() -> list[bool]:
