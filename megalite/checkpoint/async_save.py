@@ -276,8 +276,8 @@ class AsyncCheckpointWriter:
         try:
             try:
                 self._non_finite = self._copy_and_check(snapshot, pending.unchecked, ready)
-            finally:
-                pending.unchecked = []  # live tensors: not held past the copy
+            finally:  # the live tensors (some of them copies made for the save) not held
+                pending.unchecked, snapshot.pairs = [], []
                 self._copied.set()
             if not self._non_finite:  # else no file: ``finish`` refuses it on every rank
                 self._result = write_pending(pending)
