@@ -202,14 +202,17 @@ def print_stall(med: dict[str, float]) -> None:
     for name, seconds in med.items():
         print(f"  {name:42s} {seconds:7.2f}")
     load = open("/proc/loadavg").read().split()[0]
-    bound = med["sync save"] / max(med["async save, CPU bound"], 1e-9)
     if med["async save"] > 0:
         print(f"ratio: sync / async = {med['sync save'] / med['async save']:.1f}x; load {load}")
     else:  # the steps beside the thread were no slower than the steps alone, within noise
         print(
             f"ratio: async save below the steps' noise (sync {med['sync save']:.2f} s); load {load}"
         )
-    print(f"ratio: sync / async (the steps' slowdown bounded by the extra CPU) = {bound:.1f}x")
+    bound = med["async save, CPU bound"]
+    if bound > 0:  # the steps' slowdown bounded by the extra CPU
+        print(f"ratio: sync / async, CPU bound = {med['sync save'] / bound:.1f}x")
+    else:
+        print("ratio: sync / async, CPU bound: the extra CPU is below the steps' noise")
 
 
 def main(argv: list[str] | None = None) -> int:
