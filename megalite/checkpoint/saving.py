@@ -100,11 +100,26 @@ def optimizer_full_state(optimizer) -> dict:
     return optimizer.full_state_dict(copy=False)
 
 
+def checked_parameters(chunks: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """The (name, parameter) pairs of ``chunks`` a save checks for NaN/inf: the floating ones
+    that hold values."""
+    return [
+        (n, p)
+        for m in chunks
+        for n, p in m.named_parameters()
+        if p.is_floating_point() and p.numel()
+    ]
+
+
 def non_finite_parameters(module: nn.Module) -> list[str]:
-    """Names of ``module``'s parameters holding a NaN or an inf (one host read for all). A
-    tensor is finite when its minimum and maximum are (a NaN anywhere makes both NaN): one
-    reading pass, no tensor of flags as large as the parameter to allocate on every save."""
-    named = [(n, p) for n, p in module.named_parameters() if p.is_floating_point() and p.numel()]
+    """Names of ``module``'s parameters holding a NaN or an inf (one host read for all)."""
+    return non_finite(checked_parameters([module]))
+
+
+def non_finite(named: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names of the floating, non-empty tensors of ``named`` holding a NaN or an inf (one
+    host read for all). A tensor is finite when its minimum and maximum are (a NaN anywhere makes
+    both NaN): one reading pass, no tensor of flags as large as the parameter to allocate."""
     if not named:
         return []
     with torch.no_grad():
@@ -153,7 +168,9 @@ def _stop_on_failure(
 @dataclasses.dataclass
 class PendingSave:
     """One rank's part of a checkpoint, ready to write: what ``prepare_save`` gathered (every
-    collective of a save but the commit is done) and ``write_pending`` writes without one."""
+    collective of a save but the commit is done) and ``write_pending`` writes without one.
+    ``unchecked``: the live parameters still to check for NaN/inf (``prepare_save``'s
+    ``defer_finite_check``; empty when checked already)."""
 
     save_dir: str
     iteration: int
@@ -163,6 +180,7 @@ class PendingSave:
     keep_last_n: int | None
     started: float  # time.perf_counter() when the save began
     ps: ParallelState
+    unchecked: list[tuple[str, torch.Tensor]] = dataclasses.field(default_factory=list)
 
 
 def save_checkpoint(save_dir: str, iteration: int, **pieces) -> str:
@@ -174,9 +192,21 @@ def save_checkpoint(save_dir: str, iteration: int, **pieces) -> str:
     return finish_save(pending, written=written, failure=failure)
 
 
-def finish_save(pending: PendingSave, *, written: int, failure: CheckpointError | None) -> str:
+def finish_save(
+    pending: PendingSave,
+    *,
+    written: int,
+    failure: CheckpointError | None,
+    non_finite_names: list[str] | None = None,
+) -> str:
     """``commit_checkpoint`` of a written ``pending`` save and its log line; returns its
-    directory. Collective over the world."""
+    directory. Collective over the world. ``non_finite_names``: with a deferred check
+    (``pending.unchecked``), the names it found on this rank (``[]`` none; a rank that found
+    some wrote no file): if any rank found one, every rank raises the refusal a synchronous save
+    raises and rank 0 removes the iteration's folder, so no file of it stays."""
+    if non_finite_names is not None:
+        p = pending
+        _refuse_non_finite(p.save_dir, p.iteration, p.ps, non_finite_names, remove_files=True)
     total = commit_checkpoint(
         pending.save_dir,
         pending.iteration,
@@ -198,6 +228,19 @@ def finish_save(pending: PendingSave, *, written: int, failure: CheckpointError 
     return pending.iter_dir
 
 
+def _refuse_non_finite(
+    save_dir: str, iteration: int, ps: ParallelState, names: list[str], *, remove_files: bool
+) -> None:
+    """Collective (``ps.group()``; also a barrier): raise the refusal on every rank when any rank
+    found a non-finite parameter (``names``: this rank's); ``remove_files``: rank 0 first removes
+    the iteration's folder (other ranks' files of it; the tracker never named it)."""
+    if not world_sum(float(len(names)), ps):
+        return
+    if remove_files and ps.rank() == 0 and read_tracker(save_dir) != iteration:
+        shutil.rmtree(iteration_dir(save_dir, iteration), ignore_errors=True)
+    raise _refusal(save_dir, iteration, names)
+
+
 def prepare_save(
     save_dir: str,
     iteration: int,
@@ -213,6 +256,7 @@ def prepare_save(
     config_record: dict | None = None,
     save_optim: bool = True,
     keep_last_n: int | None = None,
+    defer_finite_check: bool = False,
 ) -> PendingSave:
     """Gather this rank's part of the checkpoint of ``iteration`` (every collective of the save
     but the commit: the non-finite check, the RNG states over DP, a sharded optimizer's experts)
@@ -227,7 +271,10 @@ def prepare_save(
     settings as plain data, recorded as ``header["config"]`` (its ``"model"`` entry defaults to
     the stage's GPTConfig). ``save_optim=False`` (``--no-save-optim``) writes the model, RNG and
     counters only; ``keep_last_n`` (``--keep-last-n-checkpoints``) then deletes older iterations
-    at the commit. Collective over the world (module docstring)."""
+    at the commit. ``defer_finite_check``: the parameters are not checked for NaN/inf here but
+    listed in ``pending.unchecked``, for whoever copies them (``async_save``) to check before the
+    optimizer changes them and to pass to ``finish_save``. Collective over the world (module
+    docstring)."""
     if not save_dir:
         raise CheckpointError("save_checkpoint needs a directory: pass --save DIR")
     chunks = check_chunks(model_chunks)
@@ -238,9 +285,11 @@ def prepare_save(
     if ps.rank() == 0 and os.path.isdir(iter_dir) and read_tracker(save_dir) != iteration:
         shutil.rmtree(iter_dir)  # an uncommitted save of this iteration (a crash): start clean
     table = stage_table(chunks, ps) if len(chunks) > 1 else None
-    non_finite = [n for m in chunks for n in non_finite_parameters(m)]
-    if world_sum(float(len(non_finite)), ps):  # also the barrier after the clean-up above
-        raise _refusal(save_dir, iteration, non_finite)
+    checked = checked_parameters(chunks)
+    if defer_finite_check:
+        world_sum(0.0, ps)  # the barrier after the clean-up above
+    else:  # also the barrier after the clean-up above
+        _refuse_non_finite(save_dir, iteration, ps, non_finite(checked), remove_files=False)
     folder = shard_dir(iter_dir, tp_rank=ps.tp_rank, pp_rank=ps.pp_rank, pp_size=ps.pp_size)
     dp_rank = ps.rank("dp", "cp")
     writes: list[tuple[str, object]] = []
@@ -279,7 +328,10 @@ def prepare_save(
     experts = expert_file(iter_dir, module, optimizer if save_optim else None, ps, expert_optim)
     if experts is not None:
         writes.append(experts)
-    return PendingSave(save_dir, iteration, iter_dir, folder, writes, keep_last_n, started, ps)
+    unchecked = checked if defer_finite_check else []
+    return PendingSave(
+        save_dir, iteration, iter_dir, folder, writes, keep_last_n, started, ps, unchecked
+    )
 
 
 def write_pending(pending: PendingSave) -> tuple[int, CheckpointError | None]:

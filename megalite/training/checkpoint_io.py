@@ -95,8 +95,9 @@ def save_checkpoint(
     ``save_dir`` (default ``--save``; ``keep_last_n`` default ``--keep-last-n-checkpoints``);
     returns its directory. Collective over the world.
     With ``--async-save`` (``trainer.async_writer``) the save in flight is committed first, this
-    one is copied to host memory and written in the background: it is committed by the next
-    save or ``finish_async_save``.
+    one is copied to host memory and written in the background (the next optimizer step waits
+    for the copy: ``wait_for_async_copy``): it is committed by the next save or
+    ``finish_async_save``.
 
     ``trainer``: a ``pretrain.Trainer`` (anything with ``cfg``, ``ps``, ``device``, ``model``,
     ``optimizer``, ``scheduler``, ``result``, ``rng_tracker`` and ``async_writer``)."""
@@ -108,8 +109,10 @@ def save_checkpoint(
         pieces["keep_last_n"] = keep_last_n
     with gathered_params(trainer.model):  # ZeRO-3: params whole while saving
         if trainer.async_writer is not None:
-            pending = prepare_save(save_dir or t.save, iteration, **pieces)
-            trainer.async_writer.start(pending, device=trainer.device)
+            pending = prepare_save(save_dir or t.save, iteration, defer_finite_check=True, **pieces)
+            # ZeRO-3 releases the whole params on leaving ``gathered_params``: copied before
+            keep = all(w.keeps_whole_params for w in grad_wrappers(trainer.model))
+            trainer.async_writer.start(pending, device=trainer.device, wait_for_copy=not keep)
             iter_dir = pending.iter_dir
         else:
             iter_dir = checkpoint.save_checkpoint(
@@ -117,6 +120,13 @@ def save_checkpoint(
             )
     trainer.last_saved_iteration = iteration
     return iter_dir
+
+
+def wait_for_async_copy(trainer) -> None:
+    """``--async-save``: wait until the save in flight has copied the state (a no-op without
+    one); the training step calls it before the optimizer changes parameters and moments."""
+    if trainer.async_writer is not None:
+        trainer.async_writer.wait_for_copy()
 
 
 def finish_async_save(trainer) -> str | None:

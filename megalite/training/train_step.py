@@ -117,7 +117,11 @@ def train_step(
     num_microbatches: int,
     forward_backward_func: Callable[..., list[dict]],
     calculate_per_token_loss: bool = False,
+    before_optimizer_step: Callable[[], None] | None = None,
 ) -> StepResult:
+    """``before_optimizer_step``: called once the grads are synced, before the optimizer changes
+    any parameter or state (an asynchronous save's copy, running beside forward and backward,
+    must be done by then)."""
     wrappers = grad_wrappers(model)  # chunks of a rank may share one wrapper
     for wrapper in wrappers:
         wrapper.zero_grad_buffer()
@@ -137,6 +141,8 @@ def train_step(
         per_token = scale_grads_per_token(
             wrappers, reported, ps=ps, num_microbatches=num_microbatches
         )
+    if before_optimizer_step is not None:
+        before_optimizer_step()
     learning_rate = optimizer.param_groups[0]["lr"]
     update_successful, grad_norm, num_zeros = optimizer.step()
     if update_successful:

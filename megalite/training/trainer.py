@@ -211,6 +211,8 @@ class Trainer:
             self.scheduler,
             **self._schedule_kwargs(),
             calculate_per_token_loss=self.cfg.training.calculate_per_token_loss,
+            # --async-save: the save's copy runs beside forward and backward, not the update
+            before_optimizer_step=lambda: checkpoint_io.wait_for_async_copy(self),
         )
         if self.routers:  # aux-loss-free balancing
             update_expert_bias(self.routers, self.ps.group("tp", "dp", "cp"))

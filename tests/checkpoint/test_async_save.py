@@ -4,11 +4,13 @@ Each case trains the tiny model 4 iterations (of 6) saving every 2, once with ``
 and once with the same config but no background writer (``trainer.async_writer = None``: the
 synchronous path), into the same folder name (the run's config, recorded in the header, names
 it), and compares the files entry by entry of their zip archives: equal bytes, except the random
-``.data/serialization_id`` torch writes in every file. The save of iteration 2 is written only
-once the loop has finished iteration 3 (a hook in the writer waits for it), so a host copy that
-were not a snapshot would hold iteration 3's weights; the snapshot of iteration 4 lies in the
-host memory of iteration 2's (the second save allocates none). A resume from the async
-checkpoint repeats the uninterrupted run's losses exactly.
+``.data/serialization_id`` torch writes in every file. The host copy of each save starts only
+once the loop has run the next step's forward and backward and waits at its optimizer step (a
+hook in the copy waits for that, or for the step's end when the step does not wait: then the
+update's weights would be saved), and the save of iteration 2 is written only once the loop has
+finished iteration 3, so a host copy that were not a snapshot would hold iteration 3's weights;
+the snapshot of iteration 4 lies in the host memory of iteration 2's (the second save allocates
+none). A resume from the async checkpoint repeats the uninterrupted run's losses exactly.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import threading
 import time
 import zipfile
 
@@ -25,7 +28,12 @@ import torch
 import torch.distributed as dist
 
 from megalite.checkpoint import async_save, read_tracker
-from megalite.checkpoint.async_save import HostBuffer, host_copy
+from megalite.checkpoint.async_save import (
+    AsyncCheckpointWriter,
+    HostBuffer,
+    HostSnapshot,
+    host_copy,
+)
 from megalite.core.parallel_state import ParallelState
 from megalite.training.forward_step import make_forward_step
 from megalite.training.pretrain import pretrain
@@ -86,8 +94,52 @@ def writer_waiting_for_the_loop(
     return write_later
 
 
+def copy_after_the_next_backward(trainer, monkeypatch, released: list, timeout: float = 60.0):
+    """Every host copy of ``trainer``'s saves starts only when the loop waits for it (at the
+    next optimizer step, after that step's forward and backward; or at ``finish``), or once the
+    loop finished the next step without waiting (a bug: then the update's weights are copied);
+    ``released`` gets, per copy, ``"waited for"`` or ``"not waited for"``."""
+    asked = threading.Event()
+    wait, finish, copy = (
+        AsyncCheckpointWriter.wait_for_copy,
+        AsyncCheckpointWriter.finish,
+        HostSnapshot.copy,
+    )
+
+    def wait_and_ask(self):
+        if self.copying:
+            asked.set()
+        return wait(self)
+
+    def finish_and_ask(self):
+        if self.in_flight is not None:
+            asked.set()
+        return finish(self)
+
+    def copy_when_asked(self, *, non_blocking):
+        iteration, deadline = trainer.result.iteration, time.monotonic() + timeout
+        while not asked.is_set() and trainer.result.iteration == iteration:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        released.append("waited for" if asked.is_set() else "not waited for")
+        asked.clear()
+        return copy(self, non_blocking=non_blocking)
+
+    monkeypatch.setattr(AsyncCheckpointWriter, "wait_for_copy", wait_and_ask)
+    monkeypatch.setattr(AsyncCheckpointWriter, "finish", finish_and_ask)
+    monkeypatch.setattr(HostSnapshot, "copy", copy_when_asked)
+
+
 def train(
-    cfg, ps, *, background: bool, seen: list | None = None, places=None, monkeypatch=None
+    cfg,
+    ps,
+    *,
+    background: bool,
+    seen: list | None = None,
+    places=None,
+    released: list | None = None,
+    monkeypatch=None,
 ) -> list:
     for seed in (random.seed, np.random.seed, torch.manual_seed):
         seed(0)  # the Python and numpy RNG states are saved too: the same in both runs
@@ -95,8 +147,10 @@ def train(
     if not background:
         trainer.async_writer = None
     elif monkeypatch is not None:
-        hook = writer_waiting_for_the_loop(trainer, seen, places)
-        monkeypatch.setattr(async_save, "write_pending", hook)
+        if seen is not None:
+            hook = writer_waiting_for_the_loop(trainer, seen, places)
+            monkeypatch.setattr(async_save, "write_pending", hook)
+        copy_after_the_next_backward(trainer, monkeypatch, [] if released is None else released)
     return trainer.train(make_forward_step(torch.device("cpu")), data).losses
 
 
@@ -137,13 +191,14 @@ def test_every_snapshot_is_copied_into_the_host_memory_of_the_first():
 def test_async_save_writes_the_sync_files_while_training_goes_on(tmp_path, monkeypatch):
     save = tmp_path / "ckpt"
     cfg = config("--save", str(save), *FLAGS)
-    seen, places = [], []
+    seen, places, released = [], [], []
     async_losses = train(
         cfg,
         ParallelState.single(),
         background=True,
         seen=seen,
         places=places,
+        released=released,
         monkeypatch=monkeypatch,
     )
     assert seen == [(2, 3), (4, 4)]  # iteration 2 was written after the loop's iteration 3
@@ -154,12 +209,34 @@ def test_async_save_writes_the_sync_files_while_training_goes_on(tmp_path, monke
     monkeypatch.undo()
     sync_losses = train(cfg, ParallelState.single(), background=False)
     assert async_losses == sync_losses
+    # iteration 2 copied after iteration 3's forward and backward: still iteration 2's state
     names = same_files(str(save), str(tmp_path / "async"))
     assert "iter_0000002/mp_rank_00/model_optim_rng.pt" in names
+    assert released == ["waited for", "waited for"]  # at iteration 3's update; at the end
 
     resumed = pretrain(config("--load", str(tmp_path / "async"), "--train-iters", "6"), env={})
     straight = pretrain(config("--train-iters", "6"), env={})
     assert resumed.losses == straight.losses[4:]
+
+
+def test_async_save_under_zero3_copies_the_gathered_params_before_they_are_released(
+    tmp_path, monkeypatch
+):
+    """ZeRO-3 releases the whole parameters when the save returns: the save waits for its copy
+    (one process: the shards are whole, the release is the same)."""
+    save = tmp_path / "ckpt"
+    cfg = config("--save", str(save), *FLAGS, "--zero-stage", "3")
+    released = []
+    losses = train(
+        cfg, ParallelState.single(), background=True, released=released, monkeypatch=monkeypatch
+    )
+    shutil.move(save, tmp_path / "async")
+    monkeypatch.undo()
+    assert train(cfg, ParallelState.single(), background=False) == losses
+    assert "iter_0000004/mp_rank_00/model_optim_rng.pt" in same_files(
+        str(save), str(tmp_path / "async")
+    )
+    assert released == ["waited for", "waited for"]  # by the save call itself
 
 
 def _two_ranks_zero1(save: str) -> list[str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import builtins
 import errno
 import os
+import shutil
 
 import pytest
 import torch
@@ -129,16 +130,18 @@ def test_non_finite_weights_never_become_the_latest_checkpoint(tmp_path, capsys)
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_save_checkpoint_refuses_non_finite_parameters(tmp_path):
-    """The refusal itself, whatever stopped the loop first: a parameter set to inf."""
+def _refused_save(save, *flags: str) -> str:
+    """Save iteration 1, set a parameter to inf, save iteration 2: the refusal's message (with
+    ``--async-save`` raised when the save of iteration 2 is finished, as at the next save)."""
     from megalite.core.parallel_state import ParallelState
     from megalite.training import checkpoint_io
     from tests.training.common import config, trainer_and_data
 
-    cfg = config("--fp16", "--save", str(tmp_path / "ckpt"))
+    cfg = config("--fp16", "--save", str(save), *flags)
     trainer, _ = trainer_and_data(cfg, ParallelState.single())
     trainer.result.iteration = 1
     checkpoint_io.save_checkpoint(trainer)
+    checkpoint_io.wait_for_async_copy(trainer)  # as the optimizer step does before it updates
     module = trainer.model[0].module
     name, param = next(iter(module.named_parameters()))
     with torch.no_grad():
@@ -146,14 +149,25 @@ def test_save_checkpoint_refuses_non_finite_parameters(tmp_path):
     trainer.result.iteration = 2
     with pytest.raises(files.CheckpointError) as e:
         checkpoint_io.save_checkpoint(trainer)
+        checkpoint_io.finish_async_save(trainer)
     message = str(e.value)
     assert (
         "\n" not in message and name in message and "latest checkpoint stays iteration 1" in message
     )
-    assert files_under(tmp_path / "ckpt") == [
+    assert files_under(save) == [
         "iter_0000001/mp_rank_00/model_optim_rng.pt",
         "latest_checkpointed_iteration.txt",
     ]
+    return message
+
+
+def test_save_checkpoint_refuses_non_finite_parameters(tmp_path):
+    """The refusal itself, whatever stopped the loop first: a parameter set to inf. An
+    asynchronous save (its check runs in the writer thread) refuses with the same message and
+    leaves no file of the iteration either."""
+    message = _refused_save(tmp_path / "ckpt")
+    shutil.rmtree(tmp_path / "ckpt")
+    assert _refused_save(tmp_path / "ckpt", "--async-save") == message
 
 
 def test_every_non_finite_value_is_found_in_any_float_dtype():

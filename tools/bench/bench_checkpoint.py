@@ -3,7 +3,7 @@
     python tools/bench/bench_checkpoint.py [--rounds 3] [--bf16] [--dir /tmp/megalite-bench-ckpt]
                                            [--drop-caches]
     python tools/bench/bench_checkpoint.py --tiny --dir DIR   # seconds: 2 layers of h 64, 1 round
-    python tools/bench/bench_checkpoint.py --part stall [--steps-while-writing 2]
+    python tools/bench/bench_checkpoint.py --part stall [--rounds 3] [--steps 3]
 
 The model is GPT-2 small (12 layers, h 768, 12 heads, vocabulary 50257, 1024 positions: 124.4M
 parameters) built by megalite's Trainer in one process, after one training step so that AdamW's
@@ -21,14 +21,16 @@ moments exist. Each round, in one process and on the same disk:
 - ``megalite.load_model`` (the logical, layout-free path every reshard takes);
 - conversion: ``export_to_hf`` (megalite -> HF safetensors) and ``import_from_hf`` back.
 
-Stall (``--part stall`` or ``all``): the seconds the training loop is blocked by a save of the
-same state, synchronous (the whole ``save_checkpoint``) against ``--async-save`` (the host copy at
-the save, plus the wait for the writer and the commit at the next save after
-``--steps-while-writing`` training steps), and what those steps cost beside the writer thread
-(their time against steps without one). One writer serves every round, as in a run: its host
-buffer is made at the first async save and reused by the next (each round's figures and the
-buffer's bytes are printed). The ratio sync / async is the figure; on CPU the writer
-shares the cores with training, so part of the saving moves into the steps' time.
+Stall (``--part stall`` or ``all``): what a save of the same state costs the training loop,
+synchronous (the whole ``save_checkpoint``) against ``--async-save``, in one run, round by round:
+``--steps`` training steps alone (their median: a step's time without a save), then the async
+save's call (``prepare_save``, the copy's plan, the thread's start), the next step (its forward
+and backward run beside the copy, its update waits for the rest of it: that wait is reported
+apart), more steps while the thread writes (until it is done; at least ``--steps`` in all), and
+the finish (the wait for the thread, if it still writes, and the commit). The async figure is
+the call + the steps beside the copy and the write - as many steps alone + the finish: every
+second the loop lost, the cores the thread took from the steps included. One writer serves every
+round, as in a run: its host buffer is made at the first async save and reused.
 
 Medians over ``--rounds``; MB/s = bytes on disk / seconds. Before each timed operation the dirty
 pages of the earlier ones are written back (``os.sync``, not timed). Loads read from the page
@@ -125,36 +127,60 @@ def _apply(trainer, state: dict) -> None:
 
 
 def stall(trainer, data, *, rounds: int, steps: int) -> dict[str, float]:
-    """Medians over ``rounds`` of the loop's blocked seconds per save, sync and async, and of a
-    training step with and without the writer thread beside it (module docstring)."""
+    """Medians over ``rounds`` of what a save costs the loop, sync and async (module docstring);
+    every part of the async figure is printed per round."""
     forward_step = make_forward_step(torch.device("cpu"))
     times: dict[str, list[float]] = {}
 
+    cpu: list[float] = []  # the process's CPU seconds of each step() (every thread)
+
     def step() -> float:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         trainer.step(forward_step, data)
+        trainer.result.iteration += 1
+        cpu.append(time.process_time() - cpu_started)
         return time.perf_counter() - started
+
+    def add(name: str, value: float) -> None:
+        times.setdefault(name, []).append(value)
 
     writer = AsyncCheckpointWriter()  # one for the run: its host buffer is kept across saves
     for _ in range(rounds):
         trainer.async_writer = None
-        trainer.result.iteration += 1
-        times.setdefault("sync save", []).append(_timed(lambda: save_checkpoint(trainer)))
-        times.setdefault("step alone", []).append(statistics.mean(step() for _ in range(steps)))
+        cpu_started = time.process_time()
+        add("sync save", _timed(lambda: save_checkpoint(trainer)))
+        add("sync save: CPU", time.process_time() - cpu_started)
+        cpu.clear()
+        alones = [step() for _ in range(steps)]
+        alone, alone_cpu = statistics.median(alones), statistics.median(cpu)
+        cpu.clear()
         trainer.async_writer = writer
-        trainer.result.iteration += 1
         os.sync()
+        waited = writer.copy_wait_seconds
         started = time.perf_counter()
         save_checkpoint(trainer)
-        copy = time.perf_counter() - started
-        beside = statistics.mean(step() for _ in range(steps))
+        call = time.perf_counter() - started
+        beside = [step()]  # the copy runs beside its forward and backward; its update waits
+        wait = writer.copy_wait_seconds - waited
+        while writer.writing and len(beside) < _MAX_STEPS_BESIDE or len(beside) < steps:
+            beside.append(step())  # the write runs beside these
         started = time.perf_counter()
         finish_async_save(trainer)
-        wait = time.perf_counter() - started
-        times.setdefault("async save: host copy", []).append(copy)
-        times.setdefault("async save: wait + commit", []).append(wait)
-        times.setdefault("async save", []).append(copy + wait)
-        times.setdefault("step beside the writer", []).append(beside)
+        finish = time.perf_counter() - started
+        add("async: save call", call)
+        add("async: wait at the update", wait)
+        add("async: step beside the copy, slowdown", beside[0] - wait - alone)
+        add("async: steps beside the write, slowdown", sum(beside[1:]) - alone * (len(beside) - 1))
+        add("async: finish (wait + commit)", finish)
+        add("async save", call + sum(beside) - alone * len(beside) + finish)
+        # CPU the process spent beyond the steps alone while the thread ran beside them: an
+        # upper bound of the steps' slowdown once the cores are not shared with other work
+        extra_cpu = sum(cpu) - alone_cpu * len(cpu)
+        add("async: extra CPU of the steps beside", extra_cpu)
+        add("async save, CPU bound", call + wait + extra_cpu + finish)
+        add("step alone", alone)
+        add("step alone: max - min (noise)", max(alones) - min(alones))
+        add("steps beside the writer", len(beside))
     trainer.async_writer = None
     buffer = writer.host_buffer
     assert buffer is not None
@@ -163,19 +189,30 @@ def stall(trainer, data, *, rounds: int, steps: int) -> dict[str, float]:
         f"time(s) in {rounds} save(s)"
     )
     for name, values in times.items():
-        print(f"  {name:28s} rounds: {', '.join(f'{v:.2f}' for v in values)} s")
+        print(f"  {name:42s} rounds: {', '.join(f'{v:.2f}' for v in values)}")
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def print_stall(med: dict[str, float], steps: int) -> None:
-    print(f"stall: seconds the loop is blocked per save ({steps} step(s) while writing), medians:")
+_MAX_STEPS_BESIDE = 50  # a write still going after these is waited for at finish (counted)
+
+
+def print_stall(med: dict[str, float]) -> None:
+    print("stall: seconds a save costs the training loop, medians (async save = its call + the")
+    print("steps beside the copy and the write, less as many steps alone + its finish):")
     for name, seconds in med.items():
-        print(f"  {name:28s} {seconds:7.2f} s")
-    print(
-        f"ratio: blocked sync / async = {med['sync save'] / max(med['async save'], 1e-9):.1f}x; "
-        f"a step beside the writer / alone = "
-        f"{med['step beside the writer'] / max(med['step alone'], 1e-9):.2f}"
-    )
+        print(f"  {name:42s} {seconds:7.2f}")
+    load = open("/proc/loadavg").read().split()[0]
+    if med["async save"] > 0:
+        print(f"ratio: sync / async = {med['sync save'] / med['async save']:.1f}x; load {load}")
+    else:  # the steps beside the thread were no slower than the steps alone, within noise
+        print(
+            f"ratio: async save below the steps' noise (sync {med['sync save']:.2f} s); load {load}"
+        )
+    bound = med["async save, CPU bound"]
+    if bound > 0:  # the steps' slowdown bounded by the extra CPU
+        print(f"ratio: sync / async, CPU bound = {med['sync save'] / bound:.1f}x")
+    else:
+        print("ratio: sync / async, CPU bound: the extra CPU is below the steps' noise")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drop-caches", action="store_true")
     p.add_argument("--tiny", action="store_true", help="a smoke run: 2 layers of h 64, 1 round")
     p.add_argument("--part", choices=("all", "io", "stall"), default="all")
-    p.add_argument("--steps-while-writing", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3, help="stall: steps alone per round, at least")
     args = p.parse_args(argv)
     if args.tiny:
         args.rounds = 1
@@ -210,8 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     if args.part in ("all", "stall"):
-        med = stall(trainer, data, rounds=args.rounds, steps=args.steps_while_writing)
-        print_stall(med, args.steps_while_writing)
+        print(f"load average at the start: {open('/proc/loadavg').read().split()[0]}")
+        med = stall(trainer, data, rounds=args.rounds, steps=args.steps)
+        print_stall(med)
         if args.part == "stall":
             shutil.rmtree(args.dir, ignore_errors=True)
             return 0

@@ -67,6 +67,9 @@ class DistributedDataParallel(nn.Module):
     """
 
     zero_stage = 0  # the rung of the ladder (memory report)
+    # the whole parameters ``gathered_params`` shows stay where they are, unchanged, until the
+    # next optimizer step (an asynchronous save may copy them while forward and backward run)
+    keeps_whole_params = True
 
     def __init__(
         self,

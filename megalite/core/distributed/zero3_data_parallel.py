@@ -91,6 +91,7 @@ class Zero3DataParallel(Zero2DataParallel):
     param files) and ``unit_init`` (each unit's values from a twin: module docstring)."""
 
     zero_stage = 3  # the rung of the ladder (memory report)
+    keeps_whole_params = False  # released when ``gathered_params`` is left
 
     def __init__(
         self,
