@@ -155,8 +155,9 @@ def band_backward(
     """(dq, dk, dv) fp32 of ``band_forward``, given its ``out`` and ``lse`` and ``dout``."""
     b, n, s, d = q.shape
     band = _Band.of(window, s)
-    # [BH, s, d]
-    do3, q3, k3, v3, o3 = (_flat(x.to(q.dtype)) for x in (dout, q, k, v, out))
+    # [BH, s, d] each; q, k, v and out contiguous (the key views need it), the output grad not
+    q3, k3, v3, o3 = (_flat(x.to(q.dtype)) for x in (q, k, v, out))
+    do3 = dout.to(q.dtype).reshape(q3.shape)  # any strides (autograd's may be 0): views only
     l3 = _flat(lse)  # [BH, s]
     grads = [torch.empty(s, b * n, d, dtype=torch.float32, device=q.device) for _ in range(3)]
     h = band.head
@@ -166,7 +167,8 @@ def band_backward(
         acc[:h] = g[0].transpose(0, 1)  # [h, BH, d]
     if band.num_tiles:
         qt, ot, lt = (_tiles(x, band) for x in (q3, o3, l3))
-        dot = _tiles(do3, band).contiguous()  # the kernel's backward takes it contiguous: once
+        # the kernel's backward takes it contiguous: made so once, for the three calls
+        dot = do3[:, h:].unflatten(1, (band.num_tiles, band.tile)).transpose(0, 1).contiguous()
         kt, vt = _tiles(k3, band), _tiles(v3, band)
         own = block_backward(dot, qt, kt, vt, ot, lt, causal=True, scale=scale)
         for acc, g in zip(grads, own):  # the tiles' own rows: the first grads written there
