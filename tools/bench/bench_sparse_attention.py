@@ -11,8 +11,8 @@ dense causal SDPA's (torch's CPU flash kernel, ``is_causal=True``) measured in t
 Density: the share of the ``s x s`` score entries the block-sparse path computes (whole blocks),
 against dense causal's ~50%; the window runs by tiles (``band_attention``), the layouts by
 blocks. Attention memory: the bytes autograd saves for backward plus the largest transient of one
-kernel call (gathered K/V and the additive mask; by tiles: the grads' accumulators, one call's
-grads and the contiguous output grad),
+kernel call (gathered K/V and the additive mask; by tiles: one call's grads, the output and the
+contiguous output grad),
 against what dense masked attention holds (a ``s x s`` mask, and the ``b n s s`` fp32 scores of
 the math path that a non-causal mask falls back to). The long run reports this process's peak
 resident memory (``ru_maxrss``) for the windowed pass and the bytes a dense masked pass would
@@ -31,7 +31,6 @@ import time
 import torch
 import torch.nn.functional as F
 
-from megalite.core.attention.band_attention import band_tile
 from megalite.core.attention.block_sparse import DEFAULT_MAX_ENTRIES, block_sparse_attention
 from megalite.core.attention.masks import MaskSpec, build_block_plan
 from megalite.core.attention.sparse_layouts import build_layout
@@ -142,10 +141,8 @@ def main() -> None:
             return block_sparse_attention(q, k, v, [plan], scale=scale)
 
         t = _time(sparse, inputs, args.repeats, args.clock)
-        if plan.band is not None:  # by tiles: the three grads' accumulators, the output grad,
-            # and one call's dq, dk, dv (its keys: a tile, or the L - T before it)
-            tile = band_tile(plan.band)
-            transient = int((5 + 2 * max(tile, plan.band - tile) / tile) * n * s * d * 4)
+        if plan.band is not None:  # by tiles: one call's dq, dk, dv, the output, the output grad
+            transient = 5 * n * s * d * 4
         else:  # gathered K/V and the mask of the largest call
             widest = max(c.shape[1] for _, c in plan.groups)
             rows = max(1, DEFAULT_MAX_ENTRIES // (blk * blk * widest))

@@ -1,9 +1,8 @@
 """The plain causal window by tiles (``band_attention``) against dense attention with the same
 boolean mask, one process.
 
-Windows of 1 key, of lengths that do not divide the sequence, cut into one tile or into tiles
-that do not divide the window (full keys shorter and longer than a tile, ``MIN_TILE`` lowered so
-that small windows are cut, heads of L to L + T - 1 tokens), and wider than the
+Windows of 1 key, of lengths that do not divide the sequence, cut into one tile or into several
+(m = 2 and 3 tiles back, ``MIN_TILE`` lowered so that small windows are cut), and wider than the
 sequence, through ``block_sparse_attention`` (which takes this path for a plain causal window):
 forward and the grads of q, k and v at fp32 rtol 1e-5 (reduction order only), with both kernels
 (torch's CPU flash op, the matmul block). The path is taken exactly where its conditions hold (a
@@ -24,18 +23,8 @@ from megalite.core.attention.sparse_layouts import build_layout
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 S, BLOCK = 45, 8
-# (window, MIN_TILE) -> tile: one tile per window (1, 5), full keys of L - T = 4 < T, 6 = T, 7 and
-# 8 > T (added back by two slices), 10 = 2T, and a window wider than S (all head)
-WINDOWS = {
-    (1, 4): 1,
-    (5, 8): 5,
-    (10, 6): 6,
-    (12, 6): 6,
-    (11, 4): 4,
-    (12, 4): 4,
-    (15, 5): 5,
-    (60, 256): 60,
-}
+# (window, MIN_TILE) -> tile: one tile (11 is prime), 2 and 3 tiles back, wider than S
+WINDOWS = {(1, 4): 1, (11, 4): 11, (12, 6): 6, (12, 4): 4, (15, 5): 5, (60, 256): 60}
 
 
 def _window_mask(s: int, left: int) -> torch.Tensor:
@@ -78,9 +67,9 @@ def test_band_calls_touch_the_non_empty_blocks(monkeypatch, window, min_tile):
     assert torch.equal(band_attention.band_blocks(window, S, 1), _window_mask(S, window))
 
 
-def test_band_tile_is_the_kernels_smallest_efficient_tile():
-    windows = (1, 191, 192, 255, 512, 1000, 4099)
-    assert [band_attention.band_tile(w) for w in windows] == [1, 191, 192, 192, 192, 192, 192]
+def test_band_tile_divides_the_window():
+    windows = (1, 255, 512, 768, 1000, 1024, 4099)
+    assert [band_attention.band_tile(w) for w in windows] == [1, 255, 256, 256, 500, 256, 4099]
 
 
 def test_band_only_for_a_plain_causal_window():
