@@ -63,6 +63,8 @@ def test_band_calls_touch_the_non_empty_blocks(monkeypatch, window, min_tile):
     padded[:S, :S] = _window_mask(S, window)
     non_empty = padded.view(nb, BLOCK, nb, BLOCK).any(3).any(1)
     assert torch.equal(band_attention.band_blocks(window, S, BLOCK), non_empty)
+    # blocks of one token: the calls let through exactly the mask's entries
+    assert torch.equal(band_attention.band_blocks(window, S, 1), _window_mask(S, window))
 
 
 def test_band_tile_divides_the_window():
