@@ -141,7 +141,7 @@ class _Run:
         self.sends: collections.deque = collections.deque()
         self.to_send: dict[tuple[int, int], torch.Tensor] = {}
         self.losses: dict[int, dict] = {}
-        self.stores = [WeightGradStore() for _ in self.model]
+        self.stores: list[WeightGradStore] = []  # per chunk, where the program has an I
 
     # --- communication ------------------------------------------------------------------------
 
@@ -159,7 +159,8 @@ class _Run:
             if self.recording:
                 RECORDER.wait(rec)
             work.wait()
-            self._sent(work, key, rec)
+            if self.recording or self.held:  # at a step's end every output is consumed already
+                self._sent(work, key, rec)
 
     def _sent(self, work, key: tuple[int, int] | None, rec) -> None:
         if self.recording:
@@ -295,8 +296,12 @@ class _Run:
     def backward(self, c: Compute, synced: tuple[int, ...] = ()) -> None:
         grad = None if c.needs is None else self._take(c.needs)
         if c.op == "I":  # the chunk's linear layers defer their weight grads to W
-            with self._span(c), self.stores[c.chunk].defer(c.key):
-                input_grad = self._backward(c, grad)
+            if self.timeline is None:
+                with self.stores[c.chunk].defer(c.key):
+                    input_grad = self._backward(c, grad)
+            else:
+                with self.timeline.span(c.label), self.stores[c.chunk].defer(c.key):
+                    input_grad = self._backward(c, grad)
         elif self.timeline is not None:
             with self.timeline.span(c.label):
                 input_grad = self._backward(c, grad)
@@ -339,6 +344,7 @@ class _Run:
 
     def run(self, plan: Plan) -> list[dict]:
         if plan.defers:  # only an I defers weight grads: nothing to attach without one
+            self.stores = [WeightGradStore() for _ in self.modules]
             for module, store in zip(self.modules, self.stores):
                 attach_weight_grad_store(module, store)
         # indexed by the item's code (F, BACKWARD, W, POST); through ``_step`` where a compute
