@@ -8,7 +8,8 @@ run), and the simulator's prediction from costs profiled in the same run:
   (``profiling.profile_chunk``, one profile per stage count: 4 and 8 stages at PP 4), the p2p
   latency from a ping-pong, the executor's time per action (``executor_cpu_per_action``: the main
   thread's CPU time outside compute and receive waits in 1F1B steps, mean over ranks, and its parts:
-  the backend's posting calls, the send waits, the timeline's bookkeeping, the executor's own), and
+  the backend's posting calls, the send waits, the timeline's bookkeeping, the executor's own; the
+  same with a one-multiply model, whose caches stay warm, gives the executor's Python alone), and
   the cores the ranks really get (all computing at once; PP 4 on a 2-core machine shares them);
 - "predicted" replays each schedule's action list with those costs and that core sharing
   (``simulate(..., cores=c)``): its step over the predicted 1F1B step is printed beside the
@@ -100,6 +101,22 @@ def _data(m):
         torch.randn(m, MICRO_BATCH, HIDDEN, generator=g),
         torch.randn(m, MICRO_BATCH, HIDDEN, generator=g),
     )
+
+
+class OneParameter(nn.Module):
+    """A stage that is one multiply (``x * w``): the executor's own work with its caches warm
+    (no compute between its actions to evict them)."""
+
+    def __init__(self, first):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(()))
+        self.first, self.input_tensor = first, None
+
+    def set_input_tensor(self, t):
+        self.input_tensor = t
+
+    def forward(self, x):
+        return (x if self.first else self.input_tensor) * self.w
 
 
 def _forward_step(it, model):
@@ -204,9 +221,18 @@ def _worker(rank, pp, m, steps, init_file, timeline_dir, q, quick=False):
             cpu = executor_cpu_per_action(
                 lambda tl, a=timed: _megalite(*a, timeline=tl), n, clocked
             )
-            mean = torch.tensor(list(cpu)) / pp
+            # the same with one multiply per stage: the executor's Python with warm caches
+            tiny = [OneParameter(layout.stage(rank, 0) == 0)]
+            clocked_tiny = ClockedP2P(**_p2p_kwargs(rank, pp))
+            warm = (schedule, v, tiny, clocked_tiny, m, rank, pp)
+            _megalite(*warm)
+            cpu_tiny = executor_cpu_per_action(
+                lambda tl, a=warm: _megalite(*a, timeline=tl), n, clocked_tiny
+            )
+            mean = torch.tensor(list(cpu) + list(cpu_tiny)) / pp
             dist.all_reduce(mean)
-            profile["cpu"] = [float(x) for x in mean]
+            profile["cpu"] = [float(x) for x in mean[: len(cpu)]]
+            profile["cpu_tiny"] = [float(x) for x in mean[len(cpu) :]]
             profile["per_action"] = profile["cpu"][0]
     if rank == 0:
         q.put((out, profile))
@@ -330,12 +356,19 @@ def run_all(
         f"effective cores {cores:.2f} of {len(os.sched_getaffinity(0))}"
     )
     outside, posting, send_waits, spans, own = (x * 1e6 for x in profile["cpu"])
+    _, posting_warm, _, _, own_warm = (x * 1e6 for x in profile["cpu_tiny"])
     print(
         f"executor CPU per action (1F1B, mean over ranks): {outside:.1f} us outside compute and "
-        f"receive waits (the simulator's per-action cost; the figure reported before) = "
-        f"posting {posting:.1f} (torch.distributed / the backend's send and recv calls) + send "
-        f"waits {send_waits:.1f} + timeline bookkeeping {spans:.1f} (measuring only) + the "
-        f"executor's own {own:.1f} us"
+        f"receive waits (the simulator's per-action cost; the model's whole F / B, autograd "
+        f"set-up and graph release included, lie inside the compute spans) = posting "
+        f"{posting:.1f} (the backend's send and recv calls) + send waits {send_waits:.1f} + "
+        f"timeline bookkeeping {spans:.1f} (measuring only) + the executor's own {own:.1f} us"
+    )
+    print(
+        f"  with a one-multiply model (caches warm between actions): the executor's own "
+        f"{own_warm:.1f} us (its Python), posting {posting_warm:.1f} us; the rest of the "
+        f"executor's own above ({max(0.0, own - own_warm):.1f} us) is its code and data coming "
+        f"back into the caches after each compute"
     )
     shared = max(1.0, cores) if cores < pp else None  # the model needs a core at least
     sims, ideal = {}, {}

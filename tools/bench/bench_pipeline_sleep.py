@@ -50,13 +50,12 @@ from megalite.core.pipeline_parallel.model_chunk import ModelChunk  # noqa: E402
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator  # noqa: E402
 from megalite.core.pipeline_parallel.profiling import p2p_latency  # noqa: E402
 from megalite.core.pipeline_parallel.simulator import (  # noqa: E402
-    LABELS,
     Costs,
     costs_from_spans,
     simulate,
     theory,
 )
-from megalite.core.pipeline_parallel.timeline import Timeline  # noqa: E402
+from megalite.core.pipeline_parallel.timeline import LABELS, Timeline  # noqa: E402
 from megalite.core.tensor_parallel.layers import ColumnParallelLinear  # noqa: E402
 
 WIDTH, BLOCKS, MICRO_BATCH, M, PP = 8, 4, 4, 8, 2

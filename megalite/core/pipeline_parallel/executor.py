@@ -9,7 +9,11 @@ same rank, at the turn of a V), the output, and the grad of the output. F runs
 that holds the loss it applies ``loss_func``, divides by ``num_microbatches`` (and applies
 ``grad_scale_func`` before backward). B runs the backward; I runs it with the chunk's linear
 layers deferring their weight grads into a ``WeightGradStore`` keyed by the micro-batch; W
-computes them.
+computes them. With a ``Timeline`` each compute action is a span that holds all of the model's
+work for it, as torch's schedules pay it too: an F's the received input made a leaf that wants
+its grad and handed to the stage, the forward step and the loss; a B's or I's the backward, the
+release of the micro-batch's graph and the read of its input's grad. What lies outside the
+spans (and the receive waits') is the executor's and the backend's.
 
 Communication: ``actions`` is this rank's ``actions.p2p_program``; each ``P2PBatch`` is posted as
 ONE batch (one ``batch_isend_irecv`` on nccl) of the ops ``actions.posting_plan`` lists, in that
@@ -20,9 +24,10 @@ from the communicator's pool (``p2p.ReceiveBuffers``), and per action the hot pa
 item's handler: no key built, no string formatted, no context entered, no recorder called unless
 a timeline or the recorder is on. Sends are never waited for: once one is done (polled oldest
 first) the executor keeps only the sent output's autograd edge (``release_output``; the next
-stage has a copy); gloo reports a send done only once waited for (the release comes at the end
-of the step), nccl as it happens. With overlap a received tensor is waited for by its consumer;
-without (``P2PCommunicator(overlap=False)``) the batch is waited for right after posting. Tags:
+stage has a copy); gloo reports a send done only once waited for (so on the CPU nothing is
+polled and the release comes at the end of the step), nccl as it happens. With overlap a
+received tensor is waited for by its consumer; without (``P2PCommunicator(overlap=False)``) the
+batch is waited for right after posting. Tags:
 one per (direction, micro-batch, stage); ``P2PCommunicator(tagged=False)`` sends all with tag 0,
 as nccl sees them. A plain SEND / RECV action (a flat ``with_p2p`` list) is a batch of one.
 
@@ -55,7 +60,6 @@ from megalite.core.pipeline_parallel.posting import Compute, Plan, Post, plan_fo
 from megalite.core.pipeline_parallel.timeline import Timeline
 from megalite.core.tensor_parallel.layers import WeightGradStore, attach_weight_grad_store
 
-_LABEL = {"F": "forward", "B": "backward", "I": "backward-input", "W": "backward-weight"}
 _WHAT = {"F": "send to the next stage", "B": "send back"}  # what a mis-shaped send was
 
 
@@ -137,7 +141,7 @@ class _Run:
         self.sends: collections.deque = collections.deque()
         self.to_send: dict[tuple[int, int], torch.Tensor] = {}
         self.losses: dict[int, dict] = {}
-        self.stores = [WeightGradStore() for _ in self.model]
+        self.stores: list[WeightGradStore] = []  # per chunk, where the program has an I
 
     # --- communication ------------------------------------------------------------------------
 
@@ -155,7 +159,8 @@ class _Run:
             if self.recording:
                 RECORDER.wait(rec)
             work.wait()
-            self._sent(work, key, rec)
+            if self.recording or self.held:  # at a step's end every output is consumed already
+                self._sent(work, key, rec)
 
     def _sent(self, work, key: tuple[int, int] | None, rec) -> None:
         if self.recording:
@@ -184,7 +189,7 @@ class _Run:
                     tensor, key = self.input_grads.pop(op.out_key), None
                 if tensor.shape != p2p.shape or tensor.dtype != p2p.dtype:
                     p2p.validate(tensor, _WHAT[op.kind])
-                tensor = tensor.detach().contiguous()
+                tensor = tensor.contiguous()  # autograd plays no part in a send: no detach
                 if direct:
                     self.sends.append((op.call([tensor], op.group_rank, op.tag), key, None))
                 else:
@@ -253,29 +258,33 @@ class _Run:
     def _span(self, c: Compute):
         if self.timeline is None:
             return contextlib.nullcontext()
-        return self.timeline.span(f"{_LABEL[c.op]} {c.microbatch}.{c.chunk}")
+        return self.timeline.span(c.label)
 
     def forward(self, c: Compute, synced: tuple[int, ...] = ()) -> None:
         x = None if c.needs is None else self._take(c.needs)
-        stage = self.modules[c.chunk]
-        if x is not None and not self.forward_only:
-            x.requires_grad_()
-        if self.timeline is None and not self.forward_only:  # the hot path: no context to enter
-            output = self._forward(stage, c, x)
+        if self.forward_only:
+            with self._span(c), torch.no_grad():
+                output = self._forward(c, x)
+        elif self.timeline is None:  # the hot path: no context to enter
+            output = self._forward(c, x)
         else:
-            grad_ctx = torch.no_grad() if self.forward_only else contextlib.nullcontext()
-            with self._span(c), grad_ctx:
-                output = self._forward(stage, c, x)
+            with self.timeline.span(c.label):
+                output = self._forward(c, x)
         if not self.forward_only:
             self.held[c.key] = (x, output)
-        stage.set_input_tensor(None)
         if c.hands is not None:  # the turn of a V: same rank
             self.mailbox[c.hands] = output.detach()
         elif c.sends:
             self.to_send[c.key] = output
 
-    def _forward(self, stage: torch.nn.Module, c: Compute, x: torch.Tensor | None):
-        """The chunk's output for ``c``'s micro-batch (on the loss stage: its loss / m)."""
+    def _forward(self, c: Compute, x: torch.Tensor | None):
+        """The chunk's output for ``c``'s micro-batch (on the loss stage: its loss / m): the
+        model's whole forward, in the F span, with what torch's schedules do around it too (the
+        received input made a leaf that wants its grad, handed to the stage). The stage keeps
+        its input until its next F; ``run`` clears it at the end of the step."""
+        stage = self.modules[c.chunk]
+        if x is not None and not self.forward_only:
+            x.requires_grad_()
         stage.set_input_tensor(x)
         output, loss_func = self.forward_step_func(self.data_iterator[c.chunk], stage)
         if c.loss:
@@ -285,30 +294,44 @@ class _Run:
         return output
 
     def backward(self, c: Compute, synced: tuple[int, ...] = ()) -> None:
-        x, output = self.held.pop(c.key)
         grad = None if c.needs is None else self._take(c.needs)
         if c.op == "I":  # the chunk's linear layers defer their weight grads to W
-            with self._span(c), self.stores[c.chunk].defer(c.key):
-                self._backward(output, grad)
+            if self.timeline is None:
+                with self.stores[c.chunk].defer(c.key):
+                    input_grad = self._backward(c, grad)
+            else:
+                with self.timeline.span(c.label), self.stores[c.chunk].defer(c.key):
+                    input_grad = self._backward(c, grad)
         elif self.timeline is not None:
-            with self._span(c):
-                self._backward(output, grad)
-        elif grad is None:
-            self._backward(output, grad)
-        else:
-            backward_freed_output(output, grad)
+            with self.timeline.span(c.label):
+                input_grad = self._backward(c, grad)
+        else:  # the hot path: no context to enter
+            input_grad = self._backward(c, grad)
         if c.hands is not None:
-            self.mailbox[c.hands] = None if x is None else x.grad
+            self.mailbox[c.hands] = input_grad
         elif c.sends:
-            self.input_grads[c.key] = x.grad
+            self.input_grads[c.key] = input_grad
 
-    def _backward(self, output: torch.Tensor | GradientEdge, grad: torch.Tensor | None) -> None:
+    def _backward(self, c: Compute, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """The backward of ``c``'s micro-batch, and its input's grad (None on stage 0): the
+        model's whole backward, in the B / I span, the release of its graph (the last reference
+        to the output, dropped on return) included, as torch's schedules pay it too."""
+        x, output = self.held.pop(c.key)
         if grad is None:  # the loss stage: the output is the scaled loss
             if self.grad_scale_func is not None:
                 output = self.grad_scale_func(output)
             output.backward()
-        else:
-            backward_freed_output(output, grad)
+        else:  # ``backward_freed_output``, inlined: one call fewer per action
+            Variable._execution_engine.run_backward(
+                tensors=(output,),
+                grad_tensors=(grad,),
+                keep_graph=False,
+                create_graph=False,
+                inputs=tuple(),
+                allow_unreachable=True,
+                accumulate_grad=True,
+            )
+        return None if x is None else x.grad
 
     def weight(self, c: Compute, synced: tuple[int, ...] = ()) -> None:
         if self.timeline is None:
@@ -321,6 +344,7 @@ class _Run:
 
     def run(self, plan: Plan) -> list[dict]:
         if plan.defers:  # only an I defers weight grads: nothing to attach without one
+            self.stores = [WeightGradStore() for _ in self.modules]
             for module, store in zip(self.modules, self.stores):
                 attach_weight_grad_store(module, store)
         # indexed by the item's code (F, BACKWARD, W, POST); through ``_step`` where a compute
@@ -331,12 +355,18 @@ class _Run:
             handlers = (self.forward, self.backward, self.weight, self._post)
         sends = self.sends
         try:
-            for code, item, extra in plan.items:
-                if sends and sends[0][0].is_completed():
-                    self._poll_sends()
-                handlers[code](item, extra)
+            if self.p2p.device.type == "cpu":  # gloo: a send is done only once waited for
+                for code, item, extra in plan.items:
+                    handlers[code](item, extra)
+            else:  # release a sent output as soon as the backend reports the send done
+                for code, item, extra in plan.items:
+                    if sends and sends[0][0].is_completed():
+                        self._poll_sends()
+                    handlers[code](item, extra)
             self._wait_sends()
         finally:
+            for module in self.modules:  # each F sets its input; none is kept past the step
+                module.set_input_tensor(None)
             if plan.defers:
                 for module in self.modules:
                     attach_weight_grad_store(module, None)

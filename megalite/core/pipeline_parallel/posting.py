@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 from megalite.core.pipeline_parallel.actions import Action, P2PBatch, StageLayout, posting_plan
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
+from megalite.core.pipeline_parallel.timeline import span_label
 
 # what an item of ``Plan.items`` is: the index of the executor's handler for it
 F, BACKWARD, W, POST = 0, 1, 2, 3
@@ -41,6 +42,7 @@ class Compute(NamedTuple):
     hands: tuple[str, int, int] | None
     sends: bool  # its result is sent to another rank (kept until the batch that posts it)
     loss: bool  # the chunk holds the loss stage
+    label: str  # its span's label in a ``Timeline``
 
 
 class Post(NamedTuple):
@@ -77,7 +79,8 @@ def _compute(a: Action, layout: StageLayout, pp_rank: int) -> Compute:
                 hands = ("B", mb, s - 1)
             else:
                 sends = True
-    return Compute(a, a.op, mb, a.chunk, (mb, a.chunk), needs, hands, sends, s == S - 1)
+    label = span_label(a.op, mb, a.chunk)
+    return Compute(a, a.op, mb, a.chunk, (mb, a.chunk), needs, hands, sends, s == S - 1, label)
 
 
 class Plan:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from megalite.core.pipeline_parallel.actions import Action, StageLayout
 from megalite.core.pipeline_parallel.generators import V_SHAPED
+from megalite.core.pipeline_parallel.timeline import LABELS, span_label
 
 
 class ScheduleDeadlock(RuntimeError):
@@ -151,9 +152,6 @@ class Simulation:
         return 1.0 - sum(self.busy) / (p * self.step_time) if self.step_time > 0 else 0.0
 
 
-LABELS = {"F": "forward", "B": "backward", "I": "backward-input", "W": "backward-weight"}
-
-
 def simulate(
     lists: list[list[Action]], layout: StageLayout, costs: Costs, *, cores: float | None = None
 ) -> Simulation:
@@ -202,7 +200,7 @@ def simulate(
                     end = start + costs.per_action + costs.of_stage(a.op, s, a.chunk)
                     free[r] = end
                     busy[r] += end - start
-                    spans[r].append((f"{LABELS[a.op]} {a.microbatch}.{a.chunk}", start, end))
+                    spans[r].append((span_label(a.op, a.microbatch, a.chunk), start, end))
                     key = "IB" if a.op in ("I", "B") else a.op
                     done[(key, a.microbatch, s)] = end
                     if a.op == "F":
@@ -274,7 +272,7 @@ def _simulate_shared(
             arrival[("B", a.microbatch, s - 1)] = done[("IB", a.microbatch, s)] + costs.p2p
         elif a.op in LABELS:
             busy[r] += now - began[r]
-            spans[r].append((f"{LABELS[a.op]} {a.microbatch}.{a.chunk}", began[r], now))
+            spans[r].append((span_label(a.op, a.microbatch, a.chunk), began[r], now))
             done[("IB" if a.op in ("I", "B") else a.op, a.microbatch, s)] = now
             if a.op == "F":
                 in_flight[r] += 1

@@ -13,6 +13,14 @@ import time
 from collections.abc import Callable, Iterator
 from html import escape
 
+# what a compute action's span is called: "<kind> <micro-batch>.<chunk>" (``span_label``)
+LABELS = {"F": "forward", "B": "backward", "I": "backward-input", "W": "backward-weight"}
+
+
+def span_label(op: str, microbatch: int, chunk: int) -> str:
+    """The label of compute action ``op`` (F, B, I or W) of ``microbatch`` on ``chunk``."""
+    return f"{LABELS[op]} {microbatch}.{chunk}"
+
 
 class Timeline:
     """Spans read on ``clock``: wall time by default; ``time.thread_time`` gives the main thread's
