@@ -19,7 +19,8 @@ ZeRO-Infinity rows: megalite ZeRO-3 with params and optimizer state on the host
 staging bounded by 64 MiB), beside DeepSpeed ZeRO-3 with ``offload_param`` and
 ``offload_optimizer`` on the CPU (``deepspeed-zero3-offload``, the client torch AdamW, as
 megalite's host step is torch's AdamW; ``deepspeed-zero3-offload-cpuadam``, DeepSpeed's own
-``DeepSpeedCPUAdam``, its default for offloaded state). Both sides keep params and optimizer state
+``DeepSpeedCPUAdam``, its default for offloaded state; its C++ op is built on first use, which
+took 35 minutes on a loaded 2-core machine). Both sides keep params and optimizer state
 unpinned (``pin_memory`` is DeepSpeed's default False; megalite pins on CUDA only). There is no
 DeepSpeed NVMe row: ``offload_param`` / ``offload_optimizer`` on ``nvme`` need its ``async_io``
 op, which ``ds_report`` marks incompatible where libaio is not installed (this machine). Their
