@@ -114,7 +114,8 @@ def config(args) -> GPTConfig:
 
 
 def build(kind: str, cfg: GPTConfig, args):
-    """(forward+backward+step closure, model-state bytes or None) for ``kind`` on this rank."""
+    """(forward+backward+step closure, model-state bytes or None, end of run: delete the offload
+    files or None) for ``kind`` on this rank."""
     torch.manual_seed(0)
     module = GPTModel(cfg, ParallelState.single()).train()
     g = torch.Generator().manual_seed(dist.get_rank())
@@ -140,7 +141,12 @@ def build(kind: str, cfg: GPTConfig, args):
             model.finish_grad_sync()
             opt.step()
 
-        return step, lambda: model_state_bytes(model, opt, dp_size=DP)
+        def remove_files() -> None:
+            model.remove_offload_files()
+            opt.remove_offload_files()
+
+        files = remove_files if strategy == "optim_grads_params" else None
+        return step, lambda: model_state_bytes(model, opt, dp_size=DP), files
     if kind == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -157,7 +163,7 @@ def build(kind: str, cfg: GPTConfig, args):
             torch.nn.utils.clip_grad_norm_(module.parameters(), CLIP)
             opt.step()
 
-        return step, None
+        return step, None, None
     import deepspeed
 
     stage = 3 if kind.startswith("deepspeed-zero3") else 2
@@ -188,7 +194,7 @@ def build(kind: str, cfg: GPTConfig, args):
         engine.backward(loss)
         engine.step()
 
-    return step, None
+    return step, None, None
 
 
 def _rss() -> int:
@@ -211,7 +217,7 @@ def run_kind(kind: str, args) -> tuple:
     this rank."""
     cfg = config(args)
     base = _rss()
-    step, state_bytes = build(kind, cfg, args)
+    step, state_bytes, remove_files = build(kind, cfg, args)
     if not args.tiny:  # warm-up: lazy optimizer state, allocator, gloo buffers
         step()
     times = [timed(step) for _ in range(args.steps)]
@@ -219,6 +225,8 @@ def run_kind(kind: str, args) -> tuple:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     s = state_bytes() if state_bytes else None
     state = None if s is None else s.total + s.host + s.params_host + s.grads_host
+    if remove_files is not None:
+        remove_files()
     return kind, wall, peak, state, cpu
 
 
@@ -242,11 +250,13 @@ def run_volume(kind: str, args) -> tuple:
         return real_all_reduce(tensor, *a, **k)
 
     dist.batch_isend_irecv, dist.all_reduce = batch, all_reduce
-    step, _ = build(kind, config(args), args)
+    step, _, remove_files = build(kind, config(args), args)
     step()
     sent[0] = 0
     step()
     dist.batch_isend_irecv, dist.all_reduce = real_batch, real_all_reduce
+    if remove_files is not None:
+        remove_files()
     return kind, sent[0]
 
 
