@@ -17,8 +17,17 @@ step loop's baseline (params + grads + optimizer + activations + buffers, all se
 ZeRO-Infinity rows: megalite ZeRO-3 with params and optimizer state on the host
 (``zero3-infinity-cpu``) or in files under ``--offload-dir`` (``zero3-infinity-nvme``, the host
 staging bounded by 64 MiB), beside DeepSpeed ZeRO-3 with ``offload_param`` and
-``offload_optimizer`` on the CPU (``deepspeed-zero3-offload``, the client torch AdamW). Their
+``offload_optimizer`` on the CPU (``deepspeed-zero3-offload``, the client torch AdamW, as
+megalite's host step is torch's AdamW; ``deepspeed-zero3-offload-cpuadam``, DeepSpeed's own
+``DeepSpeedCPUAdam``, its default for offloaded state; its C++ op is built on first use, which
+took 35 minutes on a loaded 2-core machine). Both sides keep params and optimizer state
+unpinned (``pin_memory`` is DeepSpeed's default False; megalite pins on CUDA only). There is no
+DeepSpeed NVMe row: ``offload_param`` / ``offload_optimizer`` on ``nvme`` need its ``async_io``
+op, which ``ds_report`` marks incompatible where libaio is not installed (this machine). Their
 "model state" is device + host bytes (on CPU both are RAM); files are not counted.
+
+Two times per step, each the slower rank's: wall seconds, and the process CPU seconds (every
+thread: gloo's, the param reader's) of the step, which a loaded machine inflates much less.
 
 A step: zero-grad, forward + backward of one micro-batch per rank, grad sync, clipping at 1.0,
 AdamW, param sync. Peers: ``deepspeed.initialize`` with ``zero_optimization.stage`` 2 / 3 and
@@ -68,7 +77,13 @@ MEGALITE = {
     "zero3-infinity-cpu": ("optim_grads_params", "host", "host"),
     "zero3-infinity-nvme": ("optim_grads_params", "disk", "disk"),
 }
-PEERS = ("fsdp2", "deepspeed-zero2", "deepspeed-zero3", "deepspeed-zero3-offload")
+PEERS = (
+    "fsdp2",
+    "deepspeed-zero2",
+    "deepspeed-zero3",
+    "deepspeed-zero3-offload",
+    "deepspeed-zero3-offload-cpuadam",
+)
 
 
 def offload_specs(
@@ -99,7 +114,8 @@ def config(args) -> GPTConfig:
 
 
 def build(kind: str, cfg: GPTConfig, args):
-    """(forward+backward+step closure, model-state bytes or None) for ``kind`` on this rank."""
+    """(forward+backward+step closure, model-state bytes or None, end of run: delete the offload
+    files or None) for ``kind`` on this rank."""
     torch.manual_seed(0)
     module = GPTModel(cfg, ParallelState.single()).train()
     g = torch.Generator().manual_seed(dist.get_rank())
@@ -125,7 +141,12 @@ def build(kind: str, cfg: GPTConfig, args):
             model.finish_grad_sync()
             opt.step()
 
-        return step, lambda: model_state_bytes(model, opt, dp_size=DP)
+        def remove_files() -> None:
+            model.remove_offload_files()
+            opt.remove_offload_files()
+
+        files = remove_files if strategy == "optim_grads_params" else None
+        return step, lambda: model_state_bytes(model, opt, dp_size=DP), files
     if kind == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -142,16 +163,21 @@ def build(kind: str, cfg: GPTConfig, args):
             torch.nn.utils.clip_grad_norm_(module.parameters(), CLIP)
             opt.step()
 
-        return step, None
+        return step, None, None
     import deepspeed
 
     stage = 3 if kind.startswith("deepspeed-zero3") else 2
     zero = {"stage": stage, "reduce_bucket_size": args.bucket}
-    if kind == "deepspeed-zero3-offload":  # ZeRO-Infinity on the CPU, the client optimizer
+    optimizer = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=WD)
+    if kind.startswith("deepspeed-zero3-offload"):  # ZeRO-Infinity on the CPU
         zero.update(offload_param={"device": "cpu"}, offload_optimizer={"device": "cpu"})
+    if kind == "deepspeed-zero3-offload-cpuadam":  # DeepSpeed's C++ CPU Adam (AdamW mode)
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        optimizer = DeepSpeedCPUAdam(module.parameters(), lr=LR, weight_decay=WD, adamw_mode=True)
     engine, *_ = deepspeed.initialize(
         model=module,
-        optimizer=torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=WD),
+        optimizer=optimizer,
         config={
             "train_micro_batch_size_per_gpu": args.micro_batch,
             "gradient_accumulation_steps": 1,
@@ -168,7 +194,7 @@ def build(kind: str, cfg: GPTConfig, args):
         engine.backward(loss)
         engine.step()
 
-    return step, None
+    return step, None, None
 
 
 def _rss() -> int:
@@ -176,28 +202,32 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def timed(step) -> float:
+def timed(step) -> tuple[float, float]:
+    """(wall s, process CPU s) of one step, each the slower rank's."""
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     step()
-    t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slower rank's time
-    return float(t.item())
+    t = torch.tensor([time.perf_counter() - start, time.process_time() - cpu], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0]), float(t[1])
 
 
 def run_kind(kind: str, args) -> tuple:
-    """``(kind, median step s, peak RSS growth, model-state bytes or None)`` on this rank."""
+    """``(kind, median step s, peak RSS growth, model-state bytes or None, median step CPU s)`` on
+    this rank."""
     cfg = config(args)
     base = _rss()
-    step, state_bytes = build(kind, cfg, args)
+    step, state_bytes, remove_files = build(kind, cfg, args)
     if not args.tiny:  # warm-up: lazy optimizer state, allocator, gloo buffers
         step()
     times = [timed(step) for _ in range(args.steps)]
+    wall, cpu = (statistics.median(t[i] for t in times) for i in (0, 1))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     s = state_bytes() if state_bytes else None
-    if s is None:
-        return kind, statistics.median(times), peak, None
-    return kind, statistics.median(times), peak, s.total + s.host + s.params_host + s.grads_host
+    state = None if s is None else s.total + s.host + s.params_host + s.grads_host
+    if remove_files is not None:
+        remove_files()
+    return kind, wall, peak, state, cpu
 
 
 # --- communication volume -------------------------------------------------------------------------
@@ -220,11 +250,13 @@ def run_volume(kind: str, args) -> tuple:
         return real_all_reduce(tensor, *a, **k)
 
     dist.batch_isend_irecv, dist.all_reduce = batch, all_reduce
-    step, _ = build(kind, config(args), args)
+    step, _, remove_files = build(kind, config(args), args)
     step()
     sent[0] = 0
     step()
     dist.batch_isend_irecv, dist.all_reduce = real_batch, real_all_reduce
+    if remove_files is not None:
+        remove_files()
     return kind, sent[0]
 
 
@@ -318,18 +350,19 @@ def main() -> None:
     shape = f"GPT {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, seq {args.seq}"
     print(f"{shape}, micro-batch {args.micro_batch}; DP={DP} gloo; medians of {args.rounds} rounds")
     med = {k: statistics.median(r[1] for r in v) for k, v in results.items()}
+    cpu = {k: statistics.median(r[4] for r in v) for k, v in results.items()}
+    peers = ("deepspeed-zero2", "deepspeed-zero3", "deepspeed-zero3-offload")
+    peers += ("deepspeed-zero3-offload-cpuadam",)
     for k, v in results.items():
         rss = statistics.median(r[2] for r in v) / 2**20
         state = v[0][3]
         state_txt = f"{state / 2**20:8.1f}" if state is not None else "       -"
         ratio = " ".join(
-            f"{med[k] / med[b]:.2f}x {b}"
-            for b in ("deepspeed-zero2", "deepspeed-zero3", "deepspeed-zero3-offload")
-            if b in med
+            f"{med[k] / med[b]:.2f}x ({cpu[k] / cpu[b]:.2f}x cpu) {b}" for b in peers if b in med
         )
         print(
-            f"  {k:16s} step {med[k] * 1000:8.1f} ms  model state {state_txt} MiB  "
-            f"peak RSS growth {rss:8.1f} MiB  {ratio}"
+            f"  {k:16s} step {med[k] * 1000:8.1f} ms (cpu {cpu[k] * 1000:7.1f} ms)  model state "
+            f"{state_txt} MiB  peak RSS growth {rss:8.1f} MiB  {ratio}"
         )
 
 
