@@ -319,7 +319,9 @@ def _profile_all(pp, m, rank, quick=False) -> dict:
     rate = torch.tensor([alone / passes()])
     dist.all_reduce(rate)
     chunk.zero_grad(set_to_none=True)
-    return {"stages": stages, "latency": latency, "cores": min(float(pp), float(rate))}
+    # at most the machine's cores: ranks that finish their passes early leave the rest a core each
+    cores = min(float(pp), float(len(os.sched_getaffinity(0))), float(rate))
+    return {"stages": stages, "latency": latency, "cores": cores}
 
 
 def run_all(
