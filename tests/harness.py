@@ -34,6 +34,12 @@ import time
 import traceback
 from datetime import timedelta
 
+# Imported here, before any pool starts, for its side effect on os.environ: torch._dynamo sets
+# TORCHINDUCTOR_CACHE_DIR when first imported (the first optimizer step imports it). Imported later
+# in this process, it would make the environment differ from the fork server's, and every pool
+# after it would be spawned, each worker importing torch and megalite anew (3-6 s of CPU each).
+import torch._dynamo  # noqa: F401
+
 DEFAULT_TIMEOUT = 600.0  # a hang guard: only a blocked case waits for it
 MAX_POOLS = 3  # world sizes kept warm at once (about 0.3 GB per worker)
 # gloo keeps a socket loop thread per destroyed process group, and those of closed peers spin: a

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests import harness
 from tests.harness import DistributedCaseError, run_distributed
 
 
@@ -37,6 +38,17 @@ def _die_on_rank_one_after_rank_zero_fails():
         time.sleep(0.5)
         os._exit(9)
     raise ConnectionError("closed by peer, as a peer of a dead rank sees it")
+
+
+def test_pools_still_fork_after_this_process_runs_an_optimizer_step():
+    # an oracle's optimizer step in the test process imports torch._dynamo, which sets an
+    # environment variable: were the pools compared against the fork server's environment after
+    # that, every later pool would be spawned and re-import torch and megalite in each worker
+    run_distributed(_sum_of_ranks, 2, 0)  # the fork server runs
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    torch.optim.AdamW([p]).step()
+    assert harness._context().get_start_method() == "forkserver"
 
 
 def test_results_come_back_in_rank_order():
