@@ -11,8 +11,10 @@ So the window is m + 1 calls of the block kernel (``block_attention``), each bat
 tiles: causal on the tiles as they lie, unmasked on the tiles j = 1 .. m-1 back, and with one
 shared T x T mask (b >= a) on the tile m back; their (out, lse) merge exactly, in place
 (``merge_into``). The tiles are the kernel's batch dim, tile-major (# [nt, b * n, T, d]): the
-calls take the tiles j.. and ..nt-1-j as slices, and the one copy of the output grad the kernel
-needs contiguous is made once, not once per call.
+calls take the tiles j.. and ..nt-1-j as slices. The backward kernel reads the output grad
+sequence-major (its own layout, # [nt, T, b * n, d] in memory) and copies any other layout in
+every call, so the output grad is copied into that layout once: every tile slice of it is then
+the kernel's layout already.
 Every query reads exactly its L + 1 keys; the kernel computes L + T per query (it does not skip
 inside one causal tile). Keys are plain slices of the tiled sequence, so each call's grads are the
 size of its inputs: no key block is gathered once per query block that reads it.
@@ -105,7 +107,8 @@ def band_backward(
     b, s = q.shape[0], q.shape[2]
     tile = band_tile(window)
     tiled = [_tiles(x, tile) for x in (dout.to(q.dtype), q, k, v, out.to(q.dtype), lse)]
-    tiled[0] = tiled[0].contiguous()  # the kernel's layout: every slice of it is contiguous
+    # the kernel's layout: [nt, b * n, T, d] viewing [nt, T, b * n, d] memory (no copy per call)
+    tiled[0] = tiled[0].transpose(1, 2).contiguous().transpose(1, 2)
     dq, dk, dv = (g.float() for g in block_backward(*tiled, causal=True, scale=scale))
     do, qt, kt, vt, ot, lt = tiled
     for j, last in _offsets(window, tile, qt.shape[0]):
