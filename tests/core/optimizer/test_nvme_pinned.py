@@ -46,7 +46,7 @@ def _round_trip(store):
         store.stage("master", values[a:b] * 2)
         store.save(a, b, keys=("master",))
     for a, b in store.chunks(0, 10):
-        master, exp_avg, exp_avg_sq, grad = store.load(a, b, grad=values[a:b] + 100)
+        master, exp_avg, exp_avg_sq, grad = store.load(a, b, grads=[(0, values[a:b] + 100)])
         assert torch.equal(grad, values[a:b] + 100)  # landed before the host reads it
         master.add_(grad)
         exp_avg.add_(1.0)
@@ -58,7 +58,7 @@ def test_nvme_buffers_pinned_and_fenced_on_cuda(monkeypatch, tmp_path):
     store, log, pinned = _faked(monkeypatch, "cuda", tmp_path)
     assert store.pinned and pinned == [store.chunk] * 4  # master, moments, grad
     log.clear()
-    master, *_ = store.load(0, 4, grad=torch.ones(4))
+    master, *_ = store.load(0, 4, grads=[(0, torch.ones(4))])
     # the moments are read while the grad is in flight; the master buffer (which the previous
     # chunk's non-blocking copy into the params may still read) only after a fence
     assert log == ["read exp_avg", "read exp_avg_sq", "sync", "read master"], log
@@ -70,7 +70,7 @@ def test_nvme_buffers_pinned_and_fenced_on_cuda(monkeypatch, tmp_path):
     store.save(0, 4, keys=("master",))
     assert log[-2:] == ["sync", "write master"], log  # the staged copy lands before the write
     log.clear()
-    store.load(0, 4, keys=("exp_avg",), grad=torch.ones(4))
+    store.load(0, 4, keys=("exp_avg",), grads=[(0, torch.ones(4))])
     assert log == ["read exp_avg", "sync"], log  # the grad lands before it is returned
 
     files = _round_trip(store)
