@@ -13,6 +13,7 @@ import types
 import torch
 
 from megalite.core.optimizer.nvme_store import NvmeStore
+from megalite.core.optimizer.sharded_state import DiskPiece, adam_on_disk
 
 
 def _faked(monkeypatch, store_device: str, tmp_path):
@@ -89,3 +90,31 @@ def test_nvme_buffers_on_cpu_are_neither_pinned_nor_fenced(monkeypatch, tmp_path
 
 def _no_stream(device=None):
     raise AssertionError("a CPU store waited on a CUDA stream")
+
+
+def test_adam_on_disk_stages_grads_through_the_pinned_buffer(monkeypatch, tmp_path):
+    """``adam_on_disk`` on a pinned store (grads staged into its grad buffer, chunk by chunk, at
+    each piece's offset) gives the files and params of the unpinned one (grads used in place);
+    two pieces in two param groups, chunks of 4 that cut both."""
+    group = torch.optim.AdamW([torch.zeros(1)], lr=0.1, weight_decay=0.5).param_groups[0]
+    groups = [group, {**group, "weight_decay": 0.0}]
+    grads = torch.linspace(-1.0, 1.0, 10)
+    out = {}
+    for device in ("cpu", "cuda"):
+        store, log, _ = _faked(monkeypatch, device, tmp_path / device)
+        params = torch.zeros(10)
+        sb = types.SimpleNamespace(
+            store=store,
+            copy_to_params=lambda lo, m, params=params: params[lo : lo + m.numel()].copy_(m),
+        )
+        for a, b in store.chunks(0, 10):
+            store.stage("master", torch.arange(a, b, dtype=torch.float32))
+            store.save(a, b, keys=("master",))
+        pieces = [DiskPiece(0, 3, 0, grads[:3].clone()), DiskPiece(3, 7, 1, grads[3:].clone())]
+        for step in (1, 2):
+            adam_on_disk(sb, pieces, groups, step=step)
+        out[device] = (params, *(store.read(k) for k in ("master", "exp_avg", "exp_avg_sq")))
+        assert store.pinned == (device == "cuda") and ("sync" in log) == store.pinned
+    assert all(torch.equal(a, b) for a, b in zip(out["cpu"], out["cuda"]))
+    assert torch.equal(out["cpu"][0], out["cpu"][1])  # the params are the rounded masters
+    assert torch.allclose(out["cpu"][2], 0.19 * grads, rtol=1e-6, atol=0)  # exp_avg, 2 steps
