@@ -140,13 +140,21 @@ def deepspeed_op():
     return None
 
 
-def deepspeed_row(shapes, state: State):
-    from deepspeed.ops.adam import DeepSpeedCPUAdam  # only where deepspeed is installed
-    from deepspeed.ops.op_builder import CPUAdamBuilder
+def use_prebuilt_deepspeed_op() -> bool:
+    """Make DeepSpeed's CPU Adam builder return the prebuilt op (``deepspeed_op``) instead of
+    rebuilding it; False (nothing changed) where there is none."""
+    from deepspeed.ops.op_builder import CPUAdamBuilder  # only where deepspeed is installed
 
     op = deepspeed_op()
     if op is not None:  # DeepSpeedCPUAdam takes its op from the builder's load()
         CPUAdamBuilder.load = lambda self, verbose=True: op
+    return op is not None
+
+
+def deepspeed_row(shapes, state: State):
+    from deepspeed.ops.adam import DeepSpeedCPUAdam  # only where deepspeed is installed
+
+    use_prebuilt_deepspeed_op()
     params = [nn.Parameter(t) for t in state.params]
     for p, g in zip(params, state.grads):
         p.grad = g
