@@ -152,7 +152,10 @@ def use_prebuilt_deepspeed_op() -> bool:
 
 
 def deepspeed_row(shapes, state: State):
-    from deepspeed.ops.adam import DeepSpeedCPUAdam  # only where deepspeed is installed
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # only where deepspeed is installed
+    except ImportError as e:
+        raise ImportError(f"deepspeed is not importable by {sys.executable} (see the usage)") from e
 
     use_prebuilt_deepspeed_op()
     params = [nn.Parameter(t) for t in state.params]
