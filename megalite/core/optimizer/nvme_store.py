@@ -5,6 +5,7 @@
         master, exp_avg, exp_avg_sq, grad = store.load(lo, hi)   # host views [hi - lo]
         ...update in place...
         store.save(lo, hi)
+    for lo, hi, inside in chunk_spans(spans, store.chunk): ...   # chunks that span pieces
     store.remove_files()                       # at the end of a run
 
 One flat fp32 file per state (``<prefix>.master``, ``.exp_avg``, ``.exp_avg_sq``) of ``numel``
@@ -18,13 +19,16 @@ On CUDA (``device``) the four buffers are pinned, so their device copies are DMA
 return at once (``non_blocking``); the store fences the current stream before the host touches a
 buffer a queued copy may still use: before overwriting the master buffer (the caller rounds it into
 the params with a non-blocking copy), before the host reads the grad it staged, and before writing
-a staged buffer to disk. ``load(..., grad=device_slice)`` stages the grad while the moments are
-read from the files. On CPU nothing is pinned and nothing waits.
+a staged buffer to disk. ``load(..., grads=[(offset, device_slice), ...])`` stages the grads while
+the moments are read from the files. On CPU nothing is pinned and nothing waits (and the caller
+need not stage host grads at all).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -85,13 +89,17 @@ class NvmeStore:
         for a in range(lo, hi, self.chunk):
             yield a, min(a + self.chunk, hi)
 
-    def load(self, lo: int, hi: int, keys=KEYS, grad: torch.Tensor | None = None) -> list:
+    def load(
+        self, lo: int, hi: int, keys=KEYS, grads: Iterable[tuple[int, torch.Tensor]] = ()
+    ) -> list:
         """Elements ``[lo, hi)`` of ``keys`` into the host buffers; returns their views (and the
-        grad buffer's last). ``grad``: ``hi - lo`` grads (on the device) copied into the grad
-        buffer, in flight while the files are read."""
+        grad buffer's last). ``grads``: ``(offset, values)`` parts (on the device) copied into
+        the grad buffer at ``offset`` from ``lo``, in flight while the files are read."""
         n = hi - lo
-        if grad is not None:
-            self.buffers["grad"][:n].copy_(grad, non_blocking=self.pinned)
+        for offset, values in grads:
+            self.buffers["grad"][offset : offset + values.numel()].copy_(
+                values, non_blocking=self.pinned
+            )
             self._staged = True
         # the master buffer last: a non-blocking copy of the previous chunk's masters into the
         # params may still read it (that fence also lands the grad above)
@@ -150,3 +158,33 @@ class NvmeStore:
         if self._made_directory and os.path.isdir(self.directory):
             if not os.listdir(self.directory):
                 os.rmdir(self.directory)
+
+
+class Span(NamedTuple):
+    """Elements ``[start, start + numel)`` of a flat state (one parameter's piece of a shard)."""
+
+    start: int
+    numel: int
+
+
+def chunk_spans(spans: Sequence, chunk: int) -> Iterator[tuple[int, int, list]]:
+    """``(lo, hi, inside)`` for consecutive ranges of at most ``chunk`` elements from the first
+    span's start to the last one's end, ``inside`` the ``spans`` (anything with ``start`` and
+    ``numel``, e.g. ``Span``) that overlap ``[lo, hi)``; ranges that none overlaps are skipped
+    (the gaps between spans: padding)."""
+    spans = sorted(spans, key=lambda s: s.start)
+    if not spans:
+        return
+    end = max(s.start + s.numel for s in spans)
+    first = 0  # spans before it end at or before the current range
+    for lo in range(spans[0].start, end, chunk):
+        hi = min(lo + chunk, end)
+        while first < len(spans) and spans[first].start + spans[first].numel <= lo:
+            first += 1
+        inside = []
+        for s in spans[first:]:
+            if s.start >= hi:
+                break
+            inside.append(s)
+        if inside:
+            yield lo, hi, inside

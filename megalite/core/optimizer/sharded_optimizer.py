@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -30,10 +31,11 @@ from megalite.core.optimizer.full_state_format import check_full_state
 from megalite.core.optimizer.loss_scaler import LossScaler
 from megalite.core.optimizer.mixed_precision import MixedPrecisionOptimizer, StepGrads
 from megalite.core.optimizer.sharded_state import (
+    DiskPiece,
     OffloadSpec,
     ShardState,
+    adam_on_disk,
     adam_on_host,
-    adamw_chunk,
 )
 from megalite.core.optimizer.streamed_grads import StreamedGrads
 
@@ -176,6 +178,9 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
             raise TypeError(
                 f"the sharded optimizer shards Adam states; got {type(self.optimizer).__name__}"
             )
+        on_disk = {pc.group for pc in self.pieces if pc.where == "disk"}
+        if any(self.optimizer.param_groups[i]["amsgrad"] for i in on_disk):
+            raise ValueError("optimizer state in files (NVMe offload) keeps no amsgrad maximum")
         for pc in self.in_memory:  # the Adam states are views of the flat per-buffer shards
             sb, s, n = self.buffers[pc.buffer], pc.shard_lo, pc.hi - pc.lo
             self.optimizer.state[pc.master] = {
@@ -279,35 +284,19 @@ class ShardedOptimizer(MixedPrecisionOptimizer):
             )
         self._host_grads = {}
 
-    @torch.no_grad()
     def _step_on_disk(self) -> None:
-        """NVMe offload: AdamW over the state in files, one bounded chunk at a time (read, update,
-        write back, round into the params)."""
-        for pc, g in zip(self.pieces, self._piece_grads):
-            if pc.where != "disk":
+        """NVMe offload: Adam over the state in files, per buffer (``adam_on_disk``: bounded
+        chunks that span pieces, read, updated, written back, rounded into the params)."""
+        for b, sb in enumerate(self.buffers):
+            pieces = [
+                DiskPiece(pc.shard_lo, pc.hi - pc.lo, pc.group, g)
+                for pc, g in zip(self.pieces, self._piece_grads)
+                if pc.buffer == b and pc.where == "disk"
+            ]
+            if not pieces:
                 continue
-            sb, group = self.buffers[pc.buffer], self.optimizer.param_groups[pc.group]
-            for a, b in sb.store.chunks(pc.shard_lo, pc.shard_lo + pc.hi - pc.lo):
-                if g is None:  # grads in files
-                    g_ab = self.streamed.read(pc.buffer, a, b)
-                else:
-                    g_ab = g[a - pc.shard_lo : b - pc.shard_lo]
-                master, exp_avg, exp_avg_sq, grad = sb.store.load(
-                    a, b, grad=g_ab
-                )  # the grad's copy to the host is in flight while the moments are read
-                adamw_chunk(
-                    master,
-                    grad,
-                    exp_avg,
-                    exp_avg_sq,
-                    step=self.steps,
-                    lr=group["lr"],
-                    weight_decay=group["weight_decay"],
-                    betas=group["betas"],
-                    eps=group["eps"],
-                )
-                sb.store.save(a, b)
-                sb.copy_to_params(a, master)
+            read = None if self.streamed is None else partial(self.streamed.read, b)
+            adam_on_disk(sb, pieces, self.optimizer.param_groups, step=self.steps, read_grads=read)
 
     @property
     def _device(self) -> torch.device:

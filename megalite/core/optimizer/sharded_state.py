@@ -21,9 +21,10 @@ a segment or ``cut`` (the optimizer splits them there).
 from __future__ import annotations
 
 import bisect
-import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ from torch.optim.adam import adam
 from megalite.core.distributed.grad_buffer import GradBuffer
 from megalite.core.distributed.param_offload import ParamFile
 from megalite.core.optimizer.full_state_format import ADAM_KEYS
-from megalite.core.optimizer.nvme_store import NvmeStore
+from megalite.core.optimizer.nvme_store import NvmeStore, chunk_spans
 
 STATE_KEYS = ("master", *ADAM_KEYS)
 
@@ -254,18 +255,6 @@ class ShardState:
         return {"device": dev, "host": host, "disk": disk}
 
 
-def adamw_chunk(p, g, m, v, *, step: int, lr, weight_decay, betas, eps) -> None:
-    """torch's single-tensor AdamW update of one streamed chunk, in place (fp32 host tensors)."""
-    beta1, beta2 = betas
-    p.mul_(1 - lr * weight_decay)
-    m.lerp_(g, 1 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = math.sqrt(1 - beta2**step)
-    denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
-    p.addcdiv_(m, denom, value=-lr / bias_correction1)
-
-
 @torch.no_grad()
 def adam_on_host(
     masters: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], group: dict
@@ -296,6 +285,64 @@ def adam_on_host(
         eps=group["eps"],
         maximize=group["maximize"],
     )
+
+
+class DiskPiece(NamedTuple):
+    """A parameter's piece of a shard whose state is in files: shard elements ``[start, start +
+    numel)``, the index of its param group, its grads (``numel``; None: read from grad files)."""
+
+    start: int
+    numel: int
+    group: int
+    grad: torch.Tensor | None
+
+
+@torch.no_grad()
+def adam_on_disk(
+    sb: ShardState,
+    pieces: list[DiskPiece],
+    groups: list[dict],
+    *,
+    step: int,
+    read_grads: Callable[[int, int], torch.Tensor] | None = None,
+) -> None:
+    """One update of the state in ``sb``'s files (``sb.store``), a chunk of at most
+    ``sb.store.chunk`` shard elements at a time: one read of each state file, ``adam_on_host``
+    over the pieces in the chunk (one call per param group: the same kernel as the host rung),
+    one write back, the masters rounded into the params. A chunk spans many pieces, so each file
+    is opened once per chunk, not once per piece. ``step``: the step being taken (1 first);
+    ``read_grads(lo, hi)``: shard elements ``[lo, hi)`` of the grads, for pieces without
+    ``grad``. Pinned buffers (CUDA): the grads are staged into the store's grad buffer."""
+    store = sb.store
+    for lo, hi, inside in chunk_spans(pieces, store.chunk):
+        read = read_grads(lo, hi) if any(pc.grad is None for pc in inside) else None
+        parts = []  # (offset from lo, grads) of each piece's part in [lo, hi)
+        for pc in inside:
+            x, y = max(lo, pc.start), min(hi, pc.start + pc.numel)
+            g = read[x - lo : y - lo] if pc.grad is None else pc.grad[x - pc.start : y - pc.start]
+            parts.append((x - lo, g))
+        master, exp_avg, exp_avg_sq, staged = store.load(
+            lo, hi, grads=parts if store.pinned else ()
+        )  # the grads' copies to the host are in flight while the moments are read
+        for i, group in enumerate(groups):
+            mine = [(a, g) for pc, (a, g) in zip(inside, parts) if pc.group == i]
+            if not mine:
+                continue
+            adam_on_host(
+                [master[a : a + g.numel()] for a, g in mine],
+                [staged[a : a + g.numel()] if store.pinned else g for a, g in mine],
+                [
+                    {
+                        "exp_avg": exp_avg[a : a + g.numel()],
+                        "exp_avg_sq": exp_avg_sq[a : a + g.numel()],
+                        "step": torch.tensor(float(step - 1)),  # the kernel advances it
+                    }
+                    for a, g in mine
+                ],
+                group,
+            )
+        store.save(lo, hi)
+        sb.copy_to_params(lo, master)
 
 
 def _global_rank() -> int:

@@ -20,6 +20,7 @@ import torch
 
 from megalite.core.distributed.grad_files import GradFiles
 from megalite.core.optimizer.grad_norm import all_reduce_over, clip_coefficient
+from megalite.core.optimizer.nvme_store import Span, chunk_spans
 from megalite.core.optimizer.sharded_state import ShardState
 
 
@@ -50,16 +51,21 @@ class StreamedGrads:
 
     def norm(self, pieces: list, *, groups, device: torch.device) -> torch.Tensor:
         """The 2-norm of the counted ``pieces``' grads over ``groups``; resets the clip
-        coefficient (a new step)."""
+        coefficient (a new step). Each buffer's grads are read once, in chunks that span pieces."""
         self.coefficient = None
-        local = torch.zeros((), dtype=torch.float64)  # chunks summed in fp64: any chunking agrees
-        for pc in pieces:
-            if not pc.counted:
-                continue
-            lo, hi = pc.shard_lo, pc.shard_lo + pc.hi - pc.lo
-            for a in range(lo, hi, self.chunk):
-                g = self.read(pc.buffer, a, min(a + self.chunk, hi))
-                local += torch.linalg.vector_norm(g, dtype=torch.float64).square().cpu()
+        # squares summed in fp64 where the grads are read (one copy to the host per step): any
+        # chunking agrees
+        local = torch.zeros((), dtype=torch.float64, device=self.files.store.device)
+        for b in sorted({pc.buffer for pc in pieces}):
+            spans = [
+                Span(pc.shard_lo, pc.hi - pc.lo) for pc in pieces if pc.buffer == b and pc.counted
+            ]
+            for lo, hi, inside in chunk_spans(spans, self.chunk):
+                g = self.read(b, lo, hi)
+                for s in inside:
+                    x, y = max(lo, s.start), min(hi, s.start + s.numel)
+                    part = g[x - lo : y - lo]
+                    local += torch.linalg.vector_norm(part, dtype=torch.float64).square()
         return all_reduce_over(local.float().to(device), groups).sqrt()
 
     def clip(self, norm: torch.Tensor, max_norm: float) -> None:

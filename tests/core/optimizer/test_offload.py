@@ -6,8 +6,9 @@ the same.
   the boundary is split); 5 clipped steps = ``torch.optim.AdamW`` + ``clip_grad_norm_`` (1e-6),
   fp32 and ZeRO-3; bf16 = ZeRO-1 without offload (masters 1e-6).
 - NVMe (``OffloadSpec(directory=...)``): the state is in three files of the shard's size, no Adam
-  state on the host; 5 steps = the reference (1e-6); the full state round-trips through a
-  checkpoint.
+  state on the host; 5 steps = the reference (1e-6), each reading every state file once per chunk
+  of the store (chunks span parameter pieces); the full state round-trips through a checkpoint;
+  amsgrad (a maximum the files do not keep) is refused.
 - bounded host memory: a 2.4M-parameter layer whose optimizer state on disk (29 MB) is 12x the
   2 MiB bound; the peak RSS growth during ``step()`` (sampled every 0.2 ms) stays under the bound.
 """
@@ -18,11 +19,12 @@ import os
 import threading
 import time
 
+import pytest
 import torch
 from torch import nn
 
 from megalite.core.distributed import Zero1DataParallel, wrapper_class
-from megalite.core.optimizer import OffloadSpec, build_sharded_optimizer
+from megalite.core.optimizer import OffloadSpec, ShardedOptimizer, build_sharded_optimizer
 from tests.core import zero_cases as zc
 
 REL = 1e-6
@@ -93,15 +95,35 @@ def test_nvme_offload_keeps_the_state_in_files_and_steps_the_same(tmp_path):
     files = sorted(os.listdir(tmp_path))
     assert len(files) == 3 and all(os.path.getsize(tmp_path / f) == sb.numel * 4 for f in files)
     assert sb.bytes_by_place() == {"device": 0, "host": 4 * 50 * 4, "disk": 12 * sb.numel}
+    reads, read = [], sb.store._read
+    sb.store._read = lambda key, lo, view: (reads.append(key), read(key, lo, view))
     got = train(model, opt)
     for g, r in zip(got, ref):
         assert zc.rel_err(g, r) <= REL, zc.rel_err(g, r)
+    chunks = -(-sb.numel // sb.store.chunk)  # the pieces cover the shard, no padding at DP 1
+    assert len(reads) == 5 * 3 * chunks, (len(reads), chunks)  # per chunk, not per piece
     full = opt.full_state_dict()  # checkpoint round trip through the files
     model2, opt2 = setup(OffloadSpec(fraction=0.5, directory=str(tmp_path / "b")))
     opt2.load_full_state_dict(full)
     for name, entry in opt2.full_state_dict()["params"].items():
         for key, value in entry.items():
             assert torch.equal(value, full["params"][name][key]), (name, key)
+
+
+def test_nvme_offload_refuses_amsgrad(tmp_path):
+    model = Zero1DataParallel(zc.tiny(), dp_group=None, bucket_size=zc.BUCKET)
+    spec = OffloadSpec(directory=str(tmp_path))
+    params = list(model.module.parameters())
+    with pytest.raises(ValueError, match="amsgrad"):
+        ShardedOptimizer(
+            [{"params": params}],
+            lambda groups: torch.optim.AdamW(groups, amsgrad=True),
+            model=model,
+            clip_grad=0.0,
+            mp_group=None,
+            tp_rank=0,
+            offload=spec,
+        )
 
 
 def _rss() -> int:
