@@ -75,8 +75,11 @@ SUBSET=(
   tests/conversion/test_hf_conversion.py                    # HF <-> megalite
   tests/scripts/test_gpu_check.py                           # gpu_check.sh offline, bench_mfu
 )
-[[ $# -gt 0 ]] && SUBSET=("$@")
+# the kernels' float64 comparisons and looped rows in fp32 only: each dtype's arithmetic is the
+# main suite's to check; here what matters is that the kernels compile and run on this torch/triton
+SELECT=(-k "not ((matches_float64 or looped_path) and (bf16 or fp16))")
+[[ $# -gt 0 ]] && SUBSET=("$@") && SELECT=()
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # the kernels run under triton's interpreter (tests/conftest.py); triton 3.6's warns per element
 PYTHONPATH="$PWD" "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
-  -W "ignore:Conversion of an array with ndim:DeprecationWarning" "${SUBSET[@]}"
+  -W "ignore:Conversion of an array with ndim:DeprecationWarning" "${SELECT[@]}" "${SUBSET[@]}"
