@@ -7,7 +7,8 @@
 folder), working directory ``OUT_DIR/name`` and torch's start-up seed; its output (file
 descriptors 1 and 2) goes to ``OUT_DIR/name/output.txt`` and its exit status to
 ``OUT_DIR/name/status`` (what ``python SCRIPT`` would exit with: ``sys.exit``'s code, 1 for an
-exception). A default process group left open is destroyed before the next script runs.
+exception); its CPU seconds, its workers' included, are printed. A default process group left
+open is destroyed before the next script runs.
 
 Under ``runpy`` the script is ``__main__`` with its own ``__file__``, so a worker started with the
 ``spawn`` method re-imports it as from ``python SCRIPT``. Here the ``spawn`` method is served by a
@@ -26,6 +27,7 @@ import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
 import os
+import resource
 import runpy
 import sys
 import traceback
@@ -48,6 +50,20 @@ def serve_spawn_from_fork_server(output: str) -> None:
         finally:
             os.dup2(saved[0], 1), os.dup2(saved[1], 2)
     multiprocessing.context._concrete_contexts["spawn"] = server
+
+
+def cpu_seconds() -> float:
+    """CPU seconds so far of this process, its waited-for children and the fork server's workers
+    (user + system; a worker's count once the server has reaped it, as it does at its exit)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    pid = multiprocessing.forkserver._forkserver._forkserver_pid
+    if pid is not None:  # /proc/PID/stat fields 14-17: utime stime cutime cstime, in ticks
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def run_one(path: str, args: list[str], seed: int) -> int:
@@ -85,6 +101,7 @@ def main() -> None:
                 f.write(f"=== run_scripts: {name} ===\n")
             work = os.path.join(out_dir, name)
             os.makedirs(work, exist_ok=True)
+            start = cpu_seconds()
             with open(os.path.join(work, "output.txt"), "w") as out:
                 sys.stdout.flush(), sys.stderr.flush()
                 os.dup2(out.fileno(), 1), os.dup2(out.fileno(), 2)
@@ -97,7 +114,7 @@ def main() -> None:
                     os.chdir(cwd)
             with open(os.path.join(work, "status"), "w") as f:
                 f.write(str(status))
-            print(f"{name}: exit {status}", flush=True)
+            print(f"{name}: exit {status}, {cpu_seconds() - start:.2f} CPU seconds", flush=True)
     finally:  # stop the server and wait for it: its workers' CPU time is then this process's
         multiprocessing.forkserver._forkserver._stop()
 
