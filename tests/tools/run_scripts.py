@@ -35,7 +35,20 @@ import traceback
 import torch
 import torch.distributed as dist
 
-PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "megalite.training.pretrain"]
+# what the fork server imports once, for every worker: torch, torch._dynamo (an optimizer's first
+# step imports it: 1.5 s of CPU per process), megalite, and the torch.distributed packages the
+# benchmarks' workers import (0.1-1 s each)
+PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "torch.multiprocessing",
+    "megalite.training.pretrain",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.optim",
+    "torch.distributed.pipelining",
+    "torch.distributed.tensor.parallel",
+]
 
 
 def serve_spawn_from_fork_server(output: str) -> None:
