@@ -2,15 +2,18 @@
 
 One case per script (a file of tools/bench with a ``__main__`` block; the helper modules
 ``bench_data_common.py`` and ``bench_pipeline_all.py`` run through ``bench_data.py`` and
-``bench_pipeline.py --all``), each a subprocess that must exit 0: the numbers a benchmark prints
-are not checked here (they are timings, for the reader), only that the code that prints them
-still runs. A script without ``--tiny`` fails here (argparse exits 2). The timeout is a hang
-guard, far above what a case takes on a loaded machine.
+``bench_pipeline.py --all``), each run as ``python SCRIPT --tiny`` would run it, and it must exit 0:
+the numbers a benchmark prints are not checked here (they are timings, for the reader), only that
+the code that prints them still runs, with the checks a script makes itself (a non-zero exit). A
+script without ``--tiny`` fails here (argparse exits 2). The timeout is a hang guard, far above
+what the cases take on a loaded machine.
 
-The selected cases run in one interpreter (``tests/tools/run_scripts.py``: each script as
-``python SCRIPT --tiny``, under ``runpy`` as ``__main__``, in its own folder): torch and megalite
-are imported once instead of once per script, which was a large part of the smoke runs' cost.
-A module fixture runs them all on first use; each case then checks its own exit status.
+The selected cases run one after another in one subprocess (``tests/tools/run_scripts.py``: each
+script under ``runpy`` as ``__main__``, in its own folder, its workers forked from a server that
+has imported torch and megalite): torch, megalite and torch._dynamo are imported once instead of
+once per script and once per worker, which was most of the smoke runs' cost (231 s of CPU in a
+process each, 57 s so; 2 cores, load ~13). A module fixture runs them on first use; each case then
+checks its own exit status and shows its output, its workers' included.
 """
 
 from __future__ import annotations
