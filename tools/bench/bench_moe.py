@@ -10,10 +10,11 @@
    the loop's (CUDA: the allocator's; CPU: ``LivePeak``, the bytes of every op's outputs alive).
    ``--device cuda --dtype bfloat16 --experts-only`` runs this part on a GPU.
 2. The all-to-all against the allgather dispatcher: one MoE layer forward + backward on 4 gloo
-   ranks (EP 4), median step time, and the bytes each rank sends, counted at the collectives
-   (``all_to_all_single``, all-gather, reduce-scatter) beside the theory computed from the
-   routing: all-to-all moves each routed copy of a token that leaves its rank four times (dispatch
-   and combine, forward and backward) plus the counts; allgather moves every token to every rank.
+   ranks (EP 4; ``--tiny``: 2 ranks, EP 2), median step time, and the bytes each rank sends,
+   counted at the collectives (``all_to_all_single``, all-gather, reduce-scatter) beside the
+   theory computed from the routing: all-to-all moves each routed copy of a token that leaves its
+   rank four times (dispatch and combine, forward and backward) plus the counts; allgather moves
+   every token to every rank.
 3. Step time of a GPT model with MoE layers (8 experts, top-2) against a dense model of equal
    active parameters (ffn = 2 x the expert ffn), one process, forward + backward, median.
 """
@@ -182,7 +183,7 @@ def print_experts(h: int, f: int, experts: int, tokens: int, repeats: int, devic
     print(f"grouped = {'torch._grouped_mm' if serves else 'the loop (grouped_mm_serves: no)'}")
 
 
-# --- 2. dispatchers on 4 ranks -----------------------------------------------------------------
+# --- 2. dispatchers on 4 ranks (--tiny: 2) ----------------------------------------------------
 
 
 class ByteCounter:
@@ -381,14 +382,15 @@ def main() -> None:
     print_experts(eh, ef, 8, et, repeats, device, dtype)
     if a.experts_only:
         return
-    d = bench_dispatchers((h, f, 8, tokens // 4), repeats)
+    ep = 2 if a.tiny else 4  # a smoke run: the fewest ranks that send tokens to another
+    d = bench_dispatchers((h, f, 8, tokens // ep), repeats, world=ep)
     differ = []  # dispatchers whose counted bytes are not the theory's: the run fails
     for kind in ("alltoall", "allgather"):
         secs = statistics.median(d[r][kind][0] for r in d)
         sent = [d[r][kind][1] for r in sorted(d)]
         theory = [d[r][kind][2] for r in sorted(d)]
         print(
-            f"{kind:9s} EP4, {tokens // 4} tokens per rank: step median {secs * 1e3:.2f} ms; "
+            f"{kind:9s} EP{ep}, {tokens // ep} tokens per rank: step median {secs * 1e3:.2f} ms; "
             f"bytes sent per rank counted {sent} theory {theory} "
             f"({'equal' if sent == theory else 'DIFFER'})"
         )
