@@ -52,6 +52,7 @@ from megalite.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from tools.pipeline_timeline import render_svg
 
 HIDDEN, BLOCKS, MICRO_BATCH = 256, 8, 32
+SMOKE_HIDDEN, SMOKE_MICRO_BATCH = 16, 4  # ``--tiny``: every schedule runs, nothing is timed
 CASES = [
     ("1f1b", 1),
     ("gpipe", 1),
@@ -214,12 +215,13 @@ def _worker(rank, pp, m, steps, init_file, timeline_dir, q, quick=False):
         dist.all_gather_object(gathered, (spans, end - base))
         out[schedule] = (ours, theirs, [g[0] for g in gathered], [g[1] for g in gathered])
         if schedule == "1f1b":  # the executor's CPU per action and its parts, mean over ranks
+            repeats = 1 if quick else 3
             n = len(with_p2p(generate(schedule, pp_size=pp, num_microbatches=m), layout)[rank])
             clocked = ClockedP2P(**_p2p_kwargs(rank, pp))
             timed = (schedule, v, chunks, clocked, m, rank, pp)
             _megalite(*timed)  # resolves the plan, fills the buffer pool, checks the neighbours
             cpu = executor_cpu_per_action(
-                lambda tl, a=timed: _megalite(*a, timeline=tl), n, clocked
+                lambda tl, a=timed: _megalite(*a, timeline=tl), n, clocked, repeats=repeats
             )
             # the same with one multiply per stage: the executor's Python with warm caches
             tiny = [OneParameter(layout.stage(rank, 0) == 0)]
@@ -227,7 +229,7 @@ def _worker(rank, pp, m, steps, init_file, timeline_dir, q, quick=False):
             warm = (schedule, v, tiny, clocked_tiny, m, rank, pp)
             _megalite(*warm)
             cpu_tiny = executor_cpu_per_action(
-                lambda tl, a=warm: _megalite(*a, timeline=tl), n, clocked_tiny
+                lambda tl, a=warm: _megalite(*a, timeline=tl), n, clocked_tiny, repeats=repeats
             )
             mean = torch.tensor(list(cpu) + list(cpu_tiny)) / pp
             dist.all_reduce(mean)
@@ -256,7 +258,7 @@ def _profile_all(pp, m, rank, quick=False) -> dict:
     """Stage costs (per stage count), p2p latency, effective cores: see the module docstring.
     Fresh chunks of the benchmark's shapes, profiled before any step is timed. ``quick``: fewer
     repetitions (a smoke run)."""
-    repeats = dict(repeats=3, warmup=1) if quick else {}
+    repeats = dict(repeats=2, warmup=1) if quick else {}
     xs, ys = _data(m)
     batches = list(zip(xs, ys))
     stages, cases, all_chunks = {}, {}, {}
@@ -324,12 +326,31 @@ def _profile_all(pp, m, rank, quick=False) -> dict:
     return {"stages": stages, "latency": latency, "cores": cores}
 
 
+def process_context(tiny: bool, *, torch_schedules: bool = True) -> mp.context.BaseContext:
+    """Where the benchmark's ranks come from: spawned (fresh interpreters, as the measured runs
+    have always been made), or for a smoke run (``tiny``) forked from this process once it has
+    imported torch and megalite (and, with ``torch_schedules``, torch.distributed.pipelining):
+    about 2 s of CPU each, paid once instead of once per rank. Nothing in this process has
+    started a thread or a process group by then."""
+    if not tiny or "fork" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    # the forked ranks inherit this process's shapes: a smoke run's are small
+    global HIDDEN, MICRO_BATCH
+    HIDDEN, MICRO_BATCH = SMOKE_HIDDEN, SMOKE_MICRO_BATCH
+    if torch_schedules:
+        try:  # torch >= 2.4; the ranks report why not where it is older
+            import torch.distributed.pipelining  # noqa: F401
+        except ImportError:
+            pass
+    return mp.get_context("fork")
+
+
 def run_all(
     *, pp: int, m: int, steps: int, timeline_dir: str | None, quick: bool = False
 ) -> dict[str, float]:
     """Run and print every schedule; returns predicted / measured step per schedule. ``quick``:
     fewer profiling repetitions (a smoke run)."""
-    ctx = mp.get_context("spawn")
+    ctx = process_context(quick)
     q = ctx.Queue()
     init_file = os.path.join(tempfile.mkdtemp(), "rdzv")
     procs = [
