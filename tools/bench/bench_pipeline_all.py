@@ -289,41 +289,62 @@ def _profile_all(pp, m, rank, quick=False) -> dict:
         dist.barrier()
         stages[n] = gather_stage_costs(mine)
     latency = p2p_latency((MICRO_BATCH, HIDDEN), list(range(pp)), repeats=3 if quick else 11)
-    # the cores the ranks get when all compute at once: the same passes timed on each rank alone
-    # (the others wait in a barrier) and on every rank at once; the sum over ranks of alone /
-    # together (pp when they do not slow each other down). Work done per second at the profiled
-    # costs would count profile_chunk's own set-up as lost cores.
+    # the cores the ranks get when all compute at once: the same pass timed on each rank alone
+    # (the others wait in a barrier), then repeated by every rank at once for the same wall-clock
+    # window (so every rank competes for the whole of it); per rank the passes done at the
+    # alone-time over the window, summed over ranks (pp when they do not slow each other down).
+    # Work done per second at the profiled costs would count profile_chunk's own set-up as lost
+    # cores.
     layout = layout_of("1f1b", pp, 1)
     chunk, s = all_chunks["1f1b"][0], layout.stage(rank, 0)
 
-    def passes() -> float:
-        t0 = time.perf_counter()
-        for _ in range(1 if quick else 3):
-            profile_chunk(
-                chunk,
-                _forward_step,
-                itertools.cycle(batches),
-                input_shape=(MICRO_BATCH, HIDDEN),
-                first=s == 0,
-                loss=s == pp - 1,
-                num_microbatches=m,
-                repeats=1,
-                warmup=0,
-            )
-        return time.perf_counter() - t0
+    def one_pass() -> None:
+        profile_chunk(
+            chunk,
+            _forward_step,
+            itertools.cycle(batches),
+            input_shape=(MICRO_BATCH, HIDDEN),
+            first=s == 0,
+            loss=s == pp - 1,
+            num_microbatches=m,
+            repeats=1,
+            warmup=0,
+        )
 
-    alone = 0.0
+    alone, passes = 0.0, 1 if quick else 3
     for turn in range(pp):
         dist.barrier()
         if turn == rank:
-            alone = passes()
+            t0 = time.perf_counter()
+            for _ in range(passes):
+                one_pass()
+            alone = (time.perf_counter() - t0) / passes
+    # many passes on every rank, so that the last one (run while others may have stopped) weighs
+    # little
+    window = torch.tensor([max(0.0 if quick else 0.5, alone * passes * pp * 2)])
+    dist.all_reduce(window, op=dist.ReduceOp.MAX)
     dist.barrier()
-    rate = torch.tensor([alone / passes()])
+    t0, done = time.perf_counter(), 0
+    while time.perf_counter() - t0 < float(window):
+        one_pass()
+        done += 1
+    rate = torch.tensor([done * alone / (time.perf_counter() - t0)])
     dist.all_reduce(rate)
     chunk.zero_grad(set_to_none=True)
-    # at most the machine's cores: ranks that finish their passes early leave the rest a core each
-    cores = min(float(pp), float(len(os.sched_getaffinity(0))), float(rate))
-    return {"stages": stages, "latency": latency, "cores": cores}
+    machine = float(len(os.sched_getaffinity(0)))
+    # more ranks than cores: they share the machine's cores, and what they get below those is the
+    # cost of switching between them (``simulate``'s ``oversubscribed``); else the cores they get
+    if pp > machine:
+        cores, oversubscribed = machine, min(1.0, float(rate) / machine)
+    else:
+        cores, oversubscribed = min(float(pp), float(rate)), 1.0
+    return {
+        "stages": stages,
+        "latency": latency,
+        "cores": cores,
+        "measured_cores": float(rate),
+        "oversubscribed": oversubscribed,
+    }
 
 
 def process_context(tiny: bool, *, torch_schedules: bool = True) -> mp.context.BaseContext:
@@ -376,7 +397,9 @@ def run_all(
         f"pp={pp} m={m}, {BLOCKS} MLP blocks of h={HIDDEN}, micro-batch {MICRO_BATCH}, "
         f"medians of {steps} steps; stage 0 alone: F {one[0][0] * 1e3:.2f} ms, I "
         f"{one[0][1] * 1e3:.2f} ms, W {one[0][2] * 1e3:.2f} ms; p2p {latency * 1e6:.0f} us; "
-        f"effective cores {cores:.2f} of {len(os.sched_getaffinity(0))}"
+        f"effective cores {cores:.2f} of {len(os.sched_getaffinity(0))} (measured "
+        f"{profile['measured_cores']:.2f}; a rank's speed while more ranks than cores run: "
+        f"{profile['oversubscribed']:.2f} of its share)"
     )
     outside, posting, send_waits, spans, own = (x * 1e6 for x in profile["cpu"])
     _, posting_warm, _, _, own_warm = (x * 1e6 for x in profile["cpu_tiny"])
@@ -399,7 +422,13 @@ def run_all(
         layout = layout_of(schedule, pp, v)
         st = profile["stages"][layout.num_stages]
         costs = Costs(stages=st, p2p=latency, per_action=per_action)
-        sims[schedule] = simulate(lists[(schedule, v)], layout, costs, cores=shared)
+        sims[schedule] = simulate(
+            lists[(schedule, v)],
+            layout,
+            costs,
+            cores=shared,
+            oversubscribed=profile["oversubscribed"],
+        )
         ideal[schedule] = simulate(lists[(schedule, v)], layout, Costs(stages=st, p2p=latency))
     base = out["1f1b"][0]
     ratios = {}
