@@ -10,9 +10,12 @@ run), and the simulator's prediction from costs profiled in the same run:
   thread's CPU time outside compute and receive waits in 1F1B steps, mean over ranks, and its parts:
   the backend's posting calls, the send waits, the timeline's bookkeeping, the executor's own; the
   same with a one-multiply model, whose caches stay warm, gives the executor's Python alone), and
-  the cores the ranks really get (all computing at once; PP 4 on a 2-core machine shares them);
+  the cores the ranks really get (every rank computing for one wall-clock window; PP 4 on a
+  2-core machine shares them, and loses some of them to switching between its ranks);
 - "predicted" replays each schedule's action list with those costs and that core sharing
-  (``simulate(..., cores=c)``): its step over the predicted 1F1B step is printed beside the
+  (``simulate(..., cores=c)``; with more ranks than cores, ``cores`` = the machine's and
+  ``oversubscribed`` = the measured cores over the machine's: the speed a rank keeps of its
+  share while more ranks than cores are runnable): its step over the predicted 1F1B step is printed beside the
   MEASURED step over the measured 1F1B step, so "faster than 1F1B by about what the simulator
   predicts" is checked on this machine;
 - "one core per rank" replays the same lists with the same F / I / W and p2p but a core (a
