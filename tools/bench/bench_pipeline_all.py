@@ -15,9 +15,9 @@ run), and the simulator's prediction from costs profiled in the same run:
 - "predicted" replays each schedule's action list with those costs and that core sharing
   (``simulate(..., cores=c)``; with more ranks than cores, ``cores`` = the machine's and
   ``oversubscribed`` = the measured cores over the machine's: the speed a rank keeps of its
-  share while more ranks than cores are runnable): its step over the predicted 1F1B step is printed beside the
-  MEASURED step over the measured 1F1B step, so "faster than 1F1B by about what the simulator
-  predicts" is checked on this machine;
+  share while more ranks than cores are runnable): its step over the predicted 1F1B step is
+  printed beside the MEASURED step over the measured 1F1B step, so "faster than 1F1B by about
+  what the simulator predicts" is checked on this machine;
 - "one core per rank" replays the same lists with the same F / I / W and p2p but a core (a
   device) per rank and no executor time: the ratio to 1F1B a GPU cluster would see.
 """
