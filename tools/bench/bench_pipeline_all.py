@@ -404,14 +404,15 @@ def run_all(
         f"{profile['measured_cores']:.2f}; a rank's speed while more ranks than cores run: "
         f"{profile['oversubscribed']:.2f} of its share)"
     )
-    outside, posting, send_waits, spans, own = (x * 1e6 for x in profile["cpu"])
-    _, posting_warm, _, _, own_warm = (x * 1e6 for x in profile["cpu_tiny"])
+    outside, posting, send_waits, spans, clocking, own = (x * 1e6 for x in profile["cpu"])
+    _, posting_warm, _, _, _, own_warm = (x * 1e6 for x in profile["cpu_tiny"])
     print(
         f"executor CPU per action (1F1B, mean over ranks): {outside:.1f} us outside compute and "
         f"receive waits (the simulator's per-action cost; the model's whole F / B, autograd "
         f"set-up and graph release included, lie inside the compute spans) = posting "
         f"{posting:.1f} (the backend's send and recv calls) + send waits {send_waits:.1f} + "
-        f"timeline bookkeeping {spans:.1f} (measuring only) + the executor's own {own:.1f} us"
+        f"timeline bookkeeping {spans:.1f} + clocking {clocking:.1f} (both measuring only) + the "
+        f"executor's own {own:.1f} us"
     )
     print(
         f"  with a one-multiply model (caches warm between actions): the executor's own "
