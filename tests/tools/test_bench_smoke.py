@@ -38,7 +38,6 @@ EXTRA = {  # flags beside --tiny: a private folder, the CPU path of a CUDA bench
 SLOW = {  # more than ~20 s of CPU on 2 cores: run by the whole suite, skipped by -m "not slow"
     "bench_checkpoint.py",
     "bench_gpt_step.py",
-    "bench_pipeline_sim.py",
     "bench_planner.py",
     "bench_tp_modes.py",
 }

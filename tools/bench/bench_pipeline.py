@@ -36,7 +36,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -48,7 +47,12 @@ from megalite.core.pipeline_parallel.forward_backward import (  # noqa: E402
 from megalite.core.pipeline_parallel.model_chunk import ModelChunk  # noqa: E402
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator  # noqa: E402
 from megalite.core.pipeline_parallel.timeline import Timeline  # noqa: E402
-from tools.bench.bench_pipeline_all import run_all  # noqa: E402
+from tools.bench.bench_pipeline_all import (  # noqa: E402
+    SMOKE_HIDDEN,
+    SMOKE_MICRO_BATCH,
+    process_context,
+    run_all,
+)
 from tools.pipeline_timeline import render_svg  # noqa: E402
 
 HIDDEN, BLOCKS_PER_STAGE, MICRO_BATCH = 512, 4, 64
@@ -240,7 +244,10 @@ def main() -> None:
             raise SystemExit(f"predicted / measured outside [0.85, 1.15]: {bad}")
         return
     args.pp = args.pp or 2
-    ctx = mp.get_context("spawn")
+    ctx = process_context(args.tiny)
+    if args.tiny:  # the forked ranks inherit these: a smoke run's shapes are small
+        global HIDDEN, MICRO_BATCH
+        HIDDEN, MICRO_BATCH = SMOKE_HIDDEN, SMOKE_MICRO_BATCH
     q = ctx.Queue()
     init_file = os.path.join(tempfile.mkdtemp(), "rdzv")
     procs = [

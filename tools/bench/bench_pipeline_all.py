@@ -10,11 +10,14 @@ run), and the simulator's prediction from costs profiled in the same run:
   thread's CPU time outside compute and receive waits in 1F1B steps, mean over ranks, and its parts:
   the backend's posting calls, the send waits, the timeline's bookkeeping, the executor's own; the
   same with a one-multiply model, whose caches stay warm, gives the executor's Python alone), and
-  the cores the ranks really get (all computing at once; PP 4 on a 2-core machine shares them);
+  the cores the ranks really get (every rank computing for one wall-clock window; PP 4 on a
+  2-core machine shares them, and loses some of them to switching between its ranks);
 - "predicted" replays each schedule's action list with those costs and that core sharing
-  (``simulate(..., cores=c)``): its step over the predicted 1F1B step is printed beside the
-  MEASURED step over the measured 1F1B step, so "faster than 1F1B by about what the simulator
-  predicts" is checked on this machine;
+  (``simulate(..., cores=c)``; with more ranks than cores, ``cores`` = the machine's and
+  ``oversubscribed`` = the measured cores over the machine's: the speed a rank keeps of its
+  share while more ranks than cores are runnable): its step over the predicted 1F1B step is
+  printed beside the MEASURED step over the measured 1F1B step, so "faster than 1F1B by about
+  what the simulator predicts" is checked on this machine;
 - "one core per rank" replays the same lists with the same F / I / W and p2p but a core (a
   device) per rank and no executor time: the ratio to 1F1B a GPU cluster would see.
 """
@@ -52,6 +55,7 @@ from megalite.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from tools.pipeline_timeline import render_svg
 
 HIDDEN, BLOCKS, MICRO_BATCH = 256, 8, 32
+SMOKE_HIDDEN, SMOKE_MICRO_BATCH = 16, 4  # ``--tiny``: every schedule runs, nothing is timed
 CASES = [
     ("1f1b", 1),
     ("gpipe", 1),
@@ -214,12 +218,13 @@ def _worker(rank, pp, m, steps, init_file, timeline_dir, q, quick=False):
         dist.all_gather_object(gathered, (spans, end - base))
         out[schedule] = (ours, theirs, [g[0] for g in gathered], [g[1] for g in gathered])
         if schedule == "1f1b":  # the executor's CPU per action and its parts, mean over ranks
+            repeats = 1 if quick else 3
             n = len(with_p2p(generate(schedule, pp_size=pp, num_microbatches=m), layout)[rank])
             clocked = ClockedP2P(**_p2p_kwargs(rank, pp))
             timed = (schedule, v, chunks, clocked, m, rank, pp)
             _megalite(*timed)  # resolves the plan, fills the buffer pool, checks the neighbours
             cpu = executor_cpu_per_action(
-                lambda tl, a=timed: _megalite(*a, timeline=tl), n, clocked
+                lambda tl, a=timed: _megalite(*a, timeline=tl), n, clocked, repeats=repeats
             )
             # the same with one multiply per stage: the executor's Python with warm caches
             tiny = [OneParameter(layout.stage(rank, 0) == 0)]
@@ -227,7 +232,7 @@ def _worker(rank, pp, m, steps, init_file, timeline_dir, q, quick=False):
             warm = (schedule, v, tiny, clocked_tiny, m, rank, pp)
             _megalite(*warm)
             cpu_tiny = executor_cpu_per_action(
-                lambda tl, a=warm: _megalite(*a, timeline=tl), n, clocked_tiny
+                lambda tl, a=warm: _megalite(*a, timeline=tl), n, clocked_tiny, repeats=repeats
             )
             mean = torch.tensor(list(cpu) + list(cpu_tiny)) / pp
             dist.all_reduce(mean)
@@ -256,7 +261,7 @@ def _profile_all(pp, m, rank, quick=False) -> dict:
     """Stage costs (per stage count), p2p latency, effective cores: see the module docstring.
     Fresh chunks of the benchmark's shapes, profiled before any step is timed. ``quick``: fewer
     repetitions (a smoke run)."""
-    repeats = dict(repeats=3, warmup=1) if quick else {}
+    repeats = dict(repeats=2, warmup=1) if quick else {}
     xs, ys = _data(m)
     batches = list(zip(xs, ys))
     stages, cases, all_chunks = {}, {}, {}
@@ -287,41 +292,81 @@ def _profile_all(pp, m, rank, quick=False) -> dict:
         dist.barrier()
         stages[n] = gather_stage_costs(mine)
     latency = p2p_latency((MICRO_BATCH, HIDDEN), list(range(pp)), repeats=3 if quick else 11)
-    # the cores the ranks get when all compute at once: the same passes timed on each rank alone
-    # (the others wait in a barrier) and on every rank at once; the sum over ranks of alone /
-    # together (pp when they do not slow each other down). Work done per second at the profiled
-    # costs would count profile_chunk's own set-up as lost cores.
+    # the cores the ranks get when all compute at once: the same pass timed on each rank alone
+    # (the others wait in a barrier), then repeated by every rank at once for the same wall-clock
+    # window (so every rank competes for the whole of it); per rank the passes done at the
+    # alone-time over the window, summed over ranks (pp when they do not slow each other down).
+    # Work done per second at the profiled costs would count profile_chunk's own set-up as lost
+    # cores.
     layout = layout_of("1f1b", pp, 1)
     chunk, s = all_chunks["1f1b"][0], layout.stage(rank, 0)
 
-    def passes() -> float:
-        t0 = time.perf_counter()
-        for _ in range(1 if quick else 3):
-            profile_chunk(
-                chunk,
-                _forward_step,
-                itertools.cycle(batches),
-                input_shape=(MICRO_BATCH, HIDDEN),
-                first=s == 0,
-                loss=s == pp - 1,
-                num_microbatches=m,
-                repeats=1,
-                warmup=0,
-            )
-        return time.perf_counter() - t0
+    def one_pass() -> None:
+        profile_chunk(
+            chunk,
+            _forward_step,
+            itertools.cycle(batches),
+            input_shape=(MICRO_BATCH, HIDDEN),
+            first=s == 0,
+            loss=s == pp - 1,
+            num_microbatches=m,
+            repeats=1,
+            warmup=0,
+        )
 
-    alone = 0.0
+    alone, passes = 0.0, 1 if quick else 3
     for turn in range(pp):
         dist.barrier()
         if turn == rank:
-            alone = passes()
+            t0 = time.perf_counter()
+            for _ in range(passes):
+                one_pass()
+            alone = (time.perf_counter() - t0) / passes
+    # many passes on every rank, so that the last one (run while others may have stopped) weighs
+    # little
+    window = torch.tensor([max(0.0 if quick else 0.5, alone * passes * pp * 2)])
+    dist.all_reduce(window, op=dist.ReduceOp.MAX)
     dist.barrier()
-    rate = torch.tensor([alone / passes()])
+    t0, done = time.perf_counter(), 0
+    while time.perf_counter() - t0 < float(window):
+        one_pass()
+        done += 1
+    rate = torch.tensor([done * alone / (time.perf_counter() - t0)])
     dist.all_reduce(rate)
     chunk.zero_grad(set_to_none=True)
-    # at most the machine's cores: ranks that finish their passes early leave the rest a core each
-    cores = min(float(pp), float(len(os.sched_getaffinity(0))), float(rate))
-    return {"stages": stages, "latency": latency, "cores": cores}
+    machine = float(len(os.sched_getaffinity(0)))
+    # more ranks than cores: they share the machine's cores, and what they get below those is the
+    # cost of switching between them (``simulate``'s ``oversubscribed``); else the cores they get
+    if pp > machine:
+        cores, oversubscribed = machine, min(1.0, float(rate) / machine)
+    else:
+        cores, oversubscribed = min(float(pp), float(rate)), 1.0
+    return {
+        "stages": stages,
+        "latency": latency,
+        "cores": cores,
+        "measured_cores": float(rate),
+        "oversubscribed": oversubscribed,
+    }
+
+
+def process_context(tiny: bool, *, torch_schedules: bool = True) -> mp.context.BaseContext:
+    """Where the benchmark's ranks come from: spawned (fresh interpreters, as the measured runs
+    have always been made), or for a smoke run (``tiny``) forked from this process once it has
+    imported torch and megalite (and, with ``torch_schedules``, torch.distributed.pipelining):
+    about 2 s of CPU each, paid once instead of once per rank. Nothing in this process has
+    started a thread or a process group by then."""
+    if not tiny or "fork" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    # the forked ranks inherit this process's shapes: a smoke run's are small
+    global HIDDEN, MICRO_BATCH
+    HIDDEN, MICRO_BATCH = SMOKE_HIDDEN, SMOKE_MICRO_BATCH
+    if torch_schedules:
+        try:  # torch >= 2.4; the ranks report why not where it is older
+            import torch.distributed.pipelining  # noqa: F401
+        except ImportError:
+            pass
+    return mp.get_context("fork")
 
 
 def run_all(
@@ -329,7 +374,7 @@ def run_all(
 ) -> dict[str, float]:
     """Run and print every schedule; returns predicted / measured step per schedule. ``quick``:
     fewer profiling repetitions (a smoke run)."""
-    ctx = mp.get_context("spawn")
+    ctx = process_context(quick)
     q = ctx.Queue()
     init_file = os.path.join(tempfile.mkdtemp(), "rdzv")
     procs = [
@@ -355,16 +400,19 @@ def run_all(
         f"pp={pp} m={m}, {BLOCKS} MLP blocks of h={HIDDEN}, micro-batch {MICRO_BATCH}, "
         f"medians of {steps} steps; stage 0 alone: F {one[0][0] * 1e3:.2f} ms, I "
         f"{one[0][1] * 1e3:.2f} ms, W {one[0][2] * 1e3:.2f} ms; p2p {latency * 1e6:.0f} us; "
-        f"effective cores {cores:.2f} of {len(os.sched_getaffinity(0))}"
+        f"effective cores {cores:.2f} of {len(os.sched_getaffinity(0))} (measured "
+        f"{profile['measured_cores']:.2f}; a rank's speed while more ranks than cores run: "
+        f"{profile['oversubscribed']:.2f} of its share)"
     )
-    outside, posting, send_waits, spans, own = (x * 1e6 for x in profile["cpu"])
-    _, posting_warm, _, _, own_warm = (x * 1e6 for x in profile["cpu_tiny"])
+    outside, posting, send_waits, spans, clocking, own = (x * 1e6 for x in profile["cpu"])
+    _, posting_warm, _, _, _, own_warm = (x * 1e6 for x in profile["cpu_tiny"])
     print(
         f"executor CPU per action (1F1B, mean over ranks): {outside:.1f} us outside compute and "
         f"receive waits (the simulator's per-action cost; the model's whole F / B, autograd "
         f"set-up and graph release included, lie inside the compute spans) = posting "
         f"{posting:.1f} (the backend's send and recv calls) + send waits {send_waits:.1f} + "
-        f"timeline bookkeeping {spans:.1f} (measuring only) + the executor's own {own:.1f} us"
+        f"timeline bookkeeping {spans:.1f} + clocking {clocking:.1f} (both measuring only) + the "
+        f"executor's own {own:.1f} us"
     )
     print(
         f"  with a one-multiply model (caches warm between actions): the executor's own "
@@ -378,7 +426,13 @@ def run_all(
         layout = layout_of(schedule, pp, v)
         st = profile["stages"][layout.num_stages]
         costs = Costs(stages=st, p2p=latency, per_action=per_action)
-        sims[schedule] = simulate(lists[(schedule, v)], layout, costs, cores=shared)
+        sims[schedule] = simulate(
+            lists[(schedule, v)],
+            layout,
+            costs,
+            cores=shared,
+            oversubscribed=profile["oversubscribed"],
+        )
         ideal[schedule] = simulate(lists[(schedule, v)], layout, Costs(stages=st, p2p=latency))
     base = out["1f1b"][0]
     ratios = {}

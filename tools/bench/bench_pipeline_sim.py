@@ -46,7 +46,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -66,6 +65,7 @@ from megalite.core.pipeline_parallel.simulator import Costs, simulate, theory  #
 from megalite.core.pipeline_parallel.timeline import Timeline, render_comparison_svg  # noqa: E402
 from megalite.models import GPTConfig  # noqa: E402
 from megalite.training.model_chunks import build_gpt_chunks  # noqa: E402
+from tools.bench.bench_pipeline_all import process_context  # noqa: E402
 
 CASES = [
     ("1f1b", 1),
@@ -106,11 +106,13 @@ def measure(
     model: dict | None = None,
     cases: list | None = None,
     per_case_cores: bool = True,
+    window: float = 0.4,
 ) -> dict[str, object]:
     """Run on every rank of a gloo world of pp ranks (one pipeline over the world): profile and
     measure each case. Returns, identically on every rank, ``{"latency": s, "cases": {(schedule,
     v): {"stages": [[(F, I, W) per stage] per run], "runs": [[(start, end, spans) per rank] per
-    run]}}}``: the stages are profiled again before every run (the machine's speed drifts)."""
+    run]}}}``: the stages are profiled again before every run (the machine's speed drifts).
+    ``window``: the seconds of each effective-cores measurement (``_effective_cores``)."""
     torch.set_num_threads(1)
     cases = cases or CASES
     pp = dist.get_world_size()
@@ -142,12 +144,12 @@ def measure(
         }
         first = cases[0]
         n = layout_of(first[0], pp, first[1]).num_stages
-        cores = _effective_cores(first, chunks[first], batches, shape, ps, stages[n])
+        cores = _effective_cores(first, chunks[first], batches, shape, ps, stages[n], window)
         per_action = _executor_overhead(first, chunks[first], p2p, batches, ps)
         for case in cases:
             if per_case_cores:  # the load drifts within a run: the cores just before each step
                 n = layout_of(case[0], pp, case[1]).num_stages
-                cores = _effective_cores(case, chunks[case], batches, shape, ps, stages[n])
+                cores = _effective_cores(case, chunks[case], batches, shape, ps, stages[n], window)
             tl = Timeline()
             start, end = _step(*case, chunks[case], p2p, batches, ps, timeline=tl)
             everyone = [None] * pp
@@ -337,7 +339,11 @@ def _worker(rank, pp, init_file, args, q):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=pp)
     try:
         results = measure(
-            args.m, args.runs, TINY if args.tiny else MODEL, per_case_cores=args.per_case_cores
+            args.m,
+            args.runs,
+            TINY if args.tiny else MODEL,
+            per_case_cores=args.per_case_cores and not args.tiny,
+            window=0.05 if args.tiny else 0.4,  # a smoke run: every schedule runs, cheaply
         )
         if rank == 0:
             q.put(results)
@@ -346,7 +352,7 @@ def _worker(rank, pp, init_file, args, q):
 
 
 def _run(pp: int, args) -> dict:
-    ctx = mp.get_context("spawn")
+    ctx = process_context(args.tiny, torch_schedules=False)
     q = ctx.Queue()
     init_file = os.path.join(tempfile.mkdtemp(), "rdzv")
     procs = [ctx.Process(target=_worker, args=(r, pp, init_file, args, q)) for r in range(pp)]

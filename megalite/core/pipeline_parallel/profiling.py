@@ -126,11 +126,13 @@ class ClockedP2P(P2PCommunicator):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.posting_seconds = self.send_wait_seconds = 0.0
+        self.clocked_posts = self.clocked_waits = 0  # what ``_clocking_cost`` is paid for
 
     def post(self, batch: list) -> list:
         start = time.thread_time()
         works = super().post(batch)
         self.posting_seconds += time.thread_time() - start
+        self.clocked_posts += 1
         return [_ClockedWait(w, self) if send else w for w, (send, *_) in zip(works, batch)]
 
     def direct(self, send: bool, peer: int) -> tuple[Callable | None, int]:
@@ -142,6 +144,7 @@ class ClockedP2P(P2PCommunicator):
             start = time.thread_time()
             work = call(tensors, rank, tag)
             self.posting_seconds += time.thread_time() - start
+            self.clocked_posts += 1
             return _ClockedWait(work, self) if send else work
 
         return clocked, group_rank
@@ -160,6 +163,7 @@ class _ClockedWait:
         start = time.thread_time()
         done = self.work.wait()
         self.p2p.send_wait_seconds += time.thread_time() - start
+        self.p2p.clocked_waits += 1
         return done
 
 
@@ -167,14 +171,16 @@ class ExecutorCpu(NamedTuple):
     """CPU seconds per action of one rank's step (medians over steps). ``outside``: outside
     compute and receive waits (``executor_seconds_per_action``; the simulator's per-action cost),
     made of ``posting`` (the backend's posting calls), ``send_waits`` (waiting for the sends),
-    ``timeline`` (the spans' own bookkeeping, there only while measuring) and ``own``: the rest,
-    the executor's own work between compute and communication (its Python, and the cache misses
-    it meets after a compute)."""
+    ``timeline`` (the spans' own bookkeeping) and ``clocking`` (``ClockedP2P``'s wrappers around
+    the posting calls and send waits, outside their clock reads), both there only while
+    measuring, and ``own``: the rest, the executor's own work between compute and communication
+    (its Python, and the cache misses it meets after a compute)."""
 
     outside: float
     posting: float
     send_waits: float
     timeline: float
+    clocking: float
     own: float
 
 
@@ -189,6 +195,54 @@ def _span_cost(spans: int = 200) -> float:
     return max(0.0, total - sum(end - begin for _, begin, end in timeline.spans)) / spans
 
 
+def _clocking_cost(calls: int = 2000) -> tuple[float, float]:
+    """CPU seconds ``ClockedP2P`` adds outside its clock reads per clocked posting call and per
+    clocked send wait, over what the same calls cost unwrapped (a stand-in call and work)."""
+
+    class Work:
+        def wait(self) -> bool:
+            return True
+
+    def call(tensors: list, rank: int, tag: int) -> Work:
+        return Work()
+
+    class Counters:  # what ``ClockedP2P``'s wrappers add to: no communicator needed
+        posting_seconds = send_wait_seconds = 0.0
+        clocked_posts = clocked_waits = 0
+
+    clocked_p2p = Counters()
+
+    def clocked(tensors: list, rank: int, tag: int):  # ``ClockedP2P.direct``'s wrapper
+        start = time.thread_time()
+        work = call(tensors, rank, tag)
+        clocked_p2p.posting_seconds += time.thread_time() - start
+        clocked_p2p.clocked_posts += 1
+        return _ClockedWait(work, clocked_p2p)
+
+    start = time.thread_time()
+    for _ in range(calls):
+        call([None], 1, 0)
+    plain_post = time.thread_time() - start
+    works = [clocked([None], 1, 0) for _ in range(calls)]
+    clocked_p2p.posting_seconds = 0.0
+    start = time.thread_time()
+    for _ in range(calls):
+        clocked([None], 1, 0)
+    clocked_post = time.thread_time() - start
+    plain = [w.work for w in works]
+    start = time.thread_time()
+    for w in plain:
+        w.wait()
+    plain_wait = time.thread_time() - start
+    clocked_p2p.send_wait_seconds = 0.0
+    start = time.thread_time()
+    for w in works:
+        w.wait()
+    clocked_wait = time.thread_time() - start - clocked_p2p.send_wait_seconds
+    per_post = max(0.0, clocked_post - clocked_p2p.posting_seconds - plain_post) / calls
+    return per_post, max(0.0, clocked_wait - plain_wait) / calls
+
+
 def executor_cpu_per_action(
     step: Callable[[Timeline], object], num_actions: int, p2p: ClockedP2P, *, repeats: int = 3
 ) -> ExecutorCpu:
@@ -201,9 +255,11 @@ def executor_cpu_per_action(
             "must be >= 1"
         )
     per_span = _span_cost()
-    parts: list[tuple[float, float, float, float]] = []
+    per_post, per_wait = _clocking_cost()
+    parts: list[tuple[float, float, float, float, float]] = []
     for _ in range(repeats):
         p2p.posting_seconds = p2p.send_wait_seconds = 0.0
+        p2p.clocked_posts = p2p.clocked_waits = 0
         timeline = Timeline(clock=time.thread_time)
         start = time.thread_time()
         step(timeline)
@@ -215,11 +271,14 @@ def executor_cpu_per_action(
                 p2p.posting_seconds / num_actions,
                 p2p.send_wait_seconds / num_actions,
                 per_span * len(timeline.spans) / num_actions,
+                (per_post * p2p.clocked_posts + per_wait * p2p.clocked_waits) / num_actions,
             )
         )
-    outside, posting, send_waits, spans = (statistics.median(p[i] for p in parts) for i in range(4))
-    own = max(0.0, outside - posting - send_waits - spans)
-    return ExecutorCpu(outside, posting, send_waits, spans, own)
+    outside, posting, send_waits, spans, clocking = (
+        statistics.median(p[i] for p in parts) for i in range(5)
+    )
+    own = max(0.0, outside - posting - send_waits - spans - clocking)
+    return ExecutorCpu(outside, posting, send_waits, spans, clocking, own)
 
 
 def gather_stage_costs(

@@ -21,10 +21,12 @@ Ranks sharing cores (``simulate(..., cores=c)``): on a machine with fewer cores 
 ranks (PP 4 on 2 CPU cores), a rank's work is stretched while more ranks than cores have work to
 do. The replay is then event-driven, processor sharing: at every moment the ``n`` ranks whose next
 action can run progress at ``min(1, c / n)`` of their speed (a rank waiting for an activation
-holds no core); every action, sends and posted receives included, costs ``per_action`` of CPU
-work on top of its compute. Spans are stretched accordingly, so ``bubble`` then counts only time
-a rank could not run, not time it ran slower. ``cores=None`` (or ``>= pp_size``): one core per
-rank, the replay above.
+holds no core), times ``oversubscribed`` while ``n > c`` (the switching between more runnable
+ranks than cores, each refilling its caches: measured, e.g., as the cores all ranks computing at
+once really get over the machine's cores); every action, sends and posted receives included,
+costs ``per_action`` of CPU work on top of its compute. Spans are stretched accordingly, so
+``bubble`` then counts only time a rank could not run, not time it ran slower. ``cores=None``
+(or ``>= pp_size``): one core per rank, the replay above.
 
 Activations in flight on a rank: chunk-micro-batches whose forward ran and whose B (or I) has not;
 one unit is one micro-batch's activations of one chunk. After I only what W needs stays (each
@@ -153,14 +155,24 @@ class Simulation:
 
 
 def simulate(
-    lists: list[list[Action]], layout: StageLayout, costs: Costs, *, cores: float | None = None
+    lists: list[list[Action]],
+    layout: StageLayout,
+    costs: Costs,
+    *,
+    cores: float | None = None,
+    oversubscribed: float = 1.0,
 ) -> Simulation:
     """Replay ``lists`` (one per rank, with their sends and receives) at ``costs``; ``cores``: how
-    many cores the ``pp_size`` ranks share (None: one each)."""
+    many cores the ``pp_size`` ranks share (None: one each); ``oversubscribed``: the share of its
+    speed a runnable rank keeps, beyond its ``cores / runnable`` share, while more ranks than
+    cores are runnable (what switching between them and refilling their caches costs; 1.0: none).
+    """
     if cores is not None and cores < 1:
         raise ValueError(f"simulate: cores must be >= 1 (or None: one per rank), got {cores}")
+    if not 0 < oversubscribed <= 1:
+        raise ValueError(f"simulate: oversubscribed must lie in (0, 1], got {oversubscribed}")
     if cores is not None and cores < layout.pp_size:
-        return _simulate_shared(lists, layout, costs, cores)
+        return _simulate_shared(lists, layout, costs, cores, oversubscribed)
     p, S = layout.pp_size, layout.num_stages
     pos = [0] * p
     free = [0.0] * p
@@ -227,9 +239,14 @@ def simulate(
 
 
 def _simulate_shared(
-    lists: list[list[Action]], layout: StageLayout, costs: Costs, cores: float
+    lists: list[list[Action]],
+    layout: StageLayout,
+    costs: Costs,
+    cores: float,
+    crowded: float = 1.0,
 ) -> Simulation:
-    """Event-driven replay where the runnable ranks share ``cores`` (processor sharing)."""
+    """Event-driven replay where the runnable ranks share ``cores`` (processor sharing), each at
+    ``crowded`` of its share while they outnumber the cores."""
     p, S = layout.pp_size, layout.num_stages
     pos = [0] * p
     work: list[float | None] = [None] * p  # CPU work left of the action running on each rank
@@ -321,7 +338,8 @@ def _simulate_shared(
                 str(lists[r][pos[r]]) + f"@rank{r}" for r in range(p) if pos[r] < len(lists[r])
             ]
             raise ScheduleDeadlock(f"the action lists cannot proceed: stuck at {', '.join(stuck)}")
-        rate = min(1.0, cores / len(running)) if running else 1.0
+        n = len(running)
+        rate = 1.0 if n <= cores else cores / n * crowded
         dt = min([work[r] / rate for r in running] + [x - t for x in future])
         t += dt
         for r in running:
