@@ -39,10 +39,16 @@ import threading
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from megalite.checkpoint.files import CheckpointError
-from megalite.checkpoint.saving import PendingSave, finish_save, non_finite, write_pending
+from megalite.checkpoint.saving import (
+    PendingSave,
+    finish_save,
+    non_finite_beside_training,
+    write_pending,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -112,9 +118,21 @@ class HostSnapshot:
 
     def copy(self, *, non_blocking: bool) -> None:
         """Copy every live storage into its host one (``non_blocking``: device -> pinned copies
-        are asynchronous on the current stream: synchronise it before reading the copy)."""
+        are asynchronous on the current stream: synchronise it before reading the copy). Each
+        copy releases the GIL, which the training step's Python needs while a writer thread
+        copies beside it (``UntypedStorage.copy_`` holds it for the whole copy); a CPU copy is
+        numpy's, on the calling thread alone (torch's would start its own team of intra-op
+        threads beside the step's)."""
         for source, target in self.pairs:
-            target.copy_(source, non_blocking=non_blocking)
+            if source.device.type == "cpu":
+                np.copyto(_bytes(target).numpy(), _bytes(source).numpy())
+            else:
+                _bytes(target).copy_(_bytes(source), non_blocking=non_blocking)
+
+
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """The bytes of ``storage`` as a tensor ([nbytes] uint8, on its device)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 def plan_host_copy(obj: object, *, buffer: HostBuffer) -> HostSnapshot:
@@ -292,12 +310,12 @@ class AsyncCheckpointWriter:
         side stream, then a wait for it (the pinned copy is complete on return)."""
         if ready is None:
             snapshot.copy(non_blocking=False)
-            return non_finite(unchecked)
+            return non_finite_beside_training(unchecked)
         stream = self._stream
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
             snapshot.copy(non_blocking=True)
-            names = non_finite(unchecked)
+            names = non_finite_beside_training(unchecked)
         stream.synchronize()
         return names
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import sys
 import threading
 import time
 import zipfile
@@ -33,7 +34,9 @@ from megalite.checkpoint.async_save import (
     HostBuffer,
     HostSnapshot,
     host_copy,
+    plan_host_copy,
 )
+from megalite.checkpoint.saving import non_finite_beside_training
 from megalite.core.parallel_state import ParallelState
 from megalite.training.forward_step import make_forward_step
 from megalite.training.pretrain import pretrain
@@ -186,6 +189,37 @@ def test_every_snapshot_is_copied_into_the_host_memory_of_the_first():
         assert copied <= buffer.nbytes < copied + 64 * 3 and torch.equal(copy["w"], state(n)["w"])
         assert buffer.allocations == (1 if n == 100 else 2)
     assert places[1] == places[0] != places[2]
+
+
+@pytest.mark.parametrize("part", ["copy", "check"])
+def test_the_writers_copy_and_check_let_the_loops_python_run(part):
+    """The copy and the NaN/inf check run beside the next step's forward and backward, whose
+    Python needs the GIL: each of their calls must release it (``UntypedStorage.copy_`` holds it
+    for the whole copy: the step then stood still). With a switch interval of an hour a thread
+    gives the GIL up only where a call releases it, so the main thread, waiting for the GIL
+    since it started the thread, runs again before the thread is done only if one did."""
+    state = {f"w{i}": torch.ones(1 << 21) for i in range(16)}  # 16 x 8 MB
+    snapshot = plan_host_copy(state, buffer=HostBuffer(pin=False))
+    named = list(state.items())
+    done = threading.Event()
+
+    def work():
+        if part == "copy":
+            snapshot.copy(non_blocking=False)
+        else:
+            non_finite_beside_training(named)
+        done.set()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(3600.0)
+    try:
+        thread = threading.Thread(target=work)
+        thread.start()  # returns once the thread holding the GIL lets it go
+        ran_while_it_worked = not done.is_set()
+        thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert ran_while_it_worked
 
 
 def test_async_save_writes_the_sync_files_while_training_goes_on(tmp_path, monkeypatch):
