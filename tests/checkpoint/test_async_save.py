@@ -15,6 +15,7 @@ none). A resume from the async checkpoint repeats the uninterrupted run's losses
 
 from __future__ import annotations
 
+import inspect
 import os
 import random
 import shutil
@@ -35,6 +36,7 @@ from megalite.checkpoint.async_save import (
     HostSnapshot,
     host_copy,
     plan_host_copy,
+    tensors_in,
 )
 from megalite.checkpoint.saving import non_finite_beside_training
 from megalite.core.parallel_state import ParallelState
@@ -191,35 +193,62 @@ def test_every_snapshot_is_copied_into_the_host_memory_of_the_first():
     assert places[1] == places[0] != places[2]
 
 
-@pytest.mark.parametrize("part", ["copy", "check"])
-def test_the_writers_copy_and_check_let_the_loops_python_run(part):
-    """The copy and the NaN/inf check run beside the next step's forward and backward, whose
-    Python needs the GIL: each of their calls must release it (``UntypedStorage.copy_`` holds it
-    for the whole copy: the step then stood still). With a switch interval of an hour a thread
-    gives the GIL up only where a call releases it, so the main thread, waiting for the GIL
-    since it started the thread, runs again before the thread is done only if one did."""
-    state = {f"w{i}": torch.ones(1 << 21) for i in range(16)}  # 16 x 8 MB
-    snapshot = plan_host_copy(state, buffer=HostBuffer(pin=False))
-    named = list(state.items())
-    done = threading.Event()
-
-    def work():
-        if part == "copy":
-            snapshot.copy(non_blocking=False)
-        else:
-            non_finite_beside_training(named)
-        done.set()
-
+def beside_a_thread(work, look) -> list:
+    """Run ``work`` in a thread while this one calls ``look()`` each time it holds the GIL, until
+    the thread is done; returns what ``look`` saw. The switch interval is an hour: a thread
+    gives the GIL up only where a call releases it (or waits), so ``look`` sees the thread only
+    inside calls that release the GIL."""
+    done, seen = threading.Event(), []
     interval = sys.getswitchinterval()
     sys.setswitchinterval(3600.0)
     try:
-        thread = threading.Thread(target=work)
-        thread.start()  # returns once the thread holding the GIL lets it go
-        ran_while_it_worked = not done.is_set()
+        thread = threading.Thread(target=lambda: (work(), done.set()))
+        thread.start()
+        while not done.is_set():
+            seen.append(look(thread))
+            done.wait(0.0005)  # lets the GIL go
         thread.join()
     finally:
         sys.setswitchinterval(interval)
-    assert ran_while_it_worked
+    return seen
+
+
+def test_the_writers_copy_lets_the_loops_python_run_while_it_copies():
+    """The copy runs beside the next step's forward and backward, whose Python needs the GIL:
+    each storage's copy must release it (``UntypedStorage.copy_`` holds it for the whole copy,
+    and the step stood still). The main thread, looking at the host copy whenever it holds the
+    GIL, sees a storage copied in part only if a copy let the GIL go while it was copying."""
+    state = {f"w{i}": torch.ones(1 << 23) for i in range(4)}  # 4 x 32 MB
+    snapshot = plan_host_copy(state, buffer=HostBuffer(pin=False))
+    for t in tensors_in(snapshot.obj):
+        t.zero_()
+    places = torch.linspace(0, (1 << 23) - 1, 1024).long()
+
+    def copied_in_part(_thread) -> bool:
+        ones = [int(t[places].sum()) for t in tensors_in(snapshot.obj)]
+        return any(0 < n < len(places) for n in ones)
+
+    assert any(beside_a_thread(lambda: snapshot.copy(non_blocking=False), copied_in_part))
+    assert all(torch.equal(t, torch.ones(1 << 23)) for t in tensors_in(snapshot.obj))
+
+
+def test_the_writers_check_lets_the_loops_python_run_while_it_reads():
+    """The NaN/inf check runs beside the step too: the main thread, whenever it holds the GIL,
+    sees where the thread is; it must see it inside a reduction (a check holding the GIL while
+    it reads would be seen only between its calls)."""
+    named = [(f"w{i}", torch.ones(1 << 23)) for i in range(4)]
+    lines, first = inspect.getsourcelines(non_finite_beside_training)
+    reading = {first + i for i, line in enumerate(lines) if "values.min()" in line}
+    assert len(reading) == 1
+
+    def line_of_the_check(thread) -> int | None:
+        frame = sys._current_frames()[thread.ident]  # the innermost: numpy's or torch's
+        while frame is not None and frame.f_code is not non_finite_beside_training.__code__:
+            frame = frame.f_back
+        return None if frame is None else frame.f_lineno
+
+    seen = beside_a_thread(lambda: non_finite_beside_training(named), line_of_the_check)
+    assert reading & set(seen), (reading, seen)
 
 
 def test_async_save_writes_the_sync_files_while_training_goes_on(tmp_path, monkeypatch):
