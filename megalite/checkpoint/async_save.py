@@ -47,6 +47,7 @@ from megalite.checkpoint.saving import (
     PendingSave,
     finish_save,
     non_finite_beside_training,
+    numpy_view,
     write_pending,
 )
 
@@ -125,7 +126,7 @@ class HostSnapshot:
         threads beside the step's)."""
         for source, target in self.pairs:
             if source.device.type == "cpu":
-                np.copyto(_bytes(target).numpy(), _bytes(source).numpy())
+                np.copyto(numpy_view(_bytes(target)), numpy_view(_bytes(source)))
             else:
                 _bytes(target).copy_(_bytes(source), non_blocking=non_blocking)
 

@@ -23,6 +23,7 @@ A save is three steps: ``prepare_save`` (every collective but the commit; no fil
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
@@ -132,7 +133,20 @@ def non_finite(named: list[tuple[str, torch.Tensor]]) -> list[str]:
     return [n for (n, _), ok in zip(named, finite) if not ok]
 
 
-_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
+_NUMPY_DTYPES = {
+    torch.uint8: np.uint8,
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+}
+
+
+def numpy_view(t: torch.Tensor) -> np.ndarray:
+    """The memory of the contiguous CPU tensor ``t`` (a dtype numpy has) as a 1-d numpy array,
+    valid while ``t``'s storage keeps it. Not ``Tensor.numpy()``, which makes the storage not
+    resizable for good: ZeRO-3 releases its whole parameters by resizing theirs to 0."""
+    raw = (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    return np.frombuffer(raw, dtype=_NUMPY_DTYPES[t.dtype])
 
 
 def non_finite_beside_training(named: list[tuple[str, torch.Tensor]]) -> list[str]:
@@ -142,8 +156,8 @@ def non_finite_beside_training(named: list[tuple[str, torch.Tensor]]) -> list[st
     them. Other tensors (a device, a dtype numpy lacks: bf16) take ``non_finite``'s ops."""
     bad, rest = set(), []  # indices into ``named``: its names may repeat (model chunks)
     for i, (_, p) in enumerate(named):
-        if p.device.type == "cpu" and p.dtype in _NUMPY_FLOATS:
-            values = p.detach().numpy()  # the minimum and maximum of values with a NaN are NaN
+        if p.device.type == "cpu" and p.dtype in _NUMPY_DTYPES and p.is_contiguous():
+            values = numpy_view(p)  # the minimum and maximum of values with a NaN are NaN
             if not (np.isfinite(values.min()) and np.isfinite(values.max())):
                 bad.add(i)
         else:
