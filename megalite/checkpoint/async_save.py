@@ -14,7 +14,10 @@ copies its tensors into host memory (pinned on CUDA, through a side CUDA stream 
 the step's update; plain CPU memory on CPU), checks the live parameters for NaN/inf (the check
 of a synchronous save), then writes the files ``saving.write_pending`` writes: temporary names,
 fsync, rename. The copy runs beside the next step's forward and backward, which change neither
-parameters nor optimizer state; the optimizer step calls ``wait_for_copy`` first. ZeRO-3
+parameters nor optimizer state; the optimizer step calls ``wait_for_copy`` first. Every call of
+the copy and the check releases the GIL, which the step's Python needs between its ops; on CPU
+they are numpy's, which run on the writer thread alone (torch's would start a second team of
+intra-op threads beside the step's). ZeRO-3
 releases the whole parameters when the save returns: there ``start`` waits for the copy itself
 (``wait_for_copy=True``). The thread issues no collective. ``finish`` waits for the thread and
 runs ``saving.finish_save`` (collective over the world): only when every rank's files are
