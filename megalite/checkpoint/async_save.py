@@ -17,7 +17,7 @@ fsync, rename. The copy runs beside the next step's forward and backward, which 
 parameters nor optimizer state; the optimizer step calls ``wait_for_copy`` first. Every call of
 the copy and the check releases the GIL, which the step's Python needs between its ops; on CPU
 they are numpy's, which run on the writer thread alone (torch's would start a second team of
-intra-op threads beside the step's). ZeRO-3
+intra-op threads beside the step's), and the thread runs at the lowest CPU priority. ZeRO-3
 releases the whole parameters when the save returns: there ``start`` waits for the copy itself
 (``wait_for_copy=True``). The thread issues no collective. ``finish`` waits for the thread and
 runs ``saving.finish_save`` (collective over the world): only when every rank's files are
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -201,6 +202,21 @@ def host_copy(obj: object, *, buffer: HostBuffer) -> tuple[object, int]:
     return snapshot.obj, snapshot.nbytes
 
 
+WRITER_NICE = 19  # the lowest CPU priority: the writer takes the cycles the step leaves
+
+
+def lowest_priority() -> None:
+    """Give the calling thread the lowest CPU priority (Linux: the nice value is per thread).
+    The step's intra-op threads fill the cores and wait for each other at the end of every
+    parallel op: a writer thread taking one of their cores at the same priority makes the whole
+    team wait, a writer at nice 19 runs where they leave a core idle. Where a thread's priority
+    cannot be set, the writer keeps the step's."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+    except OSError:
+        pass
+
+
 class AsyncCheckpointWriter:
     """One rank's background checkpoint writer; see the module docstring for the contract."""
 
@@ -295,6 +311,7 @@ class AsyncCheckpointWriter:
         return waited
 
     def _run(self, pending: PendingSave, snapshot: HostSnapshot, ready) -> None:
+        lowest_priority()
         try:
             try:
                 self._non_finite = self._copy_and_check(snapshot, pending.unchecked, ready)
