@@ -205,14 +205,14 @@ def host_copy(obj: object, *, buffer: HostBuffer) -> tuple[object, int]:
 WRITER_NICE = 19  # the lowest CPU priority: the writer takes the cycles the step leaves
 
 
-def lowest_priority() -> None:
-    """Give the calling thread the lowest CPU priority (Linux: the nice value is per thread).
+def set_thread_nice(nice: int) -> None:
+    """Give the calling thread the CPU priority ``nice`` (Linux: the nice value is per thread).
     The step's intra-op threads fill the cores and wait for each other at the end of every
     parallel op: a writer thread taking one of their cores at the same priority makes the whole
-    team wait, a writer at nice 19 runs where they leave a core idle. Where a thread's priority
-    cannot be set, the writer keeps the step's."""
+    team wait, a writer at nice 19 runs where they leave a core idle (and, on a machine other
+    processes load, after them). Where a thread's priority cannot be set, it stays the step's."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
     except OSError:
         pass
 
@@ -220,7 +220,8 @@ def lowest_priority() -> None:
 class AsyncCheckpointWriter:
     """One rank's background checkpoint writer; see the module docstring for the contract."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, nice: int = WRITER_NICE) -> None:
+        self.nice = nice  # the writer thread's CPU priority (``set_thread_nice``)
         self._pending: PendingSave | None = None
         self._thread: threading.Thread | None = None
         self._result: tuple[int, CheckpointError | None] = (0, None)
@@ -311,7 +312,7 @@ class AsyncCheckpointWriter:
         return waited
 
     def _run(self, pending: PendingSave, snapshot: HostSnapshot, ready) -> None:
-        lowest_priority()
+        set_thread_nice(self.nice)
         try:
             try:
                 self._non_finite = self._copy_and_check(snapshot, pending.unchecked, ready)
