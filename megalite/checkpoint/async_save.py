@@ -17,7 +17,7 @@ fsync, rename. The copy runs beside the next step's forward and backward, which 
 parameters nor optimizer state; the optimizer step calls ``wait_for_copy`` first. Every call of
 the copy and the check releases the GIL, which the step's Python needs between its ops; on CPU
 they are numpy's, which run on the writer thread alone (torch's would start a second team of
-intra-op threads beside the step's), and the thread runs at the lowest CPU priority. ZeRO-3
+intra-op threads beside the step's), and the thread runs at nice 19 (``nice``). ZeRO-3
 releases the whole parameters when the save returns: there ``start`` waits for the copy itself
 (``wait_for_copy=True``). The thread issues no collective. ``finish`` waits for the thread and
 runs ``saving.finish_save`` (collective over the world): only when every rank's files are
