@@ -14,7 +14,10 @@ copies its tensors into host memory (pinned on CUDA, through a side CUDA stream 
 the step's update; plain CPU memory on CPU), checks the live parameters for NaN/inf (the check
 of a synchronous save), then writes the files ``saving.write_pending`` writes: temporary names,
 fsync, rename. The copy runs beside the next step's forward and backward, which change neither
-parameters nor optimizer state; the optimizer step calls ``wait_for_copy`` first. ZeRO-3
+parameters nor optimizer state; the optimizer step calls ``wait_for_copy`` first. Every call of
+the copy and the check releases the GIL, which the step's Python needs between its ops; on CPU
+they are numpy's, which run on the writer thread alone (torch's would start a second team of
+intra-op threads beside the step's), and the thread runs at nice 19 (``nice``). ZeRO-3
 releases the whole parameters when the save returns: there ``start`` waits for the copy itself
 (``wait_for_copy=True``). The thread issues no collective. ``finish`` waits for the thread and
 runs ``saving.finish_save`` (collective over the world): only when every rank's files are
@@ -35,14 +38,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from megalite.checkpoint.files import CheckpointError
-from megalite.checkpoint.saving import PendingSave, finish_save, non_finite, write_pending
+from megalite.checkpoint.saving import (
+    PendingSave,
+    finish_save,
+    non_finite_beside_training,
+    numpy_view,
+    write_pending,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -112,9 +123,21 @@ class HostSnapshot:
 
     def copy(self, *, non_blocking: bool) -> None:
         """Copy every live storage into its host one (``non_blocking``: device -> pinned copies
-        are asynchronous on the current stream: synchronise it before reading the copy)."""
+        are asynchronous on the current stream: synchronise it before reading the copy). Each
+        copy releases the GIL, which the training step's Python needs while a writer thread
+        copies beside it (``UntypedStorage.copy_`` holds it for the whole copy); a CPU copy is
+        numpy's, on the calling thread alone (torch's would start its own team of intra-op
+        threads beside the step's)."""
         for source, target in self.pairs:
-            target.copy_(source, non_blocking=non_blocking)
+            if source.device.type == "cpu":
+                np.copyto(numpy_view(_bytes(target)), numpy_view(_bytes(source)))
+            else:
+                _bytes(target).copy_(_bytes(source), non_blocking=non_blocking)
+
+
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """The bytes of ``storage`` as a tensor ([nbytes] uint8, on its device)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 def plan_host_copy(obj: object, *, buffer: HostBuffer) -> HostSnapshot:
@@ -179,10 +202,26 @@ def host_copy(obj: object, *, buffer: HostBuffer) -> tuple[object, int]:
     return snapshot.obj, snapshot.nbytes
 
 
+WRITER_NICE = 19  # the lowest CPU priority: the writer takes the cycles the step leaves
+
+
+def set_thread_nice(nice: int) -> None:
+    """Give the calling thread the CPU priority ``nice`` (Linux: the nice value is per thread).
+    The step's intra-op threads fill the cores and wait for each other at the end of every
+    parallel op: a writer thread taking one of their cores at the same priority makes the whole
+    team wait, a writer at nice 19 runs where they leave a core idle (and, on a machine other
+    processes load, after them). Where a thread's priority cannot be set, it stays the step's."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except OSError:
+        pass
+
+
 class AsyncCheckpointWriter:
     """One rank's background checkpoint writer; see the module docstring for the contract."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, nice: int = WRITER_NICE) -> None:
+        self.nice = nice  # the writer thread's CPU priority (``set_thread_nice``)
         self._pending: PendingSave | None = None
         self._thread: threading.Thread | None = None
         self._result: tuple[int, CheckpointError | None] = (0, None)
@@ -273,6 +312,7 @@ class AsyncCheckpointWriter:
         return waited
 
     def _run(self, pending: PendingSave, snapshot: HostSnapshot, ready) -> None:
+        set_thread_nice(self.nice)
         try:
             try:
                 self._non_finite = self._copy_and_check(snapshot, pending.unchecked, ready)
@@ -292,12 +332,12 @@ class AsyncCheckpointWriter:
         side stream, then a wait for it (the pinned copy is complete on return)."""
         if ready is None:
             snapshot.copy(non_blocking=False)
-            return non_finite(unchecked)
+            return non_finite_beside_training(unchecked)
         stream = self._stream
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
             snapshot.copy(non_blocking=True)
-            names = non_finite(unchecked)
+            names = non_finite_beside_training(unchecked)
         stream.synchronize()
         return names
 

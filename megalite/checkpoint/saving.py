@@ -23,12 +23,14 @@ A save is three steps: ``prepare_save`` (every collective but the commit; no fil
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
 import shutil
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -123,9 +125,46 @@ def non_finite(named: list[tuple[str, torch.Tensor]]) -> list[str]:
     if not named:
         return []
     with torch.no_grad():
-        ends = torch.stack([torch.stack(torch.aminmax(p)).float() for _, p in named])  # [n, 2]
-        finite = torch.isfinite(ends).all(dim=1).tolist()
+        # in each tensor's own dtype: fp64's largest finite value is inf as fp32
+        finite = torch.stack(
+            [torch.isfinite(torch.stack(torch.aminmax(p))).all() for _, p in named]
+        )
+        finite = finite.tolist()  # [n]
     return [n for (n, _), ok in zip(named, finite) if not ok]
+
+
+_NUMPY_DTYPES = {
+    torch.uint8: np.uint8,
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+}
+
+
+def numpy_view(t: torch.Tensor) -> np.ndarray:
+    """The memory of the contiguous CPU tensor ``t`` (a dtype numpy has) as a 1-d numpy array,
+    valid while ``t``'s storage keeps it. Not ``Tensor.numpy()``, which makes the storage not
+    resizable for good: ZeRO-3 releases its whole parameters by resizing theirs to 0."""
+    raw = (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    return np.frombuffer(raw, dtype=_NUMPY_DTYPES[t.dtype])
+
+
+def non_finite_beside_training(named: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """``non_finite``, for a thread that runs beside the training step (the async writer): on
+    CPU each tensor's minimum and maximum come from numpy, whose reductions run on the calling
+    thread alone and release the GIL, so the step keeps its cores and its Python runs between
+    them. Other tensors (a device, a dtype numpy lacks: bf16) take ``non_finite``'s ops."""
+    bad, rest = set(), []  # indices into ``named``: its names may repeat (model chunks)
+    for i, (_, p) in enumerate(named):
+        if p.device.type == "cpu" and p.dtype in _NUMPY_DTYPES and p.is_contiguous():
+            values = numpy_view(p)  # the minimum and maximum of values with a NaN are NaN
+            if not (np.isfinite(values.min()) and np.isfinite(values.max())):
+                bad.add(i)
+        else:
+            rest.append((i, p))
+    found = non_finite([(str(i), p) for i, p in rest])
+    bad.update(int(i) for i in found)
+    return [name for i, (name, _) in enumerate(named) if i in bad]
 
 
 def _latest(save_dir: str) -> str:

@@ -15,9 +15,11 @@ none). A resume from the async checkpoint repeats the uninterrupted run's losses
 
 from __future__ import annotations
 
+import inspect
 import os
 import random
 import shutil
+import sys
 import threading
 import time
 import zipfile
@@ -29,11 +31,15 @@ import torch.distributed as dist
 
 from megalite.checkpoint import async_save, read_tracker
 from megalite.checkpoint.async_save import (
+    WRITER_NICE,
     AsyncCheckpointWriter,
     HostBuffer,
     HostSnapshot,
     host_copy,
+    plan_host_copy,
+    tensors_in,
 )
+from megalite.checkpoint.saving import non_finite_beside_training
 from megalite.core.parallel_state import ParallelState
 from megalite.training.forward_step import make_forward_step
 from megalite.training.pretrain import pretrain
@@ -75,20 +81,22 @@ def writer_waiting_for_the_loop(
 ):
     """A ``write_pending`` that writes iteration 2's save only once ``trainer`` has finished
     iteration 3 (or ``timeout`` passed: a save that blocks the loop); ``seen`` gets (iteration
-    saved, iteration the loop had reached) of each write, ``places`` the addresses of the host
-    storages each snapshot lies in."""
+    saved, iteration the loop had reached, the writing thread's nice value) of each write,
+    ``places`` the addresses of the host storages each snapshot lies in."""
     write = async_save.write_pending
 
     def write_later(pending):
         if places is not None:
             storages = (t.untyped_storage() for t in async_save.tensors_in(pending.writes))
             places.append(sorted({s.data_ptr() for s in storages if s.nbytes()}))
-        deadline = time.monotonic() + timeout
-        while pending.iteration == 2 and trainer.result.iteration < 3:
+        deadline, reached = time.monotonic() + timeout, trainer.result.iteration
+        while pending.iteration == 2 and reached < 3:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.01)
-        seen.append((pending.iteration, trainer.result.iteration))
+            reached = trainer.result.iteration
+        nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        seen.append((pending.iteration, reached, nice))
         return write(pending)
 
     return write_later
@@ -188,6 +196,64 @@ def test_every_snapshot_is_copied_into_the_host_memory_of_the_first():
     assert places[1] == places[0] != places[2]
 
 
+def beside_a_thread(work, look) -> list:
+    """Run ``work`` in a thread while this one calls ``look()`` each time it holds the GIL, until
+    the thread is done; returns what ``look`` saw. The switch interval is an hour: a thread
+    gives the GIL up only where a call releases it (or waits), so ``look`` sees the thread only
+    inside calls that release the GIL."""
+    done, seen = threading.Event(), []
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(3600.0)
+    try:
+        thread = threading.Thread(target=lambda: (work(), done.set()))
+        thread.start()
+        while not done.is_set():
+            seen.append(look(thread))
+            done.wait(0.0005)  # lets the GIL go
+        thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    return seen
+
+
+def test_the_writers_copy_lets_the_loops_python_run_while_it_copies():
+    """The copy runs beside the next step's forward and backward, whose Python needs the GIL:
+    each storage's copy must release it (``UntypedStorage.copy_`` holds it for the whole copy,
+    and the step stood still). The main thread, looking at the host copy whenever it holds the
+    GIL, sees a storage copied in part only if a copy let the GIL go while it was copying."""
+    state = {f"w{i}": torch.ones(1 << 23) for i in range(4)}  # 4 x 32 MB
+    snapshot = plan_host_copy(state, buffer=HostBuffer(pin=False))
+    for t in tensors_in(snapshot.obj):
+        t.zero_()
+    places = torch.linspace(0, (1 << 23) - 1, 1024).long()
+
+    def copied_in_part(_thread) -> bool:
+        ones = [int(t[places].sum()) for t in tensors_in(snapshot.obj)]
+        return any(0 < n < len(places) for n in ones)
+
+    assert any(beside_a_thread(lambda: snapshot.copy(non_blocking=False), copied_in_part))
+    assert all(torch.equal(t, torch.ones(1 << 23)) for t in tensors_in(snapshot.obj))
+
+
+def test_the_writers_check_lets_the_loops_python_run_while_it_reads():
+    """The NaN/inf check runs beside the step too: the main thread, whenever it holds the GIL,
+    sees where the thread is; it must see it inside a reduction (a check holding the GIL while
+    it reads would be seen only between its calls)."""
+    named = [(f"w{i}", torch.ones(1 << 23)) for i in range(4)]
+    lines, first = inspect.getsourcelines(non_finite_beside_training)
+    reading = {first + i for i, line in enumerate(lines) if "values.min()" in line}
+    assert len(reading) == 1
+
+    def line_of_the_check(thread) -> int | None:
+        frame = sys._current_frames()[thread.ident]  # the innermost: numpy's or torch's
+        while frame is not None and frame.f_code is not non_finite_beside_training.__code__:
+            frame = frame.f_back
+        return None if frame is None else frame.f_lineno
+
+    seen = beside_a_thread(lambda: non_finite_beside_training(named), line_of_the_check)
+    assert reading & set(seen), (reading, seen)
+
+
 def test_async_save_writes_the_sync_files_while_training_goes_on(tmp_path, monkeypatch):
     save = tmp_path / "ckpt"
     cfg = config("--save", str(save), *FLAGS)
@@ -201,7 +267,10 @@ def test_async_save_writes_the_sync_files_while_training_goes_on(tmp_path, monke
         released=released,
         monkeypatch=monkeypatch,
     )
-    assert seen == [(2, 3), (4, 4)]  # iteration 2 was written after the loop's iteration 3
+    # iteration 2 was written after the loop's iteration 3 (or 4, the writer being slow to
+    # wake), iteration 4's at the end; the writer yields the step its cores
+    assert [(i, nice) for i, _, nice in seen] == [(2, WRITER_NICE), (4, WRITER_NICE)]
+    assert seen[0][1] in (3, 4) and seen[1][1] == 4
     # the save of iteration 4 was copied into the host memory of iteration 2's: no allocation
     assert len(places[0]) > 10 and places[1] == places[0]
     assert read_tracker(str(save)) == 4

@@ -19,7 +19,11 @@ import pytest
 import torch
 
 from megalite.checkpoint import files
-from megalite.checkpoint.saving import non_finite_parameters
+from megalite.checkpoint.saving import (
+    checked_parameters,
+    non_finite_beside_training,
+    non_finite_parameters,
+)
 from megalite.inference import load_model
 from pretrain_gpt import main
 from tests.user_errors import TINY, files_under, one_error_line, read_only, run_in_process
@@ -171,19 +175,23 @@ def test_save_checkpoint_refuses_non_finite_parameters(tmp_path):
 
 
 def test_every_non_finite_value_is_found_in_any_float_dtype():
-    """NaN, +inf and -inf anywhere in a parameter, in fp32, fp16 and bf16; the largest finite
-    fp16 is finite; an empty parameter and an integer buffer are skipped."""
+    """NaN, +inf and -inf anywhere in a parameter, in fp32, fp16, bf16 and fp64; the largest
+    finite value is finite; an empty parameter and an integer buffer are skipped. The async
+    writer's check (numpy's reductions where numpy has the dtype) finds the same."""
     module = torch.nn.Module()
-    for i, dtype in enumerate((torch.float32, torch.float16, torch.bfloat16)):
+    dtypes = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+    for i, dtype in enumerate(dtypes):
         for bad in ("nan", "inf", "-inf", "ok"):
-            data = torch.full((3, 4), 2.0, dtype=dtype)
+            data = torch.full((4, 5), 2.0, dtype=dtype)
             data[i, i + 1] = float(bad) if bad != "ok" else torch.finfo(dtype).max
             name = f"{dtype}_{bad}".replace("torch.", "").replace("-", "minus_")
             module.register_parameter(name, torch.nn.Parameter(data))
     module.register_parameter("empty", torch.nn.Parameter(torch.empty(0)))
     module.register_buffer("count", torch.tensor([7]))
     expected = [n for n, _ in module.named_parameters() if not n.endswith("ok") and n != "empty"]
-    assert non_finite_parameters(module) == expected and len(expected) == 9
+    assert non_finite_parameters(module) == expected and len(expected) == 12
+    named = checked_parameters([module, module])  # two chunks: the same names twice
+    assert non_finite_beside_training(named) == expected * 2
 
 
 def _two_rank_full_disk_case(save: str) -> str:

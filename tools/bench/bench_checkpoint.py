@@ -3,7 +3,7 @@
     python tools/bench/bench_checkpoint.py [--rounds 3] [--bf16] [--dir /tmp/megalite-bench-ckpt]
                                            [--drop-caches]
     python tools/bench/bench_checkpoint.py --tiny --dir DIR   # seconds: 2 layers of h 64, 1 round
-    python tools/bench/bench_checkpoint.py --part stall [--rounds 3] [--steps 3]
+    python tools/bench/bench_checkpoint.py --part stall [--rounds 3] [--steps 3] [--writer-nice 19]
 
 The model is GPT-2 small (12 layers, h 768, 12 heads, vocabulary 50257, 1024 positions: 124.4M
 parameters) built by megalite's Trainer in one process, after one training step so that AdamW's
@@ -51,7 +51,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from megalite.checkpoint.async_save import AsyncCheckpointWriter  # noqa: E402
+from megalite.checkpoint.async_save import WRITER_NICE, AsyncCheckpointWriter  # noqa: E402
 from megalite.conversion import export_to_hf, import_from_hf  # noqa: E402
 from megalite.core.parallel_state import ParallelState  # noqa: E402
 from megalite.inference import load_model  # noqa: E402
@@ -126,7 +126,7 @@ def _apply(trainer, state: dict) -> None:
             m.copy_(saved)
 
 
-def stall(trainer, data, *, rounds: int, steps: int) -> dict[str, float]:
+def stall(trainer, data, *, rounds: int, steps: int, writer_nice: int) -> dict[str, float]:
     """Medians over ``rounds`` of what a save costs the loop, sync and async (module docstring);
     every part of the async figure is printed per round."""
     forward_step = make_forward_step(torch.device("cpu"))
@@ -144,7 +144,8 @@ def stall(trainer, data, *, rounds: int, steps: int) -> dict[str, float]:
     def add(name: str, value: float) -> None:
         times.setdefault(name, []).append(value)
 
-    writer = AsyncCheckpointWriter()  # one for the run: its host buffer is kept across saves
+    # one for the run: its host buffer is kept across saves
+    writer = AsyncCheckpointWriter(nice=writer_nice)
     for _ in range(rounds):
         trainer.async_writer = None
         cpu_started = time.process_time()
@@ -224,6 +225,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="a smoke run: 2 layers of h 64, 1 round")
     p.add_argument("--part", choices=("all", "io", "stall"), default="all")
     p.add_argument("--steps", type=int, default=3, help="stall: steps alone per round, at least")
+    p.add_argument(
+        "--writer-nice",
+        type=int,
+        default=WRITER_NICE,
+        help="stall: the async writer thread's nice value (0: the step's priority)",
+    )
     args = p.parse_args(argv)
     if args.tiny:
         args.rounds = 1
@@ -248,7 +255,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.part in ("all", "stall"):
         print(f"load average at the start: {open('/proc/loadavg').read().split()[0]}")
-        med = stall(trainer, data, rounds=args.rounds, steps=args.steps)
+        print(f"async writer thread at nice {args.writer_nice}")
+        med = stall(
+            trainer, data, rounds=args.rounds, steps=args.steps, writer_nice=args.writer_nice
+        )
         print_stall(med)
         if args.part == "stall":
             shutil.rmtree(args.dir, ignore_errors=True)
