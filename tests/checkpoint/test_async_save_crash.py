@@ -81,7 +81,7 @@ class PausedJob:
         self.seen: list[str] = []
         threading.Thread(target=_reader, args=(self.proc.stdout, self.lines), daemon=True).start()
 
-    def wait_paused(self, timeout: float = 240) -> list[int]:
+    def wait_paused(self, timeout: float = 600) -> list[int]:
         pids, moved_on = [], False
         deadline = time.monotonic() + timeout
         while (len(pids) < 2 or not moved_on) and time.monotonic() < deadline:
@@ -104,7 +104,7 @@ class PausedJob:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
-    def finish(self, timeout: float = 240) -> int:
+    def finish(self, timeout: float = 600) -> int:
         try:
             self.proc.wait(timeout=timeout)
         finally:

@@ -139,7 +139,8 @@ SlurmdLogFile={root}/slurmd-%n.log
 ReturnToService=2
 SchedulerType=sched/builtin
 SchedulerParameters=sched_interval=1
-KillWait=10
+# seconds from SIGTERM to SIGKILL: the preempted step saves in them, on a loaded machine too
+KillWait=300
 MinJobAge=600
 MessageTimeout=20
 {nodes}
