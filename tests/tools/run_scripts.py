@@ -35,14 +35,12 @@ import traceback
 import torch
 import torch.distributed as dist
 
-# what the fork server imports once, for every worker: torch, torch._dynamo (an optimizer's first
-# step imports it: 1.5 s of CPU per process), megalite, and the torch.distributed packages the
+# what the fork server imports once, for every worker: what the test harness's workers start with
+# (torch, torch._dynamo, megalite: tests/worker_preload.py), and the torch.distributed packages the
 # benchmarks' workers import (0.1-1 s each)
 PRELOAD = [
-    "torch",
-    "torch._dynamo",
+    "tests.worker_preload",
     "torch.multiprocessing",
-    "megalite.training.pretrain",
     "torch.distributed.checkpoint",
     "torch.distributed.fsdp",
     "torch.distributed.optim",
