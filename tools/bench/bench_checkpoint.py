@@ -4,6 +4,7 @@
                                            [--drop-caches]
     python tools/bench/bench_checkpoint.py --tiny --dir DIR   # seconds: 2 layers of h 64, 1 round
     python tools/bench/bench_checkpoint.py --part stall [--rounds 3] [--steps 3] [--writer-nice 19]
+                                           [--step-threads N]
 
 The model is GPT-2 small (12 layers, h 768, 12 heads, vocabulary 50257, 1024 positions: 124.4M
 parameters) built by megalite's Trainer in one process, after one training step so that AdamW's
@@ -231,12 +232,24 @@ def main(argv: list[str] | None = None) -> int:
         default=WRITER_NICE,
         help="stall: the async writer thread's nice value (0: the step's priority)",
     )
+    p.add_argument(
+        "--step-threads",
+        type=int,
+        default=0,
+        help="torch's intra-op threads of the training steps (default 0: every core). With fewer "
+        "than the cores, the writer thread has a core the step leaves idle, as on a GPU host, "
+        "whose step runs on the device",
+    )
     args = p.parse_args(argv)
     if args.tiny:
         args.rounds = 1
     import torch.distributed.checkpoint as dcp
 
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    cores = len(os.sched_getaffinity(0))
+    threads = args.step_threads or cores
+    if not 1 <= threads <= cores:
+        p.error(f"--step-threads {args.step_threads}: need 1 to {cores} (this process's cores)")
+    torch.set_num_threads(threads)
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
     flags = [*GPT2_SMALL, *(TINY if args.tiny else []), *(["--bf16"] if args.bf16 else [])]
@@ -255,7 +268,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.part in ("all", "stall"):
         print(f"load average at the start: {open('/proc/loadavg').read().split()[0]}")
-        print(f"async writer thread at nice {args.writer_nice}")
+        print(
+            f"async writer thread at nice {args.writer_nice}; the steps on {threads} intra-op "
+            f"thread(s) of {cores} core(s)"
+        )
         med = stall(
             trainer, data, rounds=args.rounds, steps=args.steps, writer_nice=args.writer_nice
         )
