@@ -40,6 +40,7 @@ its ``dp_group``.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -54,6 +55,18 @@ from megalite.core.param_attributes import is_expert_param
 
 BucketKey = tuple[int, int]  # (buffer index, bucket index)
 BufferKey = tuple[torch.dtype, bool]  # (param dtype, expert parameter)
+
+
+def _weak_hook(method):
+    """A parameter hook calling the bound ``method`` while its object lives, doing nothing after."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(param: nn.Parameter) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(param)
+
+    return hook
 
 
 class DistributedDataParallel(nn.Module):
@@ -127,7 +140,11 @@ class DistributedDataParallel(nn.Module):
         self._deferred: set[BucketKey] = set()  # ready buckets the hook must not start
         self._reducing: dict[BucketKey, object] = {}  # reductions in flight (``.wait()``)
         self._reduce_records: dict[BucketKey, object] = {}  # their op records, when recording
-        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in params]
+        # each hook holds the wrapper weakly: a parameter's hooks live in C++, which Python's GC
+        # does not see, so a strong one (parameter -> hook -> wrapper -> module -> parameter)
+        # would keep the model, its grad buffers and their process groups alive for good
+        accumulate = _weak_hook(self._accumulate)
+        self._hooks = [p.register_post_accumulate_grad_hook(accumulate) for p in params]
 
     def _pad_multiple(self, group, pad_multiple: int) -> int:
         del group
