@@ -8,9 +8,14 @@ thread of its own."""
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 
 import pytest
+
+# torch._dynamo (the first optimizer step imports it) keeps the world group that exists when it is
+# first imported, for good: imported here, before any group, it keeps none
+import torch._dynamo  # noqa: F401
 
 from megalite.training.pretrain import pretrain
 from megalite.training.trainer import FirstStepHook
@@ -30,6 +35,18 @@ class _WatchRefs(FirstStepHook):
         self.refs.append(("optimizer", weakref.ref(trainer.optimizer)))
 
 
+def _gloo_loop_threads() -> int:
+    """This process's gloo connection loops: one thread per live gloo process group (Linux)."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names.count("gloo_tcp_loop")
+
+
 @pytest.mark.parametrize(
     "flags",
     [
@@ -41,6 +58,8 @@ class _WatchRefs(FirstStepHook):
     ids=["ddp", "zero2", "zero3", "bf16 zero1"],
 )
 def test_a_finished_run_frees_its_model_and_optimizer(flags):
+    gc.collect()
+    loops = _gloo_loop_threads()
     watch = _WatchRefs()
     result = pretrain(config("--train-iters", "2", *flags), env={}, first_step_hooks=[watch])
     assert result.iteration == 2 and watch.refs
@@ -48,3 +67,4 @@ def test_a_finished_run_frees_its_model_and_optimizer(flags):
     gc.collect()
     alive = [name for name, ref in watch.refs if ref() is not None]
     assert not alive, f"still alive after the run returned and gc ran: {alive}"
+    assert _gloo_loop_threads() == loops, "the run's gloo groups (their threads) outlived it"
