@@ -27,6 +27,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# imported here, before any world exists: torch.distributed.nn's functions take
+# ``group=group.WORLD`` as a default, evaluated at import, and torch imports the module lazily
+# (the first optimizer imports torch._dynamo, which imports it); imported inside a world, those
+# defaults hold the world group for the life of the process, and with it the group's gloo worker
+# threads, which then run into interpreter shutdown (see ``pretrain``)
+import torch.distributed.nn  # noqa: F401
+
 from megalite.core.mesh_layout import (
     DEFAULT_ORDER,
     GRID3D_AXES,

@@ -16,6 +16,7 @@ memory report measured after the first update is training's own (``log=True``);
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -217,7 +218,15 @@ def pretrain(
     check_startup(cfg, launch)  # flags and files, before any process group
     # before the first process group and cuBLAS handle, which read the environment it sets
     with deterministic_mode(cfg.training.deterministic_mode):
-        return _pretrain(cfg, launch, forward_step_func, first_step_hooks)
+        result = _pretrain(cfg, launch, forward_step_func, first_step_hooks)
+    # The run's model, optimizer and process groups are free now; what reference cycles still
+    # hold goes here, not at interpreter exit. Each gloo group's destructor joins its worker
+    # threads (the GIL released), and a worker may still hold the last reference to a finished
+    # collective's tensor, whose release takes the GIL: during interpreter shutdown Python 3.11
+    # ends such a thread inside a noexcept C++ destructor, and the process aborts
+    # (``terminate called without an active exception``) after a run that succeeded.
+    gc.collect()
+    return result
 
 
 def _pretrain(
