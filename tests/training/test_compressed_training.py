@@ -66,7 +66,7 @@ def _run(layout: tuple[str, ...]) -> dict:
 def _check(results: list[dict]) -> None:
     for r in results:
         for name, (last, losses, same) in r.items():
-            assert same, f"{name}: DP replicas differ"
+            assert same, f"{name}: DP replicas (or 1-bit LAMB TP ranks' factors) differ"
             if not last:
                 continue
             assert len(losses) == ITERS and all(math.isfinite(x) for x in losses), (name, losses)

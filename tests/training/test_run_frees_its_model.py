@@ -13,10 +13,6 @@ import weakref
 
 import pytest
 
-# torch._dynamo (the first optimizer step imports it) keeps the world group that exists when it is
-# first imported, for good: imported here, before any group, it keeps none
-import torch._dynamo  # noqa: F401
-
 from megalite.training.pretrain import pretrain
 from megalite.training.trainer import FirstStepHook
 from tests.training.common import config
