@@ -9,6 +9,7 @@ DP 4 on CPU/gloo: adam vs onebit-adam vs zero-one-adam, lamb vs onebit-lamb.
     python tools/bench/bench_onebit.py --corpus C --bases adam --reference-noise  # seed noise
     python tools/bench/bench_onebit.py --corpus C --bases lamb --lamb-lr 1e-2 \
         --onebit-lamb-factor-max 1 --onebit-lamb-factor-min 1   # 1-bit LAMB without the factor
+    python tools/bench/bench_onebit.py --corpus C --lamb-lr 1e-2 --micro-batches 4   # batch 32
 
 Each optimizer trains the same small GPT (``pretrain``, the real loop) from the same seed on the
 same data, one run after another, in a fresh 4-rank world each. The corpus is the quickstart's
@@ -76,7 +77,8 @@ def _model_flags(a: argparse.Namespace, base: str = "adam", seed: int | None = N
     warmup = a.freeze // 2 if a.lr_warmup is None else a.lr_warmup
     flags = f"--num-layers {a.layers} --hidden-size {a.hidden} --num-attention-heads 4 "
     flags += f"--seq-length {a.seq} --max-position-embeddings {a.seq} --micro-batch-size 2 "
-    flags += f"--global-batch-size {2 * DP} --train-iters {a.steps} --lr {lr} --min-lr 0 "
+    flags += f"--global-batch-size {2 * DP * a.micro_batches} --train-iters {a.steps} "
+    flags += f"--lr {lr} --min-lr 0 "
     flags += f"--lr-warmup-iters {warmup} --lr-decay-style cosine --weight-decay 0.01 "
     flags += f"--log-interval 1000000 --eval-iters 0 --seed {a.seed if seed is None else seed} "
     flags += "--hidden-dropout 0 --attention-dropout 0 --clip-grad 1.0"
@@ -234,6 +236,13 @@ def main() -> None:
         "--lr-warmup", type=int, help="Megatron's --lr-warmup-iters (default: half the freeze)"
     )
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="micro-batches of 2 per rank per step (the global batch is 8 times this): each "
+        "rank's momentum, what the compression sends, then averages more samples",
+    )
     for knob, help_ in (
         ("max", "upper bound on the factor of the frozen trust ratio"),
         ("min", "lower bound on the factor"),
