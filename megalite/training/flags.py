@@ -259,6 +259,17 @@ def _optimizer_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         help="onebit-adam / onebit-lamb: full-precision steps before the momentum is compressed",
     )
+    o.add(
+        "--onebit-lamb-factor-max",
+        type=float,
+        help="onebit-lamb: upper bound on the fresh-variance factor of the frozen trust ratio",
+    )
+    o.add("--onebit-lamb-factor-min", type=float, help="onebit-lamb: its lower bound")
+    o.add(
+        "--onebit-lamb-factor-threshold",
+        type=float,
+        help="onebit-lamb: the factor's largest relative change per step",
+    )
     o.add("--zero-one-var-freeze-step", type=int, help="zero-one-adam: the variance's last update")
     o.add(
         "--zero-one-var-update-scaler",

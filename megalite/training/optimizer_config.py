@@ -44,6 +44,9 @@ class OptimizerConfig:
     zero_one_var_update_scaler: int = 16
     zero_one_local_step_scaler: int = 32678
     zero_one_local_step_clipper: int = 16
+    onebit_lamb_factor_max: float = 4.0  # 1-bit LAMB: bounds on the frozen trust ratio's factor
+    onebit_lamb_factor_min: float = 0.5
+    onebit_lamb_factor_threshold: float = 0.1  # its largest relative change per step
 
     @property
     def compressed(self) -> bool:
@@ -56,6 +59,9 @@ class OptimizerConfig:
             var_update_scaler=self.zero_one_var_update_scaler,
             local_step_scaler=self.zero_one_local_step_scaler,
             local_step_clipper=self.zero_one_local_step_clipper,
+            factor_max=self.onebit_lamb_factor_max,
+            factor_min=self.onebit_lamb_factor_min,
+            factor_threshold=self.onebit_lamb_factor_threshold,
         )
 
     def warmup_iters(self, decay_iters: int) -> float:
@@ -113,6 +119,12 @@ class OptimizerConfig:
             )
         at_least(0, ("onebit_freeze_step", self.onebit_freeze_step))
         at_least(0, ("zero_one_var_freeze_step", self.zero_one_var_freeze_step))
+        low, high = self.onebit_lamb_factor_min, self.onebit_lamb_factor_max
+        if not 0 < low <= 1 <= high or self.onebit_lamb_factor_threshold < 0:
+            raise ConfigError(
+                f"need 0 < onebit_lamb_factor_min ({low}) <= 1 <= onebit_lamb_factor_max ({high}) "
+                f"and onebit_lamb_factor_threshold ({self.onebit_lamb_factor_threshold}) >= 0"
+            )
         for name in ("var_update_scaler", "local_step_scaler", "local_step_clipper"):
             at_least(1, (f"zero_one_{name}", getattr(self, f"zero_one_{name}")))
         if self.loss_scale is not None and self.loss_scale <= 0:

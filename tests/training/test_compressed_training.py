@@ -6,6 +6,8 @@ PP2 x DP2, the tiny GPT on mock data).
 - After it: the momentum crosses the DP group compressed; the DP replicas hold the same parameters
   bit for bit after every step that communicates (each TP rank / stage compresses its own shard),
   and the losses stay finite.
+- 1-bit LAMB's factor is one per parameter: the TP ranks of a split parameter hold the same
+  factor (the largest ratio over the whole parameter, not over their shard).
 """
 
 from __future__ import annotations
@@ -57,6 +59,19 @@ def _run(layout: tuple[str, ...]) -> dict:
             copies = [torch.empty_like(flat) for _ in range(ps.dp_size)]
             dist.all_gather(copies, flat, group=ps.dp_group)
             same = all(torch.equal(c, copies[0]) for c in copies)
+            if name == "onebit-lamb":
+                inner = trainer.optimizer.optimizer
+                factors = torch.stack(
+                    [
+                        inner.state[p]["trust_factor"]
+                        for g in inner.param_groups
+                        for p in g["params"]
+                    ]
+                )
+                peers = [torch.empty_like(factors) for _ in range(ps.tp_size)]
+                dist.all_gather(peers, factors, group=ps.tp_group)
+                same = same and all(torch.equal(f, peers[0]) for f in peers)
+                same = same and bool((factors != 1).any())  # the factor moved
         finally:
             ps.destroy()
         out[name] = (ps.is_last_stage, result.losses, same)

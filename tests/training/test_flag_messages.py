@@ -196,3 +196,15 @@ def test_errors_of_core_checks_reach_the_user_as_flags():
     text = str(err.value)
     assert "--pipeline-schedule zbv" in text and "--num-virtual-stages-per-pipeline-rank 3" in text
     assert not re.search(r"(?<![\w-])[a-z]+_[a-z_]+", text), text  # no parameter name left
+
+
+def test_onebit_lamb_factor_flags_reach_the_optimizer_and_are_checked():
+    """The factor's three knobs land in the compression spec; bounds that exclude 1 (the factor
+    the compressed phase starts from) are refused in the flags' words."""
+    argv = [*FLAGS, "--optimizer", "onebit-lamb", "--onebit-lamb-factor-max", "2"]
+    argv += ["--onebit-lamb-factor-min", "0.25", "--onebit-lamb-factor-threshold", "0.05"]
+    spec = parse_args(argv, env={}).optimizer.compression()
+    assert (spec.factor_min, spec.factor_max, spec.factor_threshold) == (0.25, 2.0, 0.05)
+    with pytest.raises(ConfigError) as err:
+        parse_args([*FLAGS, "--onebit-lamb-factor-min", "1.5"], env={})
+    assert "--onebit-lamb-factor-min" in str(err.value)

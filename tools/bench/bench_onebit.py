@@ -6,6 +6,10 @@ DP 4 on CPU/gloo: adam vs onebit-adam vs zero-one-adam, lamb vs onebit-lamb.
     python tools/bench/bench_onebit.py --tiny        # mock data, adam vs onebit-adam in-process
     python tools/bench/bench_onebit.py --corpus /tmp/onebit-corpus-X --bases adam   # one pair
     python tools/bench/bench_onebit.py --corpus C --curves /tmp/curves.json  # reuse the curves
+    python tools/bench/bench_onebit.py --corpus C --bases adam --reference-noise  # seed noise
+    python tools/bench/bench_onebit.py --corpus C --bases lamb --lamb-lr 1e-2 \
+        --onebit-lamb-factor-max 1 --onebit-lamb-factor-min 1   # 1-bit LAMB without the factor
+    python tools/bench/bench_onebit.py --corpus C --lamb-lr 1e-2 --micro-batches 4   # batch 32
 
 Each optimizer trains the same small GPT (``pretrain``, the real loop) from the same seed on the
 same data, one run after another, in a fresh 4-rank world each. The corpus is the quickstart's
@@ -67,19 +71,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _model_flags(a: argparse.Namespace) -> list[str]:
+def _model_flags(a: argparse.Namespace, base: str = "adam", seed: int | None = None) -> list[str]:
+    """The run's flags but the optimizer's; the LAMB pair trains at ``--lamb-lr``."""
+    lr = a.lamb_lr if base == "lamb" and a.lamb_lr is not None else a.lr
+    warmup = a.freeze // 2 if a.lr_warmup is None else a.lr_warmup
     flags = f"--num-layers {a.layers} --hidden-size {a.hidden} --num-attention-heads 4 "
     flags += f"--seq-length {a.seq} --max-position-embeddings {a.seq} --micro-batch-size 2 "
-    flags += f"--global-batch-size {2 * DP} --train-iters {a.steps} --lr {a.lr} --min-lr 0 "
-    flags += f"--lr-warmup-iters {a.freeze // 2} --lr-decay-style cosine --weight-decay 0.01 "
-    flags += "--log-interval 1000000 --eval-iters 0 --seed 1234 --hidden-dropout 0 "
-    flags += "--attention-dropout 0 --clip-grad 1.0"
+    flags += f"--global-batch-size {2 * DP * a.micro_batches} --train-iters {a.steps} "
+    flags += f"--lr {lr} --min-lr 0 "
+    flags += f"--lr-warmup-iters {warmup} --lr-decay-style cosine --weight-decay 0.01 "
+    flags += f"--log-interval 1000000 --eval-iters 0 --seed {a.seed if seed is None else seed} "
+    flags += "--hidden-dropout 0 --attention-dropout 0 --clip-grad 1.0"
     return flags.split()
 
 
-def _optimizer_flags(name: str, freeze: int) -> list[str]:
-    flags = ["--optimizer", name, "--onebit-freeze-step", str(freeze)]
-    flags += ["--zero-one-var-freeze-step", str(freeze), "--zero-one-local-step-scaler", "1000000"]
+def _optimizer_flags(name: str, a: argparse.Namespace) -> list[str]:
+    flags = ["--optimizer", name, "--onebit-freeze-step", str(a.freeze)]
+    flags += [
+        "--zero-one-var-freeze-step",
+        str(a.freeze),
+        "--zero-one-local-step-scaler",
+        "1000000",
+    ]
+    if name == "onebit-lamb":  # the framework's defaults unless given
+        for knob in ("max", "min", "threshold"):
+            value = getattr(a, f"onebit_lamb_factor_{knob}")
+            if value is not None:
+                flags += [f"--onebit-lamb-factor-{knob}", str(value)]
     return flags
 
 
@@ -208,6 +226,35 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument(
+        "--lamb-lr",
+        type=float,
+        help="the LAMB pair's lr (default --lr); LAMB steps each tensor by about lr * |w|, so it "
+        "trains at a larger lr than Adam",
+    )
+    p.add_argument(
+        "--lr-warmup", type=int, help="Megatron's --lr-warmup-iters (default: half the freeze)"
+    )
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="micro-batches of 2 per rank per step (the global batch is 8 times this): each "
+        "rank's momentum, what the compression sends, then averages more samples",
+    )
+    for knob, help_ in (
+        ("max", "upper bound on the factor of the frozen trust ratio"),
+        ("min", "lower bound on the factor"),
+        ("threshold", "the factor's largest relative change per step"),
+    ):
+        p.add_argument(f"--onebit-lamb-factor-{knob}", type=float, help=f"1-bit LAMB: {help_}")
+    p.add_argument(
+        "--reference-noise",
+        action="store_true",
+        help="also run each base with --seed + 1 and print its gaps to the base: the noise a "
+        "change of seed alone gives, the scale the 2%% criterion is read against",
+    )
     p.add_argument("--log-interval", type=int, default=10, help="Megatron's: the logged gap")
     p.add_argument("--plot", default="docs/img/onebit_curves.svg")
     p.add_argument("--curves", help="JSON file of finished runs: reused, and extended")
@@ -236,10 +283,16 @@ def main() -> None:
         raise SystemExit(f"--bases {a.bases}: {unknown} unknown; choose from {sorted(PAIRS)}")
     pairs = {"adam": ("onebit-adam",)} if a.tiny else {b: PAIRS[b] for b in bases}
     for base, compressed in pairs.items():
-        for name in (base, *compressed):
-            flags = [*_model_flags(a), *data, *_optimizer_flags(name, a.freeze)]
+        names = [base, *compressed]
+        if a.reference_noise:
+            names.append(f"{base}-seed{a.seed + 1}")
+        for name in names:
+            optimizer, seed = name.split("-seed")[0], None
+            if name != optimizer:
+                seed = a.seed + 1
+            flags = [*_model_flags(a, base, seed), *data, *_optimizer_flags(optimizer, a)]
             key = " ".join(flags)
-            if name in PAIRS and key in saved:  # a base: its code is not what is measured
+            if optimizer in PAIRS and key in saved:  # a base: its code is not what is measured
                 losses, wall = saved[key]
             else:
                 losses, wall = run(flags, world=1 if a.tiny else DP)
@@ -259,7 +312,7 @@ def main() -> None:
     print(f"  compressed {one:.0f} ({fp32 / one:.1f}x fewer); at {LINK_GBPS:.0f} Gb/s: ")
     print(f"  {1e3 * fp32 / link:.2f} ms vs {1e3 * one / link:.3f} ms per step")
     for base, compressed in pairs.items():
-        for name in compressed:
+        for name in (*compressed, *([f"{base}-seed{a.seed + 1}"] if a.reference_noise else [])):
             ratio = walls[name] / walls[base]
             print(f"{name:>14} vs {base}: wall per step {ratio:.2f}x; loss gap after warm-up:")
             for interval in sorted({1, a.log_interval}):

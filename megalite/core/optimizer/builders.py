@@ -141,7 +141,14 @@ def inner_factory(
             return Lamb(param_groups, **common, **lamb)
         if optimizer == "onebit-lamb":
             return OneBitLamb(
-                param_groups, freeze_step=compression.freeze_step, **groups, **common, **lamb
+                param_groups,
+                freeze_step=compression.freeze_step,
+                factor_max=compression.factor_max,
+                factor_min=compression.factor_min,
+                factor_threshold=compression.factor_threshold,
+                **groups,
+                **common,
+                **lamb,
             )
         if optimizer == "onebit-adam":
             return OneBitAdam(param_groups, freeze_step=compression.freeze_step, **groups, **common)

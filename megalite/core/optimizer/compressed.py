@@ -21,8 +21,17 @@ variance, and 0/1 Adam's ``bc2 = 1 - b2^k`` with ``k`` the variance updates so f
 
 1-bit LAMB (Li et al., 2021): LAMB for ``freeze_step`` steps, keeping an average of each
 parameter's trust ratio (``coeff = 0.9 coeff + 0.1 trust``); then the compressed momentum, the
-frozen variance, and the frozen average as the trust ratio (clamped to the LAMB bounds). The
-paper's further rescaling of the frozen ratio by a fresh variance estimate is not implemented.
+frozen variance, and the frozen average (clamped to the LAMB bounds) rescaled per parameter by
+the paper's factor ``c`` as the trust ratio. The factor follows how far the variance has moved
+since the freeze, which the frozen ratio cannot see: each compressed step reconstructs the
+averaged gradient from the change of the compressed momentum, ``g = (m_t - b1 m_{t-1}) / (1 - b1)``,
+updates a fresh variance with it (``v' = b2 v' + (1 - b2) g^2``, started from ``v`` at the
+freeze, bias-corrected by the steps so far), and takes the largest ratio over the tensor's
+entries of the frozen Adam denominator to the fresh one, ``max(sqrt(v / bc2) + eps) /
+(sqrt(v' / bc2') + eps)``; that is held within ``[factor_min, factor_max]`` and within
+``factor_threshold`` (relative) of the previous step's factor (1 at the freeze). The step is
+``w -= lr * clamp(coeff) * c * r`` with ``r`` the update over the frozen variance. Setting
+``factor_min = factor_max = 1`` gives the frozen ratio alone.
 
 0/1 Adam (Lu et al., 2022), with DeepSpeed's knob names:
 - variance: updated (a ``PHASE_FULL`` step) at step 1 and then at growing intervals: the interval
@@ -42,10 +51,12 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from megalite.core.distributed.compressed_allreduce import CompressedAllReduce, wire_bytes
+from megalite.core.groups import group_size
 from megalite.core.optimizer.lamb import Lamb, trust_ratios
-from megalite.core.param_attributes import is_expert_param
+from megalite.core.param_attributes import is_expert_param, is_tensor_parallel
 
 PHASE_FULL, PHASE_COMPRESSED, PHASE_LOCAL = 0, 1, 2
 COMPRESSED_OPTIMIZERS = ("onebit-adam", "zero-one-adam", "onebit-lamb")
@@ -61,6 +72,9 @@ class CompressionSpec:
     var_update_scaler: int = 16  # 0/1 Adam: variance updates between doublings of their interval
     local_step_scaler: int = 32678  # 0/1 Adam: steps between doublings of the sync interval
     local_step_clipper: int = 16  # 0/1 Adam: the longest sync interval
+    factor_max: float = 4.0  # 1-bit LAMB: bounds on the rescaling of the frozen trust ratio
+    factor_min: float = 0.5
+    factor_threshold: float = 0.1  # 1-bit LAMB: the factor's largest relative change per step
 
 
 TRUST_COEFF_BETA = 0.9  # 1-bit LAMB's running average of the trust ratio during warm-up
@@ -218,11 +232,29 @@ class OneBitAdam(_CompressedMixin, torch.optim.AdamW):
 
 class OneBitLamb(_CompressedMixin, Lamb):
     """1-bit LAMB (module docstring): LAMB for ``freeze_step`` steps, then compressed with the
-    frozen average trust ratio."""
+    frozen average trust ratio times the factor from the fresh variance."""
 
-    def __init__(self, params, *, freeze_step: int, dp_group, expert_dp_group=None, **lamb):
+    def __init__(
+        self,
+        params,
+        *,
+        freeze_step: int,
+        dp_group,
+        expert_dp_group=None,
+        factor_max: float = 4.0,
+        factor_min: float = 0.5,
+        factor_threshold: float = 0.1,
+        **lamb,
+    ):
+        if not 0 < factor_min <= 1 <= factor_max or factor_threshold < 0:
+            raise ValueError(
+                f"need 0 < factor_min ({factor_min}) <= 1 <= factor_max ({factor_max}) and "
+                f"factor_threshold ({factor_threshold}) >= 0"
+            )
         super().__init__(params, **lamb)
         self.freeze_step = freeze_step
+        self.factor_max, self.factor_min = factor_max, factor_min
+        self.factor_threshold = factor_threshold
         self._init_compression(dp_group=dp_group, expert_dp_group=expert_dp_group)
 
     def phase_of(self, t: int) -> int:
@@ -244,8 +276,10 @@ class OneBitLamb(_CompressedMixin, Lamb):
                 previous = state.get("trust_coeff", trust)
                 state["trust_coeff"] = TRUST_COEFF_BETA * previous + (1 - TRUST_COEFF_BETA) * trust
             return ratios
+        previous = {p: self.state[p]["exp_avg"].clone() for p in self._params()}
         self._advance_momentum()
         self.compressor(lambda p: self.state[p]["exp_avg"])
+        factors = self._factors(previous)
         work = self.updates(update_moments=False, variance_updates=self.freeze_step)
         missing = [(p, r) for _, p, r in work if "trust_coeff" not in self.state[p]]
         if missing:  # state resharded from another DP size: freeze the ratio of this step
@@ -259,8 +293,51 @@ class OneBitLamb(_CompressedMixin, Lamb):
                 self.state[p]["trust_coeff"] = trust
         for group, p, r in work:
             trust = self.state[p]["trust_coeff"].clamp(self.min_trust_ratio, self.max_trust_ratio)
-            p.add_(r * trust, alpha=-group["lr"])
+            p.add_(r * (trust * factors[p]), alpha=-group["lr"])
         return None
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+
+    def _factors(self, previous: dict) -> dict:
+        """The rescaling of each parameter's frozen trust ratio (module docstring): the fresh
+        variance advances with the gradient reconstructed from the averaged momentum; the
+        largest ratio of the denominators is taken over the whole parameter (max over
+        ``tp_group`` for tensor-parallel shards)."""
+        params, peaks = self._params(), []
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            eps = group["eps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "fresh_exp_avg_sq" not in state:  # the first compressed step, or resharded
+                    state["fresh_exp_avg_sq"] = state["exp_avg_sq"].clone()
+                    state["trust_factor"] = torch.ones((), dtype=torch.float32, device=p.device)
+                g = (state["exp_avg"] - b1 * previous[p]) / (1 - b1)
+                fresh = state["fresh_exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+                frozen = _adam_denominator(state, b2, eps, self.freeze_step)
+                bc2 = 1 - b2 ** float(state["step"])
+                peaks.append((frozen / (fresh.sqrt() / math.sqrt(bc2)).add_(eps)).max().float())
+        if not params:
+            return {}
+        peaks = torch.stack(peaks)
+        split = torch.tensor([is_tensor_parallel(p) for p in params], device=peaks.device)
+        if group_size(self.tp_group) > 1 and bool(split.any()):
+            shard = torch.where(split, peaks, torch.zeros_like(peaks))
+            dist.all_reduce(shard, op=dist.ReduceOp.MAX, group=self.tp_group)
+            peaks = torch.where(split, shard, peaks)
+        out = {}
+        for p, peak in zip(params, peaks.unbind(0)):
+            state = self.state[p]
+            last = state["trust_factor"]
+            factor = peak.clamp(self.factor_min, self.factor_max)
+            step = self.factor_threshold
+            factor = torch.minimum(torch.maximum(factor, last * (1 - step)), last * (1 + step))
+            state["trust_factor"] = factor
+            out[p] = factor
+        return out
 
 
 class ZeroOneAdam(_CompressedMixin, torch.optim.AdamW):

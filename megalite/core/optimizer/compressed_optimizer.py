@@ -147,9 +147,9 @@ class CompressedOptimizer(UnshardedOptimizer):
 
     def dp_rank_state(self) -> dict:
         """This DP rank's error feedback, the phase schedule, and the per-parameter entries that
-        are not Adam's moments (1-bit LAMB's frozen trust ratio, 0/1 Adam's local update and
-        anchor), by master index; the masters themselves when the DP replicas differ (saved
-        between 0/1 Adam's syncs: the model file holds DP rank 0's)."""
+        are not Adam's moments (1-bit LAMB's frozen trust ratio, fresh variance and factor, 0/1
+        Adam's local update and anchor), by master index; the masters themselves when the DP
+        replicas differ (saved between 0/1 Adam's syncs: the model file holds DP rank 0's)."""
         inner = self.optimizer
         extra = {}
         differ = inner.replicas_differ()  # 0/1 Adam between syncs: the momentum is the rank's

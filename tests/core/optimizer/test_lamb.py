@@ -1,6 +1,7 @@
 """LAMB equals a hand-written LAMB; 1-bit LAMB's warm-up equals LAMB bitwise, and its compressed
 phase equals a hand-written 1-bit LAMB (momentum through the compressed all-reduce's definition,
-variance and trust ratio frozen).
+variance frozen, the frozen trust ratio rescaled by the factor from a fresh variance of the
+reconstructed gradient, within its bounds and its per-step threshold).
 
 One process, a two-linear model, 5 steps of lr 0.05 on fixed batches, through ``build_optimizer``
 (masters, megalite's groups: matrices decayed, biases not). The hand-written LAMB below follows
@@ -11,6 +12,7 @@ both the upper bound and the ratio itself act (``max_trust_ratio`` below the lar
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -53,18 +55,29 @@ def _hand_lamb(model: nn.Module) -> list[float]:
     return seen
 
 
-def _hand_onebit_lamb(model: nn.Module, freeze: int) -> None:
+def _hand_onebit_lamb(
+    model: nn.Module, freeze: int, factor: tuple[float, float, float] = (0.5, 4.0, 0.1)
+) -> list[float]:
     """LAMB for ``freeze`` steps keeping ``coeff = 0.9 coeff + 0.1 trust``; then the momentum of
     the local grad through the compressed all-reduce (one process: sign and scale with error
-    feedback), the variance frozen with its bias correction, the trust ratio the frozen coeff."""
+    feedback), the variance frozen with its bias correction, the trust ratio the frozen coeff
+    times the factor: ``g = (m_t - b1 m_{t-1}) / (1 - b1)``, ``fresh = b2 fresh + (1 - b2) g^2``
+    (from ``v`` at the freeze), ``c = max(frozen denominator / fresh one)`` over the tensor,
+    clamped to ``[low, high]`` and to ``last * (1 -+ threshold)``. Returns every unclamped ``c``
+    (to see that the bounds act)."""
+    low, high, threshold = factor
     params = sorted(model.parameters(), key=lambda p: p.ndim == 1)  # the optimizer's groups
     state = {p: (torch.zeros_like(p), torch.zeros_like(p)) for p in params}
     coeff: dict = {}
+    fresh = {p: None for p in params}
+    last = {p: 1.0 for p in params}
+    peaks = []
     numel = sum(p.numel() for p in params)
     worker, server = [torch.zeros(numel)], [torch.zeros(chunk_numel(numel, 1))]
     for step in range(1, STEPS + 1):
         _grads(model, step)
         with torch.no_grad():
+            before = {p: state[p][0].clone() for p in params}
             for p in params:
                 m, _ = state[p]
                 m.copy_(B1 * m + (1 - B1) * p.grad)
@@ -87,11 +100,24 @@ def _hand_onebit_lamb(model: nn.Module, freeze: int) -> None:
                     coeff[p] = 0.9 * coeff.get(p, trust) + 0.1 * trust
                     p.sub_(LR * trust * r)
                 else:
-                    p.sub_(LR * min(max(coeff[p], MIN_TRUST), MAX_TRUST) * r)
+                    g = (m - B1 * before[p]) / (1 - B1)
+                    f = v.clone() if fresh[p] is None else fresh[p]
+                    fresh[p] = B2 * f + (1 - B2) * g * g
+                    frozen = (v / (1 - B2**freeze)).sqrt() + EPS
+                    peak = (frozen / ((fresh[p] / (1 - B2**step)).sqrt() + EPS)).max().item()
+                    peaks.append(peak)
+                    c = min(max(peak, low), high)
+                    c = min(max(c, last[p] * (1 - threshold)), last[p] * (1 + threshold))
+                    last[p] = c
+                    p.sub_(LR * min(max(coeff[p], MIN_TRUST), MAX_TRUST) * c * r)
+    return peaks
 
 
-def _megalite(optimizer: str, freeze: int = STEPS) -> nn.Module:
+def _megalite(
+    optimizer: str, freeze: int = STEPS, factor: tuple[float, float, float] = (0.5, 4.0, 0.1)
+) -> nn.Module:
     model = _model()
+    low, high, threshold = factor
     opt = build_optimizer(
         model,
         optimizer=optimizer,
@@ -100,7 +126,9 @@ def _megalite(optimizer: str, freeze: int = STEPS) -> nn.Module:
         adam_eps=EPS,
         clip_grad=0.0,
         lamb_trust_ratio=(MIN_TRUST, MAX_TRUST),
-        compression=CompressionSpec(freeze_step=freeze),
+        compression=CompressionSpec(
+            freeze_step=freeze, factor_min=low, factor_max=high, factor_threshold=threshold
+        ),
     )
     for step in range(1, STEPS + 1):
         _grads(model, step)
@@ -122,9 +150,29 @@ def test_onebit_lamb_warmup_is_lamb_bitwise() -> None:
         assert torch.equal(a, b)
 
 
-def test_onebit_lamb_compressed_phase_equals_hand_written() -> None:
+@pytest.mark.parametrize(
+    "factor",
+    [
+        (0.5, 4.0, 0.1),  # the defaults
+        (0.5, 4.0, 0.01),  # the per-step threshold acts
+        (0.999, 1.001, 1.0),  # the bounds act
+        (1.0, 1.0, 0.1),  # no rescaling: the frozen ratio alone
+    ],
+)
+def test_onebit_lamb_compressed_phase_equals_hand_written(factor) -> None:
     want = _model()
-    _hand_onebit_lamb(want, freeze=2)
-    got = _megalite("onebit-lamb", freeze=2)
+    peaks = _hand_onebit_lamb(want, freeze=2, factor=factor)
+    low, high, threshold = factor
+    if threshold < 0.1:
+        assert max(abs(c - 1) for c in peaks) > threshold
+    if high - low < 0.01:
+        assert max(peaks) > high or min(peaks) < low
+    got = _megalite("onebit-lamb", freeze=2, factor=factor)
     for a, b in zip(got.parameters(), want.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_onebit_lamb_factor_moves() -> None:
+    """The factor is not 1 in this test's compressed steps (so the oracle above checks it)."""
+    peaks = _hand_onebit_lamb(_model(), freeze=2)
+    assert max(abs(c - 1) for c in peaks) > 0.01
