@@ -27,7 +27,6 @@ from megalite.core.optimizer.compressed import (
     CompressionSpec,
     OneBitAdam,
     OneBitLamb,
-    ZeroOneAdam,
 )
 from megalite.core.optimizer.compressed_optimizer import CompressedOptimizer
 from megalite.core.optimizer.lamb import Lamb
@@ -35,6 +34,7 @@ from megalite.core.optimizer.loss_scaler import LossScaler
 from megalite.core.optimizer.sharded_optimizer import ShardedOptimizer
 from megalite.core.optimizer.sharded_state import OffloadSpec
 from megalite.core.optimizer.unsharded_optimizer import UnshardedOptimizer
+from megalite.core.optimizer.zero_one_adam import ZeroOneAdam
 
 
 def is_no_weight_decay(name: str, param: torch.Tensor) -> bool:

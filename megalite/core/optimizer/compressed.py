@@ -33,16 +33,7 @@ entries of the frozen Adam denominator to the fresh one, ``max(sqrt(v / bc2) + e
 ``w -= lr * clamp(coeff) * c * r`` with ``r`` the update over the frozen variance. Setting
 ``factor_min = factor_max = 1`` gives the frozen ratio alone.
 
-0/1 Adam (Lu et al., 2022), with DeepSpeed's knob names:
-- variance: updated (a ``PHASE_FULL`` step) at step 1 and then at growing intervals: the interval
-  starts at 1 and doubles after every ``var_update_scaler`` updates; never after
-  ``var_freeze_step``. Every other step is compressed or local;
-- local steps: up to ``var_freeze_step`` every step communicates; after it, a sync every ``k``
-  steps with ``k = min(2^((t - var_freeze_step) // local_step_scaler), local_step_clipper)``.
-  Between syncs each rank steps with its own momentum and accumulates ``u += lr_t m``
-  (``lr_t = lr / bc1``); at a sync ``u`` is averaged by the compressed all-reduce and every rank
-  lands on ``w = anchor - u / (sqrt(v / bc2) + eps)`` (``anchor``: the weights at the last sync,
-  weight-decayed each step), with ``m = u / sum(lr_t)``.
+0/1 Adam (Lu et al., 2022): ``zero_one_adam.ZeroOneAdam``, on the same mixin and compressor.
 """
 
 from __future__ import annotations
@@ -65,7 +56,8 @@ OPTIMIZERS = ("adam", "lamb", *COMPRESSED_OPTIMIZERS)
 
 @dataclass(frozen=True)
 class CompressionSpec:
-    """The schedules of the compressed optimizers (module docstring; DeepSpeed's defaults)."""
+    """The schedules of the compressed optimizers (the module docstrings here and in
+    ``zero_one_adam``; DeepSpeed's defaults)."""
 
     freeze_step: int = 100000  # 1-bit Adam / LAMB: full-precision warm-up steps
     var_freeze_step: int = 100000  # 0/1 Adam: last step the variance may change
@@ -131,7 +123,7 @@ class MomentumCompressor:
             car.reset()
 
 
-class _CompressedMixin:
+class CompressedMixin:
     """What the three share: the step count, the compressor, the phase, the checkpoint extras."""
 
     step_count: int
@@ -189,7 +181,7 @@ class _CompressedMixin:
                 state["exp_avg"].mul_(b1).add_(p.grad, alpha=1 - b1)
 
 
-def _adam_denominator(state: dict, b2: float, eps: float, variance_updates: int) -> torch.Tensor:
+def adam_denominator(state: dict, b2: float, eps: float, variance_updates: int) -> torch.Tensor:
     """``sqrt(v / bc2) + eps`` with ``bc2 = 1 - b2^k``, ``k`` the updates ``v`` has had: a frozen
     variance keeps the bias correction of its last update (with the step's count instead, the
     estimate would shrink as steps pass and the step size grow: 2.3x by step 300 after a
@@ -198,7 +190,7 @@ def _adam_denominator(state: dict, b2: float, eps: float, variance_updates: int)
     return (state["exp_avg_sq"].sqrt() / math.sqrt(bc2)).add_(eps)
 
 
-class OneBitAdam(_CompressedMixin, torch.optim.AdamW):
+class OneBitAdam(CompressedMixin, torch.optim.AdamW):
     """1-bit Adam (module docstring): AdamW for ``freeze_step`` steps, then compressed."""
 
     def __init__(self, params, *, freeze_step: int, dp_group, expert_dp_group=None, **adamw):
@@ -225,12 +217,12 @@ class OneBitAdam(_CompressedMixin, torch.optim.AdamW):
                 state = self.state[p]
                 p.mul_(1 - lr * wd)
                 bc1 = 1 - b1 ** float(state["step"])
-                denom = _adam_denominator(state, b2, eps, self.freeze_step)
+                denom = adam_denominator(state, b2, eps, self.freeze_step)
                 p.addcdiv_(state["exp_avg"], denom, value=-lr / bc1)
         return None
 
 
-class OneBitLamb(_CompressedMixin, Lamb):
+class OneBitLamb(CompressedMixin, Lamb):
     """1-bit LAMB (module docstring): LAMB for ``freeze_step`` steps, then compressed with the
     frozen average trust ratio times the factor from the fresh variance."""
 
@@ -317,7 +309,7 @@ class OneBitLamb(_CompressedMixin, Lamb):
                     state["trust_factor"] = torch.ones((), dtype=torch.float32, device=p.device)
                 g = (state["exp_avg"] - b1 * previous[p]) / (1 - b1)
                 fresh = state["fresh_exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
-                frozen = _adam_denominator(state, b2, eps, self.freeze_step)
+                frozen = adam_denominator(state, b2, eps, self.freeze_step)
                 bc2 = 1 - b2 ** float(state["step"])
                 peaks.append((frozen / (fresh.sqrt() / math.sqrt(bc2)).add_(eps)).max().float())
         if not params:
@@ -338,121 +330,3 @@ class OneBitLamb(_CompressedMixin, Lamb):
             state["trust_factor"] = factor
             out[p] = factor
         return out
-
-
-class ZeroOneAdam(_CompressedMixin, torch.optim.AdamW):
-    """0/1 Adam (module docstring): variance updated on a doubling schedule, compressed momentum,
-    local steps after ``var_freeze_step``."""
-
-    def __init__(
-        self,
-        params,
-        *,
-        var_freeze_step: int,
-        var_update_scaler: int,
-        local_step_scaler: int,
-        local_step_clipper: int,
-        dp_group,
-        expert_dp_group=None,
-        **adamw,
-    ):
-        super().__init__(params, **adamw)
-        self.var_freeze_step, self.var_update_scaler = var_freeze_step, var_update_scaler
-        self.local_step_scaler, self.local_step_clipper = local_step_scaler, local_step_clipper
-        self._init_compression(dp_group=dp_group, expert_dp_group=expert_dp_group)
-        self.var_updates, self.next_var_step, self.last_sync = 0, 1, 0
-
-    def _sync_interval(self, t: int) -> int:
-        if t <= self.var_freeze_step:
-            return 1
-        doublings = (t - self.var_freeze_step) // self.local_step_scaler
-        return min(2 ** min(doublings, 30), self.local_step_clipper)
-
-    def phase_of(self, t: int) -> int:
-        if t <= self.var_freeze_step and t == self.next_var_step:
-            return PHASE_FULL
-        return PHASE_COMPRESSED if t - self.last_sync >= self._sync_interval(t) else PHASE_LOCAL
-
-    def _extra_state(self) -> dict:
-        schedule = {"var_updates": self.var_updates, "next_var_step": self.next_var_step}
-        return {**super()._extra_state(), **schedule, "last_sync": self.last_sync}
-
-    def _load_extra_state(self, extra: dict) -> None:
-        super()._load_extra_state(extra)
-        self.var_updates, self.next_var_step = extra["var_updates"], extra["next_var_step"]
-        self.last_sync = extra["last_sync"]
-
-    def _local(self, p: torch.Tensor) -> dict:
-        """The accumulated update ``u`` and the ``anchor`` (weights at the last sync)."""
-        state = self.state[p]
-        if "local_update" not in state:
-            state["local_update"] = torch.zeros_like(p)
-            state["anchor"] = p.detach().clone()
-            state["lr_sum"] = torch.zeros((), dtype=torch.float32)
-        return state
-
-    def _variance_step(self) -> None:
-        """AdamW's step on the averaged grads, the variance's bias correction counting its own
-        updates (``var_updates + 1``), not the steps: between its updates ``v`` stood still."""
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-            for p in group["params"]:
-                state, g = self.state[p], p.grad
-                state["step"] += 1
-                state["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
-                state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
-                p.mul_(1 - lr * wd)
-                bc1 = 1 - b1 ** float(state["step"])
-                denom = _adam_denominator(state, b2, eps, self.var_updates + 1)
-                p.addcdiv_(state["exp_avg"], denom, value=-lr / bc1)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        assert closure is None
-        t = self.step_count = self.step_count + 1
-        self.last_phase = self.phase_of(t)
-        if self.last_phase == PHASE_FULL:
-            if self.var_updates + 1 == t:  # every step so far updated v: AdamW's own step
-                super().step()
-            else:
-                self._variance_step()
-            self.var_updates += 1
-            self.next_var_step = t + 2 ** (self.var_updates // self.var_update_scaler)
-            self.last_sync = t
-            for group in self.param_groups:
-                for p in group["params"]:
-                    local = self._local(p)
-                    local["anchor"].copy_(p)
-                    local["local_update"].zero_()
-                    local["lr_sum"].zero_()
-            return None
-        self._advance_momentum()
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-            for p in group["params"]:
-                state, local = self.state[p], self._local(p)
-                lr_t = lr / (1 - b1 ** float(state["step"]))
-                p.mul_(1 - lr * wd)
-                local["anchor"].mul_(1 - lr * wd)
-                denom = _adam_denominator(state, b2, eps, self.var_updates)
-                p.addcdiv_(state["exp_avg"], denom, value=-lr_t)
-                local["local_update"].add_(state["exp_avg"], alpha=lr_t)
-                local["lr_sum"] += lr_t
-        if self.last_phase == PHASE_LOCAL:
-            return None
-        self.compressor(lambda p: self.state[p]["local_update"])
-        self.last_sync = t
-        for group in self.param_groups:
-            b2, eps = group["betas"][1], group["eps"]
-            for p in group["params"]:
-                state = self.state[p]
-                u = state["local_update"]
-                denom = _adam_denominator(state, b2, eps, self.var_updates)
-                p.copy_(state["anchor"]).addcdiv_(u, denom, value=-1)
-                state["exp_avg"].copy_(u / state["lr_sum"])
-                state["anchor"].copy_(p)
-                u.zero_()
-                state["lr_sum"].zero_()
-        return None

@@ -27,10 +27,11 @@ import torch
 
 from megalite.core.distributed.data_parallel import DistributedDataParallel
 from megalite.core.groups import group_size
-from megalite.core.optimizer.compressed import PHASE_LOCAL, OneBitAdam, OneBitLamb, ZeroOneAdam
+from megalite.core.optimizer.compressed import PHASE_LOCAL, OneBitAdam, OneBitLamb
 from megalite.core.optimizer.mixed_precision import StepGrads
 from megalite.core.optimizer.sketched_norm import sketched_mean_sq_norm
 from megalite.core.optimizer.unsharded_optimizer import UnshardedOptimizer
+from megalite.core.optimizer.zero_one_adam import ZeroOneAdam
 
 logger = logging.getLogger(__name__)
 

@@ -34,10 +34,10 @@ from megalite.core.optimizer.compressed import (
     PHASE_FULL,
     PHASE_LOCAL,
     CompressionSpec,
-    ZeroOneAdam,
 )
 from megalite.core.optimizer.loss_scaler import DynamicLossScaler
 from megalite.core.optimizer.sketched_norm import sketch_size
+from megalite.core.optimizer.zero_one_adam import ZeroOneAdam
 from megalite.measure.comm_log import CommLog
 from megalite.planning.cluster import bus_factor
 from megalite.training.components import wrap_and_build_optimizer
