@@ -165,15 +165,17 @@ def build_run(
     return Run(trainer, train, valid, test)
 
 
-def remove_offload_files(model: list[ModelChunk], optimizer) -> None:
+def end_of_run(model: list[ModelChunk], optimizer) -> None:
     """The end of a run: delete the offload files it created (the optimizer's state files, then
-    ZeRO-3's param and grad files, with the directories they made when left empty). Checkpoints
-    are elsewhere and stay."""
+    ZeRO-3's param and grad files, with the directories they made when left empty), and remove
+    the grad hooks, whose cycle through C++ would keep the model and its groups alive.
+    Checkpoints are elsewhere and stay."""
     if isinstance(optimizer, ShardedOptimizer):
         optimizer.remove_offload_files()
     for wrapper in grad_wrappers(model):
         if isinstance(wrapper, Zero3DataParallel):
             wrapper.remove_offload_files()
+        wrapper.remove_hooks()
 
 
 def _exit_signal_handler(cfg: PretrainConfig) -> ExitSignalHandler | None:
@@ -314,7 +316,7 @@ def _pretrain(
             trainer.tensorboard.close()
             if trainer.stragglers is not None:
                 trainer.stragglers.close()
-            remove_offload_files(trainer.model, trainer.optimizer)
+            end_of_run(trainer.model, trainer.optimizer)
         ps.destroy()
         if owns_world and dist.is_initialized():
             dist.destroy_process_group()

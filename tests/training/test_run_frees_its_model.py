@@ -1,7 +1,7 @@
 """A finished in-process run leaves nothing behind: once ``pretrain`` returns and the garbage is
 collected, its model chunks (with their data-parallel wrappers, grad buffers and the process groups
 they hold) and its optimizer are gone. The parameters' grad hooks live in C++, out of sight of
-Python's GC: a hook that held its wrapper strongly made a cycle that was never freed, and every
+Python's GC: while the hooks stay, a cycle through them is never freed, and every
 run in a process (a test suite, a notebook) kept its model and its gloo groups, each group with a
 thread of its own."""
 

@@ -40,7 +40,6 @@ its ``dp_group``.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -55,18 +54,6 @@ from megalite.core.param_attributes import is_expert_param
 
 BucketKey = tuple[int, int]  # (buffer index, bucket index)
 BufferKey = tuple[torch.dtype, bool]  # (param dtype, expert parameter)
-
-
-def _weak_hook(method):
-    """A parameter hook calling the bound ``method`` while its object lives, doing nothing after."""
-    ref = weakref.WeakMethod(method)
-
-    def hook(param: nn.Parameter) -> None:
-        bound = ref()
-        if bound is not None:
-            bound(param)
-
-    return hook
 
 
 class DistributedDataParallel(nn.Module):
@@ -140,11 +127,17 @@ class DistributedDataParallel(nn.Module):
         self._deferred: set[BucketKey] = set()  # ready buckets the hook must not start
         self._reducing: dict[BucketKey, object] = {}  # reductions in flight (``.wait()``)
         self._reduce_records: dict[BucketKey, object] = {}  # their op records, when recording
-        # each hook holds the wrapper weakly: a parameter's hooks live in C++, which Python's GC
-        # does not see, so a strong one (parameter -> hook -> wrapper -> module -> parameter)
-        # would keep the model, its grad buffers and their process groups alive for good
-        accumulate = _weak_hook(self._accumulate)
-        self._hooks = [p.register_post_accumulate_grad_hook(accumulate) for p in params]
+        # the hooks live in C++, where Python's GC does not see the cycle they make (parameter ->
+        # hook -> wrapper -> module -> parameter): ``remove_hooks`` breaks it at the end of a run
+        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in params]
+
+    def remove_hooks(self) -> None:
+        """Unregister the grad hooks (the run is over): the wrapper, its module and its grad
+        buffers, with the process groups they hold, can then be freed. Every rank calls it at the
+        same point, so no rank's hooks stop while another's still reduce."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def _pad_multiple(self, group, pad_multiple: int) -> int:
         del group
