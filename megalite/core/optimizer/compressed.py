@@ -45,9 +45,8 @@ import torch
 import torch.distributed as dist
 
 from megalite.core.distributed.compressed_allreduce import CompressedAllReduce, wire_bytes
-from megalite.core.groups import group_size
-from megalite.core.optimizer.lamb import Lamb, trust_ratios
-from megalite.core.param_attributes import is_expert_param, is_tensor_parallel
+from megalite.core.optimizer.lamb import Lamb, over_whole_params, trust_ratios
+from megalite.core.param_attributes import is_expert_param
 
 PHASE_FULL, PHASE_COMPRESSED, PHASE_LOCAL = 0, 1, 2
 COMPRESSED_OPTIMIZERS = ("onebit-adam", "zero-one-adam", "onebit-lamb")
@@ -314,12 +313,9 @@ class OneBitLamb(CompressedMixin, Lamb):
                 peaks.append((frozen / (fresh.sqrt() / math.sqrt(bc2)).add_(eps)).max().float())
         if not params:
             return {}
-        peaks = torch.stack(peaks)
-        split = torch.tensor([is_tensor_parallel(p) for p in params], device=peaks.device)
-        if group_size(self.tp_group) > 1 and bool(split.any()):
-            shard = torch.where(split, peaks, torch.zeros_like(peaks))
-            dist.all_reduce(shard, op=dist.ReduceOp.MAX, group=self.tp_group)
-            peaks = torch.where(split, shard, peaks)
+        peaks = over_whole_params(
+            torch.stack(peaks), params, tp_group=self.tp_group, op=dist.ReduceOp.MAX
+        )
         out = {}
         for p, peak in zip(params, peaks.unbind(0)):
             state = self.state[p]

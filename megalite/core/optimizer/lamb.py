@@ -22,6 +22,19 @@ from megalite.core.groups import group_size
 from megalite.core.param_attributes import is_tensor_parallel
 
 
+def over_whole_params(values: torch.Tensor, params: list[torch.Tensor], *, tp_group, op=None):
+    """``values`` (a row per parameter) with the rows of tensor-parallel shards reduced over
+    ``tp_group`` by ``op`` (default a sum) in one all-reduce, so each stands for its whole
+    parameter; the rows of replicated parameters are returned as they are."""
+    split = torch.tensor([is_tensor_parallel(p) for p in params], device=values.device)
+    if group_size(tp_group) <= 1 or not bool(split.any()):
+        return values
+    split = split.view(-1, *([1] * (values.dim() - 1)))
+    shard = torch.where(split, values, torch.zeros_like(values))
+    dist.all_reduce(shard, op=op or dist.ReduceOp.SUM, group=tp_group)
+    return torch.where(split, shard, values)
+
+
 def trust_ratios(
     params: list[torch.Tensor],
     updates: list[torch.Tensor],
@@ -39,12 +52,7 @@ def trust_ratios(
             for p, r in zip(params, updates)
         ]
     )  # [n, 2]
-    split = torch.tensor([is_tensor_parallel(p) for p in params], device=squares.device)
-    if group_size(tp_group) > 1 and bool(split.any()):
-        shard = squares * split.unsqueeze(1)
-        dist.all_reduce(shard, group=tp_group)
-        squares = torch.where(split.unsqueeze(1), shard, squares)
-    w, r = squares.sqrt().unbind(1)
+    w, r = over_whole_params(squares, params, tp_group=tp_group).sqrt().unbind(1)
     ratio = torch.where((w > 0) & (r > 0), w / r, torch.ones_like(w))
     return list(ratio.clamp(min_trust_ratio, max_trust_ratio).unbind(0))
 
