@@ -74,7 +74,7 @@ def _free_port() -> int:
 
 def _model_flags(a: argparse.Namespace, base: str = "adam", seed: int | None = None) -> list[str]:
     """The run's flags but the optimizer's; the LAMB pair trains at ``--lamb-lr``."""
-    lr = a.lamb_lr if base == "lamb" and a.lamb_lr is not None else a.lr
+    lr = a.lamb_lr if base == "lamb" else a.lr
     warmup = a.freeze // 4 if a.lr_warmup is None else a.lr_warmup
     flags = f"--num-layers {a.layers} --hidden-size {a.hidden} --num-attention-heads 4 "
     flags += f"--seq-length {a.seq} --max-position-embeddings {a.seq} --micro-batch-size 2 "
