@@ -7,8 +7,9 @@ On every rank, the writer thread of ITERATION's save writes and fsyncs that rank
 ``MEGALITE_TEST_PAUSE_IN_ASYNC_WRITE: paused after writing iteration N (pid P)`` and waits until
 RELEASE_FILE exists (at most 300 s) before it returns; meanwhile the training loop goes on, and
 the ranks have not agreed that the checkpoint is complete: the tracker names the previous one. A
-test kills or signals a rank there by pid. Production code has no such hook: this wrapper
-replaces the writer from the outside, then runs ``pretrain_gpt.py`` as ``__main__``.
+test kills or signals a rank there by pid; SIGUSR1 prints every thread's stack (a stalled test asks
+for them). Production code has no such hook: this wrapper replaces the writer from the outside,
+then runs ``pretrain_gpt.py`` as ``__main__``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 
 from megalite.checkpoint import async_save
 from tests.paths import ROOT
+from tests.torchrun_job import answer_stack_requests
 
 ENV = "MEGALITE_TEST_PAUSE_IN_ASYNC_WRITE"
 
@@ -44,6 +46,7 @@ def _pausing(write_pending):
 
 
 if __name__ == "__main__":
+    answer_stack_requests()
     if os.environ.get(ENV):
         async_save.write_pending = _pausing(async_save.write_pending)
     sys.argv[0] = str(ROOT / "pretrain_gpt.py")

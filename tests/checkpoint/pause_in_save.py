@@ -20,6 +20,7 @@ import time
 
 from megalite.checkpoint import saving
 from tests.paths import ROOT
+from tests.torchrun_job import answer_stack_requests
 
 ENV = "MEGALITE_TEST_PAUSE_IN_SAVE"
 
@@ -42,6 +43,7 @@ def _pausing(commit):
 
 
 if __name__ == "__main__":
+    answer_stack_requests()  # a stalled test asks for the stacks
     if os.environ.get(ENV):
         saving.commit_checkpoint = _pausing(saving.commit_checkpoint)
     sys.argv[0] = str(ROOT / "pretrain_gpt.py")

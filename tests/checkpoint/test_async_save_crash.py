@@ -37,6 +37,7 @@ from megalite.inference import load_model
 from megalite.training.pretrain import pretrain
 from tests.checkpoint.test_checkpoint_faults import _failing_open
 from tests.paths import ROOT
+from tests.torchrun_job import dump_stacks, end_job
 from tests.training.common import BASE, assert_close_rel, config
 from tests.user_errors import files_under
 
@@ -47,9 +48,9 @@ PAUSE = re.compile(
 ITERATION_5 = re.compile(r"iteration\s+5/")
 
 
-def _reader(stream, lines: queue.Queue) -> None:
+def _reader(stream, lines: queue.Queue, start: float) -> None:
     for line in stream:
-        lines.put(line)
+        lines.put(f"[{time.monotonic() - start:7.1f}s] {line}")
     lines.put(None)
 
 
@@ -75,11 +76,12 @@ class PausedJob:
             text=True,
             env=env,
             cwd=ROOT,
-            start_new_session=True,  # its own process group: ``kill`` ends the ranks too
+            start_new_session=True,
         )
         self.lines: queue.Queue = queue.Queue()
         self.seen: list[str] = []
-        threading.Thread(target=_reader, args=(self.proc.stdout, self.lines), daemon=True).start()
+        args = (self.proc.stdout, self.lines, time.monotonic())
+        threading.Thread(target=_reader, args=args, daemon=True).start()
 
     def wait_paused(self, timeout: float = 600) -> list[int]:
         pids, moved_on = [], False
@@ -95,21 +97,18 @@ class PausedJob:
             # two ranks print at once: their lines can share one line of the pipe
             pids += [int(m.group(1)) for m in PAUSE.finditer(line)]
             moved_on = moved_on or ITERATION_5.search(line) is not None
+        if len(pids) < 2 or not moved_on:
+            self.dump_stacks()
         assert len(pids) == 2 and moved_on, "no pause, or no iteration 5:\n" + self.output()
         return pids
 
-    def kill(self) -> None:
-        """End torchrun and its ranks (its process group) at once: a failed check."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+    def dump_stacks(self) -> None:
+        """A stalled job says where: every rank prints its threads' stacks into the output."""
+        ranks = dump_stacks(self.proc)
+        self.drain()
+        self.seen.append(f"(the stacks of ranks {ranks}, asked at the guard)\n")
 
-    def finish(self, timeout: float = 600) -> int:
-        try:
-            self.proc.wait(timeout=timeout)
-        finally:
-            self.kill()
-        time.sleep(0.2)  # the reader thread drains the pipe
+    def drain(self) -> None:
         while True:
             try:
                 line = self.lines.get_nowait()
@@ -117,10 +116,22 @@ class PausedJob:
                 break
             if line is not None:
                 self.seen.append(line)
+
+    def kill(self) -> None:
+        """End torchrun and its ranks at once: a failed check."""
+        end_job(self.proc)
+
+    def finish(self, timeout: float = 600) -> int:
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            self.kill()
+        time.sleep(0.2)  # the reader thread drains the pipe
+        self.drain()
         return self.proc.returncode
 
     def output(self) -> str:
-        return "".join(self.seen[-60:])
+        return "".join(self.seen[-200:])
 
 
 def resumed_matches_straight(save, start: int) -> None:

@@ -20,6 +20,7 @@ import sys
 
 from megalite.training import trainer
 from tests.paths import ROOT
+from tests.torchrun_job import answer_stack_requests
 
 ENV = "MEGALITE_TEST_DIE_AT_ITERATION"
 
@@ -41,6 +42,7 @@ def _dying(train_step):
 
 
 if __name__ == "__main__":
+    answer_stack_requests()  # a stalled test asks for the stacks
     if os.environ.get(ENV):
         trainer.train_step = _dying(trainer.train_step)
     sys.argv[0] = str(ROOT / "pretrain_gpt.py")

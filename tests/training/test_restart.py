@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 
@@ -23,6 +22,7 @@ import pytest
 from megalite.checkpoint import read_tracker
 from megalite.training.pretrain import pretrain
 from tests.paths import ROOT
+from tests.torchrun_job import dump_stacks, end_job
 from tests.training.common import BASE, assert_close_rel, config
 
 LOSS = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|")
@@ -41,8 +41,8 @@ def test_a_killed_rank_restarts_from_the_newest_checkpoint_and_continues(tmp_pat
     cmd += ["--monitor-interval", "0.5", "--nproc-per-node", "2"]
     cmd += [str(ROOT / "tests" / "training" / "die_at_iteration.py"), *BASE, *flags]
     cmd += ["--tensor-model-parallel-size", "2", "--log-interval", "1"]
-    # Output goes to files (not pipes), so a hang's output is kept: the test kills the whole
-    # process group at the guard and shows what the two attempts printed up to then.
+    # Output goes to files (not pipes), so a hang's output is kept: at the guard the test asks the
+    # ranks for their stacks, kills the job and shows what the two attempts printed up to then.
     log, err = tmp_path / "torchrun.log", tmp_path / "torchrun.err"
     with open(log, "w") as out_f, open(err, "w") as err_f:
         proc = subprocess.Popen(
@@ -51,9 +51,10 @@ def test_a_killed_rank_restarts_from_the_newest_checkpoint_and_continues(tmp_pat
         try:
             returncode = proc.wait(timeout=600)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            dump_stacks(proc)
             returncode = None
+        finally:
+            end_job(proc)
     stdout, stderr = log.read_text(), err.read_text()
     out = stdout + stderr
     assert returncode == 0, (

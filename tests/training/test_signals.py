@@ -32,6 +32,7 @@ from megalite.training.config import ConfigError
 from megalite.training.signals import ExitSignalHandler, any_rank_signalled, parse_signal
 from tests.harness import run_distributed
 from tests.paths import ROOT
+from tests.torchrun_job import dump_stacks, end_job
 from tests.training.common import BASE, config
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -105,7 +106,7 @@ def _start(tmp_path: Path, *extra: str, env_extra: dict | None = None):
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
-        )  # its own process group: _finish can end the workers even if the launcher is stuck
+        )
     return proc, log
 
 
@@ -138,14 +139,16 @@ def _worker_pids(launcher_pid: int) -> dict[int, int]:
 
 
 def _finish(proc: subprocess.Popen, timeout: float) -> int:
+    """The launcher's exit code, or -999 when it ran past ``timeout`` (the ranks' stacks are then
+    in the log); never leaves the launcher or its ranks behind."""
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
+        if timeout > 0:
+            dump_stacks(proc)
         return -999
     finally:
-        if proc.poll() is None:  # never leave the launcher or its workers behind
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        end_job(proc)
 
 
 @pytest.mark.slow
