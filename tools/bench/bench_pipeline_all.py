@@ -48,9 +48,10 @@ from megalite.core.pipeline_parallel.profiling import (
     gather_stage_costs,
     p2p_latency,
     profile_chunk,
+    profile_chunks,
 )
 from megalite.core.pipeline_parallel.simulator import Costs, simulate
-from megalite.core.pipeline_parallel.timeline import Timeline
+from megalite.core.pipeline_parallel.timeline import LABELS, Timeline
 from megalite.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from tools.pipeline_timeline import render_svg
 
@@ -264,7 +265,7 @@ def _profile_all(pp, m, rank, quick=False) -> dict:
     repeats = dict(repeats=2, warmup=1) if quick else {}
     xs, ys = _data(m)
     batches = list(zip(xs, ys))
-    stages, cases, all_chunks = {}, {}, {}
+    stages, together, cases, all_chunks = {}, {}, {}, {}
     for schedule, v in CASES:
         cases.setdefault(layout_of(schedule, pp, v).num_stages, (schedule, v))
     for n, (schedule, v) in cases.items():
@@ -291,6 +292,24 @@ def _profile_all(pp, m, rank, quick=False) -> dict:
                 )
         dist.barrier()
         stages[n] = gather_stage_costs(mine)
+        # the same, every rank at once and its chunks in turn, on the main thread's CPU clock:
+        # each part under the caches and memory traffic of the run (every rank busy, a rank's
+        # chunks alternating), without the time a rank waits for a shared core
+        chunks = all_chunks[schedule]
+        firsts = [layout.stage(rank, c) == 0 for c in range(len(chunks))]
+        lasts = [layout.stage(rank, c) == n - 1 for c in range(len(chunks))]
+        dist.barrier()
+        fiws = profile_chunks(
+            list(zip(chunks, firsts, lasts)),
+            _forward_step,
+            itertools.cycle(batches),
+            input_shape=(MICRO_BATCH, HIDDEN),
+            num_microbatches=m,
+            clock=time.thread_time,
+            **repeats,
+        )
+        dist.barrier()
+        together[n] = gather_stage_costs({layout.stage(rank, c): fiw for c, fiw in enumerate(fiws)})
     latency = p2p_latency((MICRO_BATCH, HIDDEN), list(range(pp)), repeats=3 if quick else 11)
     # the cores the ranks get when all compute at once: the same pass timed on each rank alone
     # (the others wait in a barrier), then repeated by every rank at once for the same wall-clock
@@ -343,11 +362,28 @@ def _profile_all(pp, m, rank, quick=False) -> dict:
         cores, oversubscribed = min(float(pp), float(rate)), 1.0
     return {
         "stages": stages,
+        "together": together,
         "latency": latency,
         "cores": cores,
         "measured_cores": float(rate),
         "oversubscribed": oversubscribed,
     }
+
+
+def compute_over_profiled(spans_per_rank, layout, stages) -> float:
+    """The compute spans of one measured step (every rank) summed, over the profiled F / I / W of
+    the same actions: 1.0 when each computes as fast in the schedule as profiled alone."""
+    ops = {word: op for op, word in LABELS.items()}
+    measured = profiled = 0.0
+    for rank, spans in enumerate(spans_per_rank):
+        for label, begin, end in spans:
+            word, _, where = label.rpartition(" ")
+            if word not in ops:
+                continue  # a receive wait
+            f, i, w = stages[layout.stage(rank, int(where.split(".")[1]))]
+            measured += end - begin
+            profiled += {"F": f, "I": i, "W": w, "B": i + w}[ops[word]]
+    return measured / profiled
 
 
 def process_context(tiny: bool, *, torch_schedules: bool = True) -> mp.context.BaseContext:
@@ -421,24 +457,30 @@ def run_all(
         f"back into the caches after each compute"
     )
     shared = max(1.0, cores) if cores < pp else None  # the model needs a core at least
-    sims, ideal = {}, {}
+    sims, sims_together, ideal = {}, {}, {}
     for schedule, v in CASES:
         layout = layout_of(schedule, pp, v)
         st = profile["stages"][layout.num_stages]
-        costs = Costs(stages=st, p2p=latency, per_action=per_action)
-        sims[schedule] = simulate(
-            lists[(schedule, v)],
-            layout,
-            costs,
-            cores=shared,
-            oversubscribed=profile["oversubscribed"],
-        )
+        for into, stage_costs in ((sims, st), (sims_together, profile["together"])):
+            costs = Costs(
+                stages=stage_costs if into is sims else stage_costs[layout.num_stages],
+                p2p=latency,
+                per_action=per_action,
+            )
+            into[schedule] = simulate(
+                lists[(schedule, v)],
+                layout,
+                costs,
+                cores=shared,
+                oversubscribed=profile["oversubscribed"],
+            )
         ideal[schedule] = simulate(lists[(schedule, v)], layout, Costs(stages=st, p2p=latency))
     base = out["1f1b"][0]
     ratios = {}
     print(
         f"  {'schedule':17s} {'megalite':>9s} {'vs 1F1B: measured':>18s} {'predicted':>9s} "
-        f"{'1 core/rank':>11s}   predicted step (x measured); torch"
+        f"{'1 core/rank':>11s}   predicted step (x measured); the same from costs profiled "
+        f"with every rank at once (x measured); compute in the run x profiled alone; torch"
     )
     for schedule, _v in CASES:
         ours, theirs, gathered, _ = out[schedule]
@@ -449,11 +491,14 @@ def run_all(
             else f"torch {TORCH_CLASS[schedule]}: {theirs}"
         )
         ratios[schedule] = sim.step_time / ours
+        layout = layout_of(schedule, pp, _v)
+        inflation = compute_over_profiled(gathered, layout, profile["stages"][layout.num_stages])
         print(
             f"  {schedule:17s} {ours * 1e3:7.1f}ms {ours / base:18.3f} "
             f"{sim.step_time / sims['1f1b'].step_time:9.3f} "
             f"{ideal[schedule].step_time / ideal['1f1b'].step_time:11.3f}   "
             f"{sim.step_time * 1e3:6.1f} ms ({sim.step_time / ours:.2f}x); "
+            f"{sims_together[schedule].step_time / ours:.2f}x; {inflation:.2f}x; "
             f"{torch_part}"
         )
         if timeline_dir:

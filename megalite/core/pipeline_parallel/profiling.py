@@ -10,7 +10,9 @@ executor calls it (the input is set with ``set_input_tensor``; the loss stage ap
 and divides by ``num_microbatches``), its input-grad backward with the chunk's linear layers
 deferring their weight grads into a ``WeightGradStore`` (as an ``I`` action does), then those
 weight grads (a ``W``). The first ``warmup`` repetitions are dropped, the median of the rest is
-returned as seconds ``(F, I, W)``. The chunk's grads are cleared afterwards.
+returned as seconds ``(F, I, W)``. The chunk's grads are cleared afterwards. ``profile_chunks``
+times several of one rank's chunks in turn within each repetition, as a schedule that
+alternates them runs them.
 
 ``executor_seconds_per_action`` is the executor's CPU time per action: the main thread's CPU
 time over a step minus its CPU time inside the step's spans (compute and receive waits), per
@@ -62,36 +64,71 @@ def profile_chunk(
     ``repeats`` micro-batches (``first``: the chunk holds stage 0, ``loss``: the last stage).
     ``chunk`` is the stage module (``ModelChunk.module``: it takes ``set_input_tensor``).
     ``clock``: the time source read around each part (a test passes a virtual one)."""
+    return profile_chunks(
+        [(chunk, first, loss)],
+        forward_step_func,
+        data_iterator,
+        input_shape=input_shape,
+        num_microbatches=num_microbatches,
+        repeats=repeats,
+        warmup=warmup,
+        dtype=dtype,
+        device=device,
+        clock=clock,
+    )[0]
+
+
+def profile_chunks(
+    chunks: list[tuple[nn.Module, bool, bool]],
+    forward_step_func: Callable,
+    data_iterator: Iterator,
+    *,
+    input_shape: tuple[int, ...],
+    num_microbatches: int = 1,
+    repeats: int = 7,
+    warmup: int = 1,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[tuple[float, float, float]]:
+    """``profile_chunk`` of several chunks ``(chunk, first, loss)`` of one rank, taken in turn
+    within each repetition (F, I, W of the first, then of the second, ...), so each part runs
+    with the caches the rank's other chunks leave, as in a schedule that alternates them."""
     if repeats <= warmup or warmup < 0:
         raise ValueError(f"profile_chunk: repeats ({repeats}) must exceed warmup ({warmup})")
-    store = WeightGradStore()
-    attach_weight_grad_store(chunk, store)
-    times: list[tuple[float, float, float]] = []
+    stores = [WeightGradStore() for _ in chunks]
+    for (chunk, _, _), store in zip(chunks, stores):
+        attach_weight_grad_store(chunk, store)
+    times: list[list[tuple[float, float, float]]] = [[] for _ in chunks]
     try:
         for k in range(repeats):
-            x = None if first else torch.randn(input_shape, dtype=dtype, device=device)
-            grad = None if loss else torch.randn(input_shape, dtype=dtype, device=device)
-            t0 = clock()  # F and I hold what the executor's spans hold (``executor.py``)
-            if x is not None:
-                x.requires_grad_()
-            chunk.set_input_tensor(x)
-            output, loss_func = forward_step_func(data_iterator, chunk)
-            if loss:
-                output = loss_func(output)[0] / num_microbatches
-            t1 = clock()
-            with store.defer(k):
-                output.backward(grad)
-            output = None  # the graph's release, as in the executor's B / I span
-            t2 = clock()
-            store.flush(k)
-            t3 = clock()
-            chunk.set_input_tensor(None)
-            times.append((t1 - t0, t2 - t1, t3 - t2))
+            for (chunk, first, loss), store, kept in zip(chunks, stores, times):
+                x = None if first else torch.randn(input_shape, dtype=dtype, device=device)
+                grad = None if loss else torch.randn(input_shape, dtype=dtype, device=device)
+                t0 = clock()  # F and I hold what the executor's spans hold (``executor.py``)
+                if x is not None:
+                    x.requires_grad_()
+                chunk.set_input_tensor(x)
+                output, loss_func = forward_step_func(data_iterator, chunk)
+                if loss:
+                    output = loss_func(output)[0] / num_microbatches
+                t1 = clock()
+                with store.defer(k):
+                    output.backward(grad)
+                output = None  # the graph's release, as in the executor's B / I span
+                t2 = clock()
+                store.flush(k)
+                t3 = clock()
+                chunk.set_input_tensor(None)
+                kept.append((t1 - t0, t2 - t1, t3 - t2))
     finally:
-        attach_weight_grad_store(chunk, None)
-        chunk.zero_grad(set_to_none=True)
-    kept = times[warmup:]
-    return tuple(statistics.median(t[i] for t in kept) for i in range(3))  # type: ignore[return-value]
+        for chunk, _, _ in chunks:
+            attach_weight_grad_store(chunk, None)
+            chunk.zero_grad(set_to_none=True)
+    return [
+        tuple(statistics.median(t[i] for t in kept[warmup:]) for i in range(3))  # type: ignore[misc]
+        for kept in times
+    ]
 
 
 def executor_seconds_per_action(
