@@ -29,7 +29,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -52,6 +51,7 @@ from tools.bench.bench_pipeline_all import (  # noqa: E402
     SMOKE_MICRO_BATCH,
     process_context,
     run_all,
+    timed_pair,
 )
 from tools.pipeline_timeline import render_svg  # noqa: E402
 
@@ -157,19 +157,6 @@ def _torch_schedule(stack, schedule, m, rank, pp):
     return step
 
 
-def _timed(step, steps, stack):
-    samples = []
-    for i in range(steps + 1):
-        stack.zero_grad(set_to_none=True)
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        dist.barrier()
-        if i:  # the first step warms up (shape inference, allocations)
-            samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
-
-
 def _worker(rank, pp, init_file, args, results):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=pp)
@@ -178,13 +165,14 @@ def _worker(rank, pp, init_file, args, results):
     out = {}
     for m in args.microbatches:
         for schedule in ("1f1b", "gpipe"):
-            ours = _timed(
-                lambda s=schedule, n=m: _megalite_step(stack, s, n, rank, pp), args.steps, stack
+            # torch's schedules refuse fewer micro-batches than stages
+            theirs = _torch_schedule(stack, schedule, m, rank, pp) if m >= pp else None
+            out[(m, schedule)] = timed_pair(
+                lambda s=schedule, n=m: _megalite_step(stack, s, n, rank, pp),
+                theirs,
+                args.steps,
+                [stack],
             )
-            theirs = None  # torch's schedules refuse fewer micro-batches than stages
-            if m >= pp:
-                theirs = _timed(_torch_schedule(stack, schedule, m, rank, pp), args.steps, stack)
-            out[(m, schedule)] = (ours, theirs)
         # bubble: idle share of the step on each stage, from recorded spans
         tl = Timeline()
         dist.barrier()

@@ -174,18 +174,30 @@ def _torch_step(schedule, v, chunks, m, rank, pp):
     return step
 
 
-def _timed(step, steps, chunks):
-    samples = []
-    for i in range(steps + 1):
-        for c in chunks:
-            c.zero_grad(set_to_none=True)
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        dist.barrier()
-        if i:
-            samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+def _once(step, chunks) -> float:
+    for c in chunks:
+        c.zero_grad(set_to_none=True)
+    dist.barrier()
+    t0 = time.perf_counter()
+    step()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def timed_pair(ours, theirs, steps, chunks):
+    """Median step of megalite's schedule and of torch's (``theirs``: None when it cannot run),
+    their steps alternating (ours first in even rounds, theirs in odd ones), so that neither
+    runs on a heap, caches or machine state the other left more often: run one after the other,
+    the first schedule of a run paid for the process's warm-up alone."""
+    samples: tuple[list[float], list[float]] = ([], [])
+    steppers = (ours, theirs) if theirs is not None else (ours,)
+    for step in steppers:  # warm-up: shape inference, allocations
+        _once(step, chunks)
+    for i in range(steps):
+        order = list(enumerate(steppers))
+        for k, step in order if i % 2 == 0 else order[::-1]:
+            samples[k].append(_once(step, chunks))
+    return tuple(statistics.median(x) if x else None for x in samples)
 
 
 def _worker(rank, pp, m, steps, init_file, timeline_dir, q, quick=False):
@@ -202,13 +214,15 @@ def _worker(rank, pp, m, steps, init_file, timeline_dir, q, quick=False):
         chunks = [Chunk(n, layout.stage(rank, c) == 0) for c in range(layout.num_chunks)]
         p2p = P2PCommunicator(**_p2p_kwargs(rank, pp))
         args = (schedule, v, chunks, p2p, m, rank, pp)
-        ours = _timed(lambda a=args: _megalite(*a), steps, chunks)
         try:
             step = _torch_step(schedule, v, chunks, m, rank, pp)
-            theirs = _timed(step, steps, chunks)
+            _once(step, chunks)  # torch's first step, where its class refuses what it cannot run
+            failed = None
         except Exception as e:  # noqa: BLE001 - reported: why torch's class cannot run here
-            theirs = f"{type(e).__name__}: {str(e).splitlines()[0][:150]}"
+            step, failed = None, f"{type(e).__name__}: {str(e).splitlines()[0][:150]}"
             dist.barrier()
+        ours, theirs = timed_pair(lambda a=args: _megalite(*a), step, steps, chunks)
+        theirs = failed or theirs
         tl = Timeline()
         dist.barrier()
         base = time.perf_counter()
