@@ -40,7 +40,7 @@ from megalite.core.pipeline_parallel.forward_backward import forward_backward_pi
 from megalite.core.pipeline_parallel.generators import generate, layout_of
 from megalite.core.pipeline_parallel.model_chunk import ModelChunk
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
-from megalite.core.pipeline_parallel.profiling import profile_chunk
+from megalite.core.pipeline_parallel.profiling import profile_chunk, profile_chunks
 from megalite.core.pipeline_parallel.simulator import Costs, _simulate_shared, simulate, theory
 from megalite.core.pipeline_parallel.timeline import Timeline
 from megalite.core.tensor_parallel.layers import ColumnParallelLinear
@@ -353,3 +353,31 @@ def test_profile_chunk_times_forward_input_grad_and_weight_grad_apart():
     assert fiw == (2 * UNEVEN["F"], 2 * UNEVEN["I"], 2 * UNEVEN["W"]), fiw
     assert all(p.grad is None for p in chunk.parameters())
     assert all(lin.weight_grad_store is None for lin in chunk.blocks)
+
+
+def test_profile_chunks_takes_a_ranks_chunks_in_turn_and_times_each_apart():
+    """Several chunks of one rank: each repetition runs F, I and W of every chunk in turn (as a
+    schedule alternating them does), and each chunk gets its own F / I / W."""
+    torch.manual_seed(0)
+    clock = VirtualClock(UNEVEN)
+    clock.now = 1e3
+    chunks = [Chunk(2, clock, first=True), Chunk(3, clock, first=True)]
+    x = _stamped(torch.randn(MICRO_BATCH, WIDTH), 0.0)
+    calls = []
+
+    def forward_step(it, model):
+        next(it)
+        calls.append(chunks.index(model))
+        return model(x), None
+
+    fiws = profile_chunks(
+        [(c, True, False) for c in chunks],
+        forward_step,
+        iter(range(10)),
+        input_shape=(MICRO_BATCH, WIDTH + 1),
+        repeats=3,
+        clock=clock,
+    )
+    assert calls == [0, 1, 0, 1, 0, 1]
+    assert fiws == [tuple(n * UNEVEN[k] for k in "FIW") for n in (2, 3)], fiws
+    assert all(p.grad is None for c in chunks for p in c.parameters())
