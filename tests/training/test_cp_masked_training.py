@@ -1,4 +1,5 @@
-"""Context parallelism under windows and packed documents against the single process.
+"""Context parallelism under windows, block-sparse layouts and packed documents against the single
+process.
 
 CP2 on 2 ranks (p2p: the block-sparse ring; a2a: block-sparse attention over the gathered
 sequence), both families, 5 steps of 4 micro-batches of 2 samples x 16 tokens with eods inside
@@ -59,11 +60,18 @@ def _train(flags: tuple, world: int, rank: int) -> tuple[bool, list[float], list
     return ps.is_last_stage, losses, [float(r.grad_norm) for r in results]
 
 
+SPARSE = ("--sparse-block-size", "2", "--sparse-attention")
 CASES = [  # (family, cp_comm_type, mask flags)
     ("gpt2", "p2p", WINDOW),
     ("llama", "p2p", DOCS),
     ("llama", "p2p", (*DOCS, *WINDOW)),
     ("gpt2", "a2a", (*DOCS, *WINDOW)),
+    ("llama", "p2p", (*SPARSE, "bigbird")),
+    ("gpt2", "a2a", (*SPARSE, "fixed")),
+    ("gpt2", "p2p", (*SPARSE, "longformer", *DOCS)),
+    ("llama", "a2a", (*SPARSE, "longformer")),
+    ("gpt2", "p2p", (*WINDOW, "--window-attn-skip-freq", "2")),
+    ("llama", "a2a", (*WINDOW, "--window-attn-skip-freq", "[1,0]")),
 ]
 
 
@@ -76,9 +84,9 @@ def _case(cases) -> dict:
     return out
 
 
-@pytest.mark.parametrize("half", [0, 1])
-def test_cp2_windows_and_documents_match_single_process(half):
-    cases = CASES[2 * half : 2 * half + 2]
+@pytest.mark.parametrize("part", range(5))
+def test_cp2_masks_and_documents_match_single_process(part):
+    cases = CASES[2 * part : 2 * part + 2]
     results = run_distributed(_case, 2, cases)
     for key in cases:
         family, _, flags = key

@@ -27,6 +27,10 @@ LAYOUTS = [  # (family, layout flags, mask flags) on 4 ranks
     ("llama", (*PP2, "--recompute-activations"), (*WINDOW, "--window-attn-skip-freq", "[0,1]")),
     ("llama", TP2_SP, (*BLOCK, "--sparse-attention", "bigbird", "--sparse-block-size", "2")),
     ("gpt2", PP2, (*BLOCK, "--sparse-attention", "fixed", "--sparse-block-size", "2")),
+    ("gpt2", TP2_SP, (*BLOCK, "--sparse-attention", "longformer", "--sparse-block-size", "2")),
+    ("llama", PP2, (*BLOCK, "--sparse-attention", "longformer", "--sparse-block-size", "2")),
+    ("gpt2", PP2, (*BLOCK, "--sparse-attention", "bigbird", "--sparse-block-size", "2")),
+    ("llama", TP2_SP, (*BLOCK, "--sparse-attention", "fixed", "--sparse-block-size", "2")),
 ]
 
 
