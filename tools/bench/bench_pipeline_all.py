@@ -4,8 +4,10 @@ One process per pipeline rank, one thread each. Prints per schedule: megalite's 
 ratio to megalite's 1F1B, torch.distributed.pipelining's class of the same name (or why it cannot
 run), and the simulator's prediction from costs profiled in the same run:
 
-- F / I / W of every global stage, each rank timing its chunks ALONE in turn
-  (``profiling.profile_chunk``, one profile per stage count: 4 and 8 stages at PP 4), the p2p
+- F / I / W of every global stage, every rank timing its chunks AT ONCE (``profile_chunks``: a
+  rank's chunks in turn, each part's CPU time on the main thread: the caches and memory traffic
+  of the run, not the time a rank waits for a shared core; one profile per stage count: 4 and 8
+  stages at PP 4) and, for comparison, each rank timing them alone in turn (wall time), the p2p
   latency from a ping-pong, the executor's time per action (``executor_cpu_per_action``: the main
   thread's CPU time outside compute and receive waits in 1F1B steps, mean over ranks, and its parts:
   the backend's posting calls, the send waits, the timeline's bookkeeping, the executor's own; the
@@ -471,16 +473,14 @@ def run_all(
         f"back into the caches after each compute"
     )
     shared = max(1.0, cores) if cores < pp else None  # the model needs a core at least
-    sims, sims_together, ideal = {}, {}, {}
+    # the prediction: stage costs profiled with every rank at once (their CPU time, under the
+    # run's caches and memory traffic); beside it the one from costs profiled alone
+    sims, sims_alone, ideal = {}, {}, {}
     for schedule, v in CASES:
         layout = layout_of(schedule, pp, v)
         st = profile["stages"][layout.num_stages]
-        for into, stage_costs in ((sims, st), (sims_together, profile["together"])):
-            costs = Costs(
-                stages=stage_costs if into is sims else stage_costs[layout.num_stages],
-                p2p=latency,
-                per_action=per_action,
-            )
+        for into, stage_costs in ((sims, profile["together"]), (sims_alone, profile["stages"])):
+            costs = Costs(stages=stage_costs[layout.num_stages], p2p=latency, per_action=per_action)
             into[schedule] = simulate(
                 lists[(schedule, v)],
                 layout,
@@ -494,7 +494,7 @@ def run_all(
     print(
         f"  {'schedule':17s} {'megalite':>9s} {'vs 1F1B: measured':>18s} {'predicted':>9s} "
         f"{'1 core/rank':>11s}   predicted step (x measured); the same from costs profiled "
-        f"with every rank at once (x measured); compute in the run x profiled alone; torch"
+        f"alone (x measured); compute in the run x profiled alone; torch"
     )
     for schedule, _v in CASES:
         ours, theirs, gathered, _ = out[schedule]
@@ -512,7 +512,7 @@ def run_all(
             f"{sim.step_time / sims['1f1b'].step_time:9.3f} "
             f"{ideal[schedule].step_time / ideal['1f1b'].step_time:11.3f}   "
             f"{sim.step_time * 1e3:6.1f} ms ({sim.step_time / ours:.2f}x); "
-            f"{sims_together[schedule].step_time / ours:.2f}x; {inflation:.2f}x; "
+            f"{sims_alone[schedule].step_time / ours:.2f}x; {inflation:.2f}x; "
             f"{torch_part}"
         )
         if timeline_dir:
