@@ -50,32 +50,17 @@ def profile_chunk(
     forward_step_func: Callable,
     data_iterator: Iterator,
     *,
-    input_shape: tuple[int, ...],
     first: bool,
     loss: bool,
-    num_microbatches: int = 1,
-    repeats: int = 7,
-    warmup: int = 1,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | None = None,
-    clock: Callable[[], float] = time.perf_counter,
+    **kwargs,
 ) -> tuple[float, float, float]:
     """Median seconds of (F, I, W) of ``chunk`` run alone; ``data_iterator`` yields at least
     ``repeats`` micro-batches (``first``: the chunk holds stage 0, ``loss``: the last stage).
-    ``chunk`` is the stage module (``ModelChunk.module``: it takes ``set_input_tensor``).
-    ``clock``: the time source read around each part (a test passes a virtual one)."""
-    return profile_chunks(
-        [(chunk, first, loss)],
-        forward_step_func,
-        data_iterator,
-        input_shape=input_shape,
-        num_microbatches=num_microbatches,
-        repeats=repeats,
-        warmup=warmup,
-        dtype=dtype,
-        device=device,
-        clock=clock,
-    )[0]
+    ``chunk`` is the stage module (``ModelChunk.module``: it takes ``set_input_tensor``). The
+    other keywords (``input_shape``, ``num_microbatches``, ``repeats``, ``warmup``, ``dtype``,
+    ``device``, ``clock``: the time source read around each part, a test passes a virtual one)
+    as ``profile_chunks``."""
+    return profile_chunks([(chunk, first, loss)], forward_step_func, data_iterator, **kwargs)[0]
 
 
 def profile_chunks(
