@@ -270,8 +270,8 @@ class OneBitLamb(CompressedMixin, Lamb):
         previous = {p: self.state[p]["exp_avg"].clone() for p in self._params()}
         self._advance_momentum()
         self.compressor(lambda p: self.state[p]["exp_avg"])
-        factors = self._factors(previous)
-        work = self.updates(update_moments=False, variance_updates=self.freeze_step)
+        factors, frozen = self._factors(previous)
+        work = self.updates(update_moments=False, denominators=frozen)
         missing = [(p, r) for _, p, r in work if "trust_coeff" not in self.state[p]]
         if missing:  # state resharded from another DP size: freeze the ratio of this step
             ratios = trust_ratios(
@@ -290,12 +290,13 @@ class OneBitLamb(CompressedMixin, Lamb):
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
 
-    def _factors(self, previous: dict) -> dict:
-        """The rescaling of each parameter's frozen trust ratio (module docstring): the fresh
-        variance advances with the gradient reconstructed from the averaged momentum; the
-        largest ratio of the denominators is taken over the whole parameter (max over
-        ``tp_group`` for tensor-parallel shards)."""
-        params, peaks = self._params(), []
+    def _factors(self, previous: dict) -> tuple[dict, dict]:
+        """The rescaling of each parameter's frozen trust ratio (module docstring), and the
+        frozen Adam denominators it compared (the step divides by them): the fresh variance
+        advances with the gradient reconstructed from the averaged momentum; the largest ratio
+        of the denominators is taken over the whole parameter (max over ``tp_group`` for
+        tensor-parallel shards)."""
+        params, peaks, denominators = self._params(), [], {}
         for group in self.param_groups:
             b1, b2 = group["betas"]
             eps = group["eps"]
@@ -308,11 +309,11 @@ class OneBitLamb(CompressedMixin, Lamb):
                     state["trust_factor"] = torch.ones((), dtype=torch.float32, device=p.device)
                 g = (state["exp_avg"] - b1 * previous[p]) / (1 - b1)
                 fresh = state["fresh_exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
-                frozen = adam_denominator(state, b2, eps, self.freeze_step)
+                frozen = denominators[p] = adam_denominator(state, b2, eps, self.freeze_step)
                 bc2 = 1 - b2 ** float(state["step"])
                 peaks.append((frozen / (fresh.sqrt() / math.sqrt(bc2)).add_(eps)).max().float())
         if not params:
-            return {}
+            return {}, {}
         peaks = over_whole_params(
             torch.stack(peaks), params, tp_group=self.tp_group, op=dist.ReduceOp.MAX
         )
@@ -325,4 +326,4 @@ class OneBitLamb(CompressedMixin, Lamb):
             factor = torch.minimum(torch.maximum(factor, last * (1 - step)), last * (1 + step))
             state["trust_factor"] = factor
             out[p] = factor
-        return out
+        return out, denominators

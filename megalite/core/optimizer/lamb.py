@@ -91,12 +91,17 @@ class Lamb(torch.optim.Optimizer):
         return state
 
     def updates(
-        self, *, update_moments: bool = True, variance_updates: int | None = None
+        self,
+        *,
+        update_moments: bool = True,
+        variance_updates: int | None = None,
+        denominators: dict | None = None,
     ) -> list[tuple[dict, torch.Tensor, torch.Tensor]]:
         """``(group, param, r)`` for every parameter with a grad (``r`` before the trust ratio);
         with ``update_moments`` the step and both moments advance first (LAMB's own step).
         ``variance_updates``: the updates a frozen variance had (its bias correction's count;
-        default the step's)."""
+        default the step's). ``denominators``: ``sqrt(v_hat) + eps`` per parameter, when the
+        caller has computed them already."""
         out = []
         for group in self.param_groups:
             b1, b2 = group["betas"]
@@ -110,9 +115,12 @@ class Lamb(torch.optim.Optimizer):
                     state["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
                 t = float(state["step"])
                 m_hat = state["exp_avg"] / (1 - b1**t)
-                k = t if variance_updates is None else float(variance_updates)
-                v_hat = state["exp_avg_sq"] / (1 - b2**k)
-                r = m_hat / (v_hat.sqrt() + group["eps"])
+                if denominators is None:
+                    k = t if variance_updates is None else float(variance_updates)
+                    denominator = (state["exp_avg_sq"] / (1 - b2**k)).sqrt() + group["eps"]
+                else:
+                    denominator = denominators[p]
+                r = m_hat / denominator
                 if group["weight_decay"]:
                     r = r + group["weight_decay"] * p
                 out.append((group, p, r))
