@@ -152,6 +152,7 @@ class GradBuffer:
             [p.numel() for p in params], bucket_size=bucket_size, pad_multiple=pad_multiple
         )
         self.grad_dtype, self.params = grad_dtype, list(params)
+        self.device = torch.device(device or "cpu")  # where the params compute (``data`` too)
         self.data = torch.zeros(self.layout.numel, dtype=grad_dtype, device=device)
         self.param_ranges = {p: self.layout.param_ranges[i] for i, p in enumerate(self.params)}
         self.buckets = [

@@ -55,7 +55,8 @@ class ShardedGradBuffer(GradBuffer):
             pad_multiple=pad_multiple,
             groups=groups,
         )
-        self.grad_dtype, self.params, self.device = grad_dtype, list(params), device
+        self.grad_dtype, self.params = grad_dtype, list(params)
+        self.device = torch.device(device or "cpu")  # where the params compute: the staging too
         self.segments = self.layout.shard_segments(self.dp_size, self.dp_rank)
         self._starts = [lo for lo, _, _ in self.segments]
         self.shard_numel = sum(hi - lo for lo, hi, _ in self.segments)

@@ -122,7 +122,7 @@ class Zero1DataParallel(DistributedDataParallel):
     def _init_param_storage(self) -> None:
         """ZeRO-1/2: every parameter becomes a view of a whole param buffer per buffer key."""
         for key, buffer in self.buffers_by_key.items():
-            data = torch.zeros(buffer.numel, dtype=key[0], device=buffer.data.device)
+            data = torch.zeros(buffer.numel, dtype=key[0], device=buffer.device)
             for param, (lo, hi, _) in buffer.param_ranges.items():
                 data[lo:hi].copy_(param.detach().reshape(-1))
                 param.data = data[lo:hi].view(param.shape)
@@ -140,7 +140,7 @@ class Zero1DataParallel(DistributedDataParallel):
         layout = [b.numel for buf in self.grad_buffers for b in buf.layout.buckets]
         layout += [x for p in self._sp_params for x in self.buffer_of(p).param_ranges[p]]
         signature = torch.tensor([hash(tuple(layout)) % (1 << 62)], dtype=torch.int64)
-        signature = signature.to(self.grad_buffers[0].data.device)
+        signature = signature.to(self.grad_buffers[0].device)
         low, high = signature.clone(), signature.clone()
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.tp_group)
         dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.tp_group)

@@ -167,7 +167,8 @@ class Zero3DataParallel(Zero2DataParallel):
         """Per buffer: the flat shard at ``param_store``'s home; per bucket, one at a time: a full
         tensor the params view, filled from the params (or ``unit_init``'s twins), this rank's
         part written to the shard, then released (the persistent bucket stays)."""
-        device = next(iter(self.buffers_by_key.values())).data.device
+        # the params' device: a grad shard's ``data`` may sit on the host (grad offload)
+        device = next(iter(self.buffers_by_key.values())).device
         rank = dist.get_rank() if dist.is_initialized() else 0
         prefix = f"rank{rank}_zero3_{os.getpid()}_{id(self):x}"
         self.param_store = ParamStore(self.param_offload, device=device, prefix=prefix)
