@@ -19,12 +19,13 @@ Each is timed in the same process, with Megatron's mixed precision or PyTorch's:
 The micro-batch (global batch = micro-batch, one per step) is fixed before anything runs: the
 largest of ``--micro-batches`` whose megalite run the planner predicts to fit in ``MARGIN`` of the
 device's usable memory (``megalite.planning.search.evaluate`` at TP1 PP1 DP1); every kind runs at
-it, nothing is tried and retried. Reported per kind: step time (median of ``--steps`` after
-``--warmup``), tokens/s, TFLOP/s and MFU by ``megalite.training.flops`` (the formula megalite
-logs: model FLOPs, no recomputation, causal mask not discounted), peak
-``torch.cuda.max_memory_allocated``, and for megalite the planner's predicted step time, MFU and
-peak memory beside them; then megalite / plain in tokens/s. ``--out-json`` has every figure. Exit
-status 1 if a kind failed (out of memory included), 2 without CUDA (unless ``--device cpu``: no
+it, except that a plain kind out of memory there runs at half, down to 1 (``measure``). Reported
+per kind: step time (median of ``--steps`` after ``--warmup``), tokens/s, TFLOP/s and MFU by
+``megalite.training.flops`` (the formula megalite logs: model FLOPs, no recomputation, causal
+mask not discounted), peak ``torch.cuda.max_memory_allocated``, and for megalite the planner's
+predicted step time, MFU and peak memory beside them; then megalite / plain in tokens/s.
+``--out-json`` has every figure. Exit status 1 if a kind failed (out of memory included:
+megalite at the planner's size, plain at 1), 2 without CUDA (unless ``--device cpu``: no
 peak TFLOP/s there, MFU is "-").
 """
 
@@ -294,27 +295,39 @@ def time_plain(
 
 
 def measure(kind: str, name: str, cfg: PretrainConfig, device: torch.device, args) -> dict:
-    """One kind's row: timings and figures, or its failure (out of memory, an error)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    """One kind's row: timings and figures, or its failure (out of memory, an error). A plain
+    kind that runs out of memory at the planner's micro-batch runs at half of it, down to 1 (its
+    row names the sizes that did not fit): PyTorch AMP keeps fp32 params and fp32 logits, so it
+    can need more memory than megalite at the same micro-batch."""
     mbs = cfg.training.micro_batch_size
-    try:
-        if kind == "megalite":
-            row = time_megalite(cfg, device, warmup=args.warmup, steps=args.steps)
-        else:  # the plain model's vocabulary is megalite's padded one: the same matmuls
-            plain = replace(cfg.model, vocab_size=cfg.model.padded_vocab_size(1))
-            row = time_plain(kind, name, plain, device, mbs, warmup=args.warmup, steps=args.steps)
-        row["status"] = "ok"
+    did_not_fit: list[int] = []
+    while True:
         if device.type == "cuda":
-            row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
-    except torch.OutOfMemoryError as e:
-        row = {"status": "out of memory", "error": str(e).splitlines()[0]}
-    except Exception as e:  # noqa: BLE001 - one kind's failure is a row; the others still run
-        traceback.print_exc()
-        row = {"status": "error", "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
-    gc.collect()
-    if device.type == "cuda":  # the model, its grads and optimizer state are gone
-        torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        try:
+            if kind == "megalite":
+                row = time_megalite(cfg, device, warmup=args.warmup, steps=args.steps)
+            else:  # the plain model's vocabulary is megalite's padded one: the same matmuls
+                plain = replace(cfg.model, vocab_size=cfg.model.padded_vocab_size(1))
+                steps = {"warmup": args.warmup, "steps": args.steps}
+                row = time_plain(kind, name, plain, device, mbs, **steps)
+            row["status"] = "ok"
+            if device.type == "cuda":
+                row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        except torch.OutOfMemoryError as e:
+            row = {"status": "out of memory", "error": str(e).splitlines()[0]}
+        except Exception as e:  # noqa: BLE001 - one kind's failure is a row; the others still run
+            traceback.print_exc()
+            row = {"status": "error", "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+        gc.collect()
+        if device.type == "cuda":  # the model, its grads and optimizer state are gone
+            torch.cuda.empty_cache()
+        if row["status"] != "out of memory" or kind == "megalite" or mbs == 1:
+            break
+        did_not_fit.append(mbs)
+        mbs //= 2
+    if did_not_fit:
+        row["did_not_fit"] = did_not_fit
     return {"model": name, "impl": kind, "micro_batch": mbs, **row}
 
 
@@ -339,7 +352,8 @@ def figures(row: dict, cfg: PretrainConfig, peak: float | None) -> dict:
     """Tokens/s, TFLOP/s and MFU of a measured row."""
     if row["status"] != "ok":
         return row
-    tflops = step_flops(cfg) / row["seconds"] / 1e12
+    share = row["micro_batch"] / cfg.training.global_batch_size  # a plain run at a smaller one
+    tflops = step_flops(cfg) * share / row["seconds"] / 1e12
     return {
         **row,
         "tokens_s": row["micro_batch"] * cfg.model.seq_length / row["seconds"],
@@ -364,7 +378,10 @@ def table_row(r: dict) -> str:
     precision = f"{p['params']}/{p['grads']}/{p['master']}" if p else "-"
     if p and "autocast" in p:
         precision += f" (autocast {p['autocast']})"
-    head = f"| {r['model']} | {r['impl']} | {precision} | {r['micro_batch']} |"
+    mbs = str(r["micro_batch"])
+    if r.get("did_not_fit"):
+        mbs += f" ({', '.join(map(str, r['did_not_fit']))}: out of memory)"
+    head = f"| {r['model']} | {r['impl']} | {precision} | {mbs} |"
     if r["status"] != "ok":
         return f"{head} {r['status']} | | | | | | | |"
     predicted_ms = r.get("predicted_step_s")
