@@ -16,12 +16,13 @@
 # 1 some step was not, 2 no CUDA (or no torch) without --allow-no-gpu.
 #
 # Steps (box in seconds):
-#   quick  kernels_compiled  90  tests/kernels/test_cuda_compiled.py: the Triton kernels compiled,
+#   quick  kernels_compiled  60  tests/kernels/test_cuda_compiled.py: the Triton kernels compiled,
 #                                against float64 (three processes, one per dtype: compiling is
 #                                CPU-bound)
-#          cuda_paths        40  tests/test_cuda_only.py: SDPA flash/efficient kernels in bf16, CP
-#                                block attention's efficient kernel, the offloaded step
-#          training         110  tests/test_cuda_training.py: pretrain() on one GPU with nccl, GPT-2
+#          cuda_paths       100  tests/test_cuda_only.py: SDPA flash/efficient kernels in bf16, CP
+#                                block attention's efficient kernel, the offloaded step, compiled
+#                                flex attention on block plans (each mask compiles: ~10 s)
+#          training          80  tests/test_cuda_training.py: pretrain() on one GPU with nccl, GPT-2
 #                                and Llama at each ZeRO rung, ZeRO-1 offload, MoE (all-to-all and
 #                                allgather), unfused kernels, each against CPU fp32
 #          mfu              110  tools/bench/bench_mfu.py: GPT-2 1.3B and Llama 1B, megalite (bf16,
@@ -56,7 +57,7 @@ if [[ $MODE != quick && $MODE != full ]]; then
 fi
 
 # name, box seconds: quick's, then full's
-STEPS=(kernels_compiled:90 cuda_paths:40 training:110 mfu:110)
+STEPS=(kernels_compiled:60 cuda_paths:100 training:80 mfu:110)
 [[ $MODE == full ]] && STEPS+=(bench_kernels:300 mfu_compile:540)
 if [[ -n $ONLY ]]; then
   chosen=()

@@ -118,3 +118,46 @@ def test_activation_offload_on_cuda_equals_no_offload():
             assert set(moved) == {0, 1} and all(moved.values()), moved
     assert torch.equal(results[0][0], results[1][0])
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+
+
+def _flex_cases(s: int):
+    from megalite.core.attention.masks import MaskSpec
+    from megalite.core.attention.sparse_layouts import build_layout
+
+    docs = torch.repeat_interleave(torch.arange(3), torch.tensor([s // 3, s // 2, s - 5 * s // 6]))
+    bigbird = build_layout("bigbird", num_window_blocks=3, num_global_blocks=1, num_random_blocks=2)
+    return {
+        "window": (MaskSpec(window=(300, 0)), None),
+        "bigbird": (MaskSpec(layout=bigbird, layout_block=128), None),
+        "longformer": (
+            MaskSpec(
+                layout=build_layout("longformer", num_window_blocks=3, global_blocks=(0,)),
+                layout_block=128,
+            ),
+            None,
+        ),
+        "documents+window": (MaskSpec(window=(200, 0)), docs.cuda()),
+    }
+
+
+@pytest.mark.parametrize("name", ["window", "bigbird", "longformer", "documents+window"])
+def test_flex_plan_attention_equals_the_block_path_on_cuda(name):
+    """Compiled flex attention on a plan's BlockMask (sequence 1000: not a multiple of the block)
+    gives the block path's output and grads in fp32."""
+    from megalite.core.attention.block_sparse import block_sparse_attention
+    from megalite.core.attention.flex_sparse import flex_plan_attention
+    from megalite.core.attention.masks import build_block_plan
+
+    s = 1000
+    spec, docs = _flex_cases(s)[name]
+    pos = torch.arange(s, device="cuda")
+    plan = build_block_plan(spec, pos, pos, block_size=128, q_doc=docs, k_doc=docs)
+    results = []
+    for attend in (flex_plan_attention, block_sparse_attention):
+        q, k, v = (t.requires_grad_() for t in _qkv(b=1, s=s, dtype=torch.float32))
+        out = attend(q, k, v, [plan], scale=0.125)
+        grads = torch.autograd.grad((out * out).sum(), (q, k, v))
+        results.append((out.detach(), *grads))
+    for got, want in zip(*results):
+        err = (got - want).abs().max().item()
+        assert err <= 1e-4 * want.abs().max().item(), (name, err)

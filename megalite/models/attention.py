@@ -26,6 +26,7 @@ from torch import nn
 
 from megalite.core import fusions
 from megalite.core.attention.block_sparse import block_sparse_attention
+from megalite.core.attention.flex_sparse import flex_plan_attention, flex_serves
 from megalite.core.attention.masks import BlockPlan, MaskSpec
 from megalite.core.context_parallel import (
     CommStats,
@@ -260,6 +261,8 @@ class SelfAttention(nn.Module):
         scale = self.core_attention.scale
 
         def sparse(q, k, v):
+            if flex_serves(q, plans):  # CUDA: the fused kernel on the same blocks
+                return flex_plan_attention(q, k, v, plans, scale=scale)
             return block_sparse_attention(q, k, v, plans, scale=scale)
 
         return sparse

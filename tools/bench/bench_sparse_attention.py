@@ -4,6 +4,8 @@ and attention memory, at a window and at each sparse layout; and a long causal r
     python tools/bench/bench_sparse_attention.py                 # seq 8192, window 512, layouts
     python tools/bench/bench_sparse_attention.py --long 32768    # + a 32K-token run, window 1024
     python tools/bench/bench_sparse_attention.py --tiny          # seq 512: a smoke test (~15 s)
+    python tools/bench/bench_sparse_attention.py --device cuda --block 128 \
+        [--batch 4 --heads 16 --head-dim 128 --dtype bf16]       # the GPU table (cuda_table)
 
 Attention of one sequence, ``--heads`` heads of ``--head-dim``, fp32, ``--threads`` intra-op
 threads. Each mask runs ``--repeats`` forward+backward passes; the median time is divided by the
@@ -19,6 +21,12 @@ resident memory (``ru_maxrss``) for the windowed pass and the bytes a dense mask
 need: not run.
 Times on a shared machine are noisy; the ratios in one run are what to read, and ``--clock cpu``
 (this process's CPU time) is steadier than wall time where other processes take the cores.
+
+On CUDA (``--device cuda``) each mask runs on both paths: the block path and compiled flex
+attention on the plan's ``BlockMask`` (``flex_sparse``; ``--block`` a multiple of 128), plus
+causal through flex (flex's own price per entry beside the flash kernel's); time is the median
+of ``--repeats`` after ``--warmup`` passes (flex compiles in the first), memory the device's
+measured peak above the inputs during one pass, against dense causal SDPA's.
 """
 
 from __future__ import annotations
@@ -32,21 +40,43 @@ import torch
 import torch.nn.functional as F
 
 from megalite.core.attention.block_sparse import DEFAULT_MAX_ENTRIES, block_sparse_attention
+from megalite.core.attention.flex_sparse import flex_plan_attention, plan_block_mask
 from megalite.core.attention.masks import MaskSpec, build_block_plan
 from megalite.core.attention.sparse_layouts import build_layout
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def _time(fn, inputs, repeats: int, clock: str = "wall") -> float:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn, inputs, repeats: int, clock: str = "wall", warmup: int = 0) -> float:
     now = CLOCKS[clock]
+    device = inputs[0].device
     times = []
-    for _ in range(repeats):
+    for i in range(warmup + repeats):
         q, k, v = (t.detach().clone().requires_grad_() for t in inputs)
+        _sync(device)
         start = now()
         fn(q, k, v).sum().backward()
-        times.append(now() - start)
+        _sync(device)
+        if i >= warmup:
+            times.append(now() - start)
     return statistics.median(times)
+
+
+def _cuda_peak(fn, inputs) -> int:
+    """Bytes the device allocated at its peak during one forward+backward, above the inputs."""
+    device = inputs[0].device
+    q, k, v = (t.detach().clone().requires_grad_() for t in inputs)
+    _sync(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn(q, k, v).sum().backward()
+    _sync(device)
+    return torch.cuda.max_memory_allocated(device) - base
 
 
 def _saved_bytes(fn, inputs) -> int:
@@ -67,15 +97,27 @@ def _mib(n: float) -> str:
 
 
 def _cases(args) -> list[tuple[str, MaskSpec]]:
+    """The window and each layout at ~10% density: layout block counts are for 64-token blocks,
+    scaled to keep the same token spans at other block sizes."""
     lb = args.block
+
+    def blocks(n: int) -> int:
+        return max(1, round(n * 64 / lb))
+
     return [
         (f"window {args.window}", MaskSpec(window=(args.window, 0))),
-        ("fixed", MaskSpec(layout=build_layout("fixed", num_local_blocks=12), layout_block=lb)),
+        (
+            "fixed",
+            MaskSpec(layout=build_layout("fixed", num_local_blocks=blocks(12)), layout_block=lb),
+        ),
         (
             "bigbird",
             MaskSpec(
                 layout=build_layout(
-                    "bigbird", num_window_blocks=7, num_global_blocks=2, num_random_blocks=6
+                    "bigbird",
+                    num_window_blocks=blocks(7),
+                    num_global_blocks=blocks(2),
+                    num_random_blocks=blocks(6),
                 ),
                 layout_block=lb,
             ),
@@ -83,11 +125,69 @@ def _cases(args) -> list[tuple[str, MaskSpec]]:
         (
             "longformer",
             MaskSpec(
-                layout=build_layout("longformer", num_window_blocks=21, global_blocks=(0, 1)),
+                layout=build_layout(
+                    "longformer",
+                    num_window_blocks=blocks(21),
+                    global_blocks=tuple(range(blocks(2))),
+                ),
                 layout_block=lb,
             ),
         ),
     ]
+
+
+def cuda_table(args) -> None:
+    """The same masks on the GPU: dense causal SDPA (flash), the block path and flex attention
+    (compiled) on one plan each, forward+backward times and measured peak memory."""
+    device = torch.device("cuda")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    s, n, d, blk = args.seq, args.heads, args.head_dim, args.block
+    gen = torch.Generator(device=device).manual_seed(0)
+    shape = (args.batch, n, s, d)
+    inputs = [torch.randn(shape, device=device, dtype=dtype, generator=gen) for _ in range(3)]
+    scale = d**-0.5
+
+    def dense(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+    reps = dict(repeats=args.repeats, warmup=args.warmup)
+    dense_t, dense_mem = _time(dense, inputs, **reps), _cuda_peak(dense, inputs)
+    print(
+        f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}: batch {args.batch}, "
+        f"seq {s}, {n} heads x {d}, block {blk}, {args.dtype}; median of {args.repeats} after "
+        f"{args.warmup} warm-up (flex's compile)"
+    )
+    print(f"dense causal SDPA fwd+bwd: {dense_t * 1e3:.2f} ms, peak {_mib(dense_mem)}")
+    print(
+        f"{'mask':<14}{'density':>9}{'path':>7}{'time ms':>10}{'speed-up':>10}"
+        f"{'peak memory':>14}{'vs dense':>10}"
+    )
+    pos = torch.arange(s, device=device)
+    # causal through flex too: flex's own price per score entry against the flash kernel's
+    for name, spec in [("causal (flex)", MaskSpec()), *_cases(args)]:
+        plan = build_block_plan(spec, pos, pos, block_size=blk)
+        density = plan.num_computed * blk * blk / (s * s)
+        _sync(device)
+        start = time.perf_counter()
+        plan.flex_mask = plan_block_mask(plan)  # once per plan (the model caches its plans)
+        _sync(device)
+        print(f"{name}: flex BlockMask built in {(time.perf_counter() - start) * 1e3:.2f} ms")
+        paths = {
+            "block": lambda q, k, v, p=plan: block_sparse_attention(q, k, v, [p], scale=scale),
+            "flex": lambda q, k, v, p=plan: flex_plan_attention(q, k, v, [p], scale=scale),
+        }
+        if spec.layout is None and spec.window is None:
+            del paths["block"]  # dense through the block path: not a contender
+        for path, fn in paths.items():
+            try:
+                t, mem = _time(fn, inputs, **reps), _cuda_peak(fn, inputs)
+            except Exception as e:  # noqa: BLE001 - one path's failure is a row
+                print(f"{name:<14}{100 * density:>8.1f}%{path:>7}  failed: {type(e).__name__}: {e}")
+                continue
+            print(
+                f"{name:<14}{100 * density:>8.1f}%{path:>7}{t * 1e3:>10.2f}{dense_t / t:>9.1f}x"
+                f"{_mib(mem):>14}{dense_mem / mem:>9.1f}x"
+            )
 
 
 def main() -> None:
@@ -102,6 +202,10 @@ def main() -> None:
     p.add_argument("--long", type=int, default=0, help="also a causal run of this length")
     p.add_argument("--long-window", type=int, default=1024)
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help="cuda only")
+    p.add_argument("--batch", type=int, default=1, help="cuda only (CPU: one sequence)")
+    p.add_argument("--warmup", type=int, default=2, help="cuda only: untimed passes first")
     p.add_argument(
         "--clock",
         choices=sorted(CLOCKS),
@@ -112,6 +216,8 @@ def main() -> None:
     if args.tiny:
         args.seq, args.window, args.block, args.heads, args.head_dim = 512, 32, 32, 2, 16
         args.repeats, args.long = 1, 0
+    if args.device == "cuda":
+        return cuda_table(args)
     torch.set_num_threads(args.threads)
     s, n, d, blk = args.seq, args.heads, args.head_dim, args.block
     gen = torch.Generator().manual_seed(0)

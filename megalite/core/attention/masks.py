@@ -102,6 +102,7 @@ class BlockPlan:
     full: torch.Tensor | None = None
     band: int | None = None
     _calls: dict[int, list[BlockCall]] = field(default_factory=dict)
+    flex_mask: object | None = None  # flex_sparse's BlockMask of this plan, built at first use
 
     @property
     def num_computed(self) -> int:
