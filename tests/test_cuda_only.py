@@ -140,8 +140,18 @@ def _flex_cases(s: int):
     }
 
 
-@pytest.mark.parametrize("name", ["window", "bigbird", "longformer", "documents+window"])
-def test_flex_plan_attention_equals_the_block_path_on_cuda(name):
+@pytest.mark.parametrize(
+    "name, block",
+    [
+        ("window", 128),
+        ("bigbird", 128),
+        ("longformer", 128),
+        ("documents+window", 128),
+        ("window", 64),  # 64-token plans run on flex's 128-token blocks, grouped
+        ("documents+window", 64),
+    ],
+)
+def test_flex_plan_attention_equals_the_block_path_on_cuda(name, block):
     """Compiled flex attention on a plan's BlockMask (sequence 1000: not a multiple of the block)
     gives the block path's output and grads in fp32."""
     from megalite.core.attention.block_sparse import block_sparse_attention
@@ -151,7 +161,7 @@ def test_flex_plan_attention_equals_the_block_path_on_cuda(name):
     s = 1000
     spec, docs = _flex_cases(s)[name]
     pos = torch.arange(s, device="cuda")
-    plan = build_block_plan(spec, pos, pos, block_size=128, q_doc=docs, k_doc=docs)
+    plan = build_block_plan(spec, pos, pos, block_size=block, q_doc=docs, k_doc=docs)
     results = []
     for attend in (flex_plan_attention, block_sparse_attention):
         q, k, v = (t.requires_grad_() for t in _qkv(b=1, s=s, dtype=torch.float32))

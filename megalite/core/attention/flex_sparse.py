@@ -9,14 +9,17 @@ kernel visits the blocks the block path computes and no others. On CUDA the kern
 ``torch.compile``'d flex attention (Triton, forward and backward fused, no gathered K/V); on CPU
 flex runs eagerly (a dense reference: correct, not fast), which is how CI checks it. The block
 path (``block_sparse``) stays the reference and the context-parallel ring's kernel: this path
-returns no log-sum-exp to merge. The plan's block size is flex's sparse block size: on CUDA it
-must be a multiple of the kernel's tiles (128 is flex's own default).
+returns no log-sum-exp to merge. flex's sparse block must be a multiple of its kernel's tiles
+(128): a plan of such blocks is handed over as it is, a plan of smaller blocks that divide 128
+(the default 64) with its blocks grouped by 128 (``coarsen``: a group is visited when any of its
+blocks is, and masked entry by entry unless all of them are full).
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
+from dataclasses import replace
 
 import torch
 
@@ -36,14 +39,61 @@ def flex_available() -> bool:
 FLEX_BLOCK_MULTIPLE = 128
 
 
+def flex_block(block_size: int) -> int | None:
+    """flex's sparse block for a plan of ``block_size`` tokens: the block itself when it is a
+    multiple of ``FLEX_BLOCK_MULTIPLE``, that multiple when the block divides it (the plan's
+    blocks grouped, ``coarsen``), else None (flex cannot run the plan)."""
+    if block_size % FLEX_BLOCK_MULTIPLE == 0:
+        return block_size
+    return FLEX_BLOCK_MULTIPLE if FLEX_BLOCK_MULTIPLE % block_size == 0 else None
+
+
 def flex_serves(q: torch.Tensor, plans: list[BlockPlan]) -> bool:
     """Whether ``flex_plan_attention`` runs ``plans`` here: CUDA, flex present, and every plan's
-    block a multiple of ``FLEX_BLOCK_MULTIPLE`` (``--attention-block-size``); else the block path
-    does (CPU, where flex has no fused kernel and no backward)."""
+    block a multiple or a divisor of ``FLEX_BLOCK_MULTIPLE`` (``--attention-block-size``); else
+    the block path does (CPU, where flex has no fused kernel and no backward)."""
     return (
-        q.is_cuda
-        and flex_available()
-        and all(p.block_size % FLEX_BLOCK_MULTIPLE == 0 for p in plans)
+        q.is_cuda and flex_available() and all(flex_block(p.block_size) is not None for p in plans)
+    )
+
+
+def _group(x: torch.Tensor, f: int, rows: int, cols: int) -> torch.Tensor:
+    """bool # [nq, nk] padded with False to [rows * f, cols * f] -> # [rows, f, cols, f]."""
+    out = x.new_zeros(rows * f, cols * f)
+    out[: x.shape[0], : x.shape[1]] = x
+    return out.view(rows, f, cols, f)
+
+
+def coarsen(plan: BlockPlan, block: int) -> BlockPlan:
+    """``plan`` at blocks of ``block`` tokens (a multiple of its own): a block is computed when
+    any of its sub-blocks is and needs no mask when all of them need none; positions and
+    documents padded to whole blocks (flex evaluates the entry predicate up to a block's end).
+    The same mask: only whole blocks more are visited, each masked entry by entry."""
+    f = block // plan.block_size
+    if f == 1:
+        return plan
+    nq, nk = -(-plan.sq // block), -(-plan.sk // block)
+    blocks = _group(plan.blocks, f, nq, nk).any(3).any(1)
+    full = None
+    if plan.full is not None:
+        full = _group(plan.full, f, nq, nk).all(3).all(1)
+
+    def pad(x, n, fill):
+        return None if x is None else torch.cat((x, x.new_full((n - x.shape[0],), fill)))
+
+    return replace(
+        plan,
+        block_size=block,
+        q_pos=pad(plan.q_pos, nq * block, -1),
+        k_pos=pad(plan.k_pos, nk * block, -1),
+        q_doc=pad(plan.q_doc, nq * block, -1),
+        k_doc=pad(plan.k_doc, nk * block, -2),
+        blocks=blocks,
+        groups=[],
+        full=full,
+        band=None,
+        _calls={},
+        flex_mask=None,
     )
 
 
@@ -58,11 +108,13 @@ def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts[None, None], indices[None, None]
 
 
-def plan_block_mask(plan: BlockPlan):
-    """The ``BlockMask`` of ``plan``: its partial blocks with the plan's entry predicate, its
-    full blocks unmasked, every other block skipped."""
+def plan_block_mask(plan: BlockPlan, block: int | None = None):
+    """The ``BlockMask`` of ``plan`` at flex blocks of ``block`` tokens (default: the plan's
+    own; a multiple of it: ``coarsen``): its partial blocks with the plan's entry predicate,
+    its full blocks unmasked, every other block skipped."""
     from torch.nn.attention.flex_attention import BlockMask
 
+    plan = coarsen(plan, block or plan.block_size)
     full = plan.full if plan.full is not None else torch.zeros_like(plan.blocks)
     partial = plan.blocks & ~full
     counts, indices = _ordered(partial)
@@ -116,7 +168,7 @@ def flex_plan_attention(
     for i, plan in enumerate(plans):
         sl = slice(None) if len(plans) == 1 else slice(i, i + 1)
         if plan.flex_mask is None:  # kept with the plan: a cached plan's mask is built once
-            plan.flex_mask = plan_block_mask(plan)
+            plan.flex_mask = plan_block_mask(plan, flex_block(plan.block_size))
         out = _flex(q[sl], k[sl], v[sl], plan.flex_mask, scale)
         outs.append(out)
     return outs[0] if len(outs) == 1 else torch.cat(outs)
