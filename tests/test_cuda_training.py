@@ -1,5 +1,5 @@
 """One-GPU training with nccl, in process: each family at each ZeRO rung, the offloaded optimizer,
-MoE and the unfused kernels, each run compared with the same model trained on CPU in fp32.
+MoE, the unfused kernels and a sliding window (flex attention), each run compared with the same model trained on CPU in fp32.
 
 Every case runs ``pretrain()`` (the job pretrain_gpt.py runs) on a world of one over nccl, in bf16
 (megalite's mixed precision: fp32 masters), on mock data, and its per-iteration losses must match
@@ -46,6 +46,8 @@ FAMILIES = {
     "gpt2": [],
     "llama": LLAMA,
     "moe": [*LLAMA, *"--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2".split()],
+    # a sliding window: on CUDA through compiled flex attention (64-token blocks grouped by 128)
+    "llama-window": [*LLAMA, "--window-size", "100,0"],
 }
 RUNGS = {
     "no_shard": [],
@@ -73,6 +75,7 @@ RUNS["moe-allgather-zero1"] = (
     "--moe-token-dispatcher-type allgather --use-distributed-optimizer".split(),
 )
 RUNS["gpt2-unfused"] = ("gpt2", ["--no-fused-kernels"])
+RUNS["llama-window"] = ("llama-window", [])
 
 needs_device = pytest.mark.skipif(
     DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU"
