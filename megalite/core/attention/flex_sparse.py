@@ -26,6 +26,7 @@ import torch
 from megalite.core.attention.masks import BlockPlan
 
 
+@functools.cache
 def flex_available() -> bool:
     """Whether this torch has flex attention (2.5 and later)."""
     try:
