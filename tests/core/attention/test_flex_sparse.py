@@ -92,3 +92,31 @@ def test_small_blocks_grouped_for_flex(case, block):
     with torch.no_grad():
         got = flex_plan_attention(q, k, v, [plan], scale=0.3)
     torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_model_takes_flex_where_it_serves(monkeypatch, family):
+    """The model's windowed and block-sparse layers through flex (forced on here, as on CUDA)
+    give the block path's logits: the plans, GQA's expanded heads and the scale reach flex as
+    they reach the block path (forward only: flex has no CPU backward)."""
+    from megalite.core.parallel_state import ParallelState
+    from megalite.models import attention as attention_module
+    from megalite.models.gpt import GPTModel
+    from tests.models.helpers import make_batch, make_config
+
+    config = make_config(family, num_layers=2, window_size=(37, 0), seq_length=200)
+    torch.manual_seed(0)
+    model = GPTModel(config, ParallelState.single()).eval()
+    tokens, _, _ = make_batch(config, batch=2)
+    with torch.no_grad():
+        want = model(tokens, None)
+        taken = []
+
+        def serves(q, plans):
+            taken.append(len(plans))
+            return True
+
+        monkeypatch.setattr(attention_module, "flex_serves", serves)
+        got = model(tokens, None)
+    assert len(taken) == config.num_layers
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
