@@ -1,5 +1,6 @@
 """One-GPU training with nccl, in process: each family at each ZeRO rung, the offloaded optimizer,
-MoE, the unfused kernels and a sliding window (flex attention), each run compared with the same model trained on CPU in fp32.
+MoE, the unfused kernels and a sliding window (flex attention), each run compared with the same
+model trained on CPU in fp32.
 
 Every case runs ``pretrain()`` (the job pretrain_gpt.py runs) on a world of one over nccl, in bf16
 (megalite's mixed precision: fp32 masters), on mock data, and its per-iteration losses must match
