@@ -132,15 +132,33 @@ def _forward_step(it, model):
     return out, lambda o: (torch.nn.functional.mse_loss(o, y), {})
 
 
-def _megalite(schedule, v, chunks, p2p, m, rank, pp, timeline=None):
+@functools.lru_cache(maxsize=4)
+def _pairs(m):
+    """The micro-batches as (input, target) pairs, made once: a step only iterates them."""
     xs, ys = _data(m)
-    forward_step = _forward_step
-    its = [iter(list(zip(xs, ys))) for _ in chunks]
+    return tuple(zip(xs, ys))
+
+
+_WRAPPED: dict[int, tuple[list, list]] = {}
+
+
+def _wrapped(chunks) -> list[ModelChunk]:
+    """``chunks`` as ModelChunk wrappers, built once per list (a trainer builds them once, not
+    in every step; the wrappers are the bench's, not the executor's, work)."""
+    kept = _WRAPPED.get(id(chunks))
+    if kept is None or kept[0] is not chunks:
+        kept = (chunks, [ModelChunk(chunk, index=c) for c, chunk in enumerate(chunks)])
+        _WRAPPED[id(chunks)] = kept
+    return kept[1]
+
+
+def _megalite(schedule, v, chunks, p2p, m, rank, pp, timeline=None):
+    pairs = _pairs(m)
     forward_backward_pipelining(
         schedule=schedule,
-        forward_step_func=forward_step,
-        data_iterator=its,
-        model=[ModelChunk(chunk, index=c) for c, chunk in enumerate(chunks)],
+        forward_step_func=_forward_step,
+        data_iterator=[iter(pairs) for _ in chunks],
+        model=_wrapped(chunks),
         num_microbatches=m,
         p2p=p2p,
         pp_rank=rank,
