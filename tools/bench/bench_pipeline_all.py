@@ -139,26 +139,20 @@ def _pairs(m):
     return tuple(zip(xs, ys))
 
 
-_WRAPPED: dict[int, tuple[list, list]] = {}
-
-
 def _wrapped(chunks) -> list[ModelChunk]:
-    """``chunks`` as ModelChunk wrappers, built once per list (a trainer builds them once, not
-    in every step; the wrappers are the bench's, not the executor's, work)."""
-    kept = _WRAPPED.get(id(chunks))
-    if kept is None or kept[0] is not chunks:
-        kept = (chunks, [ModelChunk(chunk, index=c) for c, chunk in enumerate(chunks)])
-        _WRAPPED[id(chunks)] = kept
-    return kept[1]
+    """The stage modules as the schedules take them, built once per model (as a trainer does),
+    not in each timed step: the wrappers are the bench's work, not the executor's."""
+    return [ModelChunk(chunk, index=c) for c, chunk in enumerate(chunks)]
 
 
-def _megalite(schedule, v, chunks, p2p, m, rank, pp, timeline=None):
+def _megalite(schedule, v, model, p2p, m, rank, pp, timeline=None):
+    """One step of megalite's ``schedule`` over ``model`` (``_wrapped`` chunks)."""
     pairs = _pairs(m)
     forward_backward_pipelining(
         schedule=schedule,
         forward_step_func=_forward_step,
-        data_iterator=[iter(pairs) for _ in chunks],
-        model=_wrapped(chunks),
+        data_iterator=[iter(pairs) for _ in model],
+        model=model,
         num_microbatches=m,
         p2p=p2p,
         pp_rank=rank,
@@ -233,7 +227,8 @@ def _worker(rank, pp, m, steps, init_file, timeline_dir, q, quick=False):
         n = BLOCKS // layout.num_stages
         chunks = [Chunk(n, layout.stage(rank, c) == 0) for c in range(layout.num_chunks)]
         p2p = P2PCommunicator(**_p2p_kwargs(rank, pp))
-        args = (schedule, v, chunks, p2p, m, rank, pp)
+        model = _wrapped(chunks)
+        args = (schedule, v, model, p2p, m, rank, pp)
         try:
             step = _torch_step(schedule, v, chunks, m, rank, pp)
             _once(step, chunks)  # torch's first step, where its class refuses what it cannot run
@@ -246,7 +241,7 @@ def _worker(rank, pp, m, steps, init_file, timeline_dir, q, quick=False):
         tl = Timeline()
         dist.barrier()
         base = time.perf_counter()
-        _megalite(schedule, v, chunks, p2p, m, rank, pp, timeline=tl)
+        _megalite(schedule, v, model, p2p, m, rank, pp, timeline=tl)
         end = time.perf_counter()
         spans = [[label, s - base, e - base] for label, s, e in tl.spans]
         gathered = [None] * pp
@@ -256,7 +251,7 @@ def _worker(rank, pp, m, steps, init_file, timeline_dir, q, quick=False):
             repeats = 1 if quick else 3
             n = len(with_p2p(generate(schedule, pp_size=pp, num_microbatches=m), layout)[rank])
             clocked = ClockedP2P(**_p2p_kwargs(rank, pp))
-            timed = (schedule, v, chunks, clocked, m, rank, pp)
+            timed = (schedule, v, model, clocked, m, rank, pp)
             _megalite(*timed)  # resolves the plan, fills the buffer pool, checks the neighbours
             cpu = executor_cpu_per_action(
                 lambda tl, a=timed: _megalite(*a, timeline=tl), n, clocked, repeats=repeats
@@ -264,7 +259,7 @@ def _worker(rank, pp, m, steps, init_file, timeline_dir, q, quick=False):
             # the same with one multiply per stage: the executor's Python with warm caches
             tiny = [OneParameter(layout.stage(rank, 0) == 0)]
             clocked_tiny = ClockedP2P(**_p2p_kwargs(rank, pp))
-            warm = (schedule, v, tiny, clocked_tiny, m, rank, pp)
+            warm = (schedule, v, _wrapped(tiny), clocked_tiny, m, rank, pp)
             _megalite(*warm)
             cpu_tiny = executor_cpu_per_action(
                 lambda tl, a=warm: _megalite(*a, timeline=tl), n, clocked_tiny, repeats=repeats

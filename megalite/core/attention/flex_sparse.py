@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import torch
 
-from megalite.core.attention.masks import BlockPlan
+from megalite.core.attention.masks import BlockPlan, pad_end
 
 
 @functools.cache
@@ -79,16 +79,17 @@ def coarsen(plan: BlockPlan, block: int) -> BlockPlan:
     if plan.full is not None:
         full = _group(plan.full, f, nq, nk).all(3).all(1)
 
-    def pad(x, n, fill):
-        return None if x is None else torch.cat((x, x.new_full((n - x.shape[0],), fill)))
-
+    docs = {}
+    if plan.q_doc is not None:
+        docs = dict(
+            q_doc=pad_end(plan.q_doc, nq * block, -1), k_doc=pad_end(plan.k_doc, nk * block, -2)
+        )
     return replace(
         plan,
         block_size=block,
-        q_pos=pad(plan.q_pos, nq * block, -1),
-        k_pos=pad(plan.k_pos, nk * block, -1),
-        q_doc=pad(plan.q_doc, nq * block, -1),
-        k_doc=pad(plan.k_doc, nk * block, -2),
+        q_pos=pad_end(plan.q_pos, nq * block, -1),
+        k_pos=pad_end(plan.k_pos, nk * block, -1),
+        **docs,
         blocks=blocks,
         groups=[],
         full=full,
@@ -119,7 +120,7 @@ def plan_block_mask(plan: BlockPlan, block: int | None = None):
     full = plan.full if plan.full is not None else torch.zeros_like(plan.blocks)
     partial = plan.blocks & ~full
     counts, indices = _ordered(partial)
-    full_counts, full_indices = _ordered(full & plan.blocks)
+    full_counts, full_indices = _ordered(full)  # a plan's full blocks are among its blocks
 
     def mask_mod(b, h, q_idx, kv_idx):
         return plan.allowed(q_idx, kv_idx)

@@ -169,7 +169,8 @@ def _token_allowed(plan: BlockPlan, qp, kp, qi, ki) -> torch.Tensor:
     return ok
 
 
-def _pad(x: torch.Tensor, n: int, fill: int) -> torch.Tensor:
+def pad_end(x: torch.Tensor, n: int, fill: int) -> torch.Tensor:
+    """``x`` # [m] extended to # [n] with ``fill`` (positions and documents to whole blocks)."""
     return torch.cat((x, x.new_full((n - x.shape[0],), fill)))
 
 
@@ -210,10 +211,10 @@ def build_block_plan(
         raise ValueError("q_doc and k_doc must be given together")
     b, sq, sk = block_size, q_pos.shape[0], k_pos.shape[0]
     nq, nk = -(-sq // b), -(-sk // b)
-    qp, kp = _pad(q_pos.long(), nq * b, -1), _pad(k_pos.long(), nk * b, -1)
+    qp, kp = pad_end(q_pos.long(), nq * b, -1), pad_end(k_pos.long(), nk * b, -1)
     qd = kd = None
     if q_doc is not None:
-        qd, kd = _pad(q_doc.long(), nq * b, -1), _pad(k_doc.long(), nk * b, -2)
+        qd, kd = pad_end(q_doc.long(), nq * b, -1), pad_end(k_doc.long(), nk * b, -2)
     layout = None
     if spec.layout is not None:
         span = int(max(q_pos.max(), k_pos.max())) + 1
