@@ -1,12 +1,12 @@
 """jsonl -> Megatron indexed datasets, the work behind ``tools/preprocess_data.py``.
 
 The input (``.jsonl``, ``.json`` lines or ``.jsonl.gz``) is read in chunks of lines; chunks are
-tokenised in ``workers`` processes (in the main process when workers == 1) with at most
-``4 * workers`` chunks in flight, and written in input order, so memory stays bounded whatever the
-input size and any worker count gives the same bytes. For each JSON key the output is
-``{output_prefix}_{key}_document.bin/.idx``: one sequence per document, dtype uint16 when the
-vocabulary is under 65,500 ids, else int32. Files are written under temporary names and renamed only
-when everything succeeded.
+tokenised in ``workers`` processes (in the main process when workers == 1; ``ChunkWorkers``: one
+chunk per worker in flight, the workers killed on any exit), and written in input order, so memory
+stays bounded whatever the input size and any worker count gives the same bytes. For each JSON key
+the output is ``{output_prefix}_{key}_document.bin/.idx``: one sequence per document, dtype uint16
+when the vocabulary is under 65,500 ids, else int32. Files are written under temporary names and
+renamed only when everything succeeded.
 
 ``sentence_splitter`` (``--split-sentences``, ``sentence_split.PunktSplitter``): each document's
 text is split into sentences, each sentence is one sequence of its document (empty ones dropped;
@@ -24,25 +24,21 @@ from __future__ import annotations
 import gzip
 import json
 import logging
-import multiprocessing as mp
 import os
-import signal
 import time
 import zlib
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
 
+from megalite.data.chunk_workers import ChunkWorkers
 from megalite.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
 from megalite.data.tokenizer_base import Tokenizer
 from megalite.errors import UserError, check_writable_dir, path_problem, read_error
 
 logger = logging.getLogger(__name__)
-
-_WORKER_STATE: dict = {}  # the tokenizer of a pool worker process (set by its initializer)
 
 
 class PreprocessError(UserError, ValueError):
@@ -108,15 +104,10 @@ def _read_chunks(
         raise read_error(path, e, line=number) from None
 
 
-def _init_worker(tokenizer: Tokenizer) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends the pool
-    # Pool.terminate() must end this worker, whatever SIGTERM handler the parent had set
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _WORKER_STATE["tokenizer"] = tokenizer
-
-
-def _tokenize_chunk_in_worker(first_line: int, lines: list[bytes], **kwargs) -> _ChunkResult:
-    return tokenize_chunk(_WORKER_STATE["tokenizer"], first_line, lines, **kwargs)
+def _tokenize_in_worker(state: tuple, chunk: tuple) -> _ChunkResult:
+    tokenizer, task = state
+    first_line, lines = chunk
+    return tokenize_chunk(tokenizer, first_line, lines, **task)
 
 
 def tokenize_chunk(
@@ -287,7 +278,6 @@ def preprocess_jsonl(
     dtype = optimal_dtype(tokenizer.vocab_size)
     stats = PreprocessStats()
     builders: dict[str, IndexedDatasetBuilder] = {}
-    pool = None
     start = time.perf_counter()
     next_log = log_interval
     try:
@@ -316,26 +306,15 @@ def preprocess_jsonl(
         if workers == 1:
             for first, lines in chunks:
                 handle(tokenize_chunk(tokenizer, first, lines, **task))
-        else:
-            pool = mp.Pool(workers, initializer=_init_worker, initargs=(tokenizer,))
-            pending: deque = deque()
-            for first, lines in chunks:
-                pending.append(pool.apply_async(_tokenize_chunk_in_worker, (first, lines), task))
-                if len(pending) >= 4 * workers:
-                    handle(pending.popleft().get())
-            while pending:
-                handle(pending.popleft().get())
-            pool.close()
-            pool.join()
-            pool = None
+        else:  # any exit of the with kills the workers: nothing waits on them
+            with ChunkWorkers(workers, _tokenize_in_worker, (tokenizer, task)) as pool:
+                for result in pool.map(chunks):
+                    handle(result)
         for b in builders.values():
             b.finalize()
         for b in builders.values():
             b.commit()
     except BaseException as e:
-        if pool is not None:
-            pool.terminate()
-            pool.join()
         for b in builders.values():
             b.abort()
         if isinstance(e, OSError):  # writing the outputs (reading errors are UserErrors already)
