@@ -8,7 +8,9 @@ CUDA). Each test states which kernel must serve, and fails if a silent fallback 
 - the offloaded ZeRO step (host masters, device grads copied with ``non_blocking``) on a world of
   one with nccl gives the same params as the all-on-device step;
 - activation offload (pinned host copies on a side stream, reloaded with a prefetch of the next
-  layer) gives bitwise the loss and grads of the run without it, twice in a row.
+  layer) gives bitwise the loss and grads of the run without it, twice in a row;
+- the inner AdamW over CUDA masters is torch's fused kernel (unsharded and ZeRO-1), and trains to
+  the losses of the default (foreach) AdamW.
 """
 
 from __future__ import annotations
@@ -92,6 +94,35 @@ def test_offloaded_step_equals_the_device_step_on_cuda():
     assert len(plain) == 3
     for a, b in zip(off, plain):
         assert abs(a - b) <= 1e-5 * abs(b), (off, plain)
+
+
+@pytest.mark.parametrize("flags", [(), ("--use-distributed-optimizer",)], ids=["plain", "zero1"])
+def test_adamw_on_cuda_masters_is_fused_and_trains_as_the_default(monkeypatch, flags):
+    from megalite.core.optimizer import builders
+    from megalite.core.parallel_state import ParallelState, init_single_process
+    from megalite.training.forward_step import make_forward_step
+    from megalite.training.pretrain import build_run
+    from tests.training.common import config
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    if not torch.distributed.is_initialized():
+        init_single_process(device)
+    ps = ParallelState.single(device)
+
+    def run() -> tuple[list[bool], list[float]]:
+        cfg = config("--train-iters", "4", "--device", "cuda", *flags)
+        r = build_run(cfg, ps, device, seed_rng=False, resume=False)
+        fused = [bool(g.get("fused")) for g in r.trainer.optimizer.optimizer.param_groups]
+        return fused, r.trainer.train(make_forward_step(device), r.train_iter).losses
+
+    fused, losses = run()
+    monkeypatch.setattr(builders, "fused_adam_serves", lambda groups: False)
+    default, expected = run()
+    assert fused and all(fused), fused
+    assert not any(default), default
+    assert len(losses) == 4
+    for a, b in zip(losses, expected):
+        assert abs(a - b) <= 1e-5 * abs(b), (losses, expected)
 
 
 def test_activation_offload_on_cuda_equals_no_offload():
