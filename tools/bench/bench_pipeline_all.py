@@ -11,13 +11,16 @@ run), and the simulator's prediction from costs profiled in the same run:
   latency from a ping-pong, the executor's time per action (``executor_cpu_per_action``: the main
   thread's CPU time outside compute and receive waits in 1F1B steps, mean over ranks, and its parts:
   the backend's posting calls, the send waits, the timeline's bookkeeping, the executor's own; the
-  same with a one-multiply model, whose caches stay warm, gives the executor's Python alone), and
-  the cores the ranks really get (every rank computing for one wall-clock window; PP 4 on a
+  same with a one-multiply model, whose caches stay warm, gives the executor's Python alone),
+  the CPU the backend's threads spend per message in those steps (gloo moves the bytes on a
+  socket loop thread of each end's process: ``Costs.transfer_cpu``), and the cores the ranks
+  really get (every rank computing for one wall-clock window; PP 4 on a
   2-core machine shares them, and loses some of them to switching between its ranks);
 - "predicted" replays each schedule's action list with those costs and that core sharing
   (``simulate(..., cores=c)``; with more ranks than cores, ``cores`` = the machine's and
   ``oversubscribed`` = the measured cores over the machine's: the speed a rank keeps of its
-  share while more ranks than cores are runnable): its step over the predicted 1F1B step is
+  share while more ranks than cores are runnable; each message's thread work then takes its
+  share of the cores beside the ranks): its step over the predicted 1F1B step is
   printed beside the MEASURED step over the measured 1F1B step, so "faster than 1F1B by about
   what the simulator predicts" is checked on this machine;
 - "one core per rank" replays the same lists with the same F / I / W and p2p but a core (a
@@ -67,6 +70,7 @@ CASES = [
     ("zbv", 2),
     ("dualpipev", 2),
 ]
+MESSAGES = ("SEND_F", "SEND_B", "RECV_F", "RECV_B")
 TORCH_CLASS = {
     "1f1b": "Schedule1F1B",
     "gpipe": "ScheduleGPipe",
@@ -249,12 +253,17 @@ def _worker(rank, pp, m, steps, init_file, timeline_dir, q, quick=False):
         out[schedule] = (ours, theirs, [g[0] for g in gathered], [g[1] for g in gathered])
         if schedule == "1f1b":  # the executor's CPU per action and its parts, mean over ranks
             repeats = 1 if quick else 3
-            n = len(with_p2p(generate(schedule, pp_size=pp, num_microbatches=m), layout)[rank])
+            actions = with_p2p(generate(schedule, pp_size=pp, num_microbatches=m), layout)[rank]
+            n, messages = len(actions), sum(a.op in MESSAGES for a in actions)
             clocked = ClockedP2P(**_p2p_kwargs(rank, pp))
             timed = (schedule, v, model, clocked, m, rank, pp)
             _megalite(*timed)  # resolves the plan, fills the buffer pool, checks the neighbours
             cpu = executor_cpu_per_action(
-                lambda tl, a=timed: _megalite(*a, timeline=tl), n, clocked, repeats=repeats
+                lambda tl, a=timed: _megalite(*a, timeline=tl),
+                n,
+                clocked,
+                repeats=repeats,
+                num_messages=messages,
             )
             # the same with one multiply per stage: the executor's Python with warm caches
             tiny = [OneParameter(layout.stage(rank, 0) == 0)]
@@ -269,6 +278,7 @@ def _worker(rank, pp, m, steps, init_file, timeline_dir, q, quick=False):
             profile["cpu"] = [float(x) for x in mean[: len(cpu)]]
             profile["cpu_tiny"] = [float(x) for x in mean[len(cpu) :]]
             profile["per_action"] = profile["cpu"][0]
+            profile["transfer_cpu"] = profile["cpu"][6]
     if rank == 0:
         q.put((out, profile))
     dist.destroy_process_group()
@@ -469,15 +479,16 @@ def run_all(
         f"{profile['measured_cores']:.2f}; a rank's speed while more ranks than cores run: "
         f"{profile['oversubscribed']:.2f} of its share)"
     )
-    outside, posting, send_waits, spans, clocking, own = (x * 1e6 for x in profile["cpu"])
-    _, posting_warm, _, _, _, own_warm = (x * 1e6 for x in profile["cpu_tiny"])
+    outside, posting, send_waits, spans, clocking, own, threads = (x * 1e6 for x in profile["cpu"])
+    _, posting_warm, _, _, _, own_warm, _ = (x * 1e6 for x in profile["cpu_tiny"])
     print(
         f"executor CPU per action (1F1B, mean over ranks): {outside:.1f} us outside compute and "
         f"receive waits (the simulator's per-action cost; the model's whole F / B, autograd "
         f"set-up and graph release included, lie inside the compute spans) = posting "
         f"{posting:.1f} (the backend's send and recv calls) + send waits {send_waits:.1f} + "
         f"timeline bookkeeping {spans:.1f} + clocking {clocking:.1f} (both measuring only) + the "
-        f"executor's own {own:.1f} us"
+        f"executor's own {own:.1f} us; beside it the backend's threads: {threads:.1f} us of CPU "
+        f"per message at each end (the simulator's transfer CPU, charged where ranks share cores)"
     )
     print(
         f"  with a one-multiply model (caches warm between actions): the executor's own "
@@ -493,7 +504,12 @@ def run_all(
         layout = layout_of(schedule, pp, v)
         st = profile["stages"][layout.num_stages]
         for into, stage_costs in ((sims, profile["together"]), (sims_alone, profile["stages"])):
-            costs = Costs(stages=stage_costs[layout.num_stages], p2p=latency, per_action=per_action)
+            costs = Costs(
+                stages=stage_costs[layout.num_stages],
+                p2p=latency,
+                per_action=per_action,
+                transfer_cpu=profile["transfer_cpu"],
+            )
             into[schedule] = simulate(
                 lists[(schedule, v)],
                 layout,

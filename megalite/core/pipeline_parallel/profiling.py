@@ -203,7 +203,10 @@ class ExecutorCpu(NamedTuple):
     ``timeline`` (the spans' own bookkeeping) and ``clocking`` (``ClockedP2P``'s wrappers around
     the posting calls and send waits, outside their clock reads), both there only while
     measuring, and ``own``: the rest, the executor's own work between compute and communication
-    (its Python, and the cache misses it meets after a compute)."""
+    (its Python, and the cache misses it meets after a compute). Apart from those, per message
+    (a send or a receive) rather than per action: ``threads``, the CPU of the process's other
+    threads over the step (the backend's: gloo moves every message's bytes on its socket loop
+    thread; the simulator's ``Costs.transfer_cpu``)."""
 
     outside: float
     posting: float
@@ -211,6 +214,7 @@ class ExecutorCpu(NamedTuple):
     timeline: float
     clocking: float
     own: float
+    threads: float = 0.0
 
 
 def _span_cost(spans: int = 200) -> float:
@@ -267,11 +271,18 @@ def _clocking_cost(calls: int = 2000) -> tuple[float, float]:
 
 
 def executor_cpu_per_action(
-    step: Callable[[Timeline], object], num_actions: int, p2p: ClockedP2P, *, repeats: int = 3
+    step: Callable[[Timeline], object],
+    num_actions: int,
+    p2p: ClockedP2P,
+    *,
+    repeats: int = 3,
+    num_messages: int = 0,
 ) -> ExecutorCpu:
     """``executor_seconds_per_action`` split into its parts: ``step(timeline)`` runs one step of
     the executor over ``p2p`` recording into ``timeline``; each part is the median over
-    ``repeats`` steps, per action; ``own`` is what the others leave of ``outside``."""
+    ``repeats`` steps, per action; ``own`` is what the others leave of ``outside``.
+    ``num_messages``: the sends and receives among the actions (``threads`` is per message; 0:
+    not measured)."""
     if repeats < 1 or num_actions < 1:
         raise ValueError(
             f"executor_cpu_per_action: repeats ({repeats}) and num_actions ({num_actions}) "
@@ -279,14 +290,15 @@ def executor_cpu_per_action(
         )
     per_span = _span_cost()
     per_post, per_wait = _clocking_cost()
-    parts: list[tuple[float, float, float, float, float]] = []
+    parts: list[tuple[float, float, float, float, float, float]] = []
     for _ in range(repeats):
         p2p.posting_seconds = p2p.send_wait_seconds = 0.0
         p2p.clocked_posts = p2p.clocked_waits = 0
         timeline = Timeline(clock=time.thread_time)
-        start = time.thread_time()
+        start, process = time.thread_time(), time.process_time()
         step(timeline)
         total = time.thread_time() - start
+        others = time.process_time() - process - total
         inside = sum(end - begin for _, begin, end in timeline.spans)
         parts.append(
             (
@@ -295,13 +307,14 @@ def executor_cpu_per_action(
                 p2p.send_wait_seconds / num_actions,
                 per_span * len(timeline.spans) / num_actions,
                 (per_post * p2p.clocked_posts + per_wait * p2p.clocked_waits) / num_actions,
+                max(0.0, others) / num_messages if num_messages else 0.0,
             )
         )
-    outside, posting, send_waits, spans, clocking = (
-        statistics.median(p[i] for p in parts) for i in range(5)
+    outside, posting, send_waits, spans, clocking, threads = (
+        statistics.median(p[i] for p in parts) for i in range(6)
     )
     own = max(0.0, outside - posting - send_waits - spans - clocking)
-    return ExecutorCpu(outside, posting, send_waits, spans, clocking, own)
+    return ExecutorCpu(outside, posting, send_waits, spans, clocking, own, threads)
 
 
 def gather_stage_costs(

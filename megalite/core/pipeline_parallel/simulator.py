@@ -24,9 +24,11 @@ action can run progress at ``min(1, c / n)`` of their speed (a rank waiting for 
 holds no core), times ``oversubscribed`` while ``n > c`` (the switching between more runnable
 ranks than cores, each refilling its caches: measured, e.g., as the cores all ranks computing at
 once really get over the machine's cores); every action, sends and posted receives included,
-costs ``per_action`` of CPU work on top of its compute. Spans are stretched accordingly, so
-``bubble`` then counts only time a rank could not run, not time it ran slower. ``cores=None``
-(or ``>= pp_size``): one core per rank, the replay above.
+costs ``per_action`` of CPU work on top of its compute, and each message ``transfer_cpu`` at
+either end, run beside the ranks (the backend's threads: a runnable share of the cores from the
+send until that work is done). Spans are stretched accordingly, so ``bubble`` then counts only
+time a rank could not run, not time it ran slower. ``cores=None`` (or ``>= pp_size``): one core
+per rank, the replay above (the backend's threads then run on the cores of ranks that wait).
 
 Activations in flight on a rank: chunk-micro-batches whose forward ran and whose B (or I) has not;
 one unit is one micro-batch's activations of one chunk. After I only what W needs stays (each
@@ -53,6 +55,9 @@ class Costs:
     backward_weight: float | list[float] = 1.0
     p2p: float = 0.0
     per_action: float = 0.0  # executor CPU per action (profiling.executor_seconds_per_action)
+    # CPU the backend's own threads spend per message at each end (gloo's socket loop), taken
+    # from the cores the ranks share; only a replay with ``cores`` charges it
+    transfer_cpu: float = 0.0
     # per global stage (F, I, W); when given it replaces the per-chunk values above
     stages: list[tuple[float, float, float]] | None = None
 
@@ -94,6 +99,7 @@ class Costs:
             p2p=self.p2p,
             per_action=self.per_action,
             stages=stages,
+            transfer_cpu=self.transfer_cpu,
         )
 
 
@@ -258,6 +264,7 @@ def _simulate_shared(
     arrival: dict[tuple[str, int, int], float] = {}
     done: dict[tuple[str, int, int], float] = {}
     t, end_of = 0.0, [0.0] * p
+    threads: list[float] = []  # CPU work left of each message's backend thread work
     scale = max(
         [costs.per_action, costs.p2p, 1e-300]
         + [
@@ -283,6 +290,8 @@ def _simulate_shared(
     def finish(r: int, now: float) -> None:
         a = lists[r][pos[r]]
         s = layout.stage(r, a.chunk)
+        if a.op in ("SEND_F", "SEND_B") and costs.transfer_cpu > 0:
+            threads.extend([costs.transfer_cpu] * 2)  # the sending and the receiving end
         if a.op == "SEND_F":
             arrival[("F", a.microbatch, s + 1)] = done[("F", a.microbatch, s)] + costs.p2p
         elif a.op == "SEND_B":
@@ -331,17 +340,22 @@ def _simulate_shared(
             for x in [ready_at(r)]
             if x is not None and x > t + eps
         ]
-        if not running and not future:
+        if not running and not future and not threads:
             if all(pos[r] >= len(lists[r]) for r in range(p)):
                 break
             stuck = [
                 str(lists[r][pos[r]]) + f"@rank{r}" for r in range(p) if pos[r] < len(lists[r])
             ]
             raise ScheduleDeadlock(f"the action lists cannot proceed: stuck at {', '.join(stuck)}")
-        n = len(running)
+        n = len(running) + len(threads)
         rate = 1.0 if n <= cores else cores / n * crowded
-        dt = min([work[r] / rate for r in running] + [x - t for x in future])
+        dt = min(
+            [work[r] / rate for r in running]
+            + [w / rate for w in threads]
+            + [x - t for x in future]
+        )
         t += dt
+        threads[:] = [left for w in threads if (left := w - dt * rate) > eps]
         for r in running:
             work[r] -= dt * rate
             if work[r] <= eps:
