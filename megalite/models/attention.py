@@ -31,23 +31,17 @@ from megalite.core.attention.masks import BlockPlan, MaskSpec
 from megalite.core.context_parallel import (
     CommStats,
     context_parallel_attention,
-    cp_token_indices,
 )
 from megalite.core.context_parallel.sparse_ring import sparse_ring_attention
 from megalite.core.norms import build_norm
 from megalite.core.parallel_state import ParallelState
 from megalite.core.tensor_parallel.modes import tensor_parallel_mode
 from megalite.core.tensor_parallel.random import RNGStatesTracker, checkpoint
-from megalite.models.attention_mask import block_plans, layer_mask_spec
+from megalite.models.attention_mask import layer_mask_spec
 from megalite.models.common import tp_rng_region, weight_init
 from megalite.models.config import GPTConfig
+from megalite.models.plan_cache import PlanCache
 from megalite.models.rotary import apply_rotary
-
-
-def document_ids_of(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Document ids # [b, s] from a Megatron mask # [b, 1, s, s] (True = hidden, causal
-    included): a token's id is the position of the first key it may read, its document's start."""
-    return (~attention_mask[:, 0]).int().argmax(-1)
 
 
 def causal_mask(s: int, device: torch.device) -> torch.Tensor:
@@ -141,6 +135,7 @@ class SelfAttention(nn.Module):
         layer_number: int,
         rng_tracker: RNGStatesTracker | None,
         device: torch.device | None = None,
+        plan_cache: PlanCache | None = None,
     ):
         super().__init__()
         prefix = f"decoder.layers.{layer_number}.self_attention"
@@ -155,7 +150,8 @@ class SelfAttention(nn.Module):
         self.cp_stats: CommStats | None = None  # set to count the cp traffic (benchmarks, tests)
         self.mask_spec = layer_mask_spec(config, layer_number)  # None: causal (or documents) only
         self.attention_block_size = config.attention_block_size
-        self._plan_cache: dict[tuple, BlockPlan] = {}
+        # block plans, shared with the chunk's other layers (``TransformerBlock``)
+        self.plan_cache = plan_cache if plan_cache is not None else PlanCache()
         common = dict(
             bias=config.add_bias_linear,
             sequence_parallel=config.sequence_parallel,
@@ -212,8 +208,7 @@ class SelfAttention(nn.Module):
             key, value = key.repeat_interleave(k, dim=1), value.repeat_interleave(k, dim=1)
         recompute = self._recompute()
         if self.mask_spec is not None:
-            pos = torch.arange(s, device=x.device)
-            sparse = self._block_sparse(self._plans(pos, pos, attention_mask))
+            sparse = self._block_sparse(self._plans(attention_mask, s, x.device))
             context = self._run_core(sparse, query, key, value)  # [b, n/tp, s, d]
         elif recompute:
             context = checkpoint(
@@ -232,19 +227,23 @@ class SelfAttention(nn.Module):
         return out
 
     def _plans(
-        self, q_pos: torch.Tensor, k_pos: torch.Tensor, attention_mask: torch.Tensor | None
+        self,
+        attention_mask: torch.Tensor | None,
+        s: int,
+        device: torch.device,
+        cp: tuple[int, int, int] | None = None,
     ) -> list[BlockPlan]:
-        """The block plans of this layer's mask (causal when it has none: documents alone) of
-        queries at ``q_pos`` against keys at ``k_pos``; documents from ``attention_mask``. Plans
-        without documents are kept for the next call."""
-        spec = self.mask_spec or MaskSpec()
-        kw = dict(block_size=self.attention_block_size)
-        if attention_mask is not None:
-            return block_plans(spec, q_pos, k_pos, docs=document_ids_of(attention_mask), **kw)
-        key = (q_pos.shape[0], int(q_pos[0]), int(k_pos[0]), k_pos.shape[0], q_pos.device)
-        if key not in self._plan_cache:
-            self._plan_cache[key] = block_plans(spec, q_pos, k_pos, **kw)
-        return self._plan_cache[key]
+        """The block plans of this layer's mask (causal when it has none: documents alone) over
+        a sequence of ``s`` tokens (``cp``: (cp size, query rank, key rank) of the ring);
+        documents from ``attention_mask``. From the chunk's ``PlanCache``."""
+        return self.plan_cache.plans(
+            self.mask_spec or MaskSpec(),
+            attention_mask,
+            block_size=self.attention_block_size,
+            seq_length=s,
+            device=device,
+            cp=cp,
+        )
 
     def _recompute(self) -> bool:
         """Selective recompute of the core attention applies now (training, grads enabled)."""
@@ -287,17 +286,15 @@ class SelfAttention(nn.Module):
         s = query.shape[2] * self.cp_size
         scale = self.core_attention.scale
         if self.cp_comm_type == "a2a":
-            pos = torch.arange(s, device=query.device)
-            sparse = self._block_sparse(self._plans(pos, pos, attention_mask))
+            sparse = self._block_sparse(self._plans(attention_mask, s, query.device))
             return self._all_to_all(query, key, value, sparse)
         if self.cp_comm_type != "p2p":
             raise ValueError(
                 f"cp_comm_type {self.cp_comm_type} has no window, sparse or document mask; use "
                 "cp_comm_type p2p or a2a"
             )
-        q_pos = cp_token_indices(s, self.cp_size, self.cp_rank, query.device)
         plans = [
-            self._plans(q_pos, cp_token_indices(s, self.cp_size, src, query.device), attention_mask)
+            self._plans(attention_mask, s, query.device, cp=(self.cp_size, self.cp_rank, src))
             for src in range(self.cp_size)
         ]
         return sparse_ring_attention(

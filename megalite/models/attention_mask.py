@@ -100,6 +100,12 @@ def check_mask(config) -> None:
         )
 
 
+def document_ids_of(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Document ids # [b, s] from a Megatron mask # [b, 1, s, s] (True = hidden, causal
+    included): a token's id is the position of the first key it may read, its document's start."""
+    return (~attention_mask[:, 0]).int().argmax(-1)
+
+
 def block_plans(
     spec: MaskSpec,
     q_pos: torch.Tensor,

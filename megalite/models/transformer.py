@@ -41,6 +41,7 @@ from megalite.models.attention import SelfAttention
 from megalite.models.common import tp_rng_region
 from megalite.models.config import GPTConfig
 from megalite.models.moe_layer import build_mlp  # MoE or dense, per layer
+from megalite.models.plan_cache import PlanCache
 
 
 def hidden_norm(config: GPTConfig, ps: ParallelState, device: torch.device | None) -> nn.Module:
@@ -69,6 +70,7 @@ class TransformerLayer(nn.Module):
         layer_number: int,
         rng_tracker: RNGStatesTracker | None,
         device: torch.device | None = None,
+        plan_cache: PlanCache | None = None,
     ):
         super().__init__()
         self.layer_number = layer_number
@@ -76,7 +78,12 @@ class TransformerLayer(nn.Module):
         self.rng_tracker = rng_tracker
         self.input_layernorm = hidden_norm(config, ps, device)
         self.self_attention = SelfAttention(
-            config, ps, layer_number=layer_number, rng_tracker=rng_tracker, device=device
+            config,
+            ps,
+            layer_number=layer_number,
+            rng_tracker=rng_tracker,
+            device=device,
+            plan_cache=plan_cache,
         )
         self.pre_mlp_layernorm = hidden_norm(config, ps, device)
         self.mlp = build_mlp(config, ps, layer_number=layer_number, device=device)
@@ -121,9 +128,15 @@ class TransformerBlock(nn.Module):
         self.recompute_granularity = config.recompute_granularity
         self.recompute_method = config.recompute_method
         self.recompute_num_layers = config.recompute_num_layers
+        self.plan_cache = PlanCache()  # the layers' block plans, built once for all of them
         self.layers = nn.ModuleList(
             TransformerLayer(
-                config, ps, layer_number=number, rng_tracker=rng_tracker, device=device
+                config,
+                ps,
+                layer_number=number,
+                rng_tracker=rng_tracker,
+                device=device,
+                plan_cache=self.plan_cache,
             )
             for number in range(start, end)
         )
