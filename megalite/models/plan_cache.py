@@ -1,8 +1,8 @@
 """The block plans of one model chunk's sparse or windowed layers, shared by those layers.
 
-    cache = PlanCache()                      # one per TransformerBlock, handed to its layers
-    plans = cache.plans(spec, attention_mask, block_size=64, seq_length=s)
-    plans = cache.plans(spec, mask, block_size=64, seq_length=s, cp=(cp_size, q_rank, k_rank))
+    cache = PlanCache()                  # one per TransformerBlock, handed to its layers
+    plans = cache.plans(spec, attention_mask, block_size=64, seq_length=s, device=d)
+    plans = cache.plans(spec, mask, block_size=64, seq_length=s, device=d, cp=(cp, q_rank, k_rank))
 
 Layers with the same mask (``MaskSpec``) over the same positions get the same plans, so a plan's
 kernel calls (``BlockPlan.calls``) and its flex ``BlockMask`` are built once, not once per layer.
