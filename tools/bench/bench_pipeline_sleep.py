@@ -12,7 +12,7 @@ plus what real time adds (p2p latency, the executor's own time, late wake-ups on
 Per schedule (1f1b, gpipe, interleaved-1f1b v 2, zb-h1, zb-h1 v 2, zbv, dualpipev), over
 ``--repeats`` interleaved repetitions, median [min, max]:
 
-- predicted / measured step: ``simulator.costs_from_spans`` turns the step's own ``Timeline`` spans
+- predicted / measured step: ``span_costs.costs_from_spans`` turns the step's own ``Timeline`` spans
   into ``Costs`` (mean F / I / W, the executor's time per action), a ping-pong gives the p2p
   latency, and ``simulate`` replays the action lists; the bar is 15%. The same ratio for two wrong
   simulators (one that takes a chunk for a whole stage, one that forgets the weight grads) shows
@@ -49,12 +49,8 @@ from megalite.core.pipeline_parallel.generators import V_SHAPED, generate, layou
 from megalite.core.pipeline_parallel.model_chunk import ModelChunk  # noqa: E402
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator  # noqa: E402
 from megalite.core.pipeline_parallel.profiling import p2p_latency  # noqa: E402
-from megalite.core.pipeline_parallel.simulator import (  # noqa: E402
-    Costs,
-    costs_from_spans,
-    simulate,
-    theory,
-)
+from megalite.core.pipeline_parallel.simulator import Costs, simulate, theory  # noqa: E402
+from megalite.core.pipeline_parallel.span_costs import costs_from_spans  # noqa: E402
 from megalite.core.pipeline_parallel.timeline import LABELS, Timeline  # noqa: E402
 from megalite.core.tensor_parallel.layers import ColumnParallelLinear  # noqa: E402
 
