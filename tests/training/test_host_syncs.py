@@ -55,6 +55,17 @@ def test_no_host_read_outside_the_log_interval(flags, per_step):
     assert counts.get(4, 0) > 0  # the log line does read (the counter sees reads)
 
 
+def test_windowed_attention_reads_nothing_after_its_plans_are_built():
+    """The block plans are a host structure, built in the first iteration; later iterations
+    look them up by Python ints, reading nothing from the device (the lookup was two reads a
+    layer per forward)."""
+    flags = ["--window-size", "5,0", "--attention-block-size", "4", "--attention-dropout", "0"]
+    counts, where = _reads_per_iteration(flags, ParallelState.single())
+    assert counts.get(1, 0) > 0  # the plans' build (the counter sees reads)
+    for it in (2, 3, 5, 6, 7):
+        assert counts.get(it, 0) == 0, (it, where.get(str(it)))
+
+
 def _pipeline_case():
     from tests.mesh import mesh
 
