@@ -278,7 +278,7 @@ def _worker(rank, pp, m, steps, init_file, timeline_dir, q, quick=False):
             profile["cpu"] = [float(x) for x in mean[: len(cpu)]]
             profile["cpu_tiny"] = [float(x) for x in mean[len(cpu) :]]
             profile["per_action"] = profile["cpu"][0]
-            profile["transfer_cpu"] = profile["cpu"][6]
+            profile["transfer_cpu"] = profile["cpu"][6]  # ExecutorCpu.threads, per message
     if rank == 0:
         q.put((out, profile))
     dist.destroy_process_group()
