@@ -9,8 +9,8 @@ import torch
 
 from megalite.core.parallel_state import ParallelState
 from megalite.data.gpt_dataset import document_attention_mask
-from megalite.models import attention as attention_module
 from megalite.models.gpt import GPTModel
+from megalite.models.plan_cache import PlanCache
 from tests.models.helpers import make_batch, make_config
 
 LAYERS = 3
@@ -82,9 +82,8 @@ def test_one_plan_per_distinct_mask_of_the_layers():
 
 @pytest.mark.parametrize("mask", sorted(MASKS))
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_shared_plans_give_the_per_layer_results(monkeypatch, family, mask):
+def test_shared_plans_give_the_per_layer_results(family, mask):
     """Logits' loss and every grad equal to a model whose layers build their own plans."""
-    from megalite.models import transformer
 
     def run(model):
         tokens, labels, _ = make_batch(model.config, batch=2)
@@ -94,21 +93,12 @@ def test_shared_plans_give_the_per_layer_results(monkeypatch, family, mask):
         return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
     shared_loss, shared_grads = run(_model(family, mask))
-
-    class OwnCaches(attention_module.PlanCache):  # a new cache per layer, not one per chunk
-        pass
-
-    built = []
-
-    def per_layer(*args, plan_cache=None, **kwargs):
-        layer = original(*args, plan_cache=OwnCaches(), **kwargs)
-        built.append(layer.self_attention.plan_cache)
-        return layer
-
-    original = transformer.TransformerLayer
-    monkeypatch.setattr(transformer, "TransformerLayer", per_layer)
-    own_loss, own_grads = run(_model(family, mask))
-    assert len({id(c) for c in built}) == LAYERS and all(c.built == 1 for c in built)
+    model = _model(family, mask)
+    own = [PlanCache() for _ in model.decoder.layers]  # a cache per layer, not one per chunk
+    for layer, cache in zip(model.decoder.layers, own):
+        layer.self_attention.plan_cache = cache
+    own_loss, own_grads = run(model)
+    assert all(c.built == 1 for c in own) and model.decoder.plan_cache.built == 0
     torch.testing.assert_close(own_loss, shared_loss, rtol=0, atol=0)
     for name, grad in shared_grads.items():
         torch.testing.assert_close(own_grads[name], grad, rtol=0, atol=0, msg=name)

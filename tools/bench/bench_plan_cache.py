@@ -25,25 +25,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from megalite.core.parallel_state import ParallelState  # noqa: E402
 from megalite.data.gpt_dataset import document_attention_mask  # noqa: E402
-from megalite.models import GPTConfig, transformer  # noqa: E402
+from megalite.models import GPTConfig  # noqa: E402
 from megalite.models.gpt import GPTModel  # noqa: E402
 from megalite.models.plan_cache import PlanCache  # noqa: E402
 
 
 def build(config: GPTConfig, device: torch.device, shared: bool) -> GPTModel:
-    """The model, its layers sharing one plan cache (``shared``) or each holding its own."""
-    original = transformer.TransformerLayer
-
-    def own_cache(*args, plan_cache=None, **kwargs):
-        return original(*args, plan_cache=PlanCache(), **kwargs)
-
+    """The model, its layers sharing the block's plan cache (``shared``) or each its own."""
     torch.manual_seed(config.seed)
+    model = GPTModel(config, ParallelState.single(device), device=device)
     if not shared:
-        transformer.TransformerLayer = own_cache
-    try:
-        return GPTModel(config, ParallelState.single(device), device=device)
-    finally:
-        transformer.TransformerLayer = original
+        for layer in model.decoder.layers:
+            layer.self_attention.plan_cache = PlanCache()
+    return model
 
 
 def documents(b: int, s: int, mean: int, seed: int) -> torch.Tensor:
@@ -52,13 +46,10 @@ def documents(b: int, s: int, mean: int, seed: int) -> torch.Tensor:
     return torch.cumsum((torch.rand(b, s, generator=g) < 1 / mean).long(), dim=1)
 
 
-def caches(model: GPTModel) -> set[int]:
-    return {id(layer.self_attention.plan_cache) for layer in model.decoder.layers}
-
-
-def built(model: GPTModel) -> int:
-    seen = {id(c): c for c in (la.self_attention.plan_cache for la in model.decoder.layers)}
-    return sum(c.built for c in seen.values())
+def caches(model: GPTModel) -> list[PlanCache]:
+    """The model's distinct plan caches."""
+    held = {id(c): c for c in (la.self_attention.plan_cache for la in model.decoder.layers)}
+    return list(held.values())
 
 
 def main() -> None:
@@ -112,13 +103,16 @@ def main() -> None:
 
     for model in models.values():  # warm-up: allocations, kernels, compilation
         step(model, 0)
-    before = {name: built(model) for name, model in models.items()}
+    before = {name: sum(c.built for c in caches(model)) for name, model in models.items()}
     times: dict[str, list[float]] = {name: [] for name in models}
     for i in range(args.steps):
         order = list(models) if i % 2 == 0 else list(models)[::-1]
         for name in order:
             times[name].append(step(models[name], i + 1))
-    per_step = {name: (built(m) - before[name]) / args.steps for name, m in models.items()}
+    per_step = {
+        name: (sum(c.built for c in caches(m)) - before[name]) / args.steps
+        for name, m in models.items()
+    }
     print(
         f"{args.device}: {args.layers} layers, h {args.hidden}, seq {args.seq}, batch "
         f"{args.batch}, window {args.window}, block {args.block}, documents of ~{args.doc_length} "
