@@ -18,10 +18,12 @@ spans (and the receive waits') is the executor's and the backend's.
 Communication: ``actions`` is this rank's ``actions.p2p_program``; each ``P2PBatch`` is posted as
 ONE batch (one ``batch_isend_irecv`` on nccl) of the ops ``actions.posting_plan`` lists, in that
 order (``p2p_program`` says why this is deadlock-free and FIFO-correct on nccl, which ignores
-tags). The plan is resolved once per program and communicator (``posting.plan_for``: each item's
-keys, peers and posting call; on gloo the group's own ``send`` / ``recv``), receive buffers come
-from the communicator's pool (``p2p.ReceiveBuffers``), and per action the hot path calls the
-item's handler: no key built, no string formatted, no context entered, no recorder called unless
+tags); where messages are matched by tag and posted op by op (gloo), each receive goes
+``posting.RECEIVE_LEAD`` batches earlier, so that it is there before its send. The plan is
+resolved once per program and communicator (``posting.plan_for``: each item's keys, peers and
+posting call; on gloo the group's own ``send`` / ``recv``), receive buffers come from the
+communicator's pool (``p2p.ReceiveBuffers``), and per action the hot path calls the item's
+handler: no key built, no string formatted, no context entered, no recorder called unless
 a timeline or the recorder is on. Sends are never waited for: once one is done (polled oldest
 first) the executor keeps only the sent output's autograd edge (``release_output``; the next
 stage has a copy); gloo reports a send done only once waited for (so on the CPU nothing is

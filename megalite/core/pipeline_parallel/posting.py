@@ -10,7 +10,9 @@ its tags, how it posts): the posting plan itself, the chunks each backward runs 
 each message's peer with the call that posts it. The schedules hand the executor the same program
 object every step (``forward_backward._programs`` is cached), so the plan is resolved at the first
 step and looked up by identity afterwards; per action the executor then builds no key and makes
-no lookup that this module could make once.
+no lookup that this module could make once. Where the communicator matches messages by tag and
+posts op by op, with receives waited for by their consumers (gloo), the plan also posts each
+receive ``RECEIVE_LEAD`` batches earlier than ``p2p_program`` does (``receives_ahead``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ from megalite.core.pipeline_parallel.timeline import span_label
 
 # what an item of ``Plan.items`` is: the index of the executor's handler for it
 F, BACKWARD, W, POST = 0, 1, 2, 3
+
+# how many batches ahead of ``p2p_program``'s place a tag-matched, op-by-op communicator posts a
+# receive (``receives_ahead``): on 2 CPU cores, 1 batch made the gloo steps 2-9% shorter than
+# none, 2 about 2% more on 1F1B and the same on the other schedules
+RECEIVE_LEAD = 2
 
 
 class Compute(NamedTuple):
@@ -90,7 +97,8 @@ class Plan:
     POST) the ``Post`` s of one batch with those of them a forward-only run posts. It depends only
     on the program, the layout, this rank and the communicator, so a run keeps it between steps.
     ``defers``: the program splits a backward (an I), so the chunks' linear layers need a
-    ``WeightGradStore``."""
+    ``WeightGradStore``. A tag-matched, op-by-op communicator with overlap gets its receives
+    ``RECEIVE_LEAD`` batches early (``receives_ahead``)."""
 
     def __init__(
         self,
@@ -121,6 +129,32 @@ class Plan:
                 ops.append(Post(op.send, op.kind, to, op.tag, message, out_key, call, group_rank))
             ops = tuple(ops)
             self.items.append((POST, ops, tuple(o for o in ops if o.kind == "F")))
+        if p2p.tagged and not p2p.batched and p2p.overlap:
+            self.items = receives_ahead(self.items)
+
+
+def receives_ahead(items: list[tuple], lead: int = RECEIVE_LEAD) -> list[tuple]:
+    """``items`` with each receive posted ``lead`` batches earlier than ``p2p_program`` put it
+    (in the rank's first batch at the earliest); a batch left empty is dropped. For a
+    communicator that matches messages by tag and posts op by op (gloo): no batch has to pair up
+    with a partner's and no order has to match, so an early receive cannot deadlock or take
+    another message's bytes. A receive posted before its sender's send lets the backend move the
+    bytes as the send is posted; posted late, it first has to tell the sender it is ready, and
+    the sender's side moves the bytes only once it gets a core back from the computing ranks
+    (milliseconds where the ranks share cores). Each batch of lead holds at most one more buffer
+    per kind of message."""
+    posts = [i for i, (code, _, _) in enumerate(items) if code == POST]
+    ops: dict[int, list[Post]] = {i: [op for op in items[i][1] if op.send] for i in posts}
+    for k, i in enumerate(posts):  # receives in their batch's order, batch by batch
+        ops[posts[max(0, k - lead)]].extend(op for op in items[i][1] if not op.send)
+    out = []
+    for i, (code, item, extra) in enumerate(items):
+        if code != POST:
+            out.append((code, item, extra))
+        elif ops[i]:
+            moved = tuple(ops[i])
+            out.append((POST, moved, tuple(op for op in moved if op.kind == "F")))
+    return out
 
 
 def plan_for(

@@ -88,8 +88,8 @@ def _communicator(ps, **kwargs) -> P2PCommunicator:
     )
 
 
-def _setup(schedule: str, v: int, ps):
-    layout = layout_of(schedule, P, v)
+def _setup(schedule: str, v: int, ps, pp: int = P):
+    layout = layout_of(schedule, pp, v)
     stages = _stages(layout.num_stages)
     mine = [stages[layout.stage(ps.pp_rank, c)] for c in range(v)]
     for c, st in enumerate(mine):
@@ -97,7 +97,7 @@ def _setup(schedule: str, v: int, ps):
     return layout, mine
 
 
-def _step(schedule, chunks, p2p, ps, xs):
+def _step(schedule, chunks, p2p, ps, xs, pp: int = P):
     for st in chunks:
         st.zero_grad(set_to_none=True)
     return forward_backward_pipelining(
@@ -108,7 +108,7 @@ def _step(schedule, chunks, p2p, ps, xs):
         num_microbatches=M,
         p2p=p2p,
         pp_rank=ps.pp_rank,
-        pp_size=P,
+        pp_size=pp,
     )
 
 
