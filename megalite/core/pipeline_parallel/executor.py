@@ -19,7 +19,7 @@ Communication: ``actions`` is this rank's ``actions.p2p_program``; each ``P2PBat
 ONE batch (one ``batch_isend_irecv`` on nccl) of the ops ``actions.posting_plan`` lists, in that
 order (``p2p_program`` says why this is deadlock-free and FIFO-correct on nccl, which ignores
 tags); where messages are matched by tag and posted op by op (gloo), each receive goes
-``posting.RECEIVE_LEAD`` batches earlier, so that it is there before its send. The plan is
+``P2PCommunicator.receive_lead`` batches earlier, so that it is there before its send. The plan is
 resolved once per program and communicator (``posting.plan_for``: each item's keys, peers and
 posting call; on gloo the group's own ``send`` / ``recv``), receive buffers come from the
 communicator's pool (``p2p.ReceiveBuffers``), and per action the hot path calls the item's

@@ -12,7 +12,7 @@ object every step (``forward_backward._programs`` is cached), so the plan is res
 step and looked up by identity afterwards; per action the executor then builds no key and makes
 no lookup that this module could make once. Where the communicator matches messages by tag and
 posts op by op, with receives waited for by their consumers (gloo), the plan also posts each
-receive ``RECEIVE_LEAD`` batches earlier than ``p2p_program`` does (``receives_ahead``).
+receive ``p2p.receive_lead`` batches earlier than ``p2p_program`` does (``receives_ahead``).
 """
 
 from __future__ import annotations
@@ -26,11 +26,6 @@ from megalite.core.pipeline_parallel.timeline import span_label
 
 # what an item of ``Plan.items`` is: the index of the executor's handler for it
 F, BACKWARD, W, POST = 0, 1, 2, 3
-
-# how many batches ahead of ``p2p_program``'s place a tag-matched, op-by-op communicator posts a
-# receive (``receives_ahead``): on 2 CPU cores, 1 batch made the gloo steps 2-9% shorter than
-# none, 2 about 2% more on 1F1B and the same on the other schedules
-RECEIVE_LEAD = 2
 
 
 class Compute(NamedTuple):
@@ -97,8 +92,7 @@ class Plan:
     POST) the ``Post`` s of one batch with those of them a forward-only run posts. It depends only
     on the program, the layout, this rank and the communicator, so a run keeps it between steps.
     ``defers``: the program splits a backward (an I), so the chunks' linear layers need a
-    ``WeightGradStore``. A tag-matched, op-by-op communicator with overlap gets its receives
-    ``RECEIVE_LEAD`` batches early (``receives_ahead``)."""
+    ``WeightGradStore``. Receives go ``p2p.receive_lead`` batches early (``receives_ahead``)."""
 
     def __init__(
         self,
@@ -129,11 +123,11 @@ class Plan:
                 ops.append(Post(op.send, op.kind, to, op.tag, message, out_key, call, group_rank))
             ops = tuple(ops)
             self.items.append((POST, ops, tuple(o for o in ops if o.kind == "F")))
-        if p2p.tagged and not p2p.batched and p2p.overlap:
-            self.items = receives_ahead(self.items)
+        if p2p.receive_lead:
+            self.items = receives_ahead(self.items, p2p.receive_lead)
 
 
-def receives_ahead(items: list[tuple], lead: int = RECEIVE_LEAD) -> list[tuple]:
+def receives_ahead(items: list[tuple], lead: int) -> list[tuple]:
     """``items`` with each receive posted ``lead`` batches earlier than ``p2p_program`` put it
     (in the rank's first batch at the earliest); a batch left empty is dropped. For a
     communicator that matches messages by tag and posts op by op (gloo): no batch has to pair up

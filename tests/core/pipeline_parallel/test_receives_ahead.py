@@ -5,10 +5,12 @@
   every compute action keeps its place, and nothing is lost or doubled; a receive stays ahead of
   the compute that consumes it.
 - The executor: on gloo's default communicator (tags, op by op, overlap) the resolved plan is the
-  moved one; without tags, without overlap or through ``batch_isend_irecv`` it is
-  ``posting_plan``'s own order (nccl's pairing of batches, and waits right after posting, need
-  it). With the receives ahead, GPipe and DualPipeV at PP 2 and 1F1B at PP 4 give the
-  single-process oracle's grads (1e-5) over two steps; the other schedules are checked so in
+  moved one (by ``RECEIVE_LEAD``, or the communicator's ``receive_lead``); without tags, without
+  overlap or through ``batch_isend_irecv`` it is ``posting_plan``'s own order (nccl's pairing of
+  batches, and waits right after posting, need it), and a lead asked of such a communicator is a
+  one-line ValueError.
+- With the receives ahead, GPipe and DualPipeV at PP 2 and 1F1B at PP 4 give the single-process
+  oracle's grads (1e-5) over two steps; the other schedules are checked so in
   ``test_executor_hot_path.py``.
 """
 
@@ -19,7 +21,8 @@ import torch
 
 from megalite.core.pipeline_parallel.actions import Action, p2p_program, posting_plan
 from megalite.core.pipeline_parallel.generators import SCHEDULES, generate, layout_of
-from megalite.core.pipeline_parallel.posting import POST, RECEIVE_LEAD, plan_for, receives_ahead
+from megalite.core.pipeline_parallel.p2p import RECEIVE_LEAD, P2PCommunicator
+from megalite.core.pipeline_parallel.posting import POST, plan_for, receives_ahead
 from tests.core.pipeline_parallel.test_executor_hot_path import (
     TOL,
     _communicator,
@@ -75,38 +78,66 @@ def test_each_receive_moves_lead_batches_earlier_and_nothing_else_moves(schedule
             assert recvs_after[op][0] == batches[max(0, k - lead)], (rank, op)
 
 
-def _plans_case(kwargs: dict) -> bool:
+def _messages(items: list[tuple]) -> list[list[tuple]]:
+    """Per batch, its messages (kind, micro-batch, receiving stage), sends and receives, in order
+    (a ``Post`` of the executor's plan names it ``message``, a ``PostedOp`` by its fields)."""
+    return [
+        [getattr(op, "message", None) or (op.kind, op.microbatch, op.stage) for op in item]
+        for code, item, _ in items
+        if code == POST
+    ]
+
+
+def _plans_case(kwargs: dict) -> tuple[int, bool, bool]:
+    """The communicator's lead; whether the executor's plan is ``posting_plan``'s batches with
+    each receive that many batches earlier; whether it is ``posting_plan``'s own order."""
     ps = mesh(1, 2)
     layout = layout_of("1f1b", 2)
     p2p = _communicator(ps, **kwargs)
-    program = tuple(
-        p2p_program(generate("1f1b", pp_size=2, num_microbatches=4), layout)[ps.pp_rank]
-    )
-    got = [
-        [op.message for op in item]
-        for code, item, _ in plan_for(program, layout, ps.pp_rank, p2p).items
-        if code == POST
-    ]
-    plain = [
-        [(op.kind, op.microbatch, op.stage) for op in item]
-        for item in posting_plan(program, layout, ps.pp_rank)
-        if not isinstance(item, Action)
-    ]
-    return got == plain
+    compute = generate("1f1b", pp_size=2, num_microbatches=4)
+    program = tuple(p2p_program(compute, layout)[ps.pp_rank])
+    got = _messages(plan_for(program, layout, ps.pp_rank, p2p).items)
+    plain = _items(posting_plan(program, layout, ps.pp_rank))
+    ahead = receives_ahead(plain, p2p.receive_lead) if p2p.receive_lead else plain
+    return p2p.receive_lead, got == _messages(ahead), got == _messages(plain)
 
 
 @pytest.mark.parametrize(
-    "kwargs, moved",
+    "kwargs, lead",
     [
-        ({}, True),
-        ({"tagged": False}, False),
-        ({"overlap": False}, False),
-        ({"batched": True}, False),
+        ({}, RECEIVE_LEAD),  # gloo's default: tags, op by op, consumers wait
+        ({"receive_lead": 1}, 1),
+        ({"receive_lead": 0}, 0),
+        ({"tagged": False}, 0),  # as nccl matches: p2p_program's pairing is needed
+        ({"overlap": False}, 0),  # a batch is waited for as posted
+        ({"batched": True}, 0),  # one batch_isend_irecv per batch
     ],
 )
-def test_the_executor_posts_receives_ahead_only_where_tags_match_them_op_by_op(kwargs, moved):
-    for rank, same in enumerate(run_distributed(_plans_case, 2, kwargs)):
-        assert same is (not moved), (rank, kwargs)
+def test_the_executor_posts_receives_ahead_only_where_tags_match_them_op_by_op(kwargs, lead):
+    for rank, (got_lead, as_ahead, as_plain) in enumerate(run_distributed(_plans_case, 2, kwargs)):
+        assert got_lead == lead and as_ahead, (rank, kwargs)
+        assert as_plain is (lead == 0), (rank, kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"receive_lead": 2, "tagged": False},
+        {"receive_lead": 1, "overlap": False},
+        {"receive_lead": -1},
+    ],
+)
+def test_a_lead_the_communicator_cannot_keep_is_refused_in_one_line(kwargs):
+    with pytest.raises(ValueError, match=r"^receive_lead=-?\d+: .*pass receive_lead=0 or None$"):
+        P2PCommunicator(
+            prev_rank=None,
+            next_rank=1,
+            tensor_shape=(3, 8),
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            group=None,
+            **kwargs,
+        )
 
 
 def _grads_case(schedule: str, v: int, pp: int) -> list:
