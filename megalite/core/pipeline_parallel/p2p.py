@@ -41,9 +41,10 @@ class StageShapeMismatch(RuntimeError):
 
 
 # how many batches ahead of ``p2p_program``'s place a tag-matched, op-by-op communicator posts a
-# receive by default (``posting.receives_ahead``; ``tools/bench/bench_receive_lead.py``): on 2 CPU
-# cores, 1 batch made the gloo steps 2-9% shorter than none, 2 about 2% more on 1F1B and the same
-# on the other schedules
+# receive by default (``posting.receives_ahead``). ``tools/bench/bench_receive_lead.py`` on 2 CPU
+# cores, medians of 3 runs per schedule: at PP 4 (ranks share the cores) lead 2 made the steps
+# 6-14% shorter than lead 0 and 2-8% shorter than lead 1; at PP 2 (a core per rank, so a late
+# receive's sender finds a free core) 0.91-1.02x lead 0
 RECEIVE_LEAD = 2
 
 # the counts telling whether anything but the pool holds a buffer (old torch lacks them: no reuse)
