@@ -6,11 +6,8 @@ run), and the simulator's prediction from costs profiled in the same run:
 
 - F / I / W of every global stage, every rank timing its chunks AT ONCE (``profile_chunks``: a
   rank's chunks in turn, each part's CPU time on the main thread: the caches and memory traffic
-  of the run, not the time a rank waits for a shared core), per schedule right before its timed
-  steps and again right after them, the mean of the two (this VM's speed drifts by 10-20% over
-  a run: costs taken at its start predicted the later steps that much off; the row prints
-  after / before) and, for comparison, each rank timing them alone in turn once at the start
-  (wall time; one profile per stage count: 4 and 8 stages at PP 4), the p2p
+  of the run, not the time a rank waits for a shared core; one profile per stage count: 4 and 8
+  stages at PP 4) and, for comparison, each rank timing them alone in turn (wall time), the p2p
   latency from a ping-pong, the executor's time per action (``executor_cpu_per_action``: the main
   thread's CPU time outside compute and receive waits in 1F1B steps, mean over ranks, and its parts:
   the backend's posting calls, the send waits, the timeline's bookkeeping, the executor's own; the
@@ -243,9 +240,6 @@ def _worker(rank, pp, m, steps, init_file, timeline_dir, q, quick=False):
         except Exception as e:  # noqa: BLE001 - reported: why torch's class cannot run here
             step, failed = None, f"{type(e).__name__}: {str(e).splitlines()[0][:150]}"
             dist.barrier()
-        # the stage costs right before and right after the steps: the machine's speed drifts
-        # over a run (a VM's more than a host's), so costs taken at its start can be 10-20% off
-        before = _profile_together(chunks, layout, rank, m, quick)
         ours, theirs = timed_pair(lambda a=args: _megalite(*a), step, steps, chunks)
         theirs = failed or theirs
         tl = Timeline()
@@ -253,20 +247,10 @@ def _worker(rank, pp, m, steps, init_file, timeline_dir, q, quick=False):
         base = time.perf_counter()
         _megalite(schedule, v, model, p2p, m, rank, pp, timeline=tl)
         end = time.perf_counter()
-        after = _profile_together(chunks, layout, rank, m, quick)
         spans = [[label, s - base, e - base] for label, s, e in tl.spans]
         gathered = [None] * pp
         dist.all_gather_object(gathered, (spans, end - base))
-        near = [tuple((a + b) / 2 for a, b in zip(x, y)) for x, y in zip(before, after)]
-        drift = sum(map(sum, after)) / sum(map(sum, before))
-        out[schedule] = (
-            ours,
-            theirs,
-            [g[0] for g in gathered],
-            [g[1] for g in gathered],
-            near,
-            drift,
-        )
+        out[schedule] = (ours, theirs, [g[0] for g in gathered], [g[1] for g in gathered])
         if schedule == "1f1b":  # the executor's CPU per action and its parts, mean over ranks
             repeats = 1 if quick else 3
             actions = with_p2p(generate(schedule, pp_size=pp, num_microbatches=m), layout)[rank]
@@ -313,32 +297,6 @@ def _p2p_kwargs(rank: int, pp: int) -> dict:
     )
 
 
-def _profile_together(chunks, layout, rank, m, quick=False) -> list[tuple[float, float, float]]:
-    """F / I / W of every global stage of ``layout``, every rank timing its ``chunks`` at once
-    (a rank's chunks in turn), on the main thread's CPU clock: each part under the caches and
-    memory traffic of the run (every rank busy, a rank's chunks alternating), without the time a
-    rank waits for a shared core. The prediction's stage costs, taken beside the steps they
-    predict."""
-    repeats = dict(repeats=2, warmup=1) if quick else {}
-    n = layout.num_stages
-    firsts = [layout.stage(rank, c) == 0 for c in range(len(chunks))]
-    lasts = [layout.stage(rank, c) == n - 1 for c in range(len(chunks))]
-    dist.barrier()
-    fiws = profile_chunks(
-        list(zip(chunks, firsts, lasts)),
-        _forward_step,
-        itertools.cycle(_pairs(m)),
-        input_shape=(MICRO_BATCH, HIDDEN),
-        num_microbatches=m,
-        clock=time.thread_time,
-        **repeats,
-    )
-    dist.barrier()
-    for chunk in chunks:
-        chunk.zero_grad(set_to_none=True)
-    return gather_stage_costs({layout.stage(rank, c): fiw for c, fiw in enumerate(fiws)})
-
-
 def _profile_all(pp, m, rank, quick=False) -> dict:
     """Stage costs (per stage count), p2p latency, effective cores: see the module docstring.
     Fresh chunks of the benchmark's shapes, profiled before any step is timed. ``quick``: fewer
@@ -346,7 +304,7 @@ def _profile_all(pp, m, rank, quick=False) -> dict:
     repeats = dict(repeats=2, warmup=1) if quick else {}
     xs, ys = _data(m)
     batches = list(zip(xs, ys))
-    stages, cases, all_chunks = {}, {}, {}
+    stages, together, cases, all_chunks = {}, {}, {}, {}
     for schedule, v in CASES:
         cases.setdefault(layout_of(schedule, pp, v).num_stages, (schedule, v))
     for n, (schedule, v) in cases.items():
@@ -373,6 +331,24 @@ def _profile_all(pp, m, rank, quick=False) -> dict:
                 )
         dist.barrier()
         stages[n] = gather_stage_costs(mine)
+        # the same, every rank at once and its chunks in turn, on the main thread's CPU clock:
+        # each part under the caches and memory traffic of the run (every rank busy, a rank's
+        # chunks alternating), without the time a rank waits for a shared core
+        chunks = all_chunks[schedule]
+        firsts = [layout.stage(rank, c) == 0 for c in range(len(chunks))]
+        lasts = [layout.stage(rank, c) == n - 1 for c in range(len(chunks))]
+        dist.barrier()
+        fiws = profile_chunks(
+            list(zip(chunks, firsts, lasts)),
+            _forward_step,
+            itertools.cycle(batches),
+            input_shape=(MICRO_BATCH, HIDDEN),
+            num_microbatches=m,
+            clock=time.thread_time,
+            **repeats,
+        )
+        dist.barrier()
+        together[n] = gather_stage_costs({layout.stage(rank, c): fiw for c, fiw in enumerate(fiws)})
     latency = p2p_latency((MICRO_BATCH, HIDDEN), list(range(pp)), repeats=3 if quick else 11)
     # the cores the ranks get when all compute at once: the same pass timed on each rank alone
     # (the others wait in a barrier), then repeated by every rank at once for the same wall-clock
@@ -425,6 +401,7 @@ def _profile_all(pp, m, rank, quick=False) -> dict:
         cores, oversubscribed = min(float(pp), float(rate)), 1.0
     return {
         "stages": stages,
+        "together": together,
         "latency": latency,
         "cores": cores,
         "measured_cores": float(rate),
@@ -526,9 +503,9 @@ def run_all(
     for schedule, v in CASES:
         layout = layout_of(schedule, pp, v)
         st = profile["stages"][layout.num_stages]
-        for into, stage_costs in ((sims, out[schedule][4]), (sims_alone, st)):
+        for into, stage_costs in ((sims, profile["together"]), (sims_alone, profile["stages"])):
             costs = Costs(
-                stages=stage_costs,
+                stages=stage_costs[layout.num_stages],
                 p2p=latency,
                 per_action=per_action,
                 transfer_cpu=profile["transfer_cpu"],
@@ -546,11 +523,10 @@ def run_all(
     print(
         f"  {'schedule':17s} {'megalite':>9s} {'vs 1F1B: measured':>18s} {'predicted':>9s} "
         f"{'1 core/rank':>11s}   predicted step (x measured); the same from costs profiled "
-        f"alone (x measured); compute in the run x profiled alone; the stage costs profiled "
-        f"after the steps x before; torch"
+        f"alone (x measured); compute in the run x profiled alone; torch"
     )
     for schedule, _v in CASES:
-        ours, theirs, gathered, _, _, drift = out[schedule]
+        ours, theirs, gathered, _ = out[schedule]
         sim = sims[schedule]
         torch_part = (
             f"torch {TORCH_CLASS[schedule]} {theirs * 1e3:7.1f} ms, ratio {ours / theirs:.3f}x"
@@ -565,7 +541,7 @@ def run_all(
             f"{sim.step_time / sims['1f1b'].step_time:9.3f} "
             f"{ideal[schedule].step_time / ideal['1f1b'].step_time:11.3f}   "
             f"{sim.step_time * 1e3:6.1f} ms ({sim.step_time / ours:.2f}x); "
-            f"{sims_alone[schedule].step_time / ours:.2f}x; {inflation:.2f}x; {drift:.2f}x; "
+            f"{sims_alone[schedule].step_time / ours:.2f}x; {inflation:.2f}x; "
             f"{torch_part}"
         )
         if timeline_dir:
