@@ -51,56 +51,18 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch.autograd import Variable
-from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from megalite.core.op_record import RECORDER
 from megalite.core.pipeline_parallel.actions import Action, P2PBatch, StageLayout
 from megalite.core.pipeline_parallel.data_iterators import per_chunk_iterators
-from megalite.core.pipeline_parallel.model_chunk import ModelChunk, check_model_chunks
+from megalite.core.pipeline_parallel.model_chunk import ModelChunk, check_model_chunks, no_sync
+from megalite.core.pipeline_parallel.outputs import release_output
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.core.pipeline_parallel.posting import Compute, Plan, Post, plan_for
 from megalite.core.pipeline_parallel.timeline import Timeline
 from megalite.core.tensor_parallel.layers import WeightGradStore, attach_weight_grad_store
 
 _WHAT = {"F": "send to the next stage", "B": "send back"}  # what a mis-shaped send was
-
-
-def release_output(
-    output: torch.Tensor | GradientEdge | None,
-) -> torch.Tensor | GradientEdge | None:
-    """After an activation is sent: what backward needs of it, without the tensor. The next stage
-    has a copy, and backward only needs the output's autograd edge (its ``grad_fn`` and output
-    index), so the tensor is dropped and its storage goes with the last reference -- one
-    ``[s, b, h]`` per in-flight micro-batch, as Megatron's swap of ``output.data`` saves. Unlike
-    that swap it stays right when the chunk's last op saved its own output for backward (a
-    ``tanh``, a ``sigmoid``), with or without saved-tensor hooks: the saved copy keeps the storage
-    alive instead of being replaced by an empty tensor. An output without an autograd node (no
-    grad needed) is kept as it is."""
-    if isinstance(output, torch.Tensor) and output.grad_fn is not None:
-        return get_gradient_edge(output)
-    return output
-
-
-def backward_freed_output(output: torch.Tensor | GradientEdge, grad: torch.Tensor) -> None:
-    """``output.backward(grad)`` for an output (or the ``GradientEdge`` ``release_output`` kept of
-    it); the engine itself only needs the node."""
-    Variable._execution_engine.run_backward(
-        tensors=(output,),
-        grad_tensors=(grad,),
-        keep_graph=False,
-        create_graph=False,
-        inputs=tuple(),
-        allow_unreachable=True,
-        accumulate_grad=True,
-    )
-
-
-def no_sync(model: Sequence[ModelChunk]) -> contextlib.ExitStack:
-    """Every chunk's ``no_sync()`` at once."""
-    stack = contextlib.ExitStack()
-    for chunk in model:
-        stack.enter_context(chunk.no_sync())
-    return stack
 
 
 class _Run:
@@ -323,7 +285,7 @@ class _Run:
             if self.grad_scale_func is not None:
                 output = self.grad_scale_func(output)
             output.backward()
-        else:  # ``backward_freed_output``, inlined: one call fewer per action
+        else:  # ``outputs.backward_freed_output``, inlined: one call fewer per action
             Variable._execution_engine.run_backward(
                 tensors=(output,),
                 grad_tensors=(grad,),

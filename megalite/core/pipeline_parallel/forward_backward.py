@@ -45,9 +45,9 @@ import torch
 
 from megalite.core.parallel_state import ParallelState
 from megalite.core.pipeline_parallel.actions import p2p_program
-from megalite.core.pipeline_parallel.executor import execute, no_sync
+from megalite.core.pipeline_parallel.executor import execute
 from megalite.core.pipeline_parallel.generators import SCHEDULES, generate, layout_of
-from megalite.core.pipeline_parallel.model_chunk import ModelChunk, check_model_chunks
+from megalite.core.pipeline_parallel.model_chunk import ModelChunk, check_model_chunks, no_sync
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.core.pipeline_parallel.timeline import Timeline
 

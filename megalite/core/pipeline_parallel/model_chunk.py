@@ -19,6 +19,7 @@ interleaved schedules, two in a V. The schedules take the list of them, chunk 0 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -56,3 +57,11 @@ def check_model_chunks(model: object) -> list[ModelChunk]:
     if indices != list(range(len(model))):
         raise ValueError(f"model chunks must come in index order 0, 1, ..., got indices {indices}")
     return list(model)
+
+
+def no_sync(model: Sequence[ModelChunk]) -> contextlib.ExitStack:
+    """Every chunk's ``no_sync()`` at once."""
+    stack = contextlib.ExitStack()
+    for chunk in model:
+        stack.enter_context(chunk.no_sync())
+    return stack

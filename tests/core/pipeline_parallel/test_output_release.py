@@ -23,10 +23,10 @@ import weakref
 import torch
 from torch import nn
 
-from megalite.core.pipeline_parallel.executor import backward_freed_output, release_output
 from megalite.core.pipeline_parallel.forward_backward import forward_backward_pipelining
 from megalite.core.pipeline_parallel.generators import layout_of
 from megalite.core.pipeline_parallel.model_chunk import ModelChunk
+from megalite.core.pipeline_parallel.outputs import backward_freed_output, release_output
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.core.tensor_parallel.layers import RowParallelLinear
 from tests.harness import run_distributed
