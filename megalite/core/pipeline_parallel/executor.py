@@ -50,13 +50,12 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
-from torch.autograd import Variable
 
 from megalite.core.op_record import RECORDER
 from megalite.core.pipeline_parallel.actions import Action, P2PBatch, StageLayout
 from megalite.core.pipeline_parallel.data_iterators import per_chunk_iterators
 from megalite.core.pipeline_parallel.model_chunk import ModelChunk, check_model_chunks, no_sync
-from megalite.core.pipeline_parallel.outputs import release_output
+from megalite.core.pipeline_parallel.outputs import release_output, run_freed_backward
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.core.pipeline_parallel.posting import Compute, Plan, Post, plan_for
 from megalite.core.pipeline_parallel.timeline import Timeline
@@ -285,16 +284,8 @@ class _Run:
             if self.grad_scale_func is not None:
                 output = self.grad_scale_func(output)
             output.backward()
-        else:  # ``outputs.backward_freed_output``, inlined: one call fewer per action
-            Variable._execution_engine.run_backward(
-                tensors=(output,),
-                grad_tensors=(grad,),
-                keep_graph=False,
-                create_graph=False,
-                inputs=tuple(),
-                allow_unreachable=True,
-                accumulate_grad=True,
-            )
+        else:
+            run_freed_backward(tensors=(output,), grad_tensors=(grad,))
         return None if x is None else x.grad
 
     def weight(self, c: Compute, synced: tuple[int, ...] = ()) -> None:

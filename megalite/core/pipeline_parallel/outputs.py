@@ -1,14 +1,16 @@
 """What backward keeps of an activation once it is sent: its autograd edge, not the tensor.
 
     kept = release_output(output)        # after the send: the edge (or the output, if it has none)
-    backward_freed_output(kept, grad)    # later: the backward from that edge
+    run_freed_backward(tensors=(kept,), grad_tensors=(grad,))   # later: the backward from it
 
 The executor (``executor.py``) releases each sent output this way once its send is done, so a
 stage holds one ``[s, b, h]`` fewer per in-flight micro-batch; its B runs the backward from the
-edge (inlined there, one call fewer per action).
+edge.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch.autograd import Variable
@@ -31,15 +33,15 @@ def release_output(
     return output
 
 
-def backward_freed_output(output: torch.Tensor | GradientEdge, grad: torch.Tensor) -> None:
-    """``output.backward(grad)`` for an output (or the ``GradientEdge`` ``release_output`` kept of
-    it); the engine itself only needs the node."""
-    Variable._execution_engine.run_backward(
-        tensors=(output,),
-        grad_tensors=(grad,),
-        keep_graph=False,
-        create_graph=False,
-        inputs=tuple(),
-        allow_unreachable=True,
-        accumulate_grad=True,
-    )
+# ``run_freed_backward(tensors=(output,), grad_tensors=(grad,))``: the backward of outputs (or of
+# the edges ``release_output`` kept of them) from their grads, the graph freed as it goes. The
+# engine needs only each output's node. A C callable, so the executor's every B pays no Python
+# frame for it.
+run_freed_backward = functools.partial(
+    Variable._execution_engine.run_backward,
+    keep_graph=False,
+    create_graph=False,
+    inputs=(),
+    allow_unreachable=True,
+    accumulate_grad=True,
+)

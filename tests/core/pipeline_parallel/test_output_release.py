@@ -26,7 +26,7 @@ from torch import nn
 from megalite.core.pipeline_parallel.forward_backward import forward_backward_pipelining
 from megalite.core.pipeline_parallel.generators import layout_of
 from megalite.core.pipeline_parallel.model_chunk import ModelChunk
-from megalite.core.pipeline_parallel.outputs import backward_freed_output, release_output
+from megalite.core.pipeline_parallel.outputs import release_output, run_freed_backward
 from megalite.core.pipeline_parallel.p2p import P2PCommunicator
 from megalite.core.tensor_parallel.layers import RowParallelLinear
 from tests.harness import run_distributed
@@ -76,7 +76,7 @@ def test_edge_backward_is_right_where_the_data_swap_is_not():
         else:
             out = release_output(y)
             del y
-        backward_freed_output(out, g)
+        run_freed_backward(tensors=(out,), grad_tensors=(g,))
         results[how] = torch.allclose(x.grad, want[0]) and torch.allclose(w.grad, want[1])
     assert results == {"swap": False, "edge": True}
 
@@ -89,7 +89,7 @@ def test_release_frees_a_residual_outputs_storage():
     edge = release_output(y)
     del y
     assert alive() is None, "the released output is still referenced"
-    backward_freed_output(edge, torch.ones(3, 8))
+    run_freed_backward(tensors=(edge,), grad_tensors=(torch.ones(3, 8),))
     assert x.grad is not None and lin.weight.grad is not None
     assert release_output(None) is None
     plain = torch.randn(2)  # no autograd node: kept as it is
